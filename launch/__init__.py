@@ -1,0 +1,1 @@
+"""Command-line entry points (Hydra apps run under torchrun or plain python)."""

@@ -1,0 +1,42 @@
+"""Train the GPT with one strategy: `python -m launch.train` or under torchrun.
+
+    python -m launch.train                                              # one process
+    torchrun --standalone --nproc-per-node 2 -m launch.train parallel=dp
+    torchrun --standalone --nproc-per-node 4 -m launch.train parallel=dp_naive parallel.microbatches=2
+
+A configuration error is reported in one line on stderr, before any process group exists, and the
+process exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from parallel.data import DataError
+from parallel.dims import LayoutError
+from parallel.distributed import LaunchEnv
+from parallel.plan import ConfigError, build_plan
+from parallel.train import train
+
+CONFIG_ERRORS = (ConfigError, LayoutError, DataError)
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    env = LaunchEnv.from_environ()
+    try:
+        plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
+        train(plan, OmegaConf.to_container(cfg, resolve=True), env)
+    except CONFIG_ERRORS as e:
+        # Every rank reaches the same verdict from the same config; one of them says it.
+        if env.rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

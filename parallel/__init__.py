@@ -1,0 +1,1 @@
+"""parallel-sandbox: hand-written data, tensor and pipeline parallelism for one small GPT."""

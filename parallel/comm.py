@@ -1,0 +1,264 @@
+"""The only place that calls torch.distributed collectives and point-to-point ops.
+
+Every call is recorded in a `CommLog` with:
+  op            all_reduce, all_gather, reduce_scatter, broadcast, send, recv, gather_object, ...
+  group         the name of the process group ("dp", "tp", "pp", "world")
+  tag           which part of the model or algorithm sent it ("grads/bucket3", "tooling/loss")
+  payload       bytes of the full (unsharded) tensor the collective is about
+  sent          bytes one rank sends under a bandwidth-optimal (ring) algorithm, NCCL's convention
+  seconds       optional host wall time the caller was blocked in the call (or in its wait)
+
+Bytes come from shapes and dtypes, so counting never synchronises a device. Traffic that the tools
+add themselves (gathering metrics, reducing the loss for the log) is tagged `tooling/...` and kept
+apart from the strategy's own figures.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+TOOLING_PREFIX = "tooling/"
+
+
+def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> Fraction:
+    """Bytes one rank sends for `op` on `payload_bytes` in a bandwidth-optimal algorithm.
+
+    REFERENCES.md (nccl-tests PERFORMANCE.md): all-reduce 2(N-1)/N S; reduce-scatter, all-gather
+    and all-to-all (N-1)/N S with S the full tensor; broadcast, reduce and p2p S. An exact
+    Fraction, so that sums over many calls equal the closed form to the byte.
+    """
+    n = group_size
+    if n == 1 and op not in ("send", "recv"):
+        return Fraction(0)
+    if op == "all_reduce":
+        return Fraction(2 * (n - 1), n) * payload_bytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_gather_object", "gather_object"):
+        return Fraction(n - 1, n) * payload_bytes
+    if op in ("broadcast", "reduce", "send", "broadcast_object"):
+        return Fraction(payload_bytes)
+    if op in ("recv", "barrier"):
+        return Fraction(0)  # a receive sends nothing; its bytes are counted at the sender
+    raise ValueError(f"no ring formula for op {op!r}")
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Totals:
+    calls: int = 0
+    payload_bytes: int = 0
+    sent_bytes: Fraction = field(default_factory=Fraction)
+    seconds: float = 0.0
+
+    def add(self, other: "Totals") -> None:
+        self.calls += other.calls
+        self.payload_bytes += other.payload_bytes
+        self.sent_bytes += other.sent_bytes
+        self.seconds += other.seconds
+
+    def as_dict(self) -> dict:
+        return {
+            "calls": self.calls,
+            "payload_bytes": self.payload_bytes,
+            "sent_bytes": float(self.sent_bytes),
+            "seconds": round(self.seconds, 6),
+        }
+
+
+# One step's traffic: (op, group, tag) -> Totals
+StepTraffic = dict
+
+
+class CommLog:
+    """Per-step record of every call, summed by (op, group, tag).
+
+    `enabled=False` turns recording off (the calls still happen), which is how the overhead of
+    the accounting itself is measured. `timed=False` skips the clock reads.
+    """
+
+    def __init__(self, enabled: bool = True, timed: bool = True):
+        self.enabled = enabled
+        self.timed = enabled and timed
+        self.steps: list[StepTraffic] = []
+        # Calls made outside any training step (setup, the final gathering of results).
+        self.outside: StepTraffic = defaultdict(Totals)
+        self._current: StepTraffic = self.outside
+
+    def begin_step(self) -> None:
+        self._current = defaultdict(Totals)
+
+    def end_step(self) -> StepTraffic:
+        traffic = dict(self._current)
+        self.steps.append(traffic)
+        self._current = self.outside
+        return traffic
+
+    def record(self, op: str, group: str, tag: str, payload_bytes: int, group_size: int, seconds: float = 0.0) -> Totals:
+        entry = Totals(1, payload_bytes, ring_bytes_sent(op, payload_bytes, group_size), seconds)
+        if self.enabled:
+            self._current[(op, group, tag)].add(entry)
+        return entry
+
+    def add_seconds(self, op: str, group: str, tag: str, seconds: float) -> None:
+        """Time spent waiting on an async call, charged to the call once it is known."""
+        if self.enabled:
+            self._current[(op, group, tag)].seconds += seconds
+
+
+def is_tooling(tag: str) -> bool:
+    return tag.startswith(TOOLING_PREFIX)
+
+
+def summarize_traffic(traffic: StepTraffic, include_tooling: bool = False) -> dict:
+    """Sum a step's (op, group, tag) records by op, by group and by tag."""
+    by = {"by_op": defaultdict(Totals), "by_group": defaultdict(Totals), "by_tag": defaultdict(Totals)}
+    total = Totals()
+    for (op, group, tag), t in traffic.items():
+        if is_tooling(tag) != include_tooling:
+            continue
+        by["by_op"][op].add(t)
+        by["by_group"][group].add(t)
+        by["by_tag"][tag].add(t)
+        total.add(t)
+    return {"total": total, **{k: dict(v) for k, v in by.items()}}
+
+
+class Handle:
+    """An async call's work object; `wait()` charges the time blocked to the call's record."""
+
+    def __init__(self, work, comm: "Communicator", op: str, tag: str):
+        self._work = work
+        self._comm = comm
+        self._op = op
+        self._tag = tag
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        start = time.perf_counter() if self._comm.log.timed else 0.0
+        self._work.wait()
+        if self._comm.log.timed:
+            self._comm.log.add_seconds(self._op, self._comm.name, self._tag, time.perf_counter() - start)
+        # Drop the work object at once: gloo work objects that outlive the process group keep
+        # tensors alive into interpreter shutdown (see parallel/distributed.py).
+        self._work = None
+        self._comm._pending.discard(self)
+
+
+class Communicator:
+    """One process group under a stable name, with every call recorded.
+
+    Strategies receive the communicators they use; nothing here is global.
+    """
+
+    def __init__(self, name: str, group, log: CommLog):
+        self.name = name
+        self.group = group
+        self.log = log
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._pending: set[Handle] = set()
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool):
+        timed = self.log.timed and not async_op
+        start = time.perf_counter() if timed else 0.0
+        work = fn()
+        seconds = time.perf_counter() - start if timed else 0.0
+        self.log.record(op, self.name, tag, payload_bytes, self.size, seconds)
+        if async_op:
+            handle = Handle(work, self, op, tag)
+            self._pending.add(handle)
+            return handle
+        return None
+
+    def wait_all(self) -> None:
+        for handle in list(self._pending):
+            handle.wait()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # -- collectives --------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, tag: str, async_op: bool = False):
+        """Sum `tensor` in place over the group (gloo has no AVG: callers pre-scale)."""
+        return self._run(
+            "all_reduce", tag, tensor_bytes(tensor),
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            async_op,
+        )
+
+    def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
+        """An async sum whose result is a Future of the tensor (what DDP communication hooks return)."""
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, tag: str, async_op: bool = False):
+        """Concatenate every rank's `shard` along dim 0 into `output` (payload: the full output)."""
+        return self._run(
+            "all_gather", tag, tensor_bytes(output),
+            lambda: dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op),
+            async_op,
+        )
+
+    def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, tag: str, async_op: bool = False):
+        """Sum `full_in` over the group and keep this rank's dim-0 slice (payload: the full input)."""
+        return self._run(
+            "reduce_scatter", tag, tensor_bytes(full_in),
+            lambda: dist.reduce_scatter_tensor(shard_out, full_in, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            async_op,
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src_group_rank: int, tag: str, async_op: bool = False):
+        return self._run(
+            "broadcast", tag, tensor_bytes(tensor),
+            lambda: dist.broadcast(tensor, group_src=src_group_rank, group=self.group, async_op=async_op),
+            async_op,
+        )
+
+    # -- point to point -----------------------------------------------------------------------
+    def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str, async_op: bool = False):
+        fn = dist.isend if async_op else dist.send
+        return self._run("send", tag, tensor_bytes(tensor), lambda: fn(tensor, group_dst=dst_group_rank, group=self.group), async_op)
+
+    def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: str, async_op: bool = False):
+        fn = dist.irecv if async_op else dist.recv
+        return self._run("recv", tag, tensor_bytes(tensor), lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op)
+
+    # -- python objects (tooling: run metadata, metrics) ----------------------------------------
+    def broadcast_object(self, obj, src_group_rank: int, tag: str):
+        box = [obj]
+        payload = len(pickle.dumps(obj)) if self.rank == src_group_rank else 0
+        self._run(
+            "broadcast_object", tag, payload,
+            lambda: dist.broadcast_object_list(box, group_src=src_group_rank, group=self.group),
+            False,
+        )
+        return box[0]
+
+    def gather_object(self, obj, dst_group_rank: int, tag: str):
+        """Every rank's `obj` in a list on `dst_group_rank`, None elsewhere."""
+        out = [None] * self.size if self.rank == dst_group_rank else None
+        # Payload as NCCL counts a gather: all ranks' contributions; here approximated by this
+        # rank's pickled size times the group size (tooling traffic, reported apart).
+        payload = len(pickle.dumps(obj)) * self.size
+        self._run(
+            "gather_object", tag, payload,
+            lambda: dist.gather_object(obj, out, group_dst=dst_group_rank, group=self.group),
+            False,
+        )
+        return out
+
+    def barrier(self, tag: str) -> None:
+        self._run("barrier", tag, 0, lambda: dist.barrier(group=self.group), False)

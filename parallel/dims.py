@@ -1,0 +1,95 @@
+"""The parallel layout: how many ranks along each dimension, validated before any process group.
+
+Rank order puts tp innermost, then dp, then pp outermost (Megatron's order), so that the ranks of
+one tensor-parallel group are neighbours and stay inside one node:
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+
+which is exactly the row-major order of a device mesh of shape (pp, dp, tp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+MESH_DIM_NAMES = ("pp", "dp", "tp")
+
+
+class LayoutError(ValueError):
+    """A layout that cannot run; the message names the value, the rule and a fix."""
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LayoutError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    world_size: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> "ParallelDims":
+        """Fill in dp from what the world leaves after tp and pp, then check the product."""
+        world_size = _positive_int("world size", world_size)
+        tp = _positive_int("parallel.tp", tp)
+        pp = _positive_int("parallel.pp", pp)
+        if dp is None:
+            if world_size % (tp * pp):
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp}: "
+                    f"launch a multiple of {tp * pp} processes or change tp/pp"
+                )
+            dp = world_size // (tp * pp)
+        dp = _positive_int("parallel.dp", dp)
+        if dp * tp * pp != world_size:
+            raise LayoutError(
+                f"world size {world_size} != parallel.dp x parallel.tp x parallel.pp = {dp} x {tp} x {pp} = {dp * tp * pp}: "
+                f"launch {dp * tp * pp} processes (torchrun --nproc-per-node {dp * tp * pp}) or leave parallel.dp unset to derive it"
+            )
+        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp)
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int]:
+        return (self.pp, self.dp, self.tp)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """(pp, dp, tp) position of a global rank."""
+        return {
+            "pp": rank // (self.dp * self.tp),
+            "dp": (rank // self.tp) % self.dp,
+            "tp": rank % self.tp,
+        }
+
+    def rank_of(self, pp: int, dp: int, tp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def check_batch(self, global_batch: int, microbatches: int) -> None:
+        """The global batch must split evenly into dp slices and then microbatches."""
+        global_batch = _positive_int("train.global_batch", global_batch)
+        microbatches = _positive_int("parallel.microbatches", microbatches)
+        if global_batch % (self.dp * microbatches):
+            need = self.dp * microbatches
+            raise LayoutError(
+                f"train.global_batch={global_batch} is not divisible by parallel.dp x parallel.microbatches = "
+                f"{self.dp} x {microbatches} = {need}: use a global batch that is a multiple of {need} "
+                f"(e.g. train.global_batch={max(need, global_batch // need * need)})"
+            )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str):
+    """A (pp, dp, tp) DeviceMesh with named dims; each sub-group is reachable as mesh["dp"] etc.
+
+    Sharing one named mesh lets PyTorch's own DDP, FSDP2 and DTensor baselines run on exactly
+    the groups the hand-written strategies use.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)

@@ -1,0 +1,132 @@
+"""Process groups in, process groups out.
+
+`init_distributed` turns the torchrun environment and a validated layout into a `DistContext`: the
+device, the backend, the device mesh and one named `Communicator` per mesh dimension (plus
+"world"). Nothing is stored globally; the context is passed to whatever needs a group.
+
+`shutdown` tears it down in an order that exits cleanly (see its docstring).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommLog, Communicator
+from .dims import LayoutError, ParallelDims, build_device_mesh
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun tells each process (defaults: one plain `python` process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @classmethod
+    def from_environ(cls) -> "LaunchEnv":
+        env = os.environ
+        return cls(
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+        )
+
+
+def choose_backend(requested: str, cuda_available: bool) -> str:
+    """auto: NCCL where CUDA is, gloo elsewhere. NCCL without a GPU is refused, not left to hang."""
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise LayoutError("parallel.backend=nccl needs CUDA GPUs and none is visible: use parallel.backend=gloo (or auto)")
+    if requested not in ("gloo", "nccl"):
+        raise LayoutError(f"parallel.backend={requested!r} is not one of auto, gloo, nccl")
+    return requested
+
+
+def threads_per_rank(local_world_size: int, requested: int | None = None) -> int:
+    """Share the cores among the ranks of this machine, so 4 ranks on 2 cores do not fight."""
+    if requested:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local_world_size)
+
+
+@dataclass
+class DistContext:
+    env: LaunchEnv
+    dims: ParallelDims
+    backend: str | None  # None: a single process, no process group
+    device: torch.device
+    log: CommLog
+    comms: dict[str, Communicator] = field(default_factory=dict)
+    mesh: object = None
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.dims.coordinates(self.env.rank)
+
+    def comm(self, name: str) -> Communicator | None:
+        return self.comms.get(name)
+
+
+def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s: float, log: CommLog) -> DistContext:
+    """Create the process groups for `dims` (already validated) and name them."""
+    device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    ctx = DistContext(env=env, dims=dims, backend=None, device=device, log=log)
+    if env.world_size == 1:
+        return ctx
+    if env.local_world_size == env.world_size:
+        # One machine: talk over loopback. Hosts whose hostname resolves to an unreachable
+        # address otherwise fail gloo's "connectFullMesh" (REFERENCES.md).
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    ctx.backend = backend
+    ctx.mesh = build_device_mesh(dims, device.type)
+    ctx.comms["world"] = Communicator("world", dist.group.WORLD, log)
+    for name in ("pp", "dp", "tp"):
+        ctx.comms[name] = Communicator(name, ctx.mesh[name].get_group(), log)
+    return ctx
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Wait for every async call, drop the groups, then destroy the default group.
+
+    gloo's worker threads can still hold finished work objects whose tensors reference Python
+    objects; if they survive into interpreter finalisation the process may abort after all its
+    work is done ("terminate called without an active exception"). So: every handle is waited
+    and released, a barrier makes sure no peer is still sending, and only then are the groups
+    destroyed.
+    """
+    if ctx.backend is None:
+        return
+    for comm in ctx.comms.values():
+        comm.wait_all()
+    ctx.comms["world"].barrier(tag="tooling/shutdown")
+    ctx.comms.clear()
+    ctx.mesh = None
+    gc.collect()
+    dist.destroy_process_group()
+    ctx.backend = None

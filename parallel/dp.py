@@ -1,0 +1,169 @@
+"""Data parallelism, written by hand on the communication log.
+
+Every rank holds the whole model and runs its own slice of the global batch; before the
+optimizer, gradients are summed over the data-parallel group so every rank takes the same step.
+
+Two ways to do the sum:
+
+* `NaiveGradSync` waits until backward is over, then all-reduces each gradient in turn. Simple,
+  and nothing overlaps: the whole all-reduce time is added to the step.
+* `BucketedGradSync` does what PyTorch DDP does. Gradients live in a few flat buffers (buckets),
+  filled in the order backward produces them (roughly the reverse of the forward order). A
+  post-accumulate-grad hook on every parameter counts down its bucket; when a bucket is complete
+  its all-reduce starts asynchronously while backward carries on with earlier layers. Buckets are
+  launched strictly in index order so every rank issues the same collectives in the same order.
+
+With gradient accumulation only the last microbatch's backward triggers communication: the
+gradients of earlier microbatches accumulate locally, and the sum is synced once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.nn as nn
+
+from .comm import Communicator, Handle
+from .strategy import Strategy
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# PyTorch DDP makes its first bucket small (1 MiB) so the first all-reduce starts early in
+# backward; we do the same so the two are compared like for like.
+FIRST_BUCKET_BYTES = 1 * MiB
+
+
+def _part_of(param_name: str) -> str:
+    """`blocks.3.attn.q.weight` -> `blocks.3`; `embed.tok.weight` -> `embed`: the tag of a gradient."""
+    parts = param_name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
+class NaiveGradSync:
+    def __init__(self, model: nn.Module, comm: Communicator):
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.comm = comm
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
+    def arm(self, last_microbatch: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        for name, p in self.named_params:
+            self.comm.all_reduce(p.grad, tag=f"grads/{_part_of(name)}")
+
+
+class Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter], device: torch.device, dtype: torch.dtype):
+        self.index = index
+        self.params = params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
+        self.waiting = len(params)
+        self.handle: Handle | None = None
+        # Gradients as views into the bucket (DDP's gradient_as_bucket_view): autograd
+        # accumulates straight into the buffer, so no copy in or out is needed.
+        offset = 0
+        for p in params:
+            p.grad = self.buffer[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class BucketedGradSync:
+    def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int):
+        self.comm = comm
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(list(reversed(params)), bucket_bytes)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._armed = False
+        self._next_to_launch = 0
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        log.info("dp buckets (bytes): %s", [b.nbytes for b in self.buckets])
+
+    @staticmethod
+    def _make_buckets(params_in_backward_order: list[nn.Parameter], bucket_bytes: int) -> list[Bucket]:
+        groups, current, size = [], [], 0
+        cap = min(FIRST_BUCKET_BYTES, bucket_bytes)
+        for p in params_in_backward_order:
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                groups.append(current)
+                current, size, cap = [], 0, bucket_bytes
+        if current:
+            groups.append(current)
+        p0 = params_in_backward_order[0]
+        return [Bucket(i, g, p0.device, p0.dtype) for i, g in enumerate(groups)]
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        # Zero in place: the gradients are views into the buckets and must stay so.
+        for b in self.buckets:
+            b.buffer.zero_()
+
+    def arm(self, last_microbatch: bool) -> None:
+        """Only the last microbatch's backward communicates; earlier ones just accumulate."""
+        self._armed = last_microbatch
+        if last_microbatch:
+            self._next_to_launch = 0
+            for b in self.buckets:
+                b.waiting = len(b.params)
+                b.handle = None
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            return
+        self._bucket_of[param].waiting -= 1
+        # Launch every complete bucket in index order, never out of order, so that all ranks
+        # post the same sequence of collectives.
+        while self._next_to_launch < len(self.buckets) and self.buckets[self._next_to_launch].waiting == 0:
+            b = self.buckets[self._next_to_launch]
+            b.handle = self.comm.all_reduce(b.buffer, tag=f"grads/bucket{b.index}", async_op=True)
+            self._next_to_launch += 1
+
+    def finish(self) -> None:
+        if self._next_to_launch != len(self.buckets):
+            stuck = [b.index for b in self.buckets if b.handle is None]
+            raise RuntimeError(
+                f"buckets {stuck} never became ready: some parameters got no gradient in backward "
+                "(every parameter must take part in the loss for bucketed data parallelism)"
+            )
+        for b in self.buckets:
+            b.handle.wait()
+            b.handle = None
+        self._armed = False
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(self, model, optimizer, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
+        super().__init__(model, optimizer, loss_comm=dp_comm)
+        if grad_sync == "naive":
+            self.sync = NaiveGradSync(model, dp_comm)
+        elif grad_sync == "bucketed":
+            self.sync = BucketedGradSync(model, dp_comm, int(bucket_mb * MiB))
+        else:
+            raise ValueError(f"parallel.grad_sync={grad_sync!r}: use 'bucketed' or 'naive'")
+        self.grad_sync = grad_sync
+
+    def zero_grad(self) -> None:
+        self.sync.zero_grad(self.optimizer)
+
+    def backward_context(self, last_microbatch: bool):
+        self.sync.arm(last_microbatch)
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        self.sync.finish()
+
+    def close(self) -> None:
+        self.loss_comm.wait_all()

@@ -1,0 +1,183 @@
+"""Run directory, per-rank logs, and the `summary.json` every strategy and every tool shares.
+
+summary.json (written by global rank 0):
+  config              the resolved Hydra config
+  strategy            the strategy that ran ("single", "dp", "torch_ddp", ...)
+  world_size          number of processes
+  parallel            the layout (dp, tp, pp, microbatches, ...) and strategy options
+  losses              per step: mean loss over every token of the global batch
+  step_time_s         median over the timed steps (warm-up excluded) of the slowest rank's time
+  tokens_per_s        global tokens per step / step_time_s
+  peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
+  comm                measured strategy traffic per optimizer step, summed over ranks:
+                      sent_bytes_per_step, by_op / by_group / by_tag (calls, payload_bytes,
+                      sent_bytes, seconds), by_rank, and `tooling` (traffic the tools add, excluded)
+  expected_comm       parallel/theory.py's closed form in the same fields
+  comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import statistics
+import sys
+import time
+from collections import defaultdict
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from .comm import StepTraffic, Totals, summarize_traffic
+
+SCHEMA_VERSION = 1
+
+
+def default_run_dir(strategy: str, world_size: int) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{stamp}-{strategy}-w{world_size}-{os.getpid() % 0x10000:04x}")
+
+
+def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
+    """Each rank logs to its own file; only rank 0 also talks to the console."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(logging.INFO)
+    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log", mode="w")
+    file_handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(name)s: %(message)s"))
+    root.addHandler(file_handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(console)
+    return logging.getLogger("parallel")
+
+
+def close_logging() -> None:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        handler.flush()
+        handler.close()
+        root.removeHandler(handler)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # ru_maxrss is in KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class MetricsWriter:
+    """metrics.jsonl: one line per step, written by rank 0 as the run goes."""
+
+    def __init__(self, path: Path):
+        self._file = open(path, "w")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _totals_dict(groups: dict[str, Totals]) -> dict:
+    return {k: v.as_dict() for k, v in sorted(groups.items())}
+
+
+def _sum_over_ranks(traffics: list[StepTraffic]) -> StepTraffic:
+    merged: StepTraffic = defaultdict(Totals)
+    for traffic in traffics:
+        for key, t in traffic.items():
+            merged[key].add(t)
+    return dict(merged)
+
+
+def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict:
+    """Per-step traffic of every rank -> the summary's `comm` block.
+
+    Per-step figures are taken from the last step (the steady state) and summed over ranks;
+    `steady` says whether every step moved exactly the same bytes.
+    """
+    n_steps = len(rank_steps[0])
+    per_step = [_sum_over_ranks([steps[i] for steps in rank_steps]) for i in range(n_steps)]
+    strategy = [summarize_traffic(s) for s in per_step]
+    sent_by_step = [s["total"].sent_bytes for s in strategy]
+    last = strategy[-1]
+    tooling = summarize_traffic(per_step[-1], include_tooling=True)
+    by_rank = [float(summarize_traffic(steps[-1])["total"].sent_bytes) for steps in rank_steps]
+    timed = strategy[timed_from:] or strategy
+    seconds_per_rank = [
+        statistics.median(summarize_traffic(steps[i])["total"].seconds for i in range(timed_from, n_steps))
+        if n_steps > timed_from else 0.0
+        for steps in rank_steps
+    ]
+    return {
+        "sent_bytes_per_step": float(sent_by_step[-1]),
+        "sent_bytes_per_step_exact": str(sent_by_step[-1]),
+        "payload_bytes_per_step": last["total"].payload_bytes,
+        "calls_per_step": last["total"].calls,
+        "steady": all(s == sent_by_step[-1] for s in sent_by_step),
+        "sent_bytes_by_step": [float(s) for s in sent_by_step],
+        "by_op": _totals_dict(last["by_op"]),
+        "by_group": _totals_dict(last["by_group"]),
+        "by_tag": _totals_dict(last["by_tag"]),
+        "by_rank": by_rank,
+        # Host time each rank was blocked in communication per step (median over timed steps,
+        # mean over ranks): the communication that was *not* hidden behind computation.
+        "exposed_seconds_per_step": statistics.fmean(seconds_per_rank),
+        "timed_steps": len(timed),
+        "tooling": {
+            "sent_bytes_per_step": float(tooling["total"].sent_bytes),
+            "by_tag": _totals_dict(tooling["by_tag"]),
+        },
+    }
+
+
+def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], expected: dict) -> dict:
+    timed_from = plan.warmup_steps
+    # A step lasts as long as its slowest rank.
+    step_times = [max(r["step_times"][i] for r in rank_reports) for i in range(len(losses))]
+    step_time = statistics.median(step_times[timed_from:])
+    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
+    memory = [r["peak_memory_bytes"] for r in rank_reports]
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "config": config,
+        "strategy": plan.strategy,
+        "world_size": plan.dims.world_size,
+        "parallel": {
+            **plan.dims.as_dict(),
+            "microbatches": plan.microbatches,
+            "microbatch_size": plan.microbatch_size,
+            "grad_sync": plan.grad_sync if plan.strategy == "dp" else None,
+            "bucket_mb": plan.bucket_mb if plan.strategy in ("dp", "torch_ddp") else None,
+            "backend": plan.backend,
+        },
+        "model": {"parameters": rank_reports[0]["parameters"], "params_formula": expected.get("parameters")},
+        "steps": len(losses),
+        "warmup_steps": plan.warmup_steps,
+        "tokens_per_step": plan.tokens_per_step,
+        "losses": losses,
+        "step_times_s": step_times,
+        "step_time_s": step_time,
+        "tokens_per_s": plan.tokens_per_step / step_time,
+        "peak_memory_bytes": max(memory),
+        "memory_by_rank": memory,
+        "comm": comm,
+        "expected_comm": expected["comm"],
+        "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["comm"]["sent_bytes_per_step_exact"]),
+    }
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Write through a temporary file and rename, so a reader never sees half a summary."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)

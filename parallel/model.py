@@ -1,0 +1,187 @@
+"""The one GPT every strategy trains.
+
+A decoder-only transformer in the GPT-2 shape: learned token and position embeddings,
+pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP, a final LayerNorm and an
+untied LM head. There is no distributed code here: the parallel strategies take this model,
+built identically on every rank from one seed, and transform it (shard, split, wrap).
+
+The model is split into three parts so that a pipeline can cut it later without rewriting it:
+`embed` (tokens -> hidden), `blocks` (hidden -> hidden) and `head` (hidden -> logits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256  # byte-level text
+    seq_len: int = 32
+    n_layers: int = 4
+    d_model: int = 64
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    # Megatron pads the vocabulary so that the embedding and head split evenly across TP ranks
+    # and the matmuls get friendly shapes; 256 bytes are already a multiple of 64.
+    vocab_pad_multiple: int = 64
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio", "vocab_pad_multiple"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{name}={value!r} must be a positive integer")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
+                f"pick a head count that divides the width (e.g. model.n_heads={_largest_divisor_at_most(self.d_model, self.n_heads)})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_pad_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def d_ff(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _largest_divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, k + 1) if n % d == 0)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        # Separate Q, K and V projections (not one fused qkv matrix) so that tensor parallelism can
+        # cut each along its heads without reshuffling a fused weight.
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.k = nn.Linear(cfg.d_model, cfg.d_model)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Heads are read off the projection's own output width, so a shard that holds only some
+        # heads (tensor parallelism) runs this same code.
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(positions))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the untied LM head (no bias, as in GPT-2)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln_f(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.head = Head(cfg)
+        self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """GPT-2 initialization from a private generator.
+
+        A private generator (not the global RNG) makes the weights a function of the seed alone,
+        identical on every rank whatever else has drawn random numbers before.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        # Residual projections are scaled down by sqrt(2 * layers) so the residual stream's
+        # variance does not grow with depth (GPT-2 paper, section 2.3).
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.fill_(1.0)
+                module.bias.zero_()
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith(".proj") else 0.02
+                # Draw on the CPU and copy, so a model built on a GPU gets the same numbers.
+                module.weight.copy_(torch.empty(module.weight.shape).normal_(0.0, std, generator=gen))
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, seq) -> logits (batch, seq, padded vocab)."""
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) cross-entropy over every token.
+
+    Strategies divide by the number of tokens in the *global* batch themselves, so that the loss
+    and its gradient mean the same thing whatever the split into ranks and microbatches.
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

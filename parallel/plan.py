@@ -1,0 +1,149 @@
+"""From the Hydra config to a validated run plan, before any process group exists.
+
+Everything that can be wrong with a configuration is caught here, on every rank, from the config
+and the torchrun environment alone. A wrong value ends in one sentence that names it, the rule it
+breaks and a fix, and a non-zero exit: never a hang inside a collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dims import LayoutError, ParallelDims
+from .distributed import LaunchEnv, choose_backend
+from .model import GPTConfig
+
+# Strategy name -> what it needs of the layout. Later strategies add themselves here.
+STRATEGIES = ("single", "dp", "torch_ddp")
+GRAD_SYNCS = ("bucketed", "naive")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot run."""
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    strategy: str
+    model: GPTConfig
+    dims: ParallelDims
+    microbatches: int
+    grad_sync: str
+    bucket_mb: float
+    backend: str | None
+    timeout_s: float
+    steps: int
+    warmup_steps: int
+    global_batch: int
+    lr: float
+    weight_decay: float
+    seed: int
+    threads: int | None
+    data_path: str | None
+    data_max_bytes: int
+    run_dir: str | None
+    comm_log: bool
+    comm_time: bool
+    save_final: bool
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dims.dp
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.local_batch // self.microbatches
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.model.seq_len
+
+
+def model_config(cfg) -> GPTConfig:
+    try:
+        return GPTConfig(
+            vocab_size=cfg.vocab_size,
+            seq_len=cfg.seq_len,
+            n_layers=cfg.n_layers,
+            d_model=cfg.d_model,
+            n_heads=cfg.n_heads,
+            mlp_ratio=cfg.mlp_ratio,
+            dropout=cfg.dropout,
+            vocab_pad_multiple=cfg.vocab_pad_multiple,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_strategy(strategy: str, dims: ParallelDims) -> None:
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"parallel.name={strategy!r} is not a strategy: choose one of {', '.join(STRATEGIES)}")
+    if strategy == "single" and dims.world_size != 1:
+        raise LayoutError(
+            f"parallel=single runs one process but the world size is {dims.world_size}: "
+            f"run `python -m launch.train parallel=single`, or use parallel=dp under torchrun"
+        )
+    if strategy == "torch_ddp" and dims.world_size < 2:
+        raise LayoutError(
+            "parallel=torch_ddp needs at least 2 processes, got world size 1: "
+            "launch it with torchrun --nproc-per-node 2 (or more)"
+        )
+    if dims.tp != 1 or dims.pp != 1:
+        raise LayoutError(
+            f"parallel={strategy} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
+            "set parallel.tp=1 parallel.pp=1"
+        )
+
+
+def _check_steps(steps: int, warmup_steps: int) -> None:
+    if not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"train.steps={steps!r} must be a positive integer")
+    if not isinstance(warmup_steps, int) or not 0 <= warmup_steps < steps:
+        raise ConfigError(
+            f"train.warmup_steps={warmup_steps!r} must be at least 0 and below train.steps={steps}, "
+            "so that some steps are timed: lower it or raise train.steps"
+        )
+
+
+def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
+    """Validate the whole configuration against the launch environment."""
+    p, t = cfg.parallel, cfg.train
+    model = model_config(cfg.model)
+    dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
+    strategy = p.name
+    # `parallel=dp` in one plain process is the single-process run: nothing to synchronise.
+    if strategy == "dp" and env.world_size == 1:
+        strategy = "single"
+    _check_strategy(strategy, dims)
+    dims.check_batch(t.global_batch, p.microbatches)
+    _check_steps(t.steps, t.warmup_steps)
+    if p.grad_sync not in GRAD_SYNCS:
+        raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
+    if not p.bucket_mb > 0:
+        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb!r} must be a positive number of MiB (PyTorch DDP uses 25)")
+    if not p.timeout_s > 0:
+        raise ConfigError(f"parallel.timeout_s={p.timeout_s!r} must be a positive number of seconds")
+    backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
+    return RunPlan(
+        strategy=strategy,
+        model=model,
+        dims=dims,
+        microbatches=p.microbatches,
+        grad_sync=p.grad_sync,
+        bucket_mb=float(p.bucket_mb),
+        backend=backend,
+        timeout_s=float(p.timeout_s),
+        steps=t.steps,
+        warmup_steps=t.warmup_steps,
+        global_batch=t.global_batch,
+        lr=float(t.lr),
+        weight_decay=float(t.weight_decay),
+        seed=int(t.seed),
+        threads=t.threads,
+        data_path=cfg.data.path,
+        data_max_bytes=int(cfg.data.max_bytes),
+        run_dir=cfg.run.dir,
+        comm_log=bool(cfg.comm.log),
+        comm_time=bool(cfg.comm.time),
+        save_final=bool(t.save_final),
+    )

@@ -1,0 +1,173 @@
+"""The one training loop, for every strategy.
+
+    plan (validated)  ->  corpus  ->  process groups  ->  model from the seed  ->  strategy
+    for each step: global batch -> this rank's microbatches -> strategy.train_step -> loss on rank 0
+    at the end: every rank's timings, traffic and memory gathered to rank 0 -> summary.json
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from . import theory
+from .comm import CommLog, summarize_traffic
+from .data import GlobalBatches, load_corpus, local_microbatches
+from .distributed import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
+from .metrics import (
+    MetricsWriter,
+    build_summary,
+    close_logging,
+    default_run_dir,
+    peak_memory_bytes,
+    setup_logging,
+    write_json,
+)
+from .model import GPT, count_parameters
+from .native import TorchDDP
+from .plan import RunPlan
+from .strategy import SingleProcess, Strategy, make_optimizer
+from .dp import DataParallel
+
+log = logging.getLogger("parallel")
+
+
+def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
+    """The one model, built from the seed on every rank, then wrapped by the strategy."""
+    model = GPT(plan.model, seed=plan.seed).to(ctx.device)
+
+    def optimizer_for(m):
+        return make_optimizer(m, plan.lr, plan.weight_decay)
+
+    if plan.strategy == "single":
+        return SingleProcess(model, optimizer_for(model))
+    if plan.strategy == "dp":
+        return DataParallel(model, optimizer_for(model), ctx.comm("dp"), plan.grad_sync, plan.bucket_mb)
+    if plan.strategy == "torch_ddp":
+        return TorchDDP(model, optimizer_for, ctx.comm("dp"), plan.bucket_mb)
+    raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
+
+
+def _sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
+    """Rank 0 names the run directory and tells the others, so all ranks write to one place."""
+    run_dir = plan.run_dir or default_run_dir(plan.strategy, plan.dims.world_size)
+    world = ctx.comm("world")
+    if world is not None:
+        run_dir = world.broadcast_object(run_dir, 0, tag="tooling/run_dir")
+    path = Path(run_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _console_line(step: int, plan: RunPlan, loss: float, seconds: float, sent_bytes: float) -> str:
+    timing = "warm-up" if step < plan.warmup_steps else f"{plan.tokens_per_step / seconds:9.0f} tok/s"
+    return (
+        f"step {step:4d} | loss {loss:.4f} | {seconds * 1e3:8.1f} ms | {timing} | "
+        f"{sent_bytes / 1e6:8.3f} MB sent by rank 0"
+    )
+
+
+def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
+    """Run the plan; returns the run directory (summary.json is in it on rank 0)."""
+    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
+    comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
+    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log)
+    try:
+        return _train(plan, resolved_config, ctx, corpus)
+    finally:
+        shutdown(ctx)
+        close_logging()
+
+
+def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch.Tensor) -> Path:
+    run_dir = _resolve_run_dir(plan, ctx)
+    setup_logging(run_dir, ctx.rank)
+    log.info(
+        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s",
+        run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.tp, plan.dims.pp,
+        plan.backend or "none", ctx.device,
+    )
+    strategy = build_strategy(plan, ctx)
+    n_params = count_parameters(strategy.model)
+    log.info("model: %d parameters | %d tokens per step | %d microbatch(es) of %d sequences per rank",
+             n_params, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
+
+    batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
+    dp_rank = ctx.coords["dp"]
+    metrics = MetricsWriter(run_dir / "metrics.jsonl") if ctx.is_rank0 else None
+    losses, step_times = [], []
+    for step in range(plan.steps):
+        global_batch = batches(step)
+        microbatches = [mb.to(ctx.device) for mb in local_microbatches(global_batch, dp_rank, plan.dims.dp, plan.microbatches)]
+        _sync_device(ctx.device)
+        ctx.log.begin_step()
+        start = time.perf_counter()
+        local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
+        _sync_device(ctx.device)
+        seconds = time.perf_counter() - start
+        loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
+        traffic = ctx.log.end_step()
+        losses.append(loss)
+        step_times.append(seconds)
+        if metrics is not None:
+            sent = float(summarize_traffic(traffic)["total"].sent_bytes)
+            metrics.write({
+                "step": step, "loss": loss, "step_time_s": seconds, "warmup": step < plan.warmup_steps,
+                "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
+                "data_checksum": global_batch.checksum(),
+            })
+            log.info(_console_line(step, plan, loss, seconds, sent))
+    strategy.close()
+    if metrics is not None:
+        metrics.close()
+
+    report = {
+        "rank": ctx.rank,
+        "parameters": n_params,
+        "step_times": step_times,
+        "traffic": ctx.log.steps,
+        "peak_memory_bytes": peak_memory_bytes(ctx.device),
+    }
+    world = ctx.comm("world")
+    reports = world.gather_object(report, 0, tag="tooling/summary") if world is not None else [report]
+    if plan.save_final:
+        state = strategy.full_state_dict()
+        if ctx.is_rank0:
+            torch.save(state, run_dir / "final_model.pt")
+    if ctx.is_rank0:
+        expected = {
+            "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims),
+            "parameters": theory.parameter_count(plan.model),
+        }
+        summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
+        write_json(run_dir / "summary.json", summary)
+        _log_summary(summary)
+        log.info("wrote %s", run_dir / "summary.json")
+    return run_dir
+
+
+def _log_summary(summary: dict) -> None:
+    comm, expected = summary["comm"], summary["expected_comm"]
+    log.info(
+        "done: %d steps | final loss %.4f | median step %.1f ms | %.0f tokens/s | peak memory %.1f MB",
+        summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
+        summary["peak_memory_bytes"] / 1e6,
+    )
+    log.info(
+        "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
+        comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,
+        "exact match" if summary["comm_matches_theory"] else "MISMATCH", comm["exposed_seconds_per_step"] * 1e3,
+    )
+    for op, t in comm["by_op"].items():
+        log.info("  %-16s %4d calls  %10.3f MB payload  %10.3f MB sent", op, t["calls"], t["payload_bytes"] / 1e6, t["sent_bytes"] / 1e6)
+    for group, t in comm["by_group"].items():
+        log.info("  group %-10s %4d calls  %10.3f MB sent", group, t["calls"], t["sent_bytes"] / 1e6)
