@@ -1,0 +1,84 @@
+"""ParallelDims and the run plan: every bad layout is refused before any process group."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from launcher import PROJECT_ROOT
+from parallel.dims import LayoutError, ParallelDims
+from parallel.distributed import LaunchEnv, choose_backend, threads_per_rank
+from parallel.plan import ConfigError, build_plan
+
+
+def plan_for(world: int, *overrides: str):
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return build_plan(cfg, LaunchEnv(rank=0, world_size=world, local_world_size=world), cuda_available=False)
+
+
+def test_dp_defaults_to_what_the_world_leaves():
+    assert ParallelDims.resolve(8, tp=2, pp=2).dp == 2
+    assert ParallelDims.resolve(4).dp == 4
+
+
+@pytest.mark.parametrize("dp,tp,pp", [(2, 2, 2), (1, 2, 2), (4, 1, 2), (2, 4, 1)])
+def test_rank_order_is_tp_innermost_then_dp_then_pp(dp, tp, pp):
+    dims = ParallelDims.resolve(dp * tp * pp, dp=dp, tp=tp, pp=pp)
+    seen = set()
+    for rank in range(dims.world_size):
+        c = dims.coordinates(rank)
+        assert rank == (c["pp"] * dp + c["dp"]) * tp + c["tp"] == dims.rank_of(**c)
+        seen.add((c["pp"], c["dp"], c["tp"]))
+    assert len(seen) == dims.world_size
+
+
+def test_world_size_must_equal_the_product():
+    with pytest.raises(LayoutError, match=r"world size 4 != parallel.dp x parallel.tp x parallel.pp = 3 x 1 x 1 = 3"):
+        ParallelDims.resolve(4, dp=3)
+    with pytest.raises(LayoutError, match=r"world size 6 is not divisible by parallel.tp x parallel.pp = 4 x 1 = 4"):
+        ParallelDims.resolve(6, tp=4)
+
+
+def test_batch_must_divide_into_dp_and_microbatches():
+    with pytest.raises(LayoutError, match=r"train.global_batch=10 is not divisible by parallel.dp x parallel.microbatches = 2 x 4 = 8"):
+        ParallelDims.resolve(2).check_batch(10, 4)
+
+
+def test_plan_defaults_single_process_dp_is_single():
+    plan = plan_for(1)
+    assert plan.strategy == "single" and plan.backend is None and plan.dims.dp == 1
+
+
+def test_plan_dp_under_torchrun():
+    plan = plan_for(4, "parallel=dp_naive", "parallel.microbatches=2")
+    assert (plan.strategy, plan.grad_sync, plan.dims.dp, plan.backend) == ("dp", "naive", 4, "gloo")
+    assert plan.local_batch == 4 and plan.microbatch_size == 2
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (2, ["parallel=single"], r"parallel=single runs one process but the world size is 2"),
+    (1, ["parallel=torch_ddp"], r"parallel=torch_ddp needs at least 2 processes"),
+    (2, ["parallel.tp=2"], r"parallel=dp is data parallel only, but parallel.tp=2"),
+    (2, ["train.global_batch=7"], r"train.global_batch=7 is not divisible by parallel.dp x parallel.microbatches = 2 x 1 = 2"),
+    (2, ["parallel.grad_sync=ring"], r"parallel.grad_sync='ring'"),
+    (2, ["parallel.backend=nccl"], r"parallel.backend=nccl needs CUDA GPUs and none is visible"),
+    (2, ["parallel.backend=mpi"], r"parallel.backend='mpi' is not one of auto, gloo, nccl"),
+    (2, ["parallel.name=zero9"], r"parallel.name='zero9' is not a strategy"),
+    (1, ["train.warmup_steps=20"], r"train.warmup_steps=20 must be at least 0 and below train.steps=20"),
+    (1, ["model.n_heads=3"], r"model.d_model=256 is not divisible by model.n_heads=3"),
+    (2, ["parallel.timeout_s=0"], r"parallel.timeout_s=0 must be a positive number"),
+    (3, ["parallel.dp=2"], r"world size 3 != parallel.dp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),
+])
+def test_plan_refuses_bad_config(world, overrides, message):
+    with pytest.raises((LayoutError, ConfigError), match=message):
+        plan_for(world, *overrides)
+
+
+def test_backend_choice():
+    assert choose_backend("auto", cuda_available=False) == "gloo"
+    assert choose_backend("auto", cuda_available=True) == "nccl"
+    assert choose_backend("gloo", cuda_available=True) == "gloo"
+
+
+def test_threads_share_the_cores():
+    assert threads_per_rank(local_world_size=10_000) == 1
+    assert threads_per_rank(local_world_size=1, requested=3) == 3
