@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel.data import DataError
 from parallel.dims import LayoutError
-from parallel.distributed import LaunchEnv
+from parallel.distributed import LaunchEnv, exit_process
 from parallel.plan import ConfigError, build_plan
 from parallel.train import train
 
@@ -36,6 +36,10 @@ def main(cfg: DictConfig) -> None:
         if env.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    if env.world_size > 1:
+        # The run is complete and flushed: leave without interpreter finalisation, which can
+        # abort a gloo process after its work is done (see parallel/distributed.py).
+        exit_process(0)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -112,13 +114,11 @@ def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s
 
 
 def shutdown(ctx: DistContext) -> None:
-    """Wait for every async call, drop the groups, then destroy the default group.
+    """Wait for every async call, barrier, then destroy the process groups.
 
-    gloo's worker threads can still hold finished work objects whose tensors reference Python
-    objects; if they survive into interpreter finalisation the process may abort after all its
-    work is done ("terminate called without an active exception"). So: every handle is waited
-    and released, a barrier makes sure no peer is still sending, and only then are the groups
-    destroyed.
+    Every handle is waited and released and a barrier makes sure no peer is still sending, so no
+    collective is in flight when the groups go away (a gloo group's destructor joins its worker
+    threads, which would otherwise wait out the collective's timeout).
     """
     if ctx.backend is None:
         return
@@ -130,3 +130,23 @@ def shutdown(ctx: DistContext) -> None:
     gc.collect()
     dist.destroy_process_group()
     ctx.backend = None
+
+
+def exit_process(code: int) -> None:
+    """End a worker once its output is flushed, without interpreter finalisation.
+
+    torch 2.13 + gloo: `destroy_process_group()` does not stop gloo's worker threads
+    (pt_gloo_runloop, gloo_tcp_loop); they are joined only when the interpreter finalises and
+    the last ProcessGroupGloo is collected, and a worker that frees a Python-owned tensor then can
+    abort the process ("terminate called without an active exception", exit -6) after all its work
+    is done (REFERENCES.md; traced with gdb: Py_FinalizeEx -> ~ProcessGroupGloo -> thread join).
+    Skipping finalisation removes that window. Everything this project writes is flushed and
+    closed before this is called; `os._exit` skips atexit handlers and buffered I/O, so flush first.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from .comm import Communicator, Handle
+from .optim import AdamW
 from .strategy import Strategy
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ class NaiveGradSync:
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.comm = comm
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: AdamW) -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def arm(self, last_microbatch: bool) -> None:
@@ -104,7 +105,7 @@ class BucketedGradSync:
         p0 = params_in_backward_order[0]
         return [Bucket(i, g, p0.device, p0.dtype) for i, g in enumerate(groups)]
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: AdamW) -> None:
         # Zero in place: the gradients are views into the buckets and must stay so.
         for b in self.buckets:
             b.buffer.zero_()

@@ -17,16 +17,15 @@ import torch.nn as nn
 from .comm import Communicator
 from .data import Batch
 from .model import token_loss_sum
+from .optim import AdamW
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> AdamW:
     """AdamW; no weight decay on biases and LayerNorm weights (the nanoGPT/GPT-2 convention)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: the same per-parameter arithmetic on every rank and every layout, so that
-    # fp32 runs agree to rounding whatever the parameter grouping.
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 class Strategy:
@@ -34,7 +33,7 @@ class Strategy:
 
     name = "single"
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_comm: Communicator | None = None):
+    def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None):
         self.model = model
         self.optimizer = optimizer
         # The group over which the per-rank loss shares add up to the global loss (None: one rank).

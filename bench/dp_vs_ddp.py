@@ -1,0 +1,123 @@
+"""Bucketed `dp` against PyTorch DDP, and the cost of the communication log, in one run.
+
+    torchrun --standalone --nproc-per-node 2 bench/dp_vs_ddp.py                 # small model
+    torchrun --standalone --nproc-per-node 2 bench/dp_vs_ddp.py model=tiny rounds=3
+
+All variants live in the same processes and take turns (round-robin, `steps` steps each per
+round), so machine noise and drift fall on all of them alike. Each variant's step time is the
+median over its timed steps of the slowest rank; the printed ratios compare medians measured in
+this one run. Variants:
+
+    dp           hand-written bucketed data parallel, communication log on (the default)
+    dp_log_off   the same with the log's recording switched off: the log's own overhead
+    torch_ddp    torch.nn.parallel.DistributedDataParallel, same buckets, same model and data
+
+Options are Hydra-style key=value overrides of the training config (model=..., train.global_batch=...,
+parallel.bucket_mb=...), plus rounds=N and steps=N for the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from parallel.comm import CommLog, Communicator
+from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown, threads_per_rank
+from parallel.dp import DataParallel
+from parallel.model import GPT
+from parallel.native import TorchDDP
+from parallel.plan import build_plan
+from parallel.strategy import make_optimizer
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], int, int]:
+    rounds, steps, overrides = 5, 4, []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "rounds":
+            rounds = int(value)
+        elif key == "steps":
+            steps = int(value)
+        else:
+            overrides.append(arg)
+    return overrides, rounds, steps
+
+
+def main() -> None:
+    overrides, rounds, steps = parse_args(sys.argv[1:])
+    env = LaunchEnv.from_environ()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=small", "parallel=dp", *overrides])
+    plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
+    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
+    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
+    try:
+        run(plan, ctx, corpus, rounds, steps)
+    finally:
+        shutdown(ctx)
+    exit_process(0)
+
+
+def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
+    dp_comm = ctx.comm("dp")
+    silent = Communicator("dp", dp_comm.group, CommLog(enabled=False))
+
+    def fresh_model():
+        return GPT(plan.model, seed=plan.seed).to(ctx.device)
+
+    def optimizer_for(m):
+        return make_optimizer(m, plan.lr, plan.weight_decay)
+
+    m1, m2, m3 = fresh_model(), fresh_model(), fresh_model()
+    variants = {
+        "dp": DataParallel(m1, optimizer_for(m1), dp_comm, "bucketed", plan.bucket_mb),
+        "dp_log_off": DataParallel(m2, optimizer_for(m2), silent, "bucketed", plan.bucket_mb),
+        "torch_ddp": TorchDDP(m3, optimizer_for, dp_comm, plan.bucket_mb),
+    }
+    batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    world = ctx.comm("world")
+    step = 0
+    for r in range(rounds + 1):  # round 0 warms every variant up and is not counted
+        for name, strategy in variants.items():
+            for _ in range(steps):
+                glob = batches(step)
+                mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+                start = time.perf_counter()
+                strategy.train_step(mbs, glob.n_tokens)
+                elapsed = time.perf_counter() - start
+                per_rank = world.gather_object(elapsed, 0, tag="tooling/bench")  # a step lasts as long as its slowest rank
+                if r > 0 and ctx.is_rank0:
+                    times[name].append(max(per_rank))
+                step += 1
+    for strategy in variants.values():
+        strategy.close()
+    if ctx.is_rank0:
+        report(plan, times, rounds, steps)
+
+
+def report(plan, times: dict[str, list[float]], rounds: int, steps: int) -> None:
+    med = {name: statistics.median(t) for name, t in times.items()}
+    tokens = plan.tokens_per_step
+    print(f"\nmodel d_model={plan.model.d_model} layers={plan.model.n_layers} seq={plan.model.seq_len} | "
+          f"world {plan.dims.world_size} | global batch {plan.global_batch} | bucket {plan.bucket_mb} MiB | "
+          f"{rounds} rounds x {steps} steps per variant (medians of the slowest rank)")
+    print(f"{'variant':<12} {'step ms':>9} {'tokens/s':>10}")
+    for name, seconds in med.items():
+        print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f}")
+    print(f"\ndp / torch_ddp tokens/s ratio: {med['torch_ddp'] / med['dp']:.3f}  (>1: hand-written dp is faster)")
+    print(f"communication log overhead: {100 * (med['dp'] / med['dp_log_off'] - 1):+.1f}% step time (log on vs off)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Bad input under torchrun: a clear one-line message and a non-zero exit within seconds, never a hang."""
+
+import time
+
+import pytest
+
+from launcher import TINY, run_train
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (2, ["parallel.dp=3"], "error: world size 2 != parallel.dp x parallel.tp x parallel.pp = 3 x 1 x 1 = 3"),
+    (2, ["parallel=single"], "error: parallel=single runs one process but the world size is 2"),
+    (2, ["train.global_batch=15"], "error: train.global_batch=15 is not divisible by parallel.dp x parallel.microbatches"),
+    (2, ["data.path=/no/such/corpus"], "error: data.path='/no/such/corpus' does not exist"),
+])
+def test_bad_layout_exits_nonzero_with_its_message(world, overrides, message, tmp_path):
+    start = time.monotonic()
+    run = run_train(world, [*TINY, *overrides], tmp_path / "run", timeout=90)
+    elapsed = time.monotonic() - start
+    assert run.returncode != 0
+    assert message in run.stderr, run.stderr[-2000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s to fail"
+    # Refused before training: no process group, no summary.
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_unknown_preset_is_refused_by_name(tmp_path):
+    run = run_train(1, ["parallel=zero9"], tmp_path / "run", timeout=90)
+    assert run.returncode != 0
+    assert "Could not find 'parallel/zero9'" in run.stderr
+    assert "Available options in 'parallel'" in run.stderr
