@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 2 bench/dp_vs_ddp.py                 # small model
     torchrun --standalone --nproc-per-node 2 bench/dp_vs_ddp.py model=tiny rounds=3
 
-All variants live in the same processes and take turns (round-robin, `steps` steps each per
-round), so machine noise and drift fall on all of them alike. Each variant's step time is the
+All variants live in the same processes and take turns (round-robin with a rotating start,
+`steps` steps each per round), so machine noise and drift fall on all of them alike. Each variant's step time is the
 median over its timed steps of the slowest rank; the printed ratios compare medians measured in
 this one run. Variants:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from parallel.comm import CommLog, Communicator
+from parallel.comm import CommLog, Communicator, summarize_traffic
 from parallel.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown, threads_per_rank
 from parallel.dp import DataParallel
@@ -88,25 +88,42 @@ def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
     times: dict[str, list[float]] = {name: [] for name in variants}
     world = ctx.comm("world")
     step = 0
+    last_traffic = {}
+    names = list(variants)
     for r in range(rounds + 1):  # round 0 warms every variant up and is not counted
-        for name, strategy in variants.items():
+        # Rotate who goes first, so no variant always runs right after the same other one.
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            strategy = variants[name]
             for _ in range(steps):
                 glob = batches(step)
                 mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+                ctx.log.begin_step()
                 start = time.perf_counter()
                 strategy.train_step(mbs, glob.n_tokens)
                 elapsed = time.perf_counter() - start
+                last_traffic[name] = ctx.log.end_step()
                 per_rank = world.gather_object(elapsed, 0, tag="tooling/bench")  # a step lasts as long as its slowest rank
                 if r > 0 and ctx.is_rank0:
                     times[name].append(max(per_rank))
                 step += 1
     for strategy in variants.values():
         strategy.close()
+    calls_per_step = summarize_traffic(last_traffic["dp"])["total"].calls
     if ctx.is_rank0:
-        report(plan, times, rounds, steps)
+        report(plan, times, rounds, steps, calls_per_step)
 
 
-def report(plan, times: dict[str, list[float]], rounds: int, steps: int) -> None:
+def seconds_per_record(n: int = 20_000) -> float:
+    """The log's own cost per call: what `Communicator` adds to each collective (no I/O, no sync)."""
+    log = CommLog()
+    log.begin_step()
+    start = time.perf_counter()
+    for i in range(n):
+        log.record("all_reduce", "dp", f"grads/bucket{i % 4}", 1 << 20, 4, time.perf_counter() - start)
+    return (time.perf_counter() - start) / n
+
+
+def report(plan, times: dict[str, list[float]], rounds: int, steps: int, calls_per_step: int) -> None:
     med = {name: statistics.median(t) for name, t in times.items()}
     tokens = plan.tokens_per_step
     print(f"\nmodel d_model={plan.model.d_model} layers={plan.model.n_layers} seq={plan.model.seq_len} | "
@@ -116,7 +133,11 @@ def report(plan, times: dict[str, list[float]], rounds: int, steps: int) -> None
     for name, seconds in med.items():
         print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f}")
     print(f"\ndp / torch_ddp tokens/s ratio: {med['torch_ddp'] / med['dp']:.3f}  (>1: hand-written dp is faster)")
-    print(f"communication log overhead: {100 * (med['dp'] / med['dp_log_off'] - 1):+.1f}% step time (log on vs off)")
+    print(f"communication log, on vs off: {100 * (med['dp'] / med['dp_log_off'] - 1):+.1f}% step time "
+          "(an A/B of medians: within the noise of this machine)")
+    per_call = seconds_per_record()
+    print(f"communication log, direct cost: {per_call * 1e6:.2f} us per call x {calls_per_step} calls per step "
+          f"= {100 * per_call * calls_per_step / med['dp']:.4f}% of dp's step")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,8 @@ class TorchDDP(Strategy):
             bucket_cap_mb=bucket_mb,
             # The model is built identically from one seed on every rank; skipping DDP's
             # initial parameter broadcast keeps all traffic inside the communication log.
+            # (The GPT has no buffers, so DDP has none to broadcast in forward either.)
             init_sync=False,
-            broadcast_buffers=False,
         )
         ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
         super().__init__(ddp, optimizer_factory(ddp.module), loss_comm=dp_comm)
