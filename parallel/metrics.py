@@ -108,6 +108,7 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
     n_steps = len(rank_steps[0])
     per_step = [_sum_over_ranks([steps[i] for steps in rank_steps]) for i in range(n_steps)]
     strategy = [summarize_traffic(s) for s in per_step]
+    whole_run = summarize_traffic(_sum_over_ranks(per_step))
     sent_by_step = [s["total"].sent_bytes for s in strategy]
     last = strategy[-1]
     tooling = summarize_traffic(per_step[-1], include_tooling=True)
@@ -136,6 +137,14 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
         "tooling": {
             "sent_bytes_per_step": float(tooling["total"].sent_bytes),
             "by_tag": _totals_dict(tooling["by_tag"]),
+        },
+        # The same sums over every step of the run (warm-up included), all ranks.
+        "run": {
+            "steps": n_steps,
+            "sent_bytes": float(whole_run["total"].sent_bytes),
+            "by_op": _totals_dict(whole_run["by_op"]),
+            "by_group": _totals_dict(whole_run["by_group"]),
+            "by_tag": _totals_dict(whole_run["by_tag"]),
         },
     }
 

@@ -50,6 +50,12 @@ def check_dp_traffic(s, world):
     assert list(comm["by_op"]) == ["all_reduce"] and list(comm["by_group"]) == ["dp"]
     assert comm["payload_bytes_per_step"] == psi * 4 * world
     assert comm["by_rank"] == [float(per_rank)] * world
+    # Whole-run sums: every step moved the same bytes.
+    assert comm["run"]["steps"] == 6 and comm["run"]["sent_bytes"] == float(per_rank * world * 6)
+    if s["strategy"] == "dp":
+        # (Not for torch_ddp: DDP rebuilds its buckets after the first iteration, in the order
+        # gradients actually arrived, so its first step sends the same bytes in other calls.)
+        assert comm["run"]["by_group"]["dp"]["calls"] == comm["calls_per_step"] * 6
     # The loss reduction for the log is the tools' traffic, counted apart.
     assert "tooling/loss" in comm["tooling"]["by_tag"]
     assert not any(tag.startswith("tooling/") for tag in comm["by_tag"])
