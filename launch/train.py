@@ -11,6 +11,7 @@ process exits with status 2.
 from __future__ import annotations
 
 import sys
+import traceback
 
 import hydra
 import torch
@@ -36,6 +37,14 @@ def main(cfg: DictConfig) -> None:
         if env.rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except Exception:
+        if env.world_size == 1:
+            raise
+        # Leave at once: a normal interpreter exit would join gloo's threads, which wait out a
+        # pending collective's timeout. torchrun sees the failure and stops the other ranks.
+        traceback.print_exc()
+        print(f"error: rank {env.rank} failed (traceback above)", file=sys.stderr)
+        exit_process(1)
     if env.world_size > 1:
         # The run is complete and flushed: leave without interpreter finalisation, which can
         # abort a gloo process after its work is done (see parallel/distributed.py).

@@ -82,10 +82,13 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log)
     try:
-        return _train(plan, resolved_config, ctx, corpus)
+        run_dir = _train(plan, resolved_config, ctx, corpus)
     finally:
-        shutdown(ctx)
         close_logging()
+    # Only after success: a rank that failed must not wait in a barrier for peers that may be
+    # stuck in a collective waiting for it; it exits and torchrun stops the others.
+    shutdown(ctx)
+    return run_dir
 
 
 def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch.Tensor) -> Path:
