@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (schedules.py) and the simulator that checks them."""

@@ -1,0 +1,102 @@
+"""Pipeline schedules as data, checked by the simulator over many (p, m, v).
+
+For every valid input: the lists finish without deadlock, every microbatch runs F then B exactly
+once on every virtual stage, the bubble equals REFERENCES.md's closed form, and the activations
+held per rank stay within each schedule's bound.
+"""
+
+from fractions import Fraction
+
+import pytest
+
+from parallel.pp.schedules import (
+    B, F, RECV_F, SEND_F, Action, ScheduleError, build_schedule, compute_only, gpipe, interleaved_1f1b, one_f_one_b,
+)
+from parallel.pp.simulator import ScheduleInvalid, simulate, unit_costs
+
+GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]
+COSTS = {"F=B": unit_costs(1.0, 1.0), "B=2F": unit_costs(1.0, 2.0)}
+
+
+def bubble_closed_form(p, m, v=1):
+    return Fraction(p - 1, v * m + p - 1)
+
+
+@pytest.mark.parametrize("cost", COSTS, ids=str)
+@pytest.mark.parametrize("schedule", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("p,m", GRID)
+def test_gpipe_and_1f1b_finish_and_match_the_bubble(schedule, p, m, cost):
+    result = simulate(schedule(p, m), m, cost=COSTS[cost])
+    assert result.bubble_fraction == pytest.approx(float(bubble_closed_form(p, m)), abs=1e-12)
+    if schedule is gpipe:
+        assert result.peak_activations == [m] * p
+    else:
+        # 1F1B: rank r holds at most min(p - r, m) microbatches (the first stage p).
+        assert result.peak_activations == [min(p - r, m) for r in range(p)]
+
+
+@pytest.mark.parametrize("cost", COSTS, ids=str)
+@pytest.mark.parametrize("p,k,v", [(p, k, v) for p in (1, 2, 3, 4) for k in (1, 2, 3, 4) for v in (1, 2, 3, 4)])
+def test_interleaved_finishes_and_matches_the_bubble(p, k, v, cost):
+    m = k * p  # Narayanan: m a multiple of p
+    result = simulate(interleaved_1f1b(p, m, v), m, v, cost=COSTS[cost])
+    assert result.bubble_fraction == pytest.approx(float(bubble_closed_form(p, m, v)), abs=1e-12)
+    # Megatron's warm-up bounds what the first rank holds: (p-1)·2 + (v-1)·p + 1 microbatch-chunks.
+    assert result.peak_activations[0] <= min((p - 1) * 2 + (v - 1) * p + 1, m * v)
+
+
+def test_interleaved_with_one_chunk_is_1f1b_order():
+    for p, m in [(2, 4), (4, 8), (3, 6)]:
+        assert [compute_only(a) for a in interleaved_1f1b(p, m, 1)] == [compute_only(a) for a in one_f_one_b(p, m)]
+
+
+def test_1f1b_order_on_four_stages():
+    plans = one_f_one_b(4, 4)
+    as_text = [" ".join(str(a) for a in compute_only(actions)) for actions in plans]
+    assert as_text == [
+        "F0 F1 F2 F3 B0 B1 B2 B3",
+        "F0 F1 F2 B0 F3 B1 B2 B3",
+        "F0 F1 B0 F2 B1 F3 B2 B3",
+        "F0 B0 F1 B1 F2 B2 F3 B3",
+    ]
+
+
+def test_receives_come_right_before_and_sends_right_after_their_compute():
+    plans = one_f_one_b(3, 3)
+    middle = plans[1]
+    i = middle.index(Action(F, 0))
+    assert middle[i - 1] == Action(RECV_F, 0) and middle[i + 1] == Action(SEND_F, 0)
+    assert plans[0][0] == Action(F, 0)             # the first stage reads the batch: no receive
+    assert plans[0][-1] == Action(B, 2)            # ... and sends no input gradient back
+    assert plans[2][-1] == Action("SEND_B", 2)     # the last stage sends its input gradient back
+    assert Action("RECV_B", 0) not in plans[2]     # ... but receives none: it computes the loss
+
+
+def test_interleaved_refuses_microbatches_not_a_multiple_of_stages():
+    with pytest.raises(ScheduleError, match=r"parallel.microbatches=6 is not a multiple of parallel.pp=4"):
+        interleaved_1f1b(4, 6, 2)
+
+
+def test_virtual_stages_need_the_interleaved_schedule():
+    with pytest.raises(ScheduleError, match=r"use pp_interleaved for virtual stages"):
+        one_f_one_b(2, 4, 2)
+    with pytest.raises(ScheduleError, match=r"parallel.schedule='zb' is not a schedule"):
+        build_schedule("zb", 2, 4)
+
+
+def test_simulator_catches_a_deadlock():
+    # Two stages that each wait for the other's message first.
+    plans = [[Action("RECV_B", 0), Action(F, 0), Action(SEND_F, 0), Action(B, 0)],
+             [Action(RECV_F, 0), Action(F, 0), Action(B, 0), Action("SEND_B", 0)]]
+    with pytest.raises(ScheduleInvalid, match="deadlock"):
+        simulate(plans, 1)
+
+
+def test_simulator_catches_a_missing_backward_and_a_repeat():
+    plans = gpipe(2, 2)
+    missing = [plans[0], [a for a in plans[1] if a != Action(B, 1)]]
+    with pytest.raises(ScheduleInvalid):
+        simulate(missing, 2)
+    repeated = [plans[0] + [Action(F, 0)], plans[1]]
+    with pytest.raises(ScheduleInvalid, match="twice"):
+        simulate(repeated, 2)
