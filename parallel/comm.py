@@ -236,6 +236,27 @@ class Communicator:
         fn = dist.irecv if async_op else dist.recv
         return self._run("recv", tag, tensor_bytes(tensor), lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op)
 
+    def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, str]]) -> list[Handle]:
+        """Post several sends and receives at once: [("send"|"recv", tensor, peer group rank, tag)].
+
+        Posting a rank's neighbouring send and receive together (torch's batch_isend_irecv, a
+        single NCCL group call) is what keeps two pipeline ranks that send to each other at the
+        same moment from deadlocking (Megatron's send_forward_recv_backward).
+        """
+        p2p = [
+            dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=self.group, group_peer=peer)
+            for kind, tensor, peer, _ in ops
+        ]
+        works = dist.batch_isend_irecv(p2p)
+        for kind, tensor, _, tag in ops:
+            self.log.record(kind, self.name, tag, tensor_bytes(tensor), self.size)
+        # One work per op on gloo; NCCL may coalesce the batch into one. Waiting time is charged
+        # to the op a work belongs to (the first op's, when coalesced).
+        labels = [(kind, tag) for kind, _, _, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3])] * len(works)
+        handles = [Handle(work, self, kind, tag) for work, (kind, tag) in zip(works, labels)]
+        self._pending.update(handles)
+        return handles
+
     # -- python objects (tooling: run metadata, metrics) ----------------------------------------
     def broadcast_object(self, obj, src_group_rank: int, tag: str):
         box = [obj]

@@ -33,10 +33,20 @@ class ParallelDims:
     pp: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int = 1) -> "ParallelDims":
-        """Fill in dp from what the world leaves after tp and pp, then check the product."""
+    def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int | None = 1) -> "ParallelDims":
+        """Fill in dp (or pp, for the pipeline presets) from what the world leaves, then check the product."""
         world_size = _positive_int("world size", world_size)
         tp = _positive_int("parallel.tp", tp)
+        if pp is None:
+            if dp is None:
+                raise LayoutError("parallel.dp and parallel.pp are both unset: set one of them and the other is derived")
+            dp = _positive_int("parallel.dp", dp)
+            if world_size % (dp * tp):
+                raise LayoutError(
+                    f"world size {world_size} is not divisible by parallel.dp x parallel.tp = {dp} x {tp} = {dp * tp}: "
+                    f"launch a multiple of {dp * tp} processes or change dp/tp"
+                )
+            pp = world_size // (dp * tp)
         pp = _positive_int("parallel.pp", pp)
         if dp is None:
             if world_size % (tp * pp):

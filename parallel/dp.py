@@ -48,6 +48,13 @@ class NaiveGradSync:
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.comm = comm
 
+    @classmethod
+    def from_named(cls, named_params: list[tuple[str, nn.Parameter]], comm: Communicator) -> "NaiveGradSync":
+        """For a model held in pieces (a pipeline stage): parameters under their full-model names."""
+        sync = cls(nn.Module(), comm)
+        sync.named_params = [(n, p) for n, p in named_params if p.requires_grad]
+        return sync
+
     def zero_grad(self, optimizer: AdamW) -> None:
         optimizer.zero_grad(set_to_none=True)
 

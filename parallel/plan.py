@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from .dims import LayoutError, ParallelDims
 from .distributed import LaunchEnv, choose_backend
 from .model import GPTConfig
+from .pp.schedules import ScheduleError, build_schedule
+from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp")
+STRATEGIES = ("single", "dp", "torch_ddp", "pp")
 GRAD_SYNCS = ("bucketed", "naive")
 
 
@@ -45,6 +47,9 @@ class RunPlan:
     comm_log: bool
     comm_time: bool
     save_final: bool
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def local_batch(self) -> int:
@@ -88,6 +93,10 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
             "parallel=torch_ddp needs at least 2 processes, got world size 1: "
             "launch it with torchrun --nproc-per-node 2 (or more)"
         )
+    if strategy == "pp":
+        if dims.tp != 1:
+            raise LayoutError(f"parallel=pp does not combine with tensor parallelism yet: set parallel.tp=1 (got {dims.tp})")
+        return
     if dims.tp != 1 or dims.pp != 1:
         raise LayoutError(
             f"parallel={strategy} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
@@ -105,17 +114,28 @@ def _check_steps(steps: int, warmup_steps: int) -> None:
         )
 
 
+def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
+    """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v)."""
+    try:
+        layer_counts(model.n_layers, dims.pp * p.virtual_stages, list(p.pp_layers) if p.pp_layers is not None else None)
+        build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)
+    except (ScheduleError, SplitError) as e:
+        raise ConfigError(str(e)) from None
+
+
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     """Validate the whole configuration against the launch environment."""
     p, t = cfg.parallel, cfg.train
     model = model_config(cfg.model)
     dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
     strategy = p.name
-    # `parallel=dp` in one plain process is the single-process run: nothing to synchronise.
-    if strategy == "dp" and env.world_size == 1:
+    # `parallel=dp` (or pp) in one plain process is the single-process run: nothing to split.
+    if strategy in ("dp", "pp") and env.world_size == 1:
         strategy = "single"
     _check_strategy(strategy, dims)
     dims.check_batch(t.global_batch, p.microbatches)
+    if strategy == "pp":
+        _check_pipeline(model, dims, p)
     _check_steps(t.steps, t.warmup_steps)
     if p.grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
@@ -146,4 +166,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         comm_log=bool(cfg.comm.log),
         comm_time=bool(cfg.comm.time),
         save_final=bool(t.save_final),
+        schedule=p.schedule,
+        virtual_stages=p.virtual_stages,
+        pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
     )

@@ -33,32 +33,56 @@ def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
     return Fraction(2 * (n - 1), n) * payload_bytes if n > 1 else Fraction(0)
 
 
-def _figure(per_rank_by_op: dict[str, tuple[int, Fraction]], ranks: int) -> dict:
-    """Per-rank (payload, sent) per op -> the summary's expected_comm block (summed over ranks)."""
+def _figure(totals_by_op: dict[str, tuple[int, Fraction]], ranks: int) -> dict:
+    """(payload, sent) per op summed over all ranks -> the summary's expected_comm block."""
     by_op = {
-        op: {"payload_bytes": payload * ranks, "sent_bytes": float(sent * ranks), "sent_bytes_exact": str(sent * ranks)}
-        for op, (payload, sent) in per_rank_by_op.items()
+        op: {"payload_bytes": payload, "sent_bytes": float(sent), "sent_bytes_exact": str(sent)}
+        for op, (payload, sent) in totals_by_op.items()
     }
-    per_rank = sum((sent for _, sent in per_rank_by_op.values()), Fraction(0))
+    total = sum((sent for _, sent in totals_by_op.values()), Fraction(0))
     return {
-        "sent_bytes_per_step": float(per_rank * ranks),
-        "sent_bytes_per_step_exact": str(per_rank * ranks),
-        "sent_bytes_per_rank_per_step": float(per_rank),
+        "sent_bytes_per_step": float(total),
+        "sent_bytes_per_step_exact": str(total),
+        "sent_bytes_per_rank_per_step": float(total / ranks),  # the mean, where ranks differ
         "by_op": by_op,
     }
 
 
-def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, dtype_bytes: int = FP32_BYTES) -> dict:
-    """Strategy traffic per optimizer step, in the summary's schema.
+def pipeline_p2p_bytes(model_cfg: GPTConfig, microbatch_size: int, microbatches: int, stages: int, virtual: int,
+                       dtype_bytes: int = FP32_BYTES) -> int:
+    """Narayanan §3.2: b·s·h·B per microbatch per stage boundary in each direction, so
+    2·m·(v·p-1)·b·s·h·B per step for one pipeline (v = 1 for GPipe and 1F1B)."""
+    activation = microbatch_size * model_cfg.seq_len * model_cfg.d_model * dtype_bytes
+    return 2 * microbatches * (virtual * stages - 1) * activation
+
+
+def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, global_batch: int = 0,
+                  microbatches: int = 1, virtual: int = 1, dtype_bytes: int = FP32_BYTES) -> dict:
+    """Strategy traffic per optimizer step, summed over all ranks, in the summary's schema.
 
     single: nothing crosses between ranks.
     dp (naive, bucketed, torch_ddp): one all-reduce of all gradients per step, 2(N-1)/N · Ψ·B per
     rank, whatever the bucketing and however many microbatches are accumulated.
+    pp: every activation and its gradient crosses each boundary once per microbatch (sends; a
+    receive sends nothing), in each of the dp pipelines; with dp > 1 each stage then all-reduces
+    its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e.
+    2(dp-1) · Ψ·B over all ranks.
     """
     psi = parameter_count(model_cfg)
     if strategy == "single" or dims.world_size == 1:
         return _figure({}, dims.world_size)
     if strategy in ("dp", "torch_ddp"):
         grads = psi * dtype_bytes
-        return _figure({"all_reduce": (grads, all_reduce_sent_per_rank(dims.dp, grads))}, dims.world_size)
+        return _figure({"all_reduce": (grads * dims.world_size, all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
+                       dims.world_size)
+    if strategy == "pp":
+        b = global_batch // (dims.dp * microbatches)
+        p2p = pipeline_p2p_bytes(model_cfg, b, microbatches, dims.pp, virtual, dtype_bytes) * dims.dp
+        totals = {}
+        if p2p:
+            totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))}
+        if dims.dp > 1:
+            grads = psi * dtype_bytes  # summed over the stages of one pipeline
+            totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
+        return _figure(totals, dims.world_size)
     raise ValueError(f"theory has no formula for strategy {strategy!r}")

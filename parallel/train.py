@@ -31,6 +31,8 @@ from .native import TorchDDP
 from .plan import RunPlan
 from .strategy import SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
+from .pp.executor import PipelineParallel
+from .pp.timeline import write_pipeline_report
 
 log = logging.getLogger("parallel")
 
@@ -48,6 +50,12 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
         return DataParallel(model, optimizer_for(model), ctx.comm("dp"), plan.grad_sync, plan.bucket_mb)
     if plan.strategy == "torch_ddp":
         return TorchDDP(model, optimizer_for, ctx.comm("dp"), plan.bucket_mb)
+    if plan.strategy == "pp":
+        return PipelineParallel(
+            model, pp_comm=ctx.comm("pp"), dp_comm=ctx.comm("dp"), schedule=plan.schedule,
+            microbatches=plan.microbatches, virtual=plan.virtual_stages,
+            pp_layers=list(plan.pp_layers) if plan.pp_layers else None, lr=plan.lr, weight_decay=plan.weight_decay,
+        )
     raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
 
 
@@ -101,7 +109,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     )
     strategy = build_strategy(plan, ctx)
     n_params = count_parameters(strategy.model)
-    log.info("model: %d parameters | %d tokens per step | %d microbatch(es) of %d sequences per rank",
+    log.info("rank 0 holds %d parameters | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              n_params, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
 
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
@@ -135,6 +143,9 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
 
     report = {
         "rank": ctx.rank,
+        "coords": ctx.coords,
+        "pipeline_spans": getattr(strategy, "spans", None),
+        "pipeline_executed": [str(a) for a in getattr(strategy, "executed", [])],
         "parameters": n_params,
         "step_times": step_times,
         "traffic": ctx.log.steps,
@@ -148,10 +159,18 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
             torch.save(state, run_dir / "final_model.pt")
     if ctx.is_rank0:
         expected = {
-            "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims),
+            "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims, global_batch=plan.global_batch,
+                                         microbatches=plan.microbatches, virtual=plan.virtual_stages),
             "parameters": theory.parameter_count(plan.model),
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
+        if plan.strategy == "pp":
+            # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
+            spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
+                     if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
+            summary["pipeline"] = write_pipeline_report(run_dir, spans, plan.schedule, plan.dims.pp,
+                                                        plan.microbatches, plan.virtual_stages)
+            summary["pipeline"]["executed_by_rank"] = [r["pipeline_executed"] for r in reports]
         write_json(run_dir / "summary.json", summary)
         _log_summary(summary)
         log.info("wrote %s", run_dir / "summary.json")
@@ -165,6 +184,10 @@ def _log_summary(summary: dict) -> None:
         summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
         summary["peak_memory_bytes"] / 1e6,
     )
+    if "pipeline" in summary:
+        pipe = summary["pipeline"]
+        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",
+                 pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"], 100 * pipe["bubble_closed_form"])
     log.info(
         "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
         comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,

@@ -1,0 +1,79 @@
+"""Cut the one GPT into pipeline pieces.
+
+The model is cut into p·v consecutive pieces ("virtual stages"): the embedding goes with the
+first, the final norm, head and loss with the last, and the transformer blocks are divided among
+them (evenly by default, or by an explicit list of layer counts). Rank r keeps the v pieces
+r, r+p, r+2p, ... (Megatron's interleaved layout; with v = 1 simply piece r).
+
+Each piece is cut from the full model built from the seed, so the pipeline starts from exactly
+the single-process weights, and it remembers its blocks' global indices so that its parameters
+can be named as in the single-process model again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..model import GPT
+
+
+class SplitError(ValueError):
+    """A layer split that cannot work; the message names the value and a fix."""
+
+
+def layer_counts(n_layers: int, pieces: int, explicit: list[int] | None = None) -> list[int]:
+    """How many blocks each virtual stage holds."""
+    if explicit is not None:
+        explicit = list(explicit)
+        if len(explicit) != pieces or any(not isinstance(n, int) or n < 1 for n in explicit) or sum(explicit) != n_layers:
+            raise SplitError(
+                f"parallel.pp_layers={explicit} must list {pieces} positive layer counts (one per virtual stage: "
+                f"pp x virtual_stages) summing to model.n_layers={n_layers}"
+            )
+        return explicit
+    if n_layers % pieces:
+        raise SplitError(
+            f"model.n_layers={n_layers} does not split evenly into parallel.pp x parallel.virtual_stages = {pieces} pieces: "
+            f"use a layer count that is a multiple of {pieces}, or give parallel.pp_layers explicitly"
+        )
+    return [n_layers // pieces] * pieces
+
+
+class PipelineChunk(nn.Module):
+    """One virtual stage: [embedding] + some blocks + [final norm and head]."""
+
+    def __init__(self, model: GPT, vstage: int, first_block: int, n_blocks: int, is_last: bool):
+        super().__init__()
+        self.vstage = vstage
+        self.first_block = first_block
+        self.embed = model.embed if vstage == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[first_block: first_block + n_blocks])
+        self.head = model.head if is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states or logits (last stage)."""
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+    def global_name(self, local_name: str) -> str:
+        """`blocks.1.attn.q.weight` here -> `blocks.<first_block + 1>.attn.q.weight` in the full GPT."""
+        if local_name.startswith("blocks."):
+            _, index, rest = local_name.split(".", 2)
+            return f"blocks.{self.first_block + int(index)}.{rest}"
+        return local_name
+
+
+def split_model(model: GPT, stages: int, virtual: int, rank: int, explicit: list[int] | None = None) -> list[PipelineChunk]:
+    """The chunks rank `rank` holds, chunk c being virtual stage c·stages + rank."""
+    counts = layer_counts(model.cfg.n_layers, stages * virtual, explicit)
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    last = stages * virtual - 1
+    chunks = []
+    for c in range(virtual):
+        vs = c * stages + rank
+        chunks.append(PipelineChunk(model, vs, starts[vs], counts[vs], is_last=vs == last))
+    return chunks
