@@ -132,6 +132,15 @@ def summarize_traffic(traffic: StepTraffic, include_tooling: bool = False) -> di
     return {"total": total, **{k: dict(v) for k, v in by.items()}}
 
 
+def calls_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, int]]:
+    """tag -> op -> calls in one step, strategy traffic only (how many all-reduces each layer did)."""
+    out: dict[str, dict[str, int]] = {}
+    for (op, _group, tag), t in sorted(traffic.items(), key=lambda kv: (kv[0][2], kv[0][0])):
+        if not is_tooling(tag):
+            out.setdefault(tag, {})[op] = out.get(tag, {}).get(op, 0) + t.calls
+    return out
+
+
 class Handle:
     """An async call's work object; `wait()` charges the time blocked to the call's record."""
 
@@ -190,11 +199,16 @@ class Communicator:
         return len(self._pending)
 
     # -- collectives --------------------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, tag: str, async_op: bool = False):
-        """Sum `tensor` in place over the group (gloo has no AVG: callers pre-scale)."""
+    def all_reduce(self, tensor: torch.Tensor, tag: str, async_op: bool = False, op: str = "sum"):
+        """Sum (or, with op="max", take the maximum of) `tensor` in place over the group.
+
+        gloo has no AVG: callers pre-scale. MAX is what the vocab-parallel cross-entropy needs for
+        its numerically stable softmax; it moves the same bytes as a sum.
+        """
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
         return self._run(
             "all_reduce", tag, tensor_bytes(tensor),
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op),
             async_op,
         )
 
@@ -208,7 +222,7 @@ class Communicator:
         """Concatenate every rank's `shard` along dim 0 into `output` (payload: the full output)."""
         return self._run(
             "all_gather", tag, tensor_bytes(output),
-            lambda: dist.all_gather_into_tensor(output, shard, group=self.group, async_op=async_op),
+            lambda: dist.all_gather_single(output, shard, group=self.group, async_op=async_op),
             async_op,
         )
 
@@ -216,7 +230,7 @@ class Communicator:
         """Sum `full_in` over the group and keep this rank's dim-0 slice (payload: the full input)."""
         return self._run(
             "reduce_scatter", tag, tensor_bytes(full_in),
-            lambda: dist.reduce_scatter_tensor(shard_out, full_in, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            lambda: dist.reduce_scatter_single(shard_out, full_in, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
             async_op,
         )
 

@@ -11,7 +11,8 @@ summary.json (written by global rank 0):
   peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
   comm                measured strategy traffic per optimizer step, summed over ranks:
                       sent_bytes_per_step, by_op / by_group / by_tag (calls, payload_bytes,
-                      sent_bytes, seconds), by_rank, and `tooling` (traffic the tools add, excluded)
+                      sent_bytes, seconds), by_tag_op (the same per tag and op: the per-layer
+                      collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
   expected_comm       parallel/theory.py's closed form in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .comm import StepTraffic, Totals, summarize_traffic
+from .comm import StepTraffic, Totals, is_tooling, summarize_traffic
 
 SCHEMA_VERSION = 1
 
@@ -99,6 +100,15 @@ def _sum_over_ranks(traffics: list[StepTraffic]) -> StepTraffic:
     return dict(merged)
 
 
+def _by_tag_op(traffic: StepTraffic) -> dict:
+    """tag -> op -> totals: which collectives each part of the model made (strategy traffic)."""
+    nested: dict[str, dict[str, Totals]] = defaultdict(lambda: defaultdict(Totals))
+    for (op, _group, tag), t in traffic.items():
+        if not is_tooling(tag):
+            nested[tag][op].add(t)
+    return {tag: _totals_dict(ops) for tag, ops in sorted(nested.items())}
+
+
 def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict:
     """Per-step traffic of every rank -> the summary's `comm` block.
 
@@ -129,6 +139,7 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
         "by_op": _totals_dict(last["by_op"]),
         "by_group": _totals_dict(last["by_group"]),
         "by_tag": _totals_dict(last["by_tag"]),
+        "by_tag_op": _by_tag_op(per_step[-1]),
         "by_rank": by_rank,
         # Host time each rank was blocked in communication per step (median over timed steps,
         # mean over ranks): the communication that was *not* hidden behind computation.
@@ -156,6 +167,7 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     step_time = statistics.median(step_times[timed_from:])
     comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
     memory = [r["peak_memory_bytes"] for r in rank_reports]
+    hand_written_dp = plan.strategy == "dp" or (plan.strategy == "tp" and plan.dims.dp > 1)
     return {
         "schema_version": SCHEMA_VERSION,
         "config": config,
@@ -165,15 +177,20 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             **plan.dims.as_dict(),
             "microbatches": plan.microbatches,
             "microbatch_size": plan.microbatch_size,
-            "grad_sync": plan.grad_sync if plan.strategy == "dp" else None,
-            "bucket_mb": plan.bucket_mb if plan.strategy in ("dp", "torch_ddp") else None,
+            "sequence_parallel": plan.sequence_parallel,
+            "grad_sync": plan.grad_sync if hand_written_dp else None,
+            "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy == "torch_ddp" else None,
             "schedule": plan.schedule if plan.strategy == "pp" else None,
             "virtual_stages": plan.virtual_stages if plan.strategy == "pp" else None,
             "backend": plan.backend,
         },
-        # One model replica's parameters: the ranks of data-parallel replica 0 hold it between them.
-        "model": {"parameters": sum(r["parameters"] for r in rank_reports if r["coords"]["dp"] == 0),
-                  "params_formula": expected.get("parameters")},
+        "model": {
+            "parameters": rank_reports[0]["parameters"], "params_formula": expected.get("parameters"),
+            # What one rank holds (rank 0: a tensor-parallel shard, or a pipeline stage) and, where
+            # theory has one, its closed form.
+            "local_parameters": rank_reports[0]["local_parameters"],
+            "local_params_formula": expected.get("local_parameters"),
+        },
         "steps": len(losses),
         "warmup_steps": plan.warmup_steps,
         "tokens_per_step": plan.tokens_per_step,

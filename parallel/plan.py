@@ -16,7 +16,7 @@ from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "pp")
+STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp")
 GRAD_SYNCS = ("bucketed", "naive")
 
 
@@ -30,6 +30,7 @@ class RunPlan:
     model: GPTConfig
     dims: ParallelDims
     microbatches: int
+    sequence_parallel: bool
     grad_sync: str
     bucket_mb: float
     backend: str | None
@@ -47,6 +48,7 @@ class RunPlan:
     comm_log: bool
     comm_time: bool
     save_final: bool
+    save_grads: bool
     schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
@@ -97,10 +99,17 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
         if dims.tp != 1:
             raise LayoutError(f"parallel=pp does not combine with tensor parallelism yet: set parallel.tp=1 (got {dims.tp})")
         return
+    if strategy == "tp":
+        if dims.pp != 1:
+            raise LayoutError(
+                f"parallel=tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1 "
+                "(the world is split into dp x tp)"
+            )
+        return
     if dims.tp != 1 or dims.pp != 1:
         raise LayoutError(
             f"parallel={strategy} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
-            "set parallel.tp=1 parallel.pp=1"
+            "set parallel.tp=1 parallel.pp=1, or use parallel=tp for tensor parallelism"
         )
 
 
@@ -129,10 +138,21 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     model = model_config(cfg.model)
     dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
     strategy = p.name
-    # `parallel=dp` (or pp) in one plain process is the single-process run: nothing to split.
+    sequence_parallel = bool(p.sequence_parallel)
+    # Tensor parallelism over one rank is data parallelism (sequence parallelism over one rank
+    # cuts nothing), and `parallel=dp` (or pp) in one plain process is the single-process run.
+    if strategy == "tp" and dims.tp == 1:
+        strategy, sequence_parallel = "dp", False
     if strategy in ("dp", "pp") and env.world_size == 1:
         strategy = "single"
     _check_strategy(strategy, dims)
+    if sequence_parallel and strategy != "tp":
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy}: "
+            "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
+        )
+    if strategy == "tp":
+        dims.check_tensor_parallel(model, sequence_parallel)
     dims.check_batch(t.global_batch, p.microbatches)
     if strategy == "pp":
         _check_pipeline(model, dims, p)
@@ -149,6 +169,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         model=model,
         dims=dims,
         microbatches=p.microbatches,
+        sequence_parallel=sequence_parallel,
         grad_sync=p.grad_sync,
         bucket_mb=float(p.bucket_mb),
         backend=backend,
@@ -166,6 +187,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         comm_log=bool(cfg.comm.log),
         comm_time=bool(cfg.comm.time),
         save_final=bool(t.save_final),
+        save_grads=bool(t.save_grads),
         schedule=p.schedule,
         virtual_stages=p.virtual_stages,
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,

@@ -77,6 +77,16 @@ class Strategy:
         """The whole model's parameters, named as in the single-process GPT."""
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
+    def full_parameter_count(self) -> int:
+        """Parameters of the whole model, however it is split across ranks."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    def full_grads(self) -> dict:
+        """The whole model's gradients as the optimizer sees them (after every sync), single-process
+        names; `tp_replica_max_diff` is filled by strategies that replicate parameters over tp."""
+        return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()},
+                "tp_replica_max_diff": {}}
+
     def close(self) -> None:
         """Finish outstanding communication before the process group goes away."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from . import theory
-from .comm import CommLog, summarize_traffic
+from .comm import CommLog, calls_by_tag_op, summarize_traffic
 from .data import GlobalBatches, load_corpus, local_microbatches
 from .distributed import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from .metrics import (
@@ -33,6 +33,7 @@ from .strategy import SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
 from .pp.executor import PipelineParallel
 from .pp.timeline import write_pipeline_report
+from .tp_strategy import TensorParallel
 
 log = logging.getLogger("parallel")
 
@@ -56,6 +57,9 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
             microbatches=plan.microbatches, virtual=plan.virtual_stages,
             pp_layers=list(plan.pp_layers) if plan.pp_layers else None, lr=plan.lr, weight_decay=plan.weight_decay,
         )
+    if plan.strategy == "tp":
+        return TensorParallel(model, optimizer_for, ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
+                              plan.grad_sync, plan.bucket_mb)
     raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
 
 
@@ -108,9 +112,9 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         plan.backend or "none", ctx.device,
     )
     strategy = build_strategy(plan, ctx)
-    n_params = count_parameters(strategy.model)
-    log.info("rank 0 holds %d parameters | %d tokens per step | %d microbatch(es) of %d sequences per rank",
-             n_params, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
+    n_params, n_local = strategy.full_parameter_count(), count_parameters(strategy.model)
+    log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
+             n_params, n_local, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
 
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
     dp_rank = ctx.coords["dp"]
@@ -127,6 +131,11 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         seconds = time.perf_counter() - start
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
         traffic = ctx.log.end_step()
+        if plan.save_grads and step == 0:
+            # The optimizer step leaves .grad alone: these are the synced gradients it used.
+            grads = strategy.full_grads()
+            if ctx.is_rank0:
+                torch.save(grads, run_dir / "grads_step0.pt")
         losses.append(loss)
         step_times.append(seconds)
         if metrics is not None:
@@ -135,6 +144,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
                 "step": step, "loss": loss, "step_time_s": seconds, "warmup": step < plan.warmup_steps,
                 "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
                 "data_checksum": global_batch.checksum(),
+                "rank0_calls": calls_by_tag_op(traffic),
             })
             log.info(_console_line(step, plan, loss, seconds, sent))
     strategy.close()
@@ -147,6 +157,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         "pipeline_spans": getattr(strategy, "spans", None),
         "pipeline_executed": [str(a) for a in getattr(strategy, "executed", [])],
         "parameters": n_params,
+        "local_parameters": n_local,
         "step_times": step_times,
         "traffic": ctx.log.steps,
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
@@ -159,9 +170,11 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
             torch.save(state, run_dir / "final_model.pt")
     if ctx.is_rank0:
         expected = {
-            "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims, global_batch=plan.global_batch,
-                                         microbatches=plan.microbatches, virtual=plan.virtual_stages),
+            "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims, microbatch_size=plan.microbatch_size,
+                                         microbatches=plan.microbatches, virtual=plan.virtual_stages,
+                                         sequence_parallel=plan.sequence_parallel),
             "parameters": theory.parameter_count(plan.model),
+            "local_parameters": theory.tp_shard_parameter_count(plan.model, plan.dims.tp) if plan.strategy != "pp" else None,
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
         if plan.strategy == "pp":
@@ -197,3 +210,10 @@ def _log_summary(summary: dict) -> None:
         log.info("  %-16s %4d calls  %10.3f MB payload  %10.3f MB sent", op, t["calls"], t["payload_bytes"] / 1e6, t["sent_bytes"] / 1e6)
     for group, t in comm["by_group"].items():
         log.info("  group %-10s %4d calls  %10.3f MB sent", group, t["calls"], t["sent_bytes"] / 1e6)
+    if any(tag.startswith("tp/") for tag in comm["by_tag_op"]):
+        # The Megatron count: collectives per layer and direction, per rank and optimizer step.
+        world = summary["world_size"]
+        log.info("tensor-parallel collectives per rank per step (%d microbatch(es)):", summary["parallel"]["microbatches"])
+        for tag, ops in comm["by_tag_op"].items():
+            if tag.startswith("tp/"):
+                log.info("  %-24s %s", tag, ", ".join(f"{t['calls'] // world} {op}" for op, t in ops.items()))

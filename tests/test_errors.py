@@ -12,6 +12,10 @@ from launcher import TINY, run_train
     (2, ["parallel=single"], "error: parallel=single runs one process but the world size is 2"),
     (2, ["train.global_batch=15"], "error: train.global_batch=15 is not divisible by parallel.dp x parallel.microbatches"),
     (2, ["data.path=/no/such/corpus"], "error: data.path='/no/such/corpus' does not exist"),
+    (2, ["parallel=pp_interleaved", "parallel.microbatches=3", "train.global_batch=12"],
+     "error: parallel.microbatches=3 is not a multiple of parallel.pp=2"),
+    (3, ["parallel=tp", "parallel.tp=3"],
+     "error: model.n_heads=4 is not divisible by parallel.tp=3: use a tp that divides the head count (1, 2 or 4)"),
 ])
 def test_bad_layout_exits_nonzero_with_its_message(world, overrides, message, tmp_path):
     start = time.monotonic()

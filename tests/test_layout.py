@@ -66,11 +66,46 @@ def test_plan_dp_under_torchrun():
     (1, ["train.warmup_steps=20"], r"train.warmup_steps=20 must be at least 0 and below train.steps=20"),
     (1, ["model.n_heads=3"], r"model.d_model=256 is not divisible by model.n_heads=3"),
     (2, ["parallel.timeout_s=0"], r"parallel.timeout_s=0 must be a positive number"),
+    (3, ["parallel=pp_1f1b", "model=tiny", "train.global_batch=12"],
+     r"model.n_layers=4 does not split evenly into parallel.pp x parallel.virtual_stages = 3 pieces"),
+    (2, ["parallel=pp_interleaved", "model=tiny", "parallel.microbatches=3", "train.global_batch=12"],
+     r"parallel.microbatches=3 is not a multiple of parallel.pp=2, which the interleaved schedule needs"),
+    (2, ["parallel=pp_1f1b", "parallel.virtual_stages=2"], r"1f1b runs one chunk per rank; use pp_interleaved"),
+    (2, ["parallel=pp_1f1b", "model=tiny", "parallel.pp_layers=[3,2]"],
+     r"parallel.pp_layers=\[3, 2\] must list 2 positive layer counts .* summing to model.n_layers=4"),
+    (2, ["parallel=pp_1f1b", "parallel.schedule=zb"], r"parallel.schedule='zb' is not a schedule"),
+    (4, ["parallel=pp_1f1b", "parallel.tp=2"], r"parallel=pp does not combine with tensor parallelism yet"),
+    (4, ["parallel=pp_1f1b", "parallel.dp=3"], r"world size 4 is not divisible by parallel.dp x parallel.tp = 3 x 1 = 3"),
     (3, ["parallel.dp=2"], r"world size 3 != parallel.dp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),
+    # Tensor parallelism: the model must split evenly over tp, checked before any process group.
+    (3, ["parallel=tp", "parallel.tp=3"],
+     r"model.n_heads=8 is not divisible by parallel.tp=3: use a tp that divides the head count \(1, 2, 4 or 8\)"),
+    (2, ["parallel=tp", "model.vocab_size=257", "model.vocab_pad_multiple=1"],
+     r"the padded vocabulary 257 \(model.vocab_size=257 rounded up to a multiple of model.vocab_pad_multiple=1\) "
+     r"is not divisible by parallel.tp=2: pad to a multiple of tp, e.g. model.vocab_pad_multiple=2"),
+    (2, ["parallel=tp_sp", "model.seq_len=33"], r"model.seq_len=33 is not divisible by parallel.tp=2, and sequence parallelism"),
+    (2, ["parallel=tp", "model.dropout=0.1"], r"model.dropout=0.1 with parallel.tp=2: .* set model.dropout=0"),
+    (2, ["parallel.sequence_parallel=true"], r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=dp"),
+    (4, ["parallel=tp", "parallel.pp=2"], r"parallel=tp does not pipeline, but parallel.pp=2"),
+    (1, ["parallel=tp"], r"world size 1 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
+    (3, ["parallel=tp"], r"world size 3 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
 ])
 def test_plan_refuses_bad_config(world, overrides, message):
     with pytest.raises((LayoutError, ConfigError), match=message):
         plan_for(world, *overrides)
+
+
+def test_plan_tp_leaves_dp_to_the_world():
+    plan = plan_for(4, "parallel=tp")
+    assert (plan.strategy, plan.dims.dp, plan.dims.tp, plan.sequence_parallel) == ("tp", 2, 2, False)
+    plan = plan_for(4, "parallel=tp_sp", "parallel.tp=4", "model=tiny")
+    assert (plan.strategy, plan.dims.dp, plan.dims.tp, plan.sequence_parallel) == ("tp", 1, 4, True)
+    assert plan_for(2, "parallel=dp").sequence_parallel is False
+
+
+def test_tp_over_one_rank_is_data_parallel():
+    plan = plan_for(2, "parallel=tp_sp", "parallel.tp=1")
+    assert (plan.strategy, plan.dims.dp, plan.sequence_parallel) == ("dp", 2, False)
 
 
 def test_backend_choice():
@@ -82,3 +117,11 @@ def test_backend_choice():
 def test_threads_share_the_cores():
     assert threads_per_rank(local_world_size=10_000) == 1
     assert threads_per_rank(local_world_size=1, requested=3) == 3
+
+
+def test_plan_pipeline_derives_pp_from_the_world():
+    plan = plan_for(4, "parallel=pp_1f1b", "model=tiny")
+    assert (plan.strategy, plan.dims.pp, plan.dims.dp, plan.schedule) == ("pp", 4, 1, "1f1b")
+    plan = plan_for(4, "parallel=pp_interleaved", "parallel.dp=2", "model=tiny")
+    assert (plan.dims.pp, plan.dims.dp, plan.virtual_stages) == (2, 2, 2)
+    assert plan_for(2, "parallel=pp_gpipe", "model=tiny", "parallel.pp_layers=[1,3]").pp_layers == (1, 3)

@@ -1,13 +1,15 @@
 """theory.py against the formulas of REFERENCES.md, written out here a second time."""
 
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 
 from parallel.comm import ring_bytes_sent
 from parallel.dims import ParallelDims
-from parallel.model import GPTConfig
-from parallel.theory import expected_comm, parameter_count
+from parallel.model import GPT, GPTConfig, count_parameters
+from parallel.theory import expected_comm, parameter_count, tp_shard_parameter_count
+from parallel.tp import parallelize_tp
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 
@@ -55,3 +57,68 @@ def test_single_moves_nothing():
 def test_unknown_strategy_has_no_formula():
     with pytest.raises(ValueError, match="no formula"):
         expected_comm("carrier_pigeon", CFG, ParallelDims.resolve(2))
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------
+H, S, L = 64, 32, 4
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("b,m", [(1, 1), (4, 2)])
+def test_tp_traffic_is_the_megatron_count(t, b, m):
+    fig = expected_comm("tp", CFG, ParallelDims.resolve(t, tp=t), microbatch_size=b, microbatches=m)
+    # REFERENCES.md: per layer and microbatch 8·b·s·h·(t-1)/t elements sent per rank (2 forward
+    # + 2 backward all-reduces of b·s·h); the vocab-parallel embedding one more all-reduce of
+    # b·s·h forward, the head's input gradient one backward; the loss 3 all-reduces of b·s.
+    per_layer = 8 * b * S * H * Fraction(t - 1, t)
+    embedding_and_head = 2 * 2 * Fraction(t - 1, t) * b * S * H
+    loss = 3 * 2 * Fraction(t - 1, t) * b * S
+    per_rank = 4 * m * (L * per_layer + embedding_and_head + loss)
+    assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * t
+    assert list(fig["by_op"]) == ["all_reduce"] and list(fig["by_group"]) == ["tp"]
+    assert fig["per_layer_per_microbatch"] == {"fwd": {"all_reduce": 2}, "bwd": {"all_reduce": 2}}
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("b,m", [(1, 1), (4, 2)])
+def test_sequence_parallel_moves_the_same_activation_bytes(t, b, m):
+    dims = ParallelDims.resolve(t, tp=t)
+    tp = expected_comm("tp", CFG, dims, microbatch_size=b, microbatches=m)
+    sp = expected_comm("tp", CFG, dims, microbatch_size=b, microbatches=m, sequence_parallel=True)
+    # Korthikanti §4.2.2: each all-reduce of b·s·h becomes an all-gather plus a reduce-scatter,
+    # (t-1)/t of b·s·h each: the same bytes in twice the ops.
+    activations = (4 * L + 2) * m * b * S * H * 4
+    for op in ("all_gather", "reduce_scatter"):
+        assert Fraction(sp["by_op"][op]["sent_bytes_exact"]) == Fraction(t - 1, t) * activations * t
+        assert sp["by_op"][op]["payload_bytes"] == activations * t
+    # What sequence parallelism adds: one all-reduce per step of the gradients its ranks hold in
+    # part: per layer two LayerNorms and two row-parallel biases, the final LayerNorm, positions.
+    norm_grads = (L * (4 * H + 2 * H) + 2 * H + S * H) * 4
+    extra = Fraction(sp["sent_bytes_per_step_exact"]) - Fraction(tp["sent_bytes_per_step_exact"])
+    assert extra == 2 * Fraction(t - 1, t) * norm_grads * t
+    assert sp["per_layer_per_microbatch"]["fwd"] == {"all_gather": 2, "reduce_scatter": 2}
+
+
+def test_dp_x_tp_adds_one_allreduce_of_the_local_shard_over_dp():
+    dims = ParallelDims.resolve(4, tp=2)
+    fig = expected_comm("tp", CFG, dims, microbatch_size=8)
+    alone = expected_comm("tp", CFG, ParallelDims.resolve(2, tp=2), microbatch_size=8)
+    shard = tp_shard_parameter_count(CFG, 2)
+    assert Fraction(fig["by_group"]["dp"]["sent_bytes_exact"]) == 2 * Fraction(1, 2) * shard * 4 * 4
+    # The tp traffic of each tp group is that of tp alone, twice over (two groups).
+    assert Fraction(fig["by_group"]["tp"]["sent_bytes_exact"]) == 2 * Fraction(alone["sent_bytes_per_step_exact"])
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_shard_parameter_count_is_what_parallelize_tp_leaves(t):
+    total_sharded = 0
+    for rank in range(t):
+        model = GPT(CFG, seed=0)
+        # parallelize_tp only reads the rank and size while cutting; no collective runs.
+        shards = parallelize_tp(model, SimpleNamespace(rank=rank, size=t))
+        assert count_parameters(model) == tp_shard_parameter_count(CFG, t)
+        total_sharded += sum(p.numel() for n, p in model.named_parameters() if n in shards.split_dim)
+    replicated = sum(p.numel() for n, p in model.named_parameters() if n not in shards.split_dim)
+    assert total_sharded + replicated == parameter_count(CFG)
+    if t == 1:
+        assert tp_shard_parameter_count(CFG, 1) == parameter_count(CFG)

@@ -32,6 +32,7 @@ class PipelineParallel(Strategy):
 
     def __init__(self, model: GPT, *, pp_comm: Communicator, dp_comm: Communicator | None, schedule: str,
                  microbatches: int, virtual: int, pp_layers: list[int] | None, lr: float, weight_decay: float):
+        self._full_parameters = sum(p.numel() for p in model.parameters())
         self.stages = pp_comm.size
         self.pp_rank = pp_comm.rank
         self.virtual = virtual
@@ -48,6 +49,9 @@ class PipelineParallel(Strategy):
         self.grad_sync = NaiveGradSync.from_named(named, dp_comm) if dp_comm is not None and dp_comm.size > 1 else None
         self.executed: list[Action] = []  # the order actually run in the last step (tests compare it with the schedule)
         self.spans: list[dict] = []  # the last step's timeline: one record per action
+
+    def full_parameter_count(self) -> int:
+        return self._full_parameters
 
     # -- helpers ----------------------------------------------------------------------------------
     def _vstage(self, a: Action) -> int:
@@ -149,15 +153,21 @@ class PipelineParallel(Strategy):
             self.pp_comm.all_reduce(local_loss, tag="tooling/loss")
         return super().global_loss(local_loss)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters, under their single-process names, gathered to pp rank 0."""
-        mine = {chunk.global_name(n): t.detach().cpu().clone() for chunk in self.chunks for n, t in chunk.state_dict().items()}
-        parts = self.pp_comm.gather_object(mine, 0, tag="tooling/state")
+    def _gather_to_first_stage(self, local: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
+        """Every stage's tensors, already under single-process names, merged on pp rank 0."""
+        parts = self.pp_comm.gather_object(local, 0, tag=tag)
         merged = {}
-        if parts is not None:
-            for part in parts:
-                merged.update(part)
+        for part in parts or []:
+            merged.update(part)
         return merged
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        mine = {chunk.global_name(n): t.detach().cpu().clone() for chunk in self.chunks for n, t in chunk.state_dict().items()}
+        return self._gather_to_first_stage(mine, "tooling/state")
+
+    def full_grads(self) -> dict:
+        mine = {chunk.global_name(n): p.grad.detach().cpu().clone() for chunk in self.chunks for n, p in chunk.named_parameters()}
+        return {"grads": self._gather_to_first_stage(mine, "tooling/grads"), "tp_replica_max_diff": {}}
 
     def close(self) -> None:
         self.pp_comm.wait_all()
