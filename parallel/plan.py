@@ -125,6 +125,11 @@ def _check_steps(steps: int, warmup_steps: int) -> None:
 
 def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
     """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v)."""
+    if p.virtual_stages > 1 and dims.pp < 2:
+        raise LayoutError(
+            f"parallel.virtual_stages={p.virtual_stages} interleaves chunks across pipeline ranks, but parallel.pp={dims.pp}: "
+            "use at least 2 pipeline ranks, or parallel.virtual_stages=1"
+        )
     try:
         layer_counts(model.n_layers, dims.pp * p.virtual_stages, list(p.pp_layers) if p.pp_layers is not None else None)
         build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)
