@@ -20,15 +20,11 @@ from parallel.pp.schedules import build_schedule
 
 S, H = 32, 64  # the tiny model's sequence length and width
 
+# GPipe and 1F1B at pp 2 and 4 with m = p, 2p and an odd m; interleaved at pp 2 with v 2; dp x pp.
 CASES = [
     # id, world, preset, dp, pp, microbatches, virtual, global batch
-    ("gpipe-p2-m2", 2, "pp_gpipe", 1, 2, 2, 1, 16),
-    ("gpipe-p4-m4", 4, "pp_gpipe", 1, 4, 4, 1, 16),
-    ("gpipe-p4-m3", 4, "pp_gpipe", 1, 4, 3, 1, 12),
-    ("1f1b-p2-m4", 2, "pp_1f1b", 1, 2, 4, 1, 16),
-    ("1f1b-p2-m3", 2, "pp_1f1b", 1, 2, 3, 1, 12),
-    ("1f1b-p4-m4", 4, "pp_1f1b", 1, 4, 4, 1, 16),
-    ("1f1b-p4-m8", 4, "pp_1f1b", 1, 4, 8, 1, 16),
+    *[(f"{name}-p{p}-m{m}", p, preset, 1, p, m, 1, 12 if m == 3 else 16)
+      for name, preset in (("gpipe", "pp_gpipe"), ("1f1b", "pp_1f1b")) for p in (2, 4) for m in (p, 2 * p, 3)],
     ("interleaved-p2-v2-m2", 2, "pp_interleaved", 1, 2, 2, 2, 16),
     ("interleaved-p2-v2-m4", 2, "pp_interleaved", 1, 2, 4, 2, 16),
     ("dp2xpp2-1f1b-m2", 4, "pp_1f1b", 2, 2, 2, 1, 16),

@@ -133,8 +133,10 @@ class PipelineParallel(Strategy):
                 out_grads[key] = buf
                 receives.append(len(ops))
                 ops.append(("recv", buf, self._peer(vs + 1), f"pp/bwd/{vs + 1}->{vs}"))
+        label = " ".join(str(a) for a in batch)
         start = time.time()
         handles = self.pp_comm.batch_p2p(ops)
+        posted = time.time()
         coalesced = len(handles) != len(ops)
         waited = handles if coalesced else [handles[k] for k in receives]
         for handle in waited:
@@ -142,8 +144,12 @@ class PipelineParallel(Strategy):
         for a in batch:
             if a.op == RECV_F:
                 inputs[(a.mb, a.chunk)].requires_grad_(True)
-        self._span(batch[0], "p2p", start, time.time())
-        self.spans[-1]["name"] = " ".join(str(a) for a in batch)
+        # Two spans: posting the sends and receives, then waiting for the receives to arrive.
+        self._span(batch[0], "p2p", start, posted)
+        self.spans[-1]["name"] = f"post {label}"
+        if waited:
+            self._span(batch[0], "wait", posted, time.time())
+            self.spans[-1]["name"] = f"wait {label}"
         return [] if coalesced else [h for k, h in enumerate(handles) if k not in receives]
 
     # -- results ----------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ from .schedules import build_schedule
 from .simulator import simulate, unit_costs
 
 COMPUTE_KINDS = ("forward", "backward")
-# "p2p": posting sends and receives and waiting for the receives (the visible bubble on a busy
-# machine); "wait": waiting for this step's own sends at its end.
+# "p2p": posting sends and receives; "wait": waiting for a receive to arrive (or, at the end of
+# the step, for this rank's own sends to complete): the visible bubble.
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "p2p": "#BBBBBB", "wait": "#DD8452"}
 
 

@@ -1,0 +1,281 @@
+"""Hand-written Megatron `tp` against PyTorch's DTensor tensor parallelism, in one run.
+
+    torchrun --standalone --nproc-per-node 2 bench/tp_vs_dtensor.py                 # small model, tp 2
+    torchrun --standalone --nproc-per-node 4 bench/tp_vs_dtensor.py rounds=3        # tp 4
+    torchrun --standalone --nproc-per-node 2 bench/tp_vs_dtensor.py model=tiny vocab=replicated
+
+Both variants live in the same processes and take turns (round-robin with a rotating start,
+`steps` steps each per round), so machine noise and drift fall on both alike. Each variant's step
+time is the median over its timed steps of the slowest rank; the printed ratio compares medians
+measured in this one run. Variants:
+
+    tp         parallel/tp_strategy.py's TensorParallel, built as parallel/train.py builds it
+               (communication log on, the project default)
+    torch_tp   GPT(cfg, seed), then torch.distributed.tensor.parallel.parallelize_module on the
+               tp sub-mesh: ColwiseParallel for each block's attn.q/k/v and mlp.fc, RowwiseParallel
+               for attn.proj and mlp.proj; loss = token_loss_sum(full logits) / global tokens;
+               optimizer = parallel.strategy.make_optimizer on the DTensor parameters
+
+The vocabulary (option vocab=...):
+
+    parallel    (default; torchtitan's plan without loss_parallel) embed.tok RowwiseParallel
+                (vocab-sharded table, output all-reduced), head.out ColwiseParallel with
+                output_layouts=Replicate() (logits all-gathered, then the plain full loss)
+    replicated  embed and head left as plain replicated modules (no vocabulary collectives)
+
+The hand-written tp always splits the vocabulary and uses the vocab-parallel loss (3 small
+all-reduces instead of gathering the logits).
+
+Scope: dp = 1 only (tp = world size, set by default), no sequence parallelism, no pipeline.
+
+Correctness check: before timing, each variant runs steps 0, 1, 2 on the same global batches from
+the same seed; their losses are printed side by side and must agree to ~1e-5 relative. One of
+those steps (step 2) is also run under a dispatcher mode that counts every collective (c10d and
+functional), so the collectives each variant issues per step are printed next to each other (for
+tp, also as its communication log recorded them).
+
+Options are Hydra-style key=value overrides of the training config (model=..., train.global_batch=...,
+parallel.microbatches=...), plus rounds=N, steps=N and vocab=parallel|replicated for the benchmark.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from hydra import compose, initialize_config_dir
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.comm import CommLog, calls_by_tag_op
+from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.dims import LayoutError
+from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown, threads_per_rank
+from parallel.model import GPT
+from parallel.plan import ConfigError, build_plan
+from parallel.strategy import Strategy, make_optimizer
+from parallel.tp_strategy import TensorParallel
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+CHECK_STEPS = 3  # steps 0..2 run by every variant on the same data, for the loss check
+COUNT_STEP = 2  # the check step that is also run under CommDebugMode
+VOCAB_MODES = ("parallel", "replicated")
+
+
+def parse_args(argv: list[str]) -> tuple[list[str], int, int, str]:
+    rounds, steps, vocab, overrides = 5, 4, "parallel", []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "rounds":
+            rounds = int(value)
+        elif key == "steps":
+            steps = int(value)
+        elif key == "vocab":
+            vocab = value
+        else:
+            overrides.append(arg)
+    if vocab not in VOCAB_MODES:
+        raise ConfigError(f"vocab={vocab!r} is not one of {', '.join(VOCAB_MODES)}")
+    return overrides, rounds, steps, vocab
+
+
+def main() -> None:
+    env = LaunchEnv.from_environ()
+    try:
+        overrides, rounds, steps, vocab = parse_args(sys.argv[1:])
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            # dp = 1: tp takes the whole world unless overridden (and then refused below).
+            cfg = compose(config_name="config",
+                          overrides=["model=small", "parallel=tp", f"parallel.tp={env.world_size}", *overrides])
+        plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
+        if plan.strategy != "tp" or plan.dims.dp != 1 or plan.dims.pp != 1 or plan.sequence_parallel or plan.dims.tp < 2:
+            raise LayoutError(
+                f"this benchmark compares plain tp with dp = 1 and tp = world size >= 2, got parallel={plan.strategy} "
+                f"dp {plan.dims.dp} x tp {plan.dims.tp} x pp {plan.dims.pp}, sequence_parallel={plan.sequence_parallel}: "
+                "launch with torchrun --nproc-per-node 2 or 4 and leave parallel.* layout overrides out"
+            )
+    except (ConfigError, LayoutError, ValueError) as e:
+        if env.rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        exit_process(2)
+    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
+    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
+    try:
+        run(plan, ctx, corpus, rounds, steps, vocab)
+    finally:
+        shutdown(ctx)
+    exit_process(0)
+
+
+# -- the DTensor variant ----------------------------------------------------------------------------
+def torch_tp_plan(n_layers: int, vocab: str) -> dict:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(n_layers):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.proj"):
+            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+    if vocab == "parallel":
+        # torchtitan's plan for a Llama's tok_embeddings and output, minus loss_parallel (the loss
+        # here is the plain cross-entropy on full logits).
+        plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate())
+        plan["head.out"] = ColwiseParallel(output_layouts=Replicate())
+    return plan
+
+
+class TorchTP(Strategy):
+    """The base Strategy's step (forward, token_loss_sum / global tokens, backward, optimizer) on
+    a DTensor-parallelized GPT. dp = 1, so there is no gradient sync and the loss needs no reduce."""
+
+    name = "torch_tp"
+
+    def __init__(self, model: nn.Module, tp_mesh, vocab: str, lr: float, weight_decay: float):
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab))
+        super().__init__(model, make_optimizer(model, lr, weight_decay), loss_comm=None)
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the collectives issued on plain tensors (c10d and functional collectives), by op,
+    with their payload bytes. Ops on DTensor are let through first (NotImplemented), so DTensor
+    desugars them into local ops and collectives, which come back here: the same trick as
+    torch's CommDebugMode, whose module tracker fails on this model (IndexError in
+    _fw_set_module_hook, torch 2.13)."""
+
+    NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd")
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.payload: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
+            return NotImplemented
+        name = func._opname.rstrip("_")
+        if func.namespace in self.NAMESPACES and not any(w in name for w in ("wait", "wrap")):
+            self.calls[name] += 1
+            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if tensors:
+                # The project's payload convention: the full tensor (an all-gather's output).
+                group = args[1] if "all_gather" in name and len(args) > 1 and isinstance(args[1], int) else 1
+                self.payload[name] += tensors[0].numel() * tensors[0].element_size() * group
+        return func(*args, **kwargs)
+
+
+def counted_step(strategy: Strategy, mbs, global_tokens: int):
+    """One step under CountCollectives: every collective of forward, backward and optimizer."""
+    mode = CountCollectives()
+    with mode:
+        loss = strategy.train_step(mbs, global_tokens)
+    return loss, mode
+
+
+# -- the benchmark ------------------------------------------------------------------------------------
+def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str) -> None:
+    def fresh_model():
+        return GPT(plan.model, seed=plan.seed).to(ctx.device)
+
+    def optimizer_for(m):
+        return make_optimizer(m, plan.lr, plan.weight_decay)
+
+    m1, m2 = fresh_model(), fresh_model()
+    variants = {
+        # As parallel/train.py's build_strategy builds parallel=tp.
+        "tp": TensorParallel(m1, optimizer_for, ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
+                             plan.grad_sync, plan.bucket_mb),
+        "torch_tp": TorchTP(m2, ctx.mesh["tp"], vocab, plan.lr, plan.weight_decay),
+    }
+    batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
+    world = ctx.comm("world")
+
+    def microbatches(step):
+        glob = batches(step)
+        return glob, [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+
+    # Correctness first: the same steps 0..2, same data, from the same seed, for every variant.
+    check_losses: dict[str, list[float]] = {name: [] for name in variants}
+    collectives: dict[str, CountCollectives] = {}
+    logged_tp: Counter = Counter()
+    for name, strategy in variants.items():
+        for step in range(CHECK_STEPS):
+            glob, mbs = microbatches(step)
+            ctx.log.begin_step()
+            if step == COUNT_STEP:
+                local_loss, collectives[name] = counted_step(strategy, mbs, glob.n_tokens)
+            else:
+                local_loss = strategy.train_step(mbs, glob.n_tokens)
+            traffic = ctx.log.end_step()
+            if name == "tp" and step == COUNT_STEP:
+                for ops in calls_by_tag_op(traffic).values():
+                    logged_tp.update(ops)
+            check_losses[name].append(strategy.global_loss(local_loss))
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    step = CHECK_STEPS
+    names = list(variants)
+    for r in range(rounds + 1):  # round 0 warms every variant up and is not counted
+        # Rotate who goes first, so no variant always runs right after the same other one.
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            strategy = variants[name]
+            for _ in range(steps):
+                glob, mbs = microbatches(step)
+                ctx.log.begin_step()
+                start = time.perf_counter()
+                strategy.train_step(mbs, glob.n_tokens)
+                elapsed = time.perf_counter() - start
+                ctx.log.end_step()
+                per_rank = world.gather_object(elapsed, 0, tag="tooling/bench")  # a step lasts as long as its slowest rank
+                if r > 0 and ctx.is_rank0:
+                    times[name].append(max(per_rank))
+                step += 1
+    for strategy in variants.values():
+        strategy.close()
+    if ctx.is_rank0:
+        report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_tp)
+
+
+def report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_tp) -> None:
+    med = {name: statistics.median(t) for name, t in times.items()}
+    tokens = plan.tokens_per_step
+    print(f"\nmodel d_model={plan.model.d_model} layers={plan.model.n_layers} heads={plan.model.n_heads} "
+          f"seq={plan.model.seq_len} | world {plan.dims.world_size} = dp 1 x tp {plan.dims.tp} | "
+          f"global batch {plan.global_batch} x {plan.microbatches} microbatch(es) | torch_tp vocab={vocab} | "
+          f"{rounds} rounds x {steps} steps per variant (medians of the slowest rank)")
+    print(f"{'variant':<12} {'step ms':>9} {'tokens/s':>10}")
+    for name, seconds in med.items():
+        print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f}")
+    print(f"\ntp / torch_tp tokens/s ratio: {med['torch_tp'] / med['tp']:.3f}  (>1: hand-written tp is faster)")
+
+    print(f"\nloss check, steps 0..{CHECK_STEPS - 1} on the same data from seed {plan.seed}:")
+    print(f"{'step':>4} {'tp':>12} {'torch_tp':>12} {'rel diff':>10}")
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(check_losses["tp"], check_losses["torch_tp"])):
+        rel = abs(a - b) / abs(a)
+        worst = max(worst, rel)
+        print(f"{i:>4} {a:12.7f} {b:12.7f} {rel:10.2e}")
+    print(f"largest relative difference {worst:.2e}: {'OK (<= 1e-5)' if worst <= 1e-5 else 'MISMATCH (> 1e-5)'}")
+
+    print(f"\ncollectives per rank in one step ({plan.microbatches} microbatch(es); forward, backward, optimizer; "
+          "counted at the dispatcher):")
+    for name in ("tp", "torch_tp"):
+        mode = collectives[name]
+        detail = ", ".join(f"{n} {op} ({mode.payload[op] / 1e6:.2f} MB)" for op, n in sorted(mode.calls.items()))
+        print(f"  {name:<10} {sum(mode.calls.values()):4d} calls, {sum(mode.payload.values()) / 1e6:7.2f} MB payload: {detail}")
+    print(f"  (tp's communication log for the same step: {', '.join(f'{n} {op}' for op, n in sorted(logged_tp.items()))})")
+
+if __name__ == "__main__":
+    main()
