@@ -23,6 +23,11 @@ The vocabulary (option vocab=...):
                 output_layouts=Replicate() (logits all-gathered, then the plain full loss)
     replicated  embed and head left as plain replicated modules (no vocabulary collectives)
 
+With shared_qkv=true a third variant, torch_tp_sq, adds PrepareModuleInput(Replicate ->
+Replicate, use_local_output=False) on each block's attn, so q, k and v share one DTensor input and
+its gradient is all-reduced once per layer as in Megatron (plain torch_tp all-reduces it three
+times, once per ColwiseParallel input).
+
 The hand-written tp always splits the vocabulary and uses the vocab-parallel loss (3 small
 all-reduces instead of gathering the logits).
 
@@ -35,7 +40,8 @@ functional), so the collectives each variant issues per step are printed next to
 tp, also as its communication log recorded them).
 
 Options are Hydra-style key=value overrides of the training config (model=..., train.global_batch=...,
-parallel.microbatches=...), plus rounds=N, steps=N and vocab=parallel|replicated for the benchmark.
+parallel.microbatches=...), plus rounds=N, steps=N, vocab=parallel|replicated and shared_qkv=true|false
+for the benchmark.
 """
 
 from __future__ import annotations
@@ -67,8 +73,8 @@ COUNT_STEP = 2  # the check step that is also run under CommDebugMode
 VOCAB_MODES = ("parallel", "replicated")
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], int, int, str]:
-    rounds, steps, vocab, overrides = 5, 4, "parallel", []
+def parse_args(argv: list[str]) -> tuple[list[str], int, int, str, bool]:
+    rounds, steps, vocab, shared_qkv, overrides = 5, 4, "parallel", False, []
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "rounds":
@@ -77,17 +83,19 @@ def parse_args(argv: list[str]) -> tuple[list[str], int, int, str]:
             steps = int(value)
         elif key == "vocab":
             vocab = value
+        elif key == "shared_qkv":
+            shared_qkv = value.lower() in ("1", "true", "yes")
         else:
             overrides.append(arg)
     if vocab not in VOCAB_MODES:
         raise ConfigError(f"vocab={vocab!r} is not one of {', '.join(VOCAB_MODES)}")
-    return overrides, rounds, steps, vocab
+    return overrides, rounds, steps, vocab, shared_qkv
 
 
 def main() -> None:
     env = LaunchEnv.from_environ()
     try:
-        overrides, rounds, steps, vocab = parse_args(sys.argv[1:])
+        overrides, rounds, steps, vocab, shared_qkv = parse_args(sys.argv[1:])
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             # dp = 1: tp takes the whole world unless overridden (and then refused below).
             cfg = compose(config_name="config",
@@ -107,19 +115,24 @@ def main() -> None:
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
     try:
-        run(plan, ctx, corpus, rounds, steps, vocab)
+        run(plan, ctx, corpus, rounds, steps, vocab, shared_qkv)
     finally:
         shutdown(ctx)
     exit_process(0)
 
 
 # -- the DTensor variant ----------------------------------------------------------------------------
-def torch_tp_plan(n_layers: int, vocab: str) -> dict:
+def torch_tp_plan(n_layers: int, vocab: str, shared_qkv: bool = False) -> dict:
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
     plan = {}
     for i in range(n_layers):
+        if shared_qkv:
+            # Make attention's input a Replicate DTensor once: q, k and v then share it, their input
+            # gradients add up as Partial and are all-reduced once (Megatron's f), not three times.
+            plan[f"blocks.{i}.attn"] = PrepareModuleInput(input_layouts=(Replicate(),),
+                                                          desired_input_layouts=(Replicate(),), use_local_output=False)
         for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.proj", "mlp.proj"):
@@ -138,10 +151,10 @@ class TorchTP(Strategy):
 
     name = "torch_tp"
 
-    def __init__(self, model: nn.Module, tp_mesh, vocab: str, lr: float, weight_decay: float):
+    def __init__(self, model: nn.Module, tp_mesh, vocab: str, lr: float, weight_decay: float, shared_qkv: bool = False):
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab))
+        parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab, shared_qkv))
         super().__init__(model, make_optimizer(model, lr, weight_decay), loss_comm=None)
 
 
@@ -185,7 +198,7 @@ def counted_step(strategy: Strategy, mbs, global_tokens: int):
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
-def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str) -> None:
+def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool) -> None:
     def fresh_model():
         return GPT(plan.model, seed=plan.seed).to(ctx.device)
 
@@ -199,6 +212,9 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str) -> None:
                              plan.grad_sync, plan.bucket_mb),
         "torch_tp": TorchTP(m2, ctx.mesh["tp"], vocab, plan.lr, plan.weight_decay),
     }
+    if shared_qkv:
+        m3 = fresh_model()
+        variants["torch_tp_sq"] = TorchTP(m3, ctx.mesh["tp"], vocab, plan.lr, plan.weight_decay, shared_qkv=True)
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
     world = ctx.comm("world")
 
@@ -259,23 +275,27 @@ def report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_
     for name, seconds in med.items():
         print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f}")
     print(f"\ntp / torch_tp tokens/s ratio: {med['torch_tp'] / med['tp']:.3f}  (>1: hand-written tp is faster)")
+    if "torch_tp_sq" in med:
+        print(f"tp / torch_tp_sq tokens/s ratio: {med['torch_tp_sq'] / med['tp']:.3f}")
 
-    print(f"\nloss check, steps 0..{CHECK_STEPS - 1} on the same data from seed {plan.seed}:")
-    print(f"{'step':>4} {'tp':>12} {'torch_tp':>12} {'rel diff':>10}")
+    others = [n for n in check_losses if n != "tp"]
+    print(f"\nloss check, steps 0..{CHECK_STEPS - 1} on the same data from seed {plan.seed} (rel diff: largest vs tp):")
+    print(f"{'step':>4} {'tp':>12} " + " ".join(f"{n:>12}" for n in others) + f" {'rel diff':>10}")
     worst = 0.0
-    for i, (a, b) in enumerate(zip(check_losses["tp"], check_losses["torch_tp"])):
-        rel = abs(a - b) / abs(a)
+    for i, ref in enumerate(check_losses["tp"]):
+        row = [check_losses[n][i] for n in others]
+        rel = max(abs(ref - x) / abs(ref) for x in row)
         worst = max(worst, rel)
-        print(f"{i:>4} {a:12.7f} {b:12.7f} {rel:10.2e}")
+        print(f"{i:>4} {ref:12.7f} " + " ".join(f"{x:12.7f}" for x in row) + f" {rel:10.2e}")
     print(f"largest relative difference {worst:.2e}: {'OK (<= 1e-5)' if worst <= 1e-5 else 'MISMATCH (> 1e-5)'}")
 
     print(f"\ncollectives per rank in one step ({plan.microbatches} microbatch(es); forward, backward, optimizer; "
           "counted at the dispatcher):")
-    for name in ("tp", "torch_tp"):
-        mode = collectives[name]
+    for name, mode in collectives.items():
         detail = ", ".join(f"{n} {op} ({mode.payload[op] / 1e6:.2f} MB)" for op, n in sorted(mode.calls.items()))
-        print(f"  {name:<10} {sum(mode.calls.values()):4d} calls, {sum(mode.payload.values()) / 1e6:7.2f} MB payload: {detail}")
+        print(f"  {name:<12} {sum(mode.calls.values()):4d} calls, {sum(mode.payload.values()) / 1e6:7.2f} MB payload: {detail}")
     print(f"  (tp's communication log for the same step: {', '.join(f'{n} {op}' for op, n in sorted(logged_tp.items()))})")
+
 
 if __name__ == "__main__":
     main()
