@@ -150,17 +150,21 @@ class BucketedGradSync:
         self._armed = False
 
 
+def make_grad_sync(model: nn.Module, comm: Communicator, grad_sync: str, bucket_mb: float):
+    """The gradient synchroniser `parallel.grad_sync` names, over `comm` (the dp group)."""
+    if grad_sync == "naive":
+        return NaiveGradSync(model, comm)
+    if grad_sync == "bucketed":
+        return BucketedGradSync(model, comm, int(bucket_mb * MiB))
+    raise ValueError(f"parallel.grad_sync={grad_sync!r}: use 'bucketed' or 'naive'")
+
+
 class DataParallel(Strategy):
     name = "dp"
 
     def __init__(self, model, optimizer, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
         super().__init__(model, optimizer, loss_comm=dp_comm)
-        if grad_sync == "naive":
-            self.sync = NaiveGradSync(model, dp_comm)
-        elif grad_sync == "bucketed":
-            self.sync = BucketedGradSync(model, dp_comm, int(bucket_mb * MiB))
-        else:
-            raise ValueError(f"parallel.grad_sync={grad_sync!r}: use 'bucketed' or 'naive'")
+        self.sync = make_grad_sync(model, dp_comm, grad_sync, bucket_mb)
         self.grad_sync = grad_sync
 
     def zero_grad(self) -> None:

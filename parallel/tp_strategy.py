@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from .comm import Communicator
 from .data import Batch
-from .dp import MiB, BucketedGradSync, NaiveGradSync
+from .dp import make_grad_sync
 from .tp import all_gather_along, parallelize_tp
 from .tp_loss import vocab_parallel_loss_sum
 from .strategy import Strategy
@@ -40,12 +40,7 @@ class TensorParallel(Strategy):
         super().__init__(model, optimizer_factory(model), loss_comm=dp_comm)
         params = dict(model.named_parameters())
         self.sequence_partial = [params[n] for n in self.shards.sequence_partial]
-        self.sync = None
-        if dp_comm.size > 1:
-            if grad_sync == "naive":
-                self.sync = NaiveGradSync(model, dp_comm)
-            else:
-                self.sync = BucketedGradSync(model, dp_comm, int(bucket_mb * MiB))
+        self.sync = make_grad_sync(model, dp_comm, grad_sync, bucket_mb) if dp_comm.size > 1 else None
 
     def zero_grad(self) -> None:
         if self.sync is not None:
