@@ -71,7 +71,7 @@ def draw_timeline(rank_spans: list[list[dict]], path: Path, title: str) -> None:
                 ax.text(left + width / 2, rank, s["name"], ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(len(rank_spans)), [f"rank {r}" for r in range(len(rank_spans))])
     ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began (white space: idle, the bubble)")
+    ax.set_xlabel("ms since the step began (orange: waiting for a neighbour, the bubble)")
     ax.set_title(title)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=4)
     fig.tight_layout()
