@@ -21,51 +21,24 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import replace
-from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
 
 from parallel.comm import CommLog, Communicator, summarize_traffic
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
-from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown, threads_per_rank
+from parallel.data import GlobalBatches, local_microbatches
+from parallel.distributed import LaunchEnv
 from parallel.dp import DataParallel
 from parallel.model import GPT
 from parallel.native import TorchDDP
-from parallel.plan import build_plan
 from parallel.strategy import make_optimizer
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
-
-
-def parse_args(argv: list[str]) -> tuple[list[str], int, int]:
-    rounds, steps, overrides = 5, 4, []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "rounds":
-            rounds = int(value)
-        elif key == "steps":
-            steps = int(value)
-        else:
-            overrides.append(arg)
-    return overrides, rounds, steps
+from harness import plan_for, run_distributed, split_args
 
 
 def main() -> None:
-    overrides, rounds, steps = parse_args(sys.argv[1:])
     env = LaunchEnv.from_environ()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["model=small", "parallel=dp", *overrides])
-    plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
-    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
-    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
-    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
-    try:
-        run(plan, ctx, corpus, rounds, steps)
-    finally:
-        shutdown(ctx)
-    exit_process(0)
+    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4"})
+    plan = plan_for(env, ["model=small", "parallel=dp"], overrides)
+    run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"])))
 
 
 def run(plan, ctx, corpus, rounds: int, steps: int) -> None:

@@ -37,66 +37,39 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
-from hydra import compose, initialize_config_dir
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from parallel.comm import CommLog
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
-from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown, threads_per_rank
+from parallel.data import GlobalBatches, local_microbatches
+from parallel.distributed import LaunchEnv
 from parallel.model import GPT, token_loss_sum
-from parallel.plan import build_plan
 from parallel.pp.executor import PipelineParallel
 from parallel.pp.schedules import ScheduleError, build_schedule
 from parallel.pp.split import split_model
 from parallel.strategy import make_optimizer
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+from harness import plan_for, refuse, run_distributed, split_args
+
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 LOSS_STEPS = 3  # the first steps whose losses are compared
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], int, int, list[str], int]:
-    rounds, steps, schedules, virtual, overrides = 5, 4, list(ALL_SCHEDULES), 2, []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "rounds":
-            rounds = int(value)
-        elif key == "steps":
-            steps = int(value)
-        elif key == "schedules":
-            schedules = [s for s in value.split(",") if s]
-            unknown = [s for s in schedules if s not in ALL_SCHEDULES]
-            if unknown:
-                raise SystemExit(f"schedules={value}: unknown {unknown}; choose from {', '.join(ALL_SCHEDULES)}")
-        elif key == "virtual":
-            virtual = int(value)
-        else:
-            overrides.append(arg)
-    return overrides, rounds, steps, schedules, virtual
-
-
 def main() -> None:
-    overrides, rounds, steps, schedules, virtual = parse_args(sys.argv[1:])
     env = LaunchEnv.from_environ()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["model=small", "parallel=pp_1f1b", *overrides])
-    plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
+    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": ",".join(ALL_SCHEDULES), "virtual": "2"})
+    schedules = [s for s in opts["schedules"].split(",") if s]
+    unknown = [s for s in schedules if s not in ALL_SCHEDULES]
+    if unknown:
+        refuse(env, f"schedules={opts['schedules']}: unknown {unknown}; choose from {', '.join(ALL_SCHEDULES)}")
+    plan = plan_for(env, ["model=small", "parallel=pp_1f1b"], overrides)
     if plan.strategy != "pp" or plan.dims.dp != 1:
-        raise SystemExit(f"this benchmark needs one pipeline over the whole world (pp = world, dp = 1), "
-                         f"got strategy {plan.strategy}, dp {plan.dims.dp}: launch it with torchrun and >= 2 processes")
-    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
-    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
-    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
-    try:
-        run(plan, ctx, corpus, rounds, steps, schedules, virtual)
-    finally:
-        shutdown(ctx)
-    exit_process(0)
+        refuse(env, f"this benchmark needs one pipeline over the whole world (pp = world, dp = 1), "
+                    f"got strategy {plan.strategy}, dp {plan.dims.dp}: launch it with torchrun and >= 2 processes")
+    run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"]),
+                                                             schedules, int(opts["virtual"])))
 
 
 class TorchPipeline:

@@ -50,75 +50,45 @@ import statistics
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from hydra import compose, initialize_config_dir
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from parallel.comm import CommLog, calls_by_tag_op
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.comm import calls_by_tag_op
+from parallel.data import GlobalBatches, local_microbatches
 from parallel.dims import LayoutError
-from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown, threads_per_rank
+from parallel.distributed import LaunchEnv
 from parallel.model import GPT
-from parallel.plan import ConfigError, build_plan
+from parallel.plan import ConfigError
 from parallel.strategy import Strategy, make_optimizer
 from parallel.tp_strategy import TensorParallel
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+from harness import plan_for, refuse, run_distributed, split_args
+
 CHECK_STEPS = 3  # steps 0..2 run by every variant on the same data, for the loss check
 COUNT_STEP = 2  # the check step that is also run under CommDebugMode
 VOCAB_MODES = ("parallel", "replicated")
 
 
-def parse_args(argv: list[str]) -> tuple[list[str], int, int, str, bool]:
-    rounds, steps, vocab, shared_qkv, overrides = 5, 4, "parallel", False, []
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key == "rounds":
-            rounds = int(value)
-        elif key == "steps":
-            steps = int(value)
-        elif key == "vocab":
-            vocab = value
-        elif key == "shared_qkv":
-            shared_qkv = value.lower() in ("1", "true", "yes")
-        else:
-            overrides.append(arg)
-    if vocab not in VOCAB_MODES:
-        raise ConfigError(f"vocab={vocab!r} is not one of {', '.join(VOCAB_MODES)}")
-    return overrides, rounds, steps, vocab, shared_qkv
-
-
 def main() -> None:
     env = LaunchEnv.from_environ()
+    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "vocab": "parallel", "shared_qkv": "false"})
+    vocab, shared_qkv = opts["vocab"], opts["shared_qkv"].lower() in ("1", "true", "yes")
+    if vocab not in VOCAB_MODES:
+        refuse(env, f"vocab={vocab!r} is not one of {', '.join(VOCAB_MODES)}")
     try:
-        overrides, rounds, steps, vocab, shared_qkv = parse_args(sys.argv[1:])
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            # dp = 1: tp takes the whole world unless overridden (and then refused below).
-            cfg = compose(config_name="config",
-                          overrides=["model=small", "parallel=tp", f"parallel.tp={env.world_size}", *overrides])
-        plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
-        if plan.strategy != "tp" or plan.dims.dp != 1 or plan.dims.pp != 1 or plan.sequence_parallel or plan.dims.tp < 2:
-            raise LayoutError(
-                f"this benchmark compares plain tp with dp = 1 and tp = world size >= 2, got parallel={plan.strategy} "
-                f"dp {plan.dims.dp} x tp {plan.dims.tp} x pp {plan.dims.pp}, sequence_parallel={plan.sequence_parallel}: "
-                "launch with torchrun --nproc-per-node 2 or 4 and leave parallel.* layout overrides out"
-            )
+        # dp = 1: tp takes the whole world unless overridden (and then refused below).
+        plan = plan_for(env, ["model=small", "parallel=tp", f"parallel.tp={env.world_size}"], overrides)
     except (ConfigError, LayoutError, ValueError) as e:
-        if env.rank == 0:
-            print(f"error: {e}", file=sys.stderr)
-        exit_process(2)
-    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
-    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
-    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
-    try:
-        run(plan, ctx, corpus, rounds, steps, vocab, shared_qkv)
-    finally:
-        shutdown(ctx)
-    exit_process(0)
+        refuse(env, str(e))
+    if plan.strategy != "tp" or plan.dims.dp != 1 or plan.dims.pp != 1 or plan.sequence_parallel or plan.dims.tp < 2:
+        refuse(env, f"this benchmark compares plain tp with dp = 1 and tp = world size >= 2, got parallel={plan.strategy} "
+                    f"dp {plan.dims.dp} x tp {plan.dims.tp} x pp {plan.dims.pp}, sequence_parallel={plan.sequence_parallel}: "
+                    "launch with torchrun --nproc-per-node 2 or 4 and leave parallel.* layout overrides out")
+    run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"]),
+                                                             vocab, shared_qkv))
 
 
 # -- the DTensor variant ----------------------------------------------------------------------------

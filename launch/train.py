@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from parallel.data import DataError
 from parallel.dims import LayoutError
-from parallel.distributed import LaunchEnv, exit_process
+from parallel.distributed import LaunchEnv, exit_process, exit_with_error
 from parallel.plan import ConfigError, build_plan
 from parallel.train import train
 
@@ -33,10 +33,7 @@ def main(cfg: DictConfig) -> None:
         plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
         train(plan, OmegaConf.to_container(cfg, resolve=True), env)
     except CONFIG_ERRORS as e:
-        # Every rank reaches the same verdict from the same config; one of them says it.
-        if env.rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_with_error(env, str(e))
     except Exception:
         if env.world_size == 1:
             raise

@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -150,3 +151,17 @@ def exit_process(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def exit_with_error(env: LaunchEnv, message: str, code: int = 2) -> None:
+    """Refuse a run in one line and exit non-zero, before any process group exists.
+
+    Every rank reaches the same verdict from the same config, but torchrun stops all workers as
+    soon as the first one exits: rank 0 says it and leaves at once, the others wait a moment so
+    they are not the first to go (which could cut rank 0 off before its line is out), then say it
+    too, in case rank 0 did not fail.
+    """
+    if env.rank != 0:
+        time.sleep(2.0)
+    print(f"error: {message}" if env.rank == 0 else f"error (rank {env.rank}): {message}", file=sys.stderr, flush=True)
+    exit_process(code)

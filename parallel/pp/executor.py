@@ -23,7 +23,7 @@ from ..data import Batch
 from ..dp import NaiveGradSync
 from ..model import GPT, token_loss_sum
 from ..strategy import Strategy, make_optimizer
-from .schedules import B, COMM, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, build_schedule
+from .schedules import COMM, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, build_schedule
 from .split import split_model
 
 

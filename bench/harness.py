@@ -1,0 +1,57 @@
+"""What every benchmark in bench/ shares: its arguments, the plan, the process groups, the exit.
+
+A benchmark is run under torchrun with Hydra-style overrides of the training config plus a few
+options of its own (`rounds=N steps=N ...`); it builds a validated plan exactly as
+`launch.train` does, creates the process groups, runs, tears them down and leaves through
+`exit_process` (see parallel/distributed.py for why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from parallel.comm import CommLog
+from parallel.data import load_corpus
+from parallel.distributed import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
+from parallel.plan import build_plan
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+
+
+def split_args(argv: list[str], options: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """`key=value` arguments named in `options` (defaults) are the benchmark's; the rest are
+    overrides of the training config."""
+    values, overrides = dict(options), []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key in values:
+            values[key] = value
+        else:
+            overrides.append(arg)
+    return overrides, values
+
+
+def plan_for(env: LaunchEnv, defaults: list[str], overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*defaults, *overrides])
+    return build_plan(cfg, env, cuda_available=torch.cuda.is_available())
+
+
+def run_distributed(env: LaunchEnv, plan, body) -> None:
+    """Set threads, load the corpus, create the groups, run `body(plan, ctx, corpus)`, tear down, exit."""
+    torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
+    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
+    try:
+        body(plan, ctx, corpus)
+    finally:
+        shutdown(ctx)
+    exit_process(0)
+
+
+def refuse(env: LaunchEnv, message: str) -> None:
+    """A benchmark that cannot run this layout: one line, exit 2, before any process group."""
+    exit_with_error(env, message)
