@@ -3,8 +3,9 @@
 REFERENCES.md reports gloo runs on torch 2.13 whose interpreter aborted at exit ("terminate
 called without an active exception", exit -6) after all their work was done, in about half of
 4-rank DDP runs. parallel/distributed.py's shutdown waits and drops every async handle, barriers,
-and only then destroys the process groups. This test repeats 4-rank runs of the bucketed dp
-(async all-reduces from backward hooks) and of DDP, and requires a clean exit from every one.
+and only then destroys the process groups, and the worker leaves without interpreter
+finalisation. This test repeats 4-rank runs of the bucketed dp, of DDP and of a 4-stage 1F1B
+pipeline, and requires a clean exit from every one.
 """
 
 import pytest
@@ -14,7 +15,8 @@ from launcher import run_train
 REPEATS = 4
 
 
-@pytest.mark.parametrize("preset", ["dp", "torch_ddp"])
+# dp: async all-reduces from backward hooks; torch_ddp: DDP's reducer; pp_1f1b: async sends.
+@pytest.mark.parametrize("preset", ["dp", "torch_ddp", "pp_1f1b"])
 def test_repeated_four_rank_runs_all_exit_cleanly(preset, tmp_path):
     failures = []
     for i in range(REPEATS):
