@@ -31,7 +31,7 @@ from parallel.model import GPT
 from parallel.native import TorchDDP
 from parallel.strategy import make_optimizer
 
-from harness import plan_for, run_distributed, split_args
+from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
 
 def main() -> None:
@@ -59,25 +59,18 @@ def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
     }
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
     times: dict[str, list[float]] = {name: [] for name in variants}
-    world = ctx.comm("world")
     step = 0
     last_traffic = {}
     names = list(variants)
     for r in range(rounds + 1):  # round 0 warms every variant up and is not counted
-        # Rotate who goes first, so no variant always runs right after the same other one.
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotation(names, r):
             strategy = variants[name]
             for _ in range(steps):
                 glob = batches(step)
                 mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
-                ctx.log.begin_step()
-                start = time.perf_counter()
-                strategy.train_step(mbs, glob.n_tokens)
-                elapsed = time.perf_counter() - start
-                last_traffic[name] = ctx.log.end_step()
-                per_rank = world.gather_object(elapsed, 0, tag="tooling/bench")  # a step lasts as long as its slowest rank
+                seconds, _, last_traffic[name] = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
                 if r > 0 and ctx.is_rank0:
-                    times[name].append(max(per_rank))
+                    times[name].append(seconds)
                 step += 1
     for strategy in variants.values():
         strategy.close()

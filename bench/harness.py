@@ -8,6 +8,7 @@ options of its own (`rounds=N steps=N ...`); it builds a validated plan exactly 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -55,3 +56,25 @@ def run_distributed(env: LaunchEnv, plan, body) -> None:
 def refuse(env: LaunchEnv, message: str) -> None:
     """A benchmark that cannot run this layout: one line, exit 2, before any process group."""
     exit_with_error(env, message)
+
+
+def rotation(names: list[str], round_index: int) -> list[str]:
+    """The variants' order in one round: the start rotates, so no variant always runs right after
+    the same other one (caches, allocator state and machine drift fall on all alike)."""
+    k = round_index % len(names)
+    return names[k:] + names[:k]
+
+
+def timed_step(ctx, step_fn):
+    """Run one training step as one step of the communication log.
+
+    Returns (seconds of the slowest rank on rank 0, None elsewhere; what step_fn returned; this
+    rank's traffic of the step). A step lasts as long as its slowest rank.
+    """
+    ctx.log.begin_step()
+    start = time.perf_counter()
+    result = step_fn()
+    elapsed = time.perf_counter() - start
+    traffic = ctx.log.end_step()
+    per_rank = ctx.comm("world").gather_object(elapsed, 0, tag="tooling/bench")
+    return (max(per_rank) if per_rank is not None else None), result, traffic

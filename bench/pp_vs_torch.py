@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn as nn
@@ -50,7 +49,7 @@ from parallel.pp.schedules import ScheduleError, build_schedule
 from parallel.pp.split import split_model
 from parallel.strategy import make_optimizer
 
-from harness import plan_for, refuse, run_distributed, split_args
+from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -140,36 +139,29 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
     losses: dict[str, list[float]] = {name: [] for name in names}
     norms: dict[str, list[float]] = {name: [] for name in names}
     counter = {name: 0 for name in names}  # each variant walks the same batches in the same order
-    world = ctx.comm("world")
     for r in range(rounds + 1):  # round 0 warms every variant up and is not counted
-        # Rotate who goes first, so no variant always runs right after the same other one.
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotation(names, r):
             strategy = variants[name]
             for _ in range(steps):
                 glob = batches(counter[name])
                 counter[name] += 1
                 mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, m)]
                 inputs, targets = glob.inputs.to(ctx.device), glob.targets.to(ctx.device)
-                ctx.log.begin_step()
-                start = time.perf_counter()
                 if name.startswith("ours_"):
-                    local = strategy.train_step(mbs, glob.n_tokens)
+                    seconds, local, _ = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
                 else:
-                    local = strategy.train_step(inputs, targets, glob.n_tokens)
-                elapsed = time.perf_counter() - start
-                ctx.log.end_step()
+                    seconds, local, _ = timed_step(ctx, lambda: strategy.train_step(inputs, targets, glob.n_tokens))
                 # Outside the timed region: the loss lives on the last stage only; sum it over pp.
                 # Also the global gradient norm the optimizer used (Adam would hide a 1/m scaling
                 # of the gradients from the losses; the norm shows it).
                 sq = sum(float(q.grad.double().pow(2).sum()) for c in strategy.chunks for q in c.parameters() if q.grad is not None)
                 pair = torch.stack([local.detach().double(), torch.tensor(sq, dtype=torch.float64)])
                 pp_comm.all_reduce(pair, tag="tooling/loss")
-                per_rank = world.gather_object(elapsed, 0, tag="tooling/bench")  # a step lasts as long as its slowest rank
                 if ctx.is_rank0:
                     losses[name].append(float(pair[0]))
                     norms[name].append(float(pair[1]) ** 0.5)
                     if r > 0:
-                        times[name].append(max(per_rank))
+                        times[name].append(seconds)
     for name, strategy in variants.items():
         if name.startswith("ours_"):
             strategy.close()

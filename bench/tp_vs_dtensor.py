@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from collections import Counter
 
 import torch
@@ -65,7 +64,7 @@ from parallel.plan import ConfigError
 from parallel.strategy import Strategy, make_optimizer
 from parallel.tp_strategy import TensorParallel
 
-from harness import plan_for, refuse, run_distributed, split_args
+from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 CHECK_STEPS = 3  # steps 0..2 run by every variant on the same data, for the loss check
 COUNT_STEP = 2  # the check step that is also run under CommDebugMode
@@ -186,7 +185,6 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
         m3 = fresh_model()
         variants["torch_tp_sq"] = TorchTP(m3, ctx.mesh["tp"], vocab, plan.lr, plan.weight_decay, shared_qkv=True)
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
-    world = ctx.comm("world")
 
     def microbatches(step):
         glob = batches(step)
@@ -214,19 +212,13 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
     step = CHECK_STEPS
     names = list(variants)
     for r in range(rounds + 1):  # round 0 warms every variant up and is not counted
-        # Rotate who goes first, so no variant always runs right after the same other one.
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotation(names, r):
             strategy = variants[name]
             for _ in range(steps):
                 glob, mbs = microbatches(step)
-                ctx.log.begin_step()
-                start = time.perf_counter()
-                strategy.train_step(mbs, glob.n_tokens)
-                elapsed = time.perf_counter() - start
-                ctx.log.end_step()
-                per_rank = world.gather_object(elapsed, 0, tag="tooling/bench")  # a step lasts as long as its slowest rank
+                seconds, _, _ = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
                 if r > 0 and ctx.is_rank0:
-                    times[name].append(max(per_rank))
+                    times[name].append(seconds)
                 step += 1
     for strategy in variants.values():
         strategy.close()
