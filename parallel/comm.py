@@ -132,13 +132,19 @@ def summarize_traffic(traffic: StepTraffic, include_tooling: bool = False) -> di
     return {"total": total, **{k: dict(v) for k, v in by.items()}}
 
 
-def calls_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, int]]:
-    """tag -> op -> calls in one step, strategy traffic only (how many all-reduces each layer did)."""
-    out: dict[str, dict[str, int]] = {}
-    for (op, _group, tag), t in sorted(traffic.items(), key=lambda kv: (kv[0][2], kv[0][0])):
+def traffic_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, Totals]]:
+    """tag -> op -> totals in one step, strategy traffic only: which collectives each part of the
+    model made (how many all-reduces each layer did, forward and backward)."""
+    nested: dict[str, dict[str, Totals]] = defaultdict(lambda: defaultdict(Totals))
+    for (op, _group, tag), t in traffic.items():
         if not is_tooling(tag):
-            out.setdefault(tag, {})[op] = out.get(tag, {}).get(op, 0) + t.calls
-    return out
+            nested[tag][op].add(t)
+    return {tag: dict(sorted(ops.items())) for tag, ops in sorted(nested.items())}
+
+
+def calls_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, int]]:
+    """tag -> op -> calls in one step (strategy traffic only)."""
+    return {tag: {op: t.calls for op, t in ops.items()} for tag, ops in traffic_by_tag_op(traffic).items()}
 
 
 class Handle:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .comm import StepTraffic, Totals, is_tooling, summarize_traffic
+from .comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 
 SCHEMA_VERSION = 1
 
@@ -100,15 +100,6 @@ def _sum_over_ranks(traffics: list[StepTraffic]) -> StepTraffic:
     return dict(merged)
 
 
-def _by_tag_op(traffic: StepTraffic) -> dict:
-    """tag -> op -> totals: which collectives each part of the model made (strategy traffic)."""
-    nested: dict[str, dict[str, Totals]] = defaultdict(lambda: defaultdict(Totals))
-    for (op, _group, tag), t in traffic.items():
-        if not is_tooling(tag):
-            nested[tag][op].add(t)
-    return {tag: _totals_dict(ops) for tag, ops in sorted(nested.items())}
-
-
 def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict:
     """Per-step traffic of every rank -> the summary's `comm` block.
 
@@ -139,7 +130,7 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
         "by_op": _totals_dict(last["by_op"]),
         "by_group": _totals_dict(last["by_group"]),
         "by_tag": _totals_dict(last["by_tag"]),
-        "by_tag_op": _by_tag_op(per_step[-1]),
+        "by_tag_op": {tag: _totals_dict(ops) for tag, ops in traffic_by_tag_op(per_step[-1]).items()},
         "by_rank": by_rank,
         # Host time each rank was blocked in communication per step (median over timed steps,
         # mean over ranks): the communication that was *not* hidden behind computation.
