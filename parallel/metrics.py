@@ -158,7 +158,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     step_time = statistics.median(step_times[timed_from:])
     comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
     memory = [r["peak_memory_bytes"] for r in rank_reports]
-    hand_written_dp = plan.strategy == "dp" or (plan.strategy == "tp" and plan.dims.dp > 1)
+    hand_written_dp = plan.strategy == "dp" or (plan.strategy in ("tp", "3d") and plan.dims.dp > 1)
+    pipelined = plan.strategy in ("pp", "3d")
     return {
         "schema_version": SCHEMA_VERSION,
         "config": config,
@@ -171,8 +172,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "sequence_parallel": plan.sequence_parallel,
             "grad_sync": plan.grad_sync if hand_written_dp else None,
             "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy == "torch_ddp" else None,
-            "schedule": plan.schedule if plan.strategy == "pp" else None,
-            "virtual_stages": plan.virtual_stages if plan.strategy == "pp" else None,
+            "schedule": plan.schedule if pipelined else None,
+            "virtual_stages": plan.virtual_stages if pipelined else None,
             "backend": plan.backend,
         },
         "model": {

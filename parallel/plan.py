@@ -16,7 +16,7 @@ from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp")
+STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d")
 GRAD_SYNCS = ("bucketed", "naive")
 
 
@@ -95,17 +95,8 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
             "parallel=torch_ddp needs at least 2 processes, got world size 1: "
             "launch it with torchrun --nproc-per-node 2 (or more)"
         )
-    if strategy == "pp":
-        if dims.tp != 1:
-            raise LayoutError(f"parallel=pp does not combine with tensor parallelism yet: set parallel.tp=1 (got {dims.tp})")
-        return
-    if strategy == "tp":
-        if dims.pp != 1:
-            raise LayoutError(
-                f"parallel=tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1 "
-                "(the world is split into dp x tp)"
-            )
-        return
+    if strategy in ("pp", "tp", "3d"):
+        return  # pp with tp > 1 and tp with pp > 1 were renamed 3d by build_plan
     if dims.tp != 1 or dims.pp != 1:
         raise LayoutError(
             f"parallel={strategy} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
@@ -137,6 +128,18 @@ def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
+    """The bucketed sync overlaps with the last microbatch's backward, which with one chunk per rank
+    gives every local parameter its final gradient; with virtual stages a rank's chunks finish
+    their last backward at different times, far apart in the schedule."""
+    if dims.dp > 1 and p.grad_sync == "bucketed" and p.virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.grad_sync=bucketed overlaps the dp all-reduce with the last microbatch's backward, but with "
+            f"parallel.virtual_stages={p.virtual_stages} a rank's chunks finish their backward at different times: "
+            "set parallel.grad_sync=naive (or parallel.virtual_stages=1)"
+        )
+
+
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     """Validate the whole configuration against the launch environment."""
     p, t = cfg.parallel, cfg.train
@@ -148,19 +151,24 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     # cuts nothing), and `parallel=dp` (or pp) in one plain process is the single-process run.
     if strategy == "tp" and dims.tp == 1:
         strategy, sequence_parallel = "dp", False
-    if strategy in ("dp", "pp") and env.world_size == 1:
+    # A pipeline of tensor-parallel stages is one strategy, however it was asked for.
+    if (strategy == "pp" and dims.tp > 1) or (strategy == "tp" and dims.pp > 1):
+        strategy = "3d"
+    if strategy in ("dp", "pp", "3d") and env.world_size == 1:
         strategy = "single"
     _check_strategy(strategy, dims)
-    if sequence_parallel and strategy != "tp":
+    if sequence_parallel and (strategy not in ("tp", "3d") or dims.tp == 1):
         raise ConfigError(
-            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy}: "
+            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy} with parallel.tp={dims.tp}: "
             "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
-    if strategy == "tp":
+    if strategy in ("tp", "3d"):
         dims.check_tensor_parallel(model, sequence_parallel)
     dims.check_batch(t.global_batch, p.microbatches)
-    if strategy == "pp":
+    if strategy in ("pp", "3d"):
         _check_pipeline(model, dims, p)
+    if strategy == "3d":
+        _check_3d_grad_sync(dims, p)
     _check_steps(t.steps, t.warmup_steps)
     if p.grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")

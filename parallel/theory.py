@@ -12,6 +12,7 @@ from fractions import Fraction
 
 from .dims import ParallelDims
 from .model import GPTConfig
+from .pp.split import layer_counts
 
 FP32_BYTES = 4
 
@@ -133,9 +134,97 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
     return _figure(totals, ranks, extra)
 
 
+def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> int:
+    """The parameters one rank of a pipeline stage holds, its blocks cut over t tp ranks: `layers`
+    blocks as in `tp_shard_parameter_count`, plus the token rows and positions on the first stage
+    and the final norm and head rows on the last. Summed over the stages it is Ψ_t."""
+    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.d_ff
+    per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
+    return layers * per_layer + (V * h // t + s * h if first else 0) + (2 * h + V * h // t if last else 0)
+
+
+def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None) -> list[int]:
+    """Blocks each pipeline rank holds: its v chunks, virtual stages r, r + p, r + 2p, ..."""
+    counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
+    return [sum(counts[c * dims.pp + r] for c in range(virtual)) for r in range(dims.pp)]
+
+
+def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+                                 pp_rank: int = 0) -> int:
+    layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
+    return stage_shard_parameter_count(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+
+
+def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: int, pp_layers,
+                 sequence_parallel: bool, B: int) -> dict:
+    """dp x tp x pp: every rank's traffic, stage by stage, then summed over the d·t ranks of each.
+
+    A rank of stage r holding L_r blocks (over all its chunks) sends per step, with t = tp, d = dp:
+
+      tp   the Megatron collectives of *its* blocks only: 4·L_r tensors of b·s·h per microbatch,
+           plus the embedding's one on the first stage and the head's one on the last; the
+           vocab-parallel loss's 3 all-reduces of b·s fp32 on the last stage. Each all-reduce
+           2(t-1)/t of its bytes, or under sequence parallelism an all-gather plus a reduce-scatter,
+           (t-1)/t each; then once per step the stage's sequence-sharded gradients (its blocks'
+           6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced;
+      pp   one send of its boundary activation per microbatch for each chunk that is not the last
+           virtual stage, and one of the input gradient for each that is not the first: b·s·h,
+           or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the sequence);
+      dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B.
+
+    Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
+    partition the layers); pp adds 2·m·(v·p-1)·b·s·h·B per pipeline (/t under sequence parallelism),
+    d·t pipelines.
+    """
+    t, d, p = dims.tp, dims.dp, dims.pp
+    s, h = cfg.seq_len, cfg.d_model
+    activation = b * s * h * B
+    boundary = b * (s // t if sequence_parallel else s) * h * B
+    layers = stage_layers(cfg, dims, virtual, pp_layers)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+    totals = {op: [0, Fraction(0)] for op in ops}
+    groups = {g: Fraction(0) for g in ("tp", "pp", "dp")}
+    per_rank_by_stage = []
+    for r in range(p):
+        first, last = r == 0, r == p - 1
+        ar_payload, ag_payload, p2p_payload = 0, 0, 0  # this rank's per step
+        if t > 1:
+            acts = (4 * layers[r] + first + last) * m * activation
+            loss = 3 * m * b * s * FP32_BYTES if last else 0
+            if sequence_parallel:
+                ag_payload = acts
+                ar_payload = loss + (6 * h * layers[r] + s * h * first + 2 * h * last) * B
+            else:
+                ar_payload = acts + loss
+        tp_sent = all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
+        sends = sum(m * ((c * p + r < p * virtual - 1) + (c * p + r > 0)) for c in range(virtual))
+        p2p_payload = sends * boundary
+        dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 else 0
+        dp_sent = all_reduce_sent_per_rank(d, dp_payload)
+        ranks = d * t  # the ranks of this stage, all alike
+        for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload) + dp_sent),
+                                  ("all_gather", ag_payload, gather_or_scatter_sent_per_rank(t, ag_payload)),
+                                  ("reduce_scatter", ag_payload, gather_or_scatter_sent_per_rank(t, ag_payload)),
+                                  ("send", p2p_payload, Fraction(p2p_payload)), ("recv", p2p_payload, Fraction(0))):
+            totals[op][0] += payload * ranks
+            totals[op][1] += sent * ranks
+        for g, v in (("tp", tp_sent), ("pp", Fraction(p2p_payload)), ("dp", dp_sent)):
+            groups[g] += v * ranks
+        per_rank_by_stage.append(tp_sent + p2p_payload + dp_sent)
+    extra = {
+        "by_group": {g: {"sent_bytes": float(v), "sent_bytes_exact": str(v)} for g, v in groups.items() if v},
+        # What each rank of stage r sends per step (the stages differ: embedding, head, loss).
+        "sent_bytes_per_rank_by_stage": [float(v) for v in per_rank_by_stage],
+        "sent_bytes_per_rank_by_stage_exact": [str(v) for v in per_rank_by_stage],
+        "layers_by_stage": layers,
+        "boundary_bytes": boundary,
+    }
+    return _figure({op: (pl, st) for op, (pl, st) in totals.items() if pl}, dims.world_size, extra)
+
+
 def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, microbatch_size: int = 1,
                   microbatches: int = 1, virtual: int = 1, sequence_parallel: bool = False,
-                  dtype_bytes: int = FP32_BYTES) -> dict:
+                  dtype_bytes: int = FP32_BYTES, pp_layers=None) -> dict:
     """Strategy traffic per optimizer step, summed over all ranks, in the summary's schema.
 
     single: nothing crosses between ranks.
@@ -146,6 +235,7 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
     its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e.
     2(dp-1) · Ψ·B over all ranks.
     tp: see `_tp_comm` (microbatch_size b sequences, `microbatches` m per step).
+    3d: see `_mesh3d_comm` (pp_layers: the explicit split, if any).
     """
     psi = parameter_count(model_cfg)
     if strategy == "single" or dims.world_size == 1:
@@ -164,6 +254,9 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
             grads = psi * dtype_bytes  # summed over the stages of one pipeline
             totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
         return _figure(totals, dims.world_size)
+    if strategy == "3d":
+        return _mesh3d_comm(model_cfg, dims, microbatch_size, microbatches, virtual, pp_layers, sequence_parallel,
+                            dtype_bytes)
     if strategy == "tp":
         return _tp_comm(model_cfg, dims, microbatch_size, microbatches, sequence_parallel, dtype_bytes)
     raise ValueError(f"theory has no formula for strategy {strategy!r}")

@@ -26,6 +26,7 @@ from .metrics import (
     setup_logging,
     write_json,
 )
+from .mesh3d import Mesh3D
 from .model import GPT, count_parameters
 from .native import TorchDDP
 from .plan import RunPlan
@@ -60,6 +61,13 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
     if plan.strategy == "tp":
         return TensorParallel(model, optimizer_for, ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
                               plan.grad_sync, plan.bucket_mb)
+    if plan.strategy == "3d":
+        return Mesh3D(
+            model, tp_comm=ctx.comm("tp"), pp_comm=ctx.comm("pp"), dp_comm=ctx.comm("dp"),
+            sequence_parallel=plan.sequence_parallel, grad_sync=plan.grad_sync, bucket_mb=plan.bucket_mb,
+            schedule=plan.schedule, microbatches=plan.microbatches, virtual=plan.virtual_stages,
+            pp_layers=list(plan.pp_layers) if plan.pp_layers else None, lr=plan.lr, weight_decay=plan.weight_decay,
+        )
     raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
 
 
@@ -172,12 +180,12 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         expected = {
             "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims, microbatch_size=plan.microbatch_size,
                                          microbatches=plan.microbatches, virtual=plan.virtual_stages,
-                                         sequence_parallel=plan.sequence_parallel),
+                                         sequence_parallel=plan.sequence_parallel, pp_layers=plan.pp_layers),
             "parameters": theory.parameter_count(plan.model),
-            "local_parameters": theory.tp_shard_parameter_count(plan.model, plan.dims.tp) if plan.strategy != "pp" else None,
+            "local_parameters": _local_params_formula(plan),
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
-        if plan.strategy == "pp":
+        if plan.strategy in ("pp", "3d"):
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
                      if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
@@ -188,6 +196,15 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         _log_summary(summary)
         log.info("wrote %s", run_dir / "summary.json")
     return run_dir
+
+
+def _local_params_formula(plan: RunPlan) -> int | None:
+    """What rank 0 holds, in closed form where theory has one."""
+    if plan.strategy == "pp":
+        return None
+    if plan.strategy == "3d":
+        return theory.mesh3d_local_parameter_count(plan.model, plan.dims, plan.virtual_stages, plan.pp_layers)
+    return theory.tp_shard_parameter_count(plan.model, plan.dims.tp)
 
 
 def _log_summary(summary: dict) -> None:
