@@ -122,3 +122,60 @@ def test_shard_parameter_count_is_what_parallelize_tp_leaves(t):
     assert total_sharded + replicated == parameter_count(CFG)
     if t == 1:
         assert tp_shard_parameter_count(CFG, 1) == parameter_count(CFG)
+
+
+# -- dp x tp x pp on one mesh -----------------------------------------------------------------------
+def _stage_shard_sizes(d, t, p, v=1):
+    """What one rank of each stage holds, counted on the model itself: cut by parallelize_tp, then
+    split by split_model (no collective runs while cutting)."""
+    from parallel.pp.split import split_model
+    sizes = []
+    for r in range(p):
+        model = GPT(CFG, seed=0)
+        parallelize_tp(model, SimpleNamespace(rank=0, size=t))
+        sizes.append(sum(q.numel() for chunk in split_model(model, p, v, r) for q in chunk.parameters()))
+    return sizes
+
+
+@pytest.mark.parametrize("d,t,p,v,b,m,sp", [
+    (2, 2, 2, 1, 4, 2, False), (2, 2, 2, 1, 4, 2, True), (1, 2, 2, 2, 8, 2, False), (2, 2, 1, 1, 4, 2, True),
+    (1, 2, 4, 1, 2, 4, False),
+])
+def test_3d_traffic_written_out_stage_by_stage(d, t, p, v, b, m, sp):
+    dims = ParallelDims.resolve(d * t * p, dp=d, tp=t, pp=p)
+    fig = expected_comm("3d", CFG, dims, microbatch_size=b, microbatches=m, virtual=v, sequence_parallel=sp)
+    shard = _stage_shard_sizes(d, t, p, v)
+    assert sum(shard) == tp_shard_parameter_count(CFG, t)  # the stages partition the tp shard
+    q = Fraction(t - 1, t)
+    bsh = b * S * H
+    per_rank = []
+    for r in range(p):
+        first, last = r == 0, r == p - 1
+        layers = L // p
+        # tp, only the blocks this stage holds: 2 fwd + 2 bwd tensors of b·s·h per block and
+        # microbatch, plus the embedding's one on the first stage and the head's one on the last.
+        acts = (4 * layers + first + last) * m * bsh * 4
+        loss = 3 * m * b * S * 4 if last else 0
+        sp_grads = (6 * H * layers + S * H * first + 2 * H * last) * 4 if sp else 0
+        tp_bytes = 2 * q * (acts + loss + sp_grads)  # as all-reduces, or AG + RS: the same bytes
+        # pp: each chunk sends its output forward unless it is the last virtual stage, its input
+        # gradient backward unless it is the first; b·s·h, or the b·(s/t)·h piece under sp.
+        boundary = b * (S // t if sp else S) * H * 4
+        sends = sum(m * ((c * p + r < v * p - 1) + (c * p + r > 0)) for c in range(v))
+        # dp: this rank's own gradients, once per step.
+        dp_bytes = 2 * Fraction(d - 1, d) * shard[r] * 4
+        per_rank.append(tp_bytes + sends * boundary + dp_bytes)
+    assert [Fraction(x) for x in fig["sent_bytes_per_rank_by_stage_exact"]] == per_rank
+    assert Fraction(fig["sent_bytes_per_step_exact"]) == d * t * sum(per_rank)
+
+    # Summed over stages, tp and dp are those of `tp` at the same d and t; pp adds
+    # 2·m·(v·p-1)·b·s·h·4 per pipeline (the piece of the sequence under sp), d·t pipelines.
+    alone = expected_comm("tp", CFG, ParallelDims.resolve(d * t, tp=t), microbatch_size=b, microbatches=m,
+                          sequence_parallel=sp)
+    groups = fig["by_group"]
+    assert Fraction(groups["tp"]["sent_bytes_exact"]) == Fraction(alone["by_group"]["tp"]["sent_bytes_exact"])
+    if d > 1:
+        assert Fraction(groups["dp"]["sent_bytes_exact"]) == Fraction(alone["by_group"]["dp"]["sent_bytes_exact"])
+    p2p = 2 * m * (v * p - 1) * b * S * H * 4 // (t if sp else 1) * d * t
+    assert Fraction(groups.get("pp", {"sent_bytes_exact": "0"})["sent_bytes_exact"]) == p2p
+    assert set(groups) == {"tp"} | ({"dp"} if d > 1 else set()) | ({"pp"} if p > 1 else set())
