@@ -16,6 +16,7 @@ from launcher import TINY, run_train
      "error: parallel.microbatches=3 is not a multiple of parallel.pp=2"),
     (3, ["parallel=tp", "parallel.tp=3"],
      "error: model.n_heads=4 is not divisible by parallel.tp=3: use a tp that divides the head count (1, 2 or 4)"),
+    (1, ["parallel=3d"], "error: world size 1 is not divisible by parallel.tp x parallel.pp = 2 x 2 = 4"),
 ])
 def test_bad_layout_exits_nonzero_with_its_message(world, overrides, message, tmp_path):
     start = time.monotonic()
