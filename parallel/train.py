@@ -230,7 +230,12 @@ def _log_summary(summary: dict) -> None:
     if any(tag.startswith("tp/") for tag in comm["by_tag_op"]):
         # The Megatron count: collectives per layer and direction, per rank and optimizer step.
         world = summary["world_size"]
-        log.info("tensor-parallel collectives per rank per step (%d microbatch(es)):", summary["parallel"]["microbatches"])
+        # In a pipeline each part's collectives run only on the ranks of the stage holding it
+        # (world / pp of them); the sequence-sharded gradients' sum runs on every rank.
+        holders = world // summary["parallel"]["pp"]
+        log.info("tensor-parallel collectives per rank (of the stage holding the part) per step (%d microbatch(es)):",
+                 summary["parallel"]["microbatches"])
         for tag, ops in comm["by_tag_op"].items():
             if tag.startswith("tp/"):
-                log.info("  %-24s %s", tag, ", ".join(f"{t['calls'] // world} {op}" for op, t in ops.items()))
+                ranks = world if tag == "tp/sp_grads" else holders
+                log.info("  %-24s %s", tag, ", ".join(f"{t['calls'] // ranks} {op}" for op, t in ops.items()))

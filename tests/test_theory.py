@@ -179,3 +179,14 @@ def test_3d_traffic_written_out_stage_by_stage(d, t, p, v, b, m, sp):
     p2p = 2 * m * (v * p - 1) * b * S * H * 4 // (t if sp else 1) * d * t
     assert Fraction(groups.get("pp", {"sent_bytes_exact": "0"})["sent_bytes_exact"]) == p2p
     assert set(groups) == {"tp"} | ({"dp"} if d > 1 else set()) | ({"pp"} if p > 1 else set())
+
+
+def test_3d_without_tp_is_pp_and_without_pp_is_tp():
+    for d, p, v in ((1, 2, 1), (2, 2, 1), (2, 2, 2), (1, 4, 1)):
+        dims = ParallelDims.resolve(d * p, dp=d, tp=1, pp=p)
+        pp = expected_comm("pp", CFG, dims, microbatch_size=2, microbatches=4, virtual=v)
+        assert expected_comm("3d", CFG, dims, microbatch_size=2, microbatches=4, virtual=v)["by_op"] == pp["by_op"]
+    for d, t, sp in ((1, 2, False), (2, 2, True), (2, 4, False)):
+        dims = ParallelDims.resolve(d * t, dp=d, tp=t, pp=1)
+        tp = expected_comm("tp", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)
+        assert expected_comm("3d", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)["by_op"] == tp["by_op"]
