@@ -63,7 +63,6 @@ class Mesh3D(PipelineParallel):
         super().__init__(model, pp_comm=pp_comm, dp_comm=dp_comm, schedule=schedule, microbatches=microbatches,
                          virtual=virtual, pp_layers=pp_layers, lr=lr, weight_decay=weight_decay)
         self._full_parameters = full_parameters
-        self.seq_len = model.cfg.seq_len
         mine = dict(self.global_named_parameters())
         # This stage's share of the sequence-sharded replicated parameters (its blocks' norms and
         # row-parallel biases; the positions on the first stage, the final norm on the last).
