@@ -144,21 +144,33 @@ class Mesh3D(PipelineParallel):
                     spread[name] = float((copies - copies[0]).abs().max())
         return {"grads": grads, "tp_replica_max_diff": self._gather_to_first_stage(spread, "tooling/grads")}
 
-    def full_optimizer_state(self) -> dict:
-        """Collective; {"step", "state": {name: {"exp_avg", "exp_avg_sq"}}} whole, valid on rank 0."""
+    # This rank's optimizer state, by name: its tp pieces of its stage's parameters. The two methods
+    # below are all a sharded dp optimizer (ZeRO-1/2) has to replace: it would gather its dp shards
+    # into these same pieces, and cut them back out.
+    def _stage_optimizer_state(self) -> tuple[int, dict[str, dict[str, torch.Tensor]]]:
         local = {}
         for name, p in self.global_named_parameters():
             state = self.optimizer.state.get(p)
             if state is not None:  # every parameter has state after the first step, none before
                 local[name] = {k: state[k] for k in ("exp_avg", "exp_avg_sq")}
-        pieces = {f"{name}/{k}": t for name, s in local.items() for k, t in s.items()}
+        return self.optimizer.step_count, local
+
+    def _load_stage_optimizer_state(self, step: int, pieces: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.optimizer.step_count = step
+        self.optimizer.state = {p: {k: t.to(p.device) for k, t in pieces[name].items()}
+                                for name, p in self.global_named_parameters() if name in pieces}
+
+    def full_optimizer_state(self) -> dict:
+        """Collective; {"step", "state": {name: {"exp_avg", "exp_avg_sq"}}} whole, valid on rank 0."""
+        step, local = self._stage_optimizer_state()
+        pieces = {f"{name}/{k}": t for name, moments in local.items() for k, t in moments.items()}
         whole = self._gather_tp(pieces, param_of=lambda key: key.rsplit("/", 1)[0])
         merged = self._gather_to_first_stage(whole, "tooling/optim_state")
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in merged.items():
             name, k = key.rsplit("/", 1)
             state.setdefault(name, {})[k] = t
-        return {"step": self.optimizer.step_count, "state": state}
+        return {"step": step, "state": state}
 
     def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict | None = None) -> None:
         """Every rank gets the whole dicts and keeps its own piece; no collectives."""
@@ -169,13 +181,10 @@ class Mesh3D(PipelineParallel):
                 p.copy_(shard_of(model_state[name], self.shards.split_dim.get(name), rank, size))
         if optim_state is None:
             return
-        self.optimizer.step_count = int(optim_state["step"])
-        self.optimizer.state = {}
-        for name, p in named:
-            full = optim_state["state"].get(name)
-            if full is not None:
-                dim = self.shards.split_dim.get(name)
-                self.optimizer.state[p] = {k: shard_of(full[k], dim, rank, size).to(p.device) for k in ("exp_avg", "exp_avg_sq")}
+        mine = {name for name, _ in named}
+        pieces = {name: {k: shard_of(full[k], self.shards.split_dim.get(name), rank, size) for k in ("exp_avg", "exp_avg_sq")}
+                  for name, full in optim_state["state"].items() if name in mine}
+        self._load_stage_optimizer_state(int(optim_state["step"]), pieces)
 
     def close(self) -> None:
         super().close()
