@@ -110,6 +110,14 @@ def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s
     device_type = device_type or ("cuda" if backend == "nccl" else "cpu")
     device = torch.device("cuda", env.local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if env.local_world_size > visible:  # every rank of the node sees it, rank 0 included
+            # NCCL refuses two ranks on one GPU; say so before any group exists instead.
+            raise LayoutError(
+                f"{env.local_world_size} processes on this node run on CUDA, one GPU each, but {visible} GPU(s) "
+                f"are visible: launch --nproc-per-node {visible} (or fewer), or set parallel.backend=gloo "
+                "to run the ranks on the CPU"
+            )
         torch.cuda.set_device(device)
     ctx = DistContext(env=env, dims=dims, backend=None, device=device, log=log)
     if env.world_size == 1:

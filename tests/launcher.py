@@ -58,11 +58,17 @@ def train_command(nproc: int, overrides: list[str]) -> list[str]:
     ]
 
 
-def run_train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240, env: dict | None = None) -> Run:
+# The CPU suite runs on the CPU even where a GPU is visible (its 1e-5 comparisons are CPU against
+# CPU, and NCCL would need a GPU per rank); the GPU-marked tests pass gpu=True.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240, env: dict | None = None,
+              gpu: bool = False) -> Run:
     cmd = train_command(nproc, [*overrides, f"run.dir={run_dir}"])
     proc = subprocess.run(
         cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **({} if gpu else CPU_ONLY), **(env or {})},
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
@@ -149,7 +155,7 @@ def run_nodes(nproc_per_node: int, overrides: list[str], workdirs: list[Path], t
     """
     endpoint, job = f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}"
     pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
-    full_env = {**os.environ, "PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    full_env = {**os.environ, **CPU_ONLY, "PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     cmd = multinode_command(len(workdirs), nproc_per_node, endpoint, job, overrides)
     procs, outputs, codes = [], [], []
     try:
