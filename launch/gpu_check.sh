@@ -5,7 +5,7 @@
 #
 #   1. the GPU-marked tests (pytest -m gpu), which skip with their reason where they cannot run;
 #   2. short `single` runs on the GPU in fp32 and bf16 (model=small);
-#   3. with 2+ GPUs: dp over all GPUs and tp, pp at 2 GPUs, NCCL chosen automatically;
+#   3. with 2+ GPUs: dp over all GPUs (fp32, bf16) and tp, pp at 2 GPUs, NCCL chosen automatically;
 #      with 1 GPU: the same strategies as 2 gloo ranks on the CPU (NCCL needs a GPU per rank);
 #   4. a short compare run (launch.compare, where the project has it);
 #   5. figures.txt: one line per run (device, precision, tokens/s, step time, memory, MFU if known).
@@ -50,12 +50,13 @@ step single_bf16 300 "$PY" -m launch.train $RUN parallel=single train.precision=
 
 if [ "$NGPU" -ge 2 ]; then
     TORCHRUN=("$PY" -m torch.distributed.run --standalone)
-    step dp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" -m launch.train $RUN parallel=dp run.dir="$RESULTS/dp_nccl"
+    DP_BATCH="train.global_batch=$((8 * NGPU))"  # divisible by any GPU count
+    step dp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" -m launch.train $RUN parallel=dp $DP_BATCH run.dir="$RESULTS/dp_nccl"
     step tp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node 2 -m launch.train $RUN parallel=tp run.dir="$RESULTS/tp_nccl"
     step pp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node 2 -m launch.train $RUN parallel=pp_1f1b run.dir="$RESULTS/pp_nccl"
-    step dp_nccl_bf16 300 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" -m launch.train $RUN parallel=dp train.precision=bf16 \
-        run.dir="$RESULTS/dp_nccl_bf16"
-    COMPARE_WORLD=$NGPU
+    step dp_nccl_bf16 300 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" -m launch.train $RUN parallel=dp $DP_BATCH \
+        train.precision=bf16 run.dir="$RESULTS/dp_nccl_bf16"
+    COMPARE_WORLD=2  # every strategy's layout fits 2 ranks
 else
     TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 2)
     for s in dp tp pp_1f1b; do

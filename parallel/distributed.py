@@ -58,7 +58,7 @@ def choose_backend(requested: str, cuda_available: bool) -> str:
 def choose_device_type(requested_backend: str, backend: str | None, cuda_available: bool) -> str:
     """Where the tensors live. NCCL: on the GPU (each rank its own, cuda:LOCAL_RANK). One process
     (no backend): on the GPU when one is visible, unless parallel.backend=gloo asks for the CPU.
-    gloo: on the CPU (gloo's CUDA support lacks point-to-point, which the pipeline needs)."""
+    gloo: on the CPU (gloo has no send/recv for CUDA tensors, which the pipeline needs)."""
     if backend == "nccl":
         return "cuda"
     if backend is None and requested_backend != "gloo" and cuda_available:
