@@ -15,17 +15,27 @@ run in the dtype their forward op used. The losses are computed in fp32 either w
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, ContextManager
+from typing import ContextManager
 
 import torch
 
 PRECISIONS = ("fp32", "bf16")
 
 
-def forward_context(precision: str, device: torch.device) -> Callable[[], ContextManager]:
-    """A factory of the context the forward pass runs in (a fresh context per microbatch)."""
-    if precision == "fp32":
-        return contextlib.nullcontext
-    if precision == "bf16":
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")  # plan.py refuses it first
+class ForwardContext:
+    """A factory of the context the forward pass runs in (a fresh one per microbatch), counting
+    how often it was entered: a strategy that ran its forward without it would silently train in
+    fp32 under train.precision=bf16, and the training loop refuses that after the first step."""
+
+    def __init__(self, precision: str, device: torch.device):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")  # plan.py refuses it first
+        self.precision = precision
+        self.device_type = device.type
+        self.entered = 0
+
+    def __call__(self) -> ContextManager:
+        self.entered += 1
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()

@@ -28,8 +28,8 @@ from .metrics import (
 )
 from .model import GPT, count_parameters
 from .native import TorchDDP
-from .plan import RunPlan
-from .precision import forward_context
+from .plan import ConfigError, RunPlan
+from .precision import ForwardContext
 from .strategy import SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
 from .pp.executor import PipelineParallel
@@ -76,6 +76,15 @@ def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
     return path
 
 
+def _check_forward_context(plan: RunPlan, strategy: Strategy) -> None:
+    """Every rank runs a forward pass each step, so every rank reaches the same verdict here."""
+    if plan.precision != "fp32" and strategy.forward_context.entered == 0:
+        raise ConfigError(
+            f"train.precision={plan.precision} is not implemented by parallel={plan.strategy}: its train_step runs the "
+            "forward pass outside Strategy.forward_context, so it would train in fp32; use train.precision=fp32"
+        )
+
+
 def _console_line(step: int, plan: RunPlan, loss: float, seconds: float, sent_bytes: float) -> str:
     timing = "warm-up" if step < plan.warmup_steps else f"{plan.tokens_per_step / seconds:9.0f} tok/s"
     return (
@@ -117,7 +126,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     if layout_warning and ctx.is_rank0:
         log.warning("warning: %s", layout_warning)
     strategy = build_strategy(plan, ctx)
-    strategy.forward_context = forward_context(plan.precision, ctx.device)
+    strategy.forward_context = ForwardContext(plan.precision, ctx.device)
     n_params, n_local = strategy.full_parameter_count(), count_parameters(strategy.model)
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              n_params, n_local, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
@@ -134,6 +143,8 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         timer.start()
         local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
         seconds = timer.stop()
+        if step == 0:
+            _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
         traffic = ctx.log.end_step()
         if plan.save_grads and step == 0:

@@ -9,8 +9,16 @@ runs on the CPU even where a GPU is visible.
 import pytest
 import torch
 
-from launcher import TINY, assert_ok, max_rel_diff, run_train
-from parallel.distributed import choose_device_type
+from hydra import compose, initialize_config_dir
+
+from launcher import PROJECT_ROOT, TINY, assert_ok, max_rel_diff, run_train
+from parallel.data import Batch
+from parallel.distributed import LaunchEnv, choose_device_type
+from parallel.model import GPT, GPTConfig
+from parallel.plan import ConfigError, build_plan
+from parallel.precision import ForwardContext
+from parallel.strategy import SingleProcess, make_optimizer
+from parallel.train import _check_forward_context
 
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(N_GPUS == 0, reason="needs a CUDA GPU; none is visible on this machine")
@@ -27,6 +35,35 @@ def test_device_choice():
     assert choose_device_type("gloo", "gloo", cuda_available=True) == "cpu"
     assert choose_device_type("auto", None, cuda_available=False) == "cpu"
     assert choose_device_type("auto", "gloo", cuda_available=False) == "cpu"
+
+
+def _plan(*overrides):
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=tiny", *overrides])
+    return build_plan(cfg, LaunchEnv(), cuda_available=False)
+
+
+def test_bf16_forward_context_autocasts_each_microbatch_and_is_required():
+    cpu = torch.device("cpu")
+    with ForwardContext("bf16", cpu)():
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.bfloat16
+    with ForwardContext("fp32", cpu)():
+        assert torch.nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+
+    model = GPT(GPTConfig(), seed=0)
+    strategy = SingleProcess(model, make_optimizer(model, 1e-3, 0.1))
+    strategy.forward_context = ForwardContext("bf16", cpu)
+    bf16 = _plan("train.precision=bf16")
+    # A strategy that has not run its forward inside the context would train in fp32: refused.
+    with pytest.raises(ConfigError, match="train.precision=bf16 is not implemented by parallel=single"):
+        _check_forward_context(bf16, strategy)
+    tokens = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    strategy.train_step(Batch(tokens[:, :-1], tokens[:, 1:]).split(2), global_tokens=4 * 32)
+    assert strategy.forward_context.entered == 2  # once per microbatch
+    _check_forward_context(bf16, strategy)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    strategy.forward_context = ForwardContext("fp32", cpu)
+    _check_forward_context(_plan(), strategy)  # fp32 needs nothing
 
 
 def test_bf16_autocast_trains_on_cpu(single_run, tmp_path):
