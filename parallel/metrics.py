@@ -5,8 +5,10 @@ summary.json (written by global rank 0):
   strategy            the strategy that ran ("single", "dp", "torch_ddp", ...)
   world_size          number of processes
   parallel            the layout (dp, tp, pp, microbatches, ...) and strategy options
+  precision, device   fp32 | bf16 (train.precision); cpu | cuda
   losses              per step: mean loss over every token of the global batch
   step_time_s         median over the timed steps (warm-up excluded) of the slowest rank's time
+                      (host clock on the CPU, CUDA events on a GPU: parallel/timing.py)
   tokens_per_s        global tokens per step / step_time_s
   peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
   comm                measured strategy traffic per optimizer step, summed over ranks:
@@ -132,8 +134,9 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
         "by_tag": _totals_dict(last["by_tag"]),
         "by_tag_op": {tag: _totals_dict(ops) for tag, ops in traffic_by_tag_op(per_step[-1]).items()},
         "by_rank": by_rank,
-        # Host time each rank was blocked in communication per step (median over timed steps,
-        # mean over ranks): the communication that was *not* hidden behind computation.
+        # Time each rank was blocked in communication per step (median over timed steps, mean
+        # over ranks): the communication that was *not* hidden behind computation. Host time on
+        # the CPU; on a GPU, CUDA events on the stream that waited (comm.DeviceInterval).
         "exposed_seconds_per_step": statistics.fmean(seconds_per_rank),
         "timed_steps": len(timed),
         "tooling": {
@@ -183,6 +186,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "local_parameters": rank_reports[0]["local_parameters"],
             "local_params_formula": expected.get("local_parameters"),
         },
+        "precision": plan.precision,
+        "device": plan.device_type,
         "steps": len(losses),
         "warmup_steps": plan.warmup_steps,
         "tokens_per_step": plan.tokens_per_step,

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dims import LayoutError, ParallelDims
-from .distributed import LaunchEnv, choose_backend
+from .distributed import LaunchEnv, choose_backend, choose_device_type
 from .model import GPTConfig
+from .precision import PRECISIONS
 from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
@@ -52,6 +53,8 @@ class RunPlan:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
+    precision: str = "fp32"
+    device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
 
     @property
     def local_batch(self) -> int:
@@ -140,6 +143,14 @@ def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
         )
 
 
+def _check_precision(precision) -> None:
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}: use fp32 (the default, what the "
+            "exact comparisons with the single run need) or bf16 (autocast with fp32 master weights)"
+        )
+
+
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     """Validate the whole configuration against the launch environment."""
     p, t = cfg.parallel, cfg.train
@@ -176,6 +187,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         raise ConfigError(f"parallel.bucket_mb={p.bucket_mb!r} must be a positive number of MiB (PyTorch DDP uses 25)")
     if not p.timeout_s > 0:
         raise ConfigError(f"parallel.timeout_s={p.timeout_s!r} must be a positive number of seconds")
+    _check_precision(t.precision)
     backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
     return RunPlan(
         strategy=strategy,
@@ -204,4 +216,6 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         schedule=p.schedule,
         virtual_stages=p.virtual_stages,
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
+        precision=t.precision,
+        device_type=choose_device_type(p.backend, backend, cuda_available),
     )

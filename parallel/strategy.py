@@ -38,6 +38,9 @@ class Strategy:
         self.optimizer = optimizer
         # The group over which the per-rank loss shares add up to the global loss (None: one rank).
         self.loss_comm = loss_comm
+        # The context every forward pass runs in: nothing for fp32, autocast for bf16
+        # (parallel/precision.py; the training loop sets it from train.precision).
+        self.forward_context = contextlib.nullcontext
 
     # Hooks the data-parallel strategies fill in ----------------------------------------------
     def zero_grad(self) -> None:
@@ -60,7 +63,8 @@ class Strategy:
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         for i, mb in enumerate(microbatches):
             with self.backward_context(last_microbatch=i == len(microbatches) - 1):
-                loss = self.forward_loss(mb, global_tokens)
+                with self.forward_context():
+                    loss = self.forward_loss(mb, global_tokens)
                 loss.backward()
             local_loss += loss.detach()
         self.after_backward()

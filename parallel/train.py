@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import logging
-import time
+import os
 from pathlib import Path
 
 import torch
@@ -29,11 +29,13 @@ from .metrics import (
 from .mesh3d import Mesh3D
 from .model import GPT, count_parameters
 from .native import TorchDDP
-from .plan import RunPlan
+from .plan import ConfigError, RunPlan
+from .precision import ForwardContext
 from .strategy import SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
 from .pp.executor import PipelineParallel
 from .pp.timeline import write_pipeline_report
+from .timing import StepTimer
 from .tp_strategy import TensorParallel
 
 log = logging.getLogger("parallel")
@@ -71,11 +73,6 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
     raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
 
 
-def _sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
     """Rank 0 names the run directory and tells the others, so all ranks write to one place."""
     run_dir = plan.run_dir or default_run_dir(plan.strategy, plan.dims.world_size)
@@ -85,6 +82,15 @@ def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _check_forward_context(plan: RunPlan, strategy: Strategy) -> None:
+    """Every rank runs a forward pass each step, so every rank reaches the same verdict here."""
+    if plan.precision != "fp32" and strategy.forward_context.entered == 0:
+        raise ConfigError(
+            f"train.precision={plan.precision} is not implemented by parallel={plan.strategy}: its train_step runs the "
+            "forward pass outside Strategy.forward_context, so it would train in fp32; use train.precision=fp32"
+        )
 
 
 def _console_line(step: int, plan: RunPlan, loss: float, seconds: float, sent_bytes: float) -> str:
@@ -100,7 +106,7 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
-    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log)
+    ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
     try:
         run_dir = _train(plan, resolved_config, ctx, corpus)
     finally:
@@ -115,11 +121,20 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
     log.info(
-        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s",
+        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s | precision %s",
         run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.tp, plan.dims.pp,
-        plan.backend or "none", ctx.device,
+        plan.backend or "none", ctx.device, plan.precision,
     )
+    # Where this process runs (torchrun's GROUP_RANK is the node's rank): the per-rank logs show the layout.
+    logging.getLogger("parallel.rank").info(
+        "rank %d | node %s | local rank %d of %d | coords %s", ctx.rank, os.environ.get("GROUP_RANK", "0"),
+        ctx.env.local_rank, ctx.env.local_world_size, ctx.coords,
+    )
+    layout_warning = plan.dims.node_layout_warning(ctx.env.local_world_size)
+    if layout_warning and ctx.is_rank0:
+        log.warning("warning: %s", layout_warning)
     strategy = build_strategy(plan, ctx)
+    strategy.forward_context = ForwardContext(plan.precision, ctx.device)
     n_params, n_local = strategy.full_parameter_count(), count_parameters(strategy.model)
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              n_params, n_local, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
@@ -128,15 +143,16 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     dp_rank = ctx.coords["dp"]
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     losses, step_times = [], []
+    timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
     for step in range(plan.steps):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in local_microbatches(global_batch, dp_rank, plan.dims.dp, plan.microbatches)]
-        _sync_device(ctx.device)
         ctx.log.begin_step()
-        start = time.perf_counter()
+        timer.start()
         local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
-        _sync_device(ctx.device)
-        seconds = time.perf_counter() - start
+        seconds = timer.stop()
+        if step == 0:
+            _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
         traffic = ctx.log.end_step()
         if plan.save_grads and step == 0:
@@ -221,7 +237,9 @@ def _log_summary(summary: dict) -> None:
     log.info(
         "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
         comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,
-        "exact match" if summary["comm_matches_theory"] else "MISMATCH", comm["exposed_seconds_per_step"] * 1e3,
+        "exact match" if summary["comm_matches_theory"] else
+        "MISMATCH" if summary["precision"] == "fp32" else "differs: the closed form counts fp32 activations",
+        comm["exposed_seconds_per_step"] * 1e3,
     )
     for op, t in comm["by_op"].items():
         log.info("  %-16s %4d calls  %10.3f MB payload  %10.3f MB sent", op, t["calls"], t["payload_bytes"] / 1e6, t["sent_bytes"] / 1e6)

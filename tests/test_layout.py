@@ -66,6 +66,7 @@ def test_plan_dp_under_torchrun():
     (1, ["train.warmup_steps=20"], r"train.warmup_steps=20 must be at least 0 and below train.steps=20"),
     (1, ["model.n_heads=3"], r"model.d_model=256 is not divisible by model.n_heads=3"),
     (2, ["parallel.timeout_s=0"], r"parallel.timeout_s=0 must be a positive number"),
+    (1, ["train.precision=fp16"], r"train.precision='fp16' is not one of fp32, bf16"),
     (3, ["parallel=pp_1f1b", "model=tiny", "train.global_batch=12"],
      r"model.n_layers=4 does not split evenly into parallel.pp x parallel.virtual_stages = 3 pieces"),
     (2, ["parallel=pp_interleaved", "model=tiny", "parallel.microbatches=3", "train.global_batch=12"],

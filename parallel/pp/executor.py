@@ -3,7 +3,8 @@
 Each rank walks its list. Forward and backward run its chunks; runs of consecutive sends and
 receives are posted together (batch_isend_irecv through the communication log), then the
 receives are waited on before the compute that needs them, and the sends are waited on at the end
-of the step. Activations cross stage boundaries as (microbatch, seq, d_model) fp32 tensors.
+of the step. Activations cross stage boundaries as (microbatch, seq, d_model) fp32 tensors (under
+bf16 autocast too: a chunk ends with a block or the embedding, whose residual stream stays fp32).
 
 The loss exists only on the last virtual stage: each microbatch's summed token loss divided by
 the global batch's token count, so the gradients equal the single-process ones (dividing by the
@@ -112,9 +113,11 @@ class PipelineParallel(Strategy):
             start = time.time()
             if a.op == F:
                 x = microbatches[a.mb].inputs if vs == 0 else inputs[key]
-                out = chunk(x)
+                with self.forward_context():
+                    out = chunk(x)
+                    if vs == self.last_vstage:
+                        out = self._stage_loss(out, microbatches[a.mb].targets) / global_tokens
                 if vs == self.last_vstage:
-                    out = self._stage_loss(out, microbatches[a.mb].targets) / global_tokens
                     local_loss += out.detach()
                 outputs[key] = out
             else:
