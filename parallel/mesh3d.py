@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn as nn
 
 from .comm import Communicator
 from .data import Batch

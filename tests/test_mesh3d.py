@@ -11,7 +11,6 @@ Each multi-process case trains the tiny model for 6 steps under torchrun on gloo
   * each rank ran exactly its schedule's list.
 """
 
-from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
