@@ -9,9 +9,10 @@ part's full parameters exist only while the part computes:
     output's grad hook    all-gathers them again just before the part's backward
                           (zero/param_all_gather/bwd/<part>)
     post-accumulate-grad  copy each new gradient into the part's flat gradient buffer and drop it;
-    hooks                 when the part's last one arrives, reduce-scatter the buffer into the
-                          gradient shard (zero/grad_reduce_scatter/<part>) and free the buffer and
-                          the gathered parameters
+    hooks                 when the part's last one arrives, free the gathered parameters and start
+                          the buffer's reduce-scatter (zero/grad_reduce_scatter/<part>), which runs
+                          while backward goes on; once it is waited for, it is added into the
+                          gradient shard and the buffer is freed
 
 How parameters are freed without disturbing autograd (FSDP1's trick): every parameter of a part
 is a view into the part's one flat buffer, and freeing resizes that buffer's *storage* to 0 bytes.
@@ -27,6 +28,7 @@ follows the step, the next forward gathers what it needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -58,6 +60,7 @@ class Zero3(Strategy):
         self.shards: list[torch.Tensor] = []
         self.grad_shards: list[torch.Tensor] = []
         self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._reductions: list[tuple] = []  # (part index, handle, output) of reduce-scatters in flight
         for index, part in enumerate(self.parts):
             flat = part.flatten([p.detach() for p in part.params])
             self.shards.append(flat[part.lo: part.hi].clone())
@@ -119,13 +122,22 @@ class Zero3(Strategy):
         self.meter.sub(grad_bytes)
         part.waiting -= 1
         if part.waiting == 0:
+            # The part's backward is over: free its parameters now, and reduce-scatter its
+            # gradients asynchronously while backward goes on with the parts before it.
+            self._free(index)
             out = torch.empty_like(self.grad_shards[index])
             self.meter.add(part.shard_nbytes)
-            self.comm.reduce_scatter(out, buffer, tag=f"zero/grad_reduce_scatter/{part.name}")
+            handle = self.comm.reduce_scatter(out, buffer, tag=f"zero/grad_reduce_scatter/{part.name}", async_op=True)
+            self._reductions.append((index, handle, out))
+
+    def _wait_reductions(self) -> None:
+        """Add each finished reduce-scatter into its gradient shard; free the full gradients."""
+        for index, handle, out in self._reductions:
+            handle.wait()
             self.grad_shards[index].add_(out)
-            del self._grad_buffers[index], buffer, out
-            self.meter.sub(part.nbytes + part.shard_nbytes)
-            self._free(index)
+            del self._grad_buffers[index]
+            self.meter.sub(self.parts[index].nbytes + self.parts[index].shard_nbytes)
+        self._reductions = []
 
     # -- the step ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -134,7 +146,12 @@ class Zero3(Strategy):
         self.meter.current = self.persistent_bytes()
         self.meter.reset_peak()
 
+    def backward_context(self, last_microbatch: bool):
+        self._wait_reductions()  # the previous microbatch's
+        return contextlib.nullcontext()
+
     def after_backward(self) -> None:
+        self._wait_reductions()
         gathered = [p.name for p, f in zip(self.parts, self.full) if f.untyped_storage().nbytes()]
         if gathered or self._grad_buffers:
             raise RuntimeError(f"zero3: parts {gathered or list(self._grad_buffers)} still gathered after backward "
