@@ -183,5 +183,23 @@ class TorchFSDP2(Strategy):
                 state.setdefault(n, {})[key] = full
         return {"step": self.optimizer.step_count, "state": state}
 
+    def _my_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's dim-0 chunk of a full tensor, as FSDP2 cuts it (possibly empty)."""
+        rows = -(-self.full_shapes[name][0] // self.comm.size)
+        return full[self.comm.rank * rows: (self.comm.rank + 1) * rows]
+
+    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
+        """Each rank copies in its own chunk of the full dicts (no communication)."""
+        with torch.no_grad():
+            for n, local in self.locals.items():
+                local.copy_(self._my_rows(n, model_state[n]))
+                if optim_state is not None:
+                    state = self.optimizer.state.setdefault(local, {"exp_avg": torch.zeros_like(local),
+                                                                    "exp_avg_sq": torch.zeros_like(local)})
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key].copy_(self._my_rows(n, optim_state["state"][n][key]))
+            if optim_state is not None:
+                self.optimizer.step_count = int(optim_state["step"])
+
     def close(self) -> None:
         self.comm.wait_all()

@@ -11,8 +11,8 @@ part's full parameters exist only while the part computes:
     post-accumulate-grad  copy each new gradient into the part's flat gradient buffer and drop it;
     hooks                 when the part's last one arrives, free the gathered parameters and start
                           the buffer's reduce-scatter (zero/grad_reduce_scatter/<part>), which runs
-                          while backward goes on; once it is waited for, it is added into the
-                          gradient shard and the buffer is freed
+                          while backward goes on with the part before; it is waited for (added
+                          into the gradient shard, the buffer freed) when the next part's starts
 
 How parameters are freed without disturbing autograd (FSDP1's trick): every parameter of a part
 is a view into the part's one flat buffer, and freeing resizes that buffer's *storage* to 0 bytes.
@@ -123,8 +123,11 @@ class Zero3(Strategy):
         part.waiting -= 1
         if part.waiting == 0:
             # The part's backward is over: free its parameters now, and reduce-scatter its
-            # gradients asynchronously while backward goes on with the parts before it.
+            # gradients asynchronously while backward goes on with the part before it. One
+            # reduce-scatter in flight at a time: waiting for the previous one first bounds the
+            # full gradients held at once to two parts.
             self._free(index)
+            self._wait_reductions()
             out = torch.empty_like(self.grad_shards[index])
             self.meter.add(part.shard_nbytes)
             handle = self.comm.reduce_scatter(out, buffer, tag=f"zero/grad_reduce_scatter/{part.name}", async_op=True)
