@@ -57,8 +57,8 @@ def padded_size(numel: int, world: int) -> int:
 class MemoryMeter:
     """Model-state bytes held now and at most, counted from the tensors allocated and freed.
 
-    The persistent tensors (parameters, gradients and optimizer state a rank keeps between steps)
-    are set once measured; transients (gathered parameters, full gradients of a part before its
+    At the start of each step `current` is set to the persistent tensors (parameters, gradients
+    and optimizer state a rank keeps between steps), measured; transients (gathered parameters, full gradients of a part before its
     reduce-scatter, communication buffers) are added when allocated and taken off when freed.
     """
 
@@ -94,15 +94,9 @@ class Part:
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         p0 = self.params[0]
         self.dtype, self.device = p0.dtype, p0.device
-        self.waiting = len(self.params)
-
-    @property
-    def nbytes(self) -> int:
-        return self.padded * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def shard_nbytes(self) -> int:
-        return self.nbytes // (self.padded // self.shard_numel)
+        self.nbytes = self.padded * p0.element_size()  # the full flat buffer
+        self.shard_nbytes = self.shard_numel * p0.element_size()
+        self.waiting = len(self.params)  # gradients still to come in this backward
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The flat padded buffer of `tensors` (one per parameter, in order)."""
@@ -252,8 +246,12 @@ class ZeroOptimizer:
 
     # -- gradient sync (the dp.py interface) -----------------------------------------------------
     def zero_grad(self) -> None:
+        """Zero the gradients (in place: stage 1's are views), and start this step's peak from
+        what is held now (measured)."""
         for g in self.flat_grads if self.stage == 1 else self.grad_shards:
             g.zero_()
+        self.meter.current = self.persistent_bytes()
+        self.meter.reset_peak()
 
     def arm(self, last_microbatch: bool) -> None:
         if self.stage == 2:
@@ -320,12 +318,6 @@ class ZeroOptimizer:
             h.wait()
             self.meter.sub(part.shard_nbytes)
 
-    def zero_grad_and_reset_peak(self) -> None:
-        """zero_grad, and start this step's peak from what is held now (measured)."""
-        self.zero_grad()
-        self.meter.current = self.persistent_bytes()
-        self.meter.reset_peak()
-
     # -- what this rank holds ----------------------------------------------------------------------
     def grad_tensors(self) -> list[torch.Tensor]:
         return self.flat_grads if self.stage == 1 else self.grad_shards
@@ -378,7 +370,7 @@ class ZeroDataParallel(Strategy):
         self.name = f"zero{stage}"
 
     def zero_grad(self) -> None:
-        self.zero.zero_grad_and_reset_peak()
+        self.zero.zero_grad()
 
     def backward_context(self, last_microbatch: bool):
         self.zero.arm(last_microbatch)
