@@ -10,10 +10,10 @@ lets each of the N data-parallel ranks *own* 1/N of every tensor of model state:
   updated shards are all-gathered so every rank has the whole model again.
 * stage 2 (`zero2`): gradients are sharded as well. As backward finishes the gradients of one
   model part, the part is reduce-scattered at once (asynchronously, while backward goes on with
-  earlier parts) and the part's full gradients are freed; each rank keeps only its shard of the
-  summed gradient. With several microbatches every microbatch's backward reduce-scatters and the
-  results add up in the shard, as DeepSpeed's stage 2 does: no full gradient outlives its part's
-  backward, at the price of one reduce-scatter per microbatch.
+  earlier parts; one in flight at a time) and the part's full gradients are freed; each rank
+  keeps only its shard of the summed gradient. With several microbatches every microbatch's
+  backward reduce-scatters and the results add up in the shard, as DeepSpeed's stage 2 does: no
+  full gradient outlives its part's backward, at the price of one reduce-scatter per microbatch.
 * stage 3 (`zero3`): parameters are sharded too. A part's parameters exist in full only while it
   computes: all-gathered just before its forward, freed after it; all-gathered again just before
   its backward, freed (with its full gradients) once its gradients are reduce-scattered.
@@ -277,6 +277,10 @@ class ZeroOptimizer:
         order = list(range(len(self.parts) - 1, -1, -1))  # backward runs the parts last to first
         while self._next_to_launch < len(order) and self.parts[order[self._next_to_launch]].waiting == 0:
             k = order[self._next_to_launch]
+            # One reduce-scatter in flight at a time: waiting for the previous part's first keeps
+            # at most two parts' full gradients alive (the point of stage 2), while each one still
+            # overlaps with the backward of the part before it.
+            self._wait_reductions()
             out = torch.empty(self.parts[k].shard_numel, dtype=part.dtype, device=part.device)
             self.meter.add(self.parts[k].shard_nbytes)
             handle = self.comm.reduce_scatter(out, self._grad_buffers[k], tag=f"zero/grad_reduce_scatter/{self.parts[k].name}",
