@@ -200,6 +200,12 @@ class ZeroOptimizer:
         finish()                     after the last microbatch's backward: gradient shards ready
         step()                       step the own shard, all-gather the updated parameters
         state_bytes(), memory()      what this rank holds
+        full_optimizer_state()       the whole model's Adam moments (collective)
+        load_full_state(m, o)        copy in this rank's part of full dicts (no communication)
+
+    Stage 2 reduces in backward hooks, before finish(): a gradient that must first be completed
+    over another group (sequence parallelism's partial norm gradients over tp) has to be
+    completed before its part's hook fires, or use stage 1, which reduces only in finish().
 
     After construction the parameters are views into per-part flat buffers (their values are
     unchanged); the model is used as before.
