@@ -17,6 +17,9 @@ summary.json (written by global rank 0):
                       collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
   expected_comm       parallel/theory.py's closed form in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
+  memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
+                      and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
+                      `formula` (theory.model_state_bytes, ZeRO paper) and `matches_formula`
 """
 
 from __future__ import annotations
@@ -201,6 +204,30 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "expected_comm": expected["comm"],
         "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["comm"]["sent_bytes_per_step_exact"]),
     }
+
+
+MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def summarize_memory(rank_reports: list[dict], formula: dict | None) -> dict:
+    """The summary's `memory` block: per rank, the parameter, gradient and optimizer-state bytes
+    it held after the last step and its peak model-state bytes during it (tensor sizes), with
+    the allocator's peak (CUDA on GPU, RSS on CPU); beside them theory.model_state_bytes, and
+    whether every rank's three figures equal it exactly."""
+    by_rank = []
+    for r in rank_reports:
+        state = r["model_state"]
+        by_rank.append({
+            "rank": r["rank"],
+            **{k: state[k] for k in MODEL_STATE_FIELDS},
+            "total_bytes": sum(state[k] for k in MODEL_STATE_FIELDS),
+            "peak_model_state_bytes": state["peak_model_state_bytes"],
+            "peak_allocator_bytes": r["peak_memory_bytes"],
+        })
+    matches = None
+    if formula is not None:
+        matches = all(row[k] == formula[k] for row in by_rank for k in MODEL_STATE_FIELDS)
+    return {"by_rank": by_rank, "formula": formula, "matches_formula": matches}
 
 
 def write_json(path: Path, obj: dict) -> None:

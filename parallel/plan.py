@@ -17,7 +17,9 @@ from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d")
+STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d", "zero1", "zero2", "zero3", "torch_fsdp2")
+# Sharded data parallelism: pure dp layouts, at least two ranks to shard over.
+SHARDED = ("zero1", "zero2", "zero3", "torch_fsdp2")
 GRAD_SYNCS = ("bucketed", "naive")
 
 
@@ -97,6 +99,11 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
         raise LayoutError(
             "parallel=torch_ddp needs at least 2 processes, got world size 1: "
             "launch it with torchrun --nproc-per-node 2 (or more)"
+        )
+    if strategy in SHARDED and dims.world_size < 2:
+        raise LayoutError(
+            f"parallel={strategy} shards the model state over data-parallel ranks and needs at least 2 processes, "
+            "got world size 1: launch it with torchrun --nproc-per-node 2 (or more)"
         )
     if strategy in ("pp", "tp", "3d"):
         return  # pp with tp > 1 and tp with pp > 1 were renamed 3d by build_plan

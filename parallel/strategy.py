@@ -20,6 +20,20 @@ from .model import token_loss_sum
 from .optim import AdamW
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a freed
+    storage, resized to 0, counts 0): what a rank really holds, not what the shapes suggest."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> AdamW:
     """AdamW; no weight decay on biases and LayerNorm weights (the nanoGPT/GPT-2 convention)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -90,6 +104,16 @@ class Strategy:
         names; `tp_replica_max_diff` is filled by strategies that replicate parameters over tp."""
         return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()},
                 "tp_replica_max_diff": {}}
+
+    def memory_report(self) -> dict:
+        """Model-state bytes this rank holds after a step, measured from its tensors. Here every
+        one of them is held for the whole step (gradients from the first backward on), so the
+        peak is their sum; the ZeRO strategies track theirs as tensors come and go."""
+        params = storage_bytes(self.model.parameters())
+        grads = storage_bytes(p.grad for p in self.model.parameters())
+        state = storage_bytes(t for s in self.optimizer.state.values() for t in s.values())
+        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state,
+                "peak_model_state_bytes": params + grads + state}
 
     def close(self) -> None:
         """Finish outstanding communication before the process group goes away."""

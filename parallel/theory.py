@@ -51,6 +51,45 @@ def sequence_sharded_parameter_count(cfg: GPTConfig) -> int:
     return L * 6 * h + 2 * h + s * h
 
 
+def part_parameter_counts(cfg: GPTConfig) -> list[int]:
+    """Parameters of each part of the GPT, in forward order: the embedding V·h + s·h, each Block
+    12h² + 13h (for an MLP 4h wide), the head 2h + V·h (final LayerNorm and the untied LM head)."""
+    V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
+    f = cfg.mlp_ratio * h
+    block = 4 * h * h + 4 * h + 2 * f * h + f + h + 4 * h
+    return [V * h + s * h, *[block] * L, 2 * h + V * h]
+
+
+def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
+    """Ψ_pad: ZeRO shards each part's flat buffer, padded to a multiple of the dp size n, so the
+    bytes it moves and holds are computed on Σ_parts ceil(Ψ_part / n)·n (Ψ_pad = Ψ for n = 1)."""
+    return sum(-(-count // n) * n for count in part_parameter_counts(cfg))
+
+
+def model_state_bytes(strategy: str, cfg: GPTConfig, dims: ParallelDims, dtype_bytes: int = FP32_BYTES) -> dict | None:
+    """Bytes of parameters, gradients and Adam state one rank holds (ZeRO paper §5, fp32 Adam:
+    4 + 4 + 8 bytes per parameter; REFERENCES.md). Plain data parallelism holds all of it; stage 1
+    shards the optimizer state over the N dp ranks, stage 2 also the gradients, stage 3 also the
+    parameters, each on the padded count Ψ_pad. None for layouts without a formula here (tp, pp).
+    """
+    n = dims.dp
+    if strategy in ("single", "dp", "torch_ddp"):
+        psi = parameter_count(cfg)
+        params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
+    elif strategy in ("zero1", "zero2", "zero3"):
+        psi = zero_padded_parameter_count(cfg, n)
+        stage = int(strategy[-1])
+        state = Fraction(2 * psi * dtype_bytes, n)
+        grads = Fraction(psi * dtype_bytes, n) if stage >= 2 else psi * dtype_bytes
+        params = Fraction(psi * dtype_bytes, n) if stage >= 3 else psi * dtype_bytes
+    else:
+        return None
+    figures = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state}
+    assert all(Fraction(v).denominator == 1 for v in figures.values())  # Ψ_pad divides by n
+    figures = {k: int(v) for k, v in figures.items()}
+    return {**figures, "total_bytes": sum(figures.values()), "parameters_counted": psi}
+
+
 def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
     return Fraction(2 * (n - 1), n) * payload_bytes if n > 1 else Fraction(0)
 
@@ -221,6 +260,58 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
     }
     return _figure({op: (pl, st) for op, (pl, st) in totals.items() if pl}, dims.world_size, extra)
 
+def _zero_comm(strategy: str, cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
+    """ZeRO over N = dp ranks (Rajbhandari et al. §7), on the padded flat buffers (Ψ_pad·B bytes
+    of gradients G and of parameters P); a reduce-scatter or all-gather of S bytes sends
+    (N-1)/N·S per rank:
+
+      zero1   G reduce-scattered once per step, P all-gathered after the step: (N-1)/N·(G + P)
+      zero2   each microbatch's G reduce-scattered as its parts finish backward, P all-gathered
+              after the step: (N-1)/N·(m·G + P); with m = 1 the paper's (N-1)/N·(G + P)
+      zero3   per microbatch, P all-gathered before forward and again before backward, G
+              reduce-scattered: m·(N-1)/N·(2P + G)
+    """
+    n = dims.dp
+    size = zero_padded_parameter_count(cfg, n) * B
+    gathers, scatters = {"zero1": (1, 1), "zero2": (1, m), "zero3": (2 * m, m)}[strategy]
+    per_rank = {"all_gather": gathers * size, "reduce_scatter": scatters * size}
+    ranks = dims.world_size
+    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
+    return _figure(totals, ranks, {"padded_parameters": zero_padded_parameter_count(cfg, n)})
+
+
+def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
+    """Elements FSDP2 all-gathers and reduce-scatters per parameter group (torch 2.13,
+    _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
+    rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
+    elements. Groups: each Block, and the root (embedding and head)."""
+    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.mlp_ratio * cfg.d_model
+
+    def padded(d0: int, rest: int = 1) -> int:
+        return n * -(-d0 // n) * rest
+
+    block = (4 * padded(h)                          # ln1, ln2 weight and bias
+             + 4 * (padded(h, h) + padded(h))       # q, k, v, attention proj
+             + padded(f, h) + padded(f)             # fc
+             + padded(h, f) + padded(h))            # mlp proj
+    root = padded(V, h) + padded(s, h) + 2 * padded(h) + padded(V, h)
+    return {**{f"blocks.{i}": block for i in range(cfg.n_layers)}, "root": root}
+
+
+def _fsdp2_comm(cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
+    """torch_fsdp2 (fully_shard per Block and on the root), per microbatch: each Block's group
+    all-gathered before forward and again before backward, the root's once (FSDP2 keeps the root
+    unsharded between its forward and backward), every group's gradients reduce-scattered once:
+    (N-1)/N·(2·P_blocks + P_root + G) per rank and microbatch, on FSDP2's padded sizes."""
+    n = dims.dp
+    groups = fsdp2_group_padded_counts(cfg, n)
+    blocks = sum(v for k, v in groups.items() if k != "root") * B
+    root = groups["root"] * B
+    per_rank = {"all_gather": m * (2 * blocks + root), "reduce_scatter": m * (blocks + root)}
+    ranks = dims.world_size
+    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
+    return _figure(totals, ranks, {"padded_parameters": sum(groups.values())})
+
 
 def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, microbatch_size: int = 1,
                   microbatches: int = 1, virtual: int = 1, sequence_parallel: bool = False,
@@ -259,4 +350,8 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
                             dtype_bytes)
     if strategy == "tp":
         return _tp_comm(model_cfg, dims, microbatch_size, microbatches, sequence_parallel, dtype_bytes)
+    if strategy in ("zero1", "zero2", "zero3"):
+        return _zero_comm(strategy, model_cfg, dims, microbatches, dtype_bytes)
+    if strategy == "torch_fsdp2":
+        return _fsdp2_comm(model_cfg, dims, microbatches, dtype_bytes)
     raise ValueError(f"theory has no formula for strategy {strategy!r}")

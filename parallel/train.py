@@ -24,11 +24,12 @@ from .metrics import (
     default_run_dir,
     peak_memory_bytes,
     setup_logging,
+    summarize_memory,
     write_json,
 )
 from .mesh3d import Mesh3D
 from .model import GPT, count_parameters
-from .native import TorchDDP
+from .native import TorchDDP, TorchFSDP2
 from .plan import ConfigError, RunPlan
 from .precision import ForwardContext
 from .strategy import SingleProcess, Strategy, make_optimizer
@@ -37,6 +38,8 @@ from .pp.executor import PipelineParallel
 from .pp.timeline import write_pipeline_report
 from .timing import StepTimer
 from .tp_strategy import TensorParallel
+from .zero import ZeroDataParallel
+from .zero3 import Zero3
 
 log = logging.getLogger("parallel")
 
@@ -70,6 +73,12 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
             schedule=plan.schedule, microbatches=plan.microbatches, virtual=plan.virtual_stages,
             pp_layers=list(plan.pp_layers) if plan.pp_layers else None, lr=plan.lr, weight_decay=plan.weight_decay,
         )
+    if plan.strategy in ("zero1", "zero2"):
+        return ZeroDataParallel(model, ctx.comm("dp"), int(plan.strategy[-1]), plan.lr, plan.weight_decay)
+    if plan.strategy == "zero3":
+        return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay)
+    if plan.strategy == "torch_fsdp2":
+        return TorchFSDP2(model, ctx.mesh["dp"], ctx.comm("dp"), plan.lr, plan.weight_decay)
     raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
 
 
@@ -185,6 +194,9 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         "step_times": step_times,
         "traffic": ctx.log.steps,
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        # Parameters, gradients and optimizer state this rank holds after the last step, and its
+        # peak during that step, from tensor sizes.
+        "model_state": strategy.memory_report(),
     }
     world = ctx.comm("world")
     reports = world.gather_object(report, 0, tag="tooling/summary") if world is not None else [report]
@@ -201,6 +213,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
             "local_parameters": _local_params_formula(plan),
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
+        summary["memory"] = summarize_memory(reports, theory.model_state_bytes(plan.strategy, plan.model, plan.dims))
         if plan.strategy in ("pp", "3d"):
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
@@ -230,6 +243,10 @@ def _log_summary(summary: dict) -> None:
         summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
         summary["peak_memory_bytes"] / 1e6,
     )
+    memory = summary["memory"]
+    log.info("model state per rank (params + grads + optimizer, bytes): measured %s | formula %s",
+             [r["total_bytes"] for r in memory["by_rank"]],
+             memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
     if "pipeline" in summary:
         pipe = summary["pipeline"]
         log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",

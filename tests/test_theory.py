@@ -190,3 +190,66 @@ def test_3d_without_tp_is_pp_and_without_pp_is_tp():
         dims = ParallelDims.resolve(d * t, dp=d, tp=t, pp=1)
         tp = expected_comm("tp", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)
         assert expected_comm("3d", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)["by_op"] == tp["by_op"]
+
+# -- ZeRO and FSDP2 ---------------------------------------------------------------------------------
+from parallel.theory import model_state_bytes, part_parameter_counts, zero_padded_parameter_count  # noqa: E402
+
+
+def test_parts_add_up_to_the_whole_model():
+    assert part_parameter_counts(CFG) == [256 * H + S * H, *[12 * H * H + 13 * H] * L, 2 * H + 256 * H]
+    assert sum(part_parameter_counts(CFG)) == parameter_count(CFG)
+    model = GPT(CFG, seed=0)
+    parts = [model.embed, *model.blocks, model.head]
+    assert [count_parameters(p) for p in parts] == part_parameter_counts(CFG)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2])
+def test_zero_traffic_is_the_papers_on_the_padded_size(n, m):
+    # Each part padded to a multiple of n: a Block's 12h² + 13h = 49,984 is a multiple of 2 and 4
+    # and 8 but needs 2 more at n = 3.
+    block = 12 * H * H + 13 * H
+    psi_pad = (256 * H + S * H) + L * (-(-block // n) * n) + (2 * H + 256 * H)
+    assert zero_padded_parameter_count(CFG, n) == psi_pad
+    assert (psi_pad > parameter_count(CFG)) == (n == 3)
+    dims = ParallelDims.resolve(n)
+    P = G = psi_pad * 4
+    # Rajbhandari et al. §7: ZeRO-1/2 (N-1)/N·(G + P), ZeRO-3 (N-1)/N·(2P + G) per rank (m = 1);
+    # here stage 2 reduce-scatters each microbatch and stage 3 does all of it per microbatch.
+    for strategy, per_rank in (("zero1", Fraction(n - 1, n) * (G + P)), ("zero2", Fraction(n - 1, n) * (m * G + P)),
+                               ("zero3", m * Fraction(n - 1, n) * (2 * P + G))):
+        fig = expected_comm(strategy, CFG, dims, microbatches=m)
+        assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * n, strategy
+        assert set(fig["by_op"]) == {"all_gather", "reduce_scatter"}
+    # ZeRO-1/2 with one microbatch moves what plain dp's all-reduce moves (on the padded size).
+    assert Fraction(expected_comm("zero2", CFG, dims)["sent_bytes_per_step_exact"]) == \
+        Fraction(2 * (n - 1), n) * psi_pad * 4 * n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_model_state_bytes_are_the_papers(n):
+    psi, pad = parameter_count(CFG), zero_padded_parameter_count(CFG, n)
+    dims = ParallelDims.resolve(n)
+    # fp32 Adam: params 4Ψ, grads 4Ψ, Adam moments 8Ψ; stage 1 shards the moments, 2 also the
+    # grads, 3 also the params.
+    assert model_state_bytes("dp", CFG, dims)["total_bytes"] == 16 * psi
+    expected = {"zero1": (4 * pad, 4 * pad, 8 * pad // n), "zero2": (4 * pad, 4 * pad // n, 8 * pad // n),
+                "zero3": (4 * pad // n, 4 * pad // n, 8 * pad // n)}
+    for strategy, (p, g, o) in expected.items():
+        fig = model_state_bytes(strategy, CFG, dims)
+        assert (fig["param_bytes"], fig["grad_bytes"], fig["optimizer_bytes"]) == (p, g, o)
+    assert model_state_bytes("tp", CFG, dims) is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
+    h, f, V = H, 4 * H, 256
+
+    def pad(d0, rest=1):
+        return n * -(-d0 // n) * rest
+
+    block = 4 * pad(h) + 4 * (pad(h, h) + pad(h)) + pad(f, h) + pad(f) + pad(h, f) + pad(h)
+    root = 2 * pad(V, h) + pad(S, h) + 2 * pad(h)
+    fig = expected_comm("torch_fsdp2", CFG, ParallelDims.resolve(n))
+    per_rank = Fraction(n - 1, n) * 4 * ((2 * L * block + root) + (L * block + root))
+    assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * n
