@@ -21,6 +21,8 @@ STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d", "zero1", "zero2", "
 # Sharded data parallelism: pure dp layouts, at least two ranks to shard over.
 SHARDED = ("zero1", "zero2", "zero3", "torch_fsdp2")
 GRAD_SYNCS = ("bucketed", "naive")
+# parallel.zero: how the dp dimension of a layout syncs, 0 plain (all-reduce), 1 or 2 a ZeRO stage.
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 class ConfigError(ValueError):
@@ -57,6 +59,7 @@ class RunPlan:
     pp_layers: tuple[int, ...] | None = None
     precision: str = "fp32"
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
+    zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
 
     @property
     def local_batch(self) -> int:
@@ -150,6 +153,61 @@ def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
         )
 
 
+def _route_zero(strategy: str, zero, dims: ParallelDims) -> str:
+    """parallel.zero picks how the dp dimension syncs. On a pure dp layout it is the zero<k>
+    strategy; with tp or pp it is the 3d strategy (one code path, pp=1 or tp=1 included), whose dp
+    sync becomes a ZeroOptimizer over the dp group. Refused where it means nothing."""
+    if zero not in ZERO_STAGES or isinstance(zero, bool):
+        raise ConfigError(f"parallel.zero={zero!r} is not a ZeRO stage: choose 0 (plain dp all-reduce), 1 or 2 "
+                          "(3 only with parallel.tp=1 parallel.pp=1)")
+    if zero == 0:
+        return strategy
+    if strategy not in ("dp", "tp", "pp", "3d"):
+        raise ConfigError(
+            f"parallel.zero={zero} sets the ZeRO stage of the dp dimension of parallel=dp, tp, pp or 3d, but "
+            f"parallel={strategy} {'is a ZeRO stage already' if strategy in SHARDED else 'has no such dp sync'}: "
+            "set parallel.zero=0"
+        )
+    if dims.dp < 2:
+        raise LayoutError(
+            f"parallel.zero={zero} shards over the data-parallel ranks, but parallel.dp={dims.dp} "
+            f"(world {dims.world_size} = dp {dims.dp} x tp {dims.tp} x pp {dims.pp}): "
+            "use at least 2 dp ranks, or parallel.zero=0"
+        )
+    if dims.tp == 1 and dims.pp == 1:
+        return f"zero{zero}"
+    if zero == 3:
+        raise ConfigError(
+            f"parallel.zero=3 does not compose with parallel.tp={dims.tp} parallel.pp={dims.pp} here: ZeRO-3 all-gathers "
+            "each part's parameters before every microbatch's forward and again before its backward (2m gathers of "
+            "every stage per step under a pipeline schedule, which wants m large), reduce-scatters gradients inside "
+            "backward (before sequence parallelism's tp sum of partial gradients) and frees parameters that the tp and "
+            "pp strategies read; use parallel.zero=1 or 2, or parallel=zero3 with parallel.tp=1 parallel.pp=1"
+        )
+    return "3d"
+
+
+def _check_3d_zero(zero: int, sequence_parallel: bool, dims: ParallelDims, p) -> None:
+    """ZeRO-2 reduce-scatters each part's gradients in backward hooks, as soon as the part has
+    them, every microbatch: right only if those gradients are final for the microbatch there."""
+    if zero != 2:
+        return
+    if sequence_parallel:
+        raise ConfigError(
+            "parallel.zero=2 with parallel.sequence_parallel=true: ZeRO-2 reduce-scatters each part's gradients over dp "
+            "inside backward, but under sequence parallelism the LayerNorm and bias gradients are partial sums that are "
+            "completed over tp only after backward; use parallel.zero=1 (it reduces after the tp sum) or "
+            "parallel.sequence_parallel=false"
+        )
+    if p.virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.zero=2 with parallel.virtual_stages={p.virtual_stages}: ZeRO-2 reduces a microbatch's parts "
+            "in backward order within one backward pass, but a rank's chunks run a microbatch's backward at "
+            "different times of the interleaved schedule; use parallel.zero=1 (it reduces once after the schedule) "
+            "or parallel.virtual_stages=1"
+        )
+
+
 def _check_precision(precision) -> None:
     if precision not in PRECISIONS:
         raise ConfigError(
@@ -172,6 +230,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     # A pipeline of tensor-parallel stages is one strategy, however it was asked for.
     if (strategy == "pp" and dims.tp > 1) or (strategy == "tp" and dims.pp > 1):
         strategy = "3d"
+    zero = p.zero
+    strategy = _route_zero(strategy, zero, dims)
     if strategy in ("dp", "pp", "3d") and env.world_size == 1:
         strategy = "single"
     _check_strategy(strategy, dims)
@@ -186,7 +246,10 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     if strategy in ("pp", "3d"):
         _check_pipeline(model, dims, p)
     if strategy == "3d":
-        _check_3d_grad_sync(dims, p)
+        if zero:
+            _check_3d_zero(zero, sequence_parallel, dims, p)  # the ZeroOptimizer replaces grad_sync
+        else:
+            _check_3d_grad_sync(dims, p)
     _check_steps(t.steps, t.warmup_steps)
     if p.grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
@@ -225,4 +288,5 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
         precision=t.precision,
         device_type=choose_device_type(p.backend, backend, cuda_available),
+        zero=zero if strategy == "3d" else 0,  # on a pure dp layout the stage is in the strategy's name
     )

@@ -169,3 +169,40 @@ def test_3d_with_one_rank_of_everything_is_single():
 def test_3d_refuses_what_does_not_divide(world, overrides, message):
     with pytest.raises((LayoutError, ConfigError), match=message):
         plan_for(world, "model=tiny", *overrides)
+
+
+# -- the dp dimension as ZeRO-1/2 (parallel.zero) ----------------------------------------------------
+@pytest.mark.parametrize("world,overrides,strategy,layout,zero", [
+    (8, ["parallel=3d", "parallel.zero=1"], "3d", (2, 2, 2), 1),
+    (4, ["parallel=3d", "parallel.pp=1", "parallel.zero=2"], "3d", (2, 2, 1), 2),
+    (4, ["parallel=tp", "parallel.zero=1"], "3d", (2, 2, 1), 1),                 # tp with ZeRO dp: the 3d path
+    (4, ["parallel=pp_1f1b", "parallel.dp=2", "parallel.zero=2"], "3d", (2, 1, 2), 2),  # pp with ZeRO dp too
+    (8, ["parallel=pp_interleaved", "parallel.dp=2", "parallel.tp=2", "parallel.zero=1"], "3d", (2, 2, 2), 1),
+    (8, ["parallel=tp_sp", "parallel.pp=2", "parallel.zero=1"], "3d", (2, 2, 2), 1),
+    (4, ["parallel=dp", "parallel.zero=2"], "zero2", (4, 1, 1), 0),               # pure dp: the zero<k> strategy
+    (2, ["parallel=dp", "parallel.zero=3"], "zero3", (2, 1, 1), 0),
+    (8, ["parallel=3d"], "3d", (2, 2, 2), 0),
+])
+def test_zero_is_the_dp_dimension_of_any_layout(world, overrides, strategy, layout, zero):
+    plan = plan_for(world, "model=tiny", *overrides)
+    assert (plan.strategy, (plan.dims.dp, plan.dims.tp, plan.dims.pp), plan.zero) == (strategy, layout, zero)
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (4, ["parallel=3d", "parallel.zero=4"], r"parallel.zero=4 is not a ZeRO stage: choose 0 \(plain dp all-reduce\), 1 or 2"),
+    (4, ["parallel=3d", "parallel.zero=1"],
+     r"parallel.zero=1 shards over the data-parallel ranks, but parallel.dp=1 \(world 4 = dp 1 x tp 2 x pp 2\)"),
+    (1, ["parallel=dp", "parallel.zero=1"], r"parallel.zero=1 shards over the data-parallel ranks, but parallel.dp=1"),
+    (4, ["parallel=zero1", "parallel.zero=2"], r"parallel.zero=2 sets the ZeRO stage .* but parallel=zero1 is a ZeRO stage already"),
+    (4, ["parallel=torch_ddp", "parallel.zero=1"], r"parallel=torch_ddp has no such dp sync: set parallel.zero=0"),
+    (8, ["parallel=3d", "parallel.zero=3"],
+     r"parallel.zero=3 does not compose with parallel.tp=2 parallel.pp=2 here: ZeRO-3 all-gathers each part's parameters"),
+    (4, ["parallel=tp", "parallel.zero=3"], r"parallel.zero=3 does not compose with parallel.tp=2 parallel.pp=1"),
+    (8, ["parallel=tp_sp", "parallel.pp=2", "parallel.zero=2"],
+     r"parallel.zero=2 with parallel.sequence_parallel=true: .* use parallel.zero=1"),
+    (8, ["parallel=pp_interleaved", "parallel.dp=2", "parallel.tp=2", "parallel.zero=2"],
+     r"parallel.zero=2 with parallel.virtual_stages=2: .* use parallel.zero=1"),
+])
+def test_zero_dp_dimension_refusals(world, overrides, message):
+    with pytest.raises((LayoutError, ConfigError), match=message):
+        plan_for(world, "model=tiny", *overrides)
