@@ -164,7 +164,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     step_time = statistics.median(step_times[timed_from:])
     comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
     memory = [r["peak_memory_bytes"] for r in rank_reports]
-    hand_written_dp = plan.strategy == "dp" or (plan.strategy in ("tp", "3d") and plan.dims.dp > 1)
+    zero = plan.zero  # the ZeRO stage of a 3d layout's dp dimension (0: plain)
+    hand_written_dp = plan.strategy == "dp" or (plan.strategy in ("tp", "3d") and plan.dims.dp > 1 and not zero)
     pipelined = plan.strategy in ("pp", "3d")
     return {
         "schema_version": SCHEMA_VERSION,
@@ -181,6 +182,7 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "schedule": plan.schedule if pipelined else None,
             "virtual_stages": plan.virtual_stages if pipelined else None,
             "backend": plan.backend,
+            "zero": zero,
         },
         "model": {
             "parameters": rank_reports[0]["parameters"], "params_formula": expected.get("parameters"),

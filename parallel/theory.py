@@ -66,13 +66,18 @@ def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
     return sum(-(-count // n) * n for count in part_parameter_counts(cfg))
 
 
-def model_state_bytes(strategy: str, cfg: GPTConfig, dims: ParallelDims, dtype_bytes: int = FP32_BYTES) -> dict | None:
+def model_state_bytes(strategy: str, cfg: GPTConfig, dims: ParallelDims, dtype_bytes: int = FP32_BYTES, *,
+                      zero: int = 0, virtual: int = 1, pp_layers=None) -> dict | None:
     """Bytes of parameters, gradients and Adam state one rank holds (ZeRO paper §5, fp32 Adam:
     4 + 4 + 8 bytes per parameter; REFERENCES.md). Plain data parallelism holds all of it; stage 1
     shards the optimizer state over the N dp ranks, stage 2 also the gradients, stage 3 also the
-    parameters, each on the padded count Ψ_pad. None for layouts without a formula here (tp, pp).
+    parameters, each on the padded count Ψ_pad. 3d with one pipeline stage: every rank holds the
+    same, `mesh3d_model_state_bytes` (zero: the stage of its dp dimension); with several stages
+    ranks differ (that function per stage). None for layouts without a formula here (tp, pp).
     """
     n = dims.dp
+    if strategy == "3d" and dims.pp == 1:
+        return mesh3d_model_state_bytes(cfg, dims, 0, zero, virtual, pp_layers, dtype_bytes)
     if strategy in ("single", "dp", "torch_ddp"):
         psi = parameter_count(cfg)
         params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
@@ -188,6 +193,39 @@ def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers
     return [sum(counts[c * dims.pp + r] for c in range(virtual)) for r in range(dims.pp)]
 
 
+def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
+    """The parts (zero.py's unit of sharding: embedding, each Block, head) of one rank of a pipeline
+    stage, each cut over t tp ranks as in `stage_shard_parameter_count`, whose sum they are."""
+    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.d_ff
+    per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
+    return [*([V * h // t + s * h] if first else []), *[per_layer] * layers, *([2 * h + V * h // t] if last else [])]
+
+
+def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None) -> int:
+    """Ψ_pad of one rank of stage `pp_rank` under ZeRO over dp: each of its local parts padded to a
+    multiple of d = dims.dp (what its reduce-scatters, all-gathers and shards are made of)."""
+    layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
+    parts = stage_part_counts(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+    return sum(-(-count // dims.dp) * dims.dp for count in parts)
+
+
+def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
+                             pp_layers=None, dtype_bytes: int = FP32_BYTES) -> dict:
+    """What one rank of stage `pp_rank` holds under dp x tp x pp: plain dp the stage's tp shard Ψ_r
+    in full (4 + 4 + 8 bytes per parameter); ZeRO-1 over dp 1/d of its Adam state, ZeRO-2 also 1/d
+    of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`)."""
+    d = dims.dp
+    if zero:
+        psi = stage_zero_padded_count(cfg, dims, pp_rank, virtual, pp_layers)
+        params, grads, state = psi * dtype_bytes, psi * dtype_bytes // (d if zero >= 2 else 1), 2 * psi * dtype_bytes // d
+    else:
+        layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
+        psi = stage_shard_parameter_count(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+        params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
+    figures = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state}
+    return {**figures, "total_bytes": sum(figures.values()), "parameters_counted": psi}
+
+
 def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                                  pp_rank: int = 0) -> int:
     layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
@@ -195,7 +233,7 @@ def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: in
 
 
 def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: int, pp_layers,
-                 sequence_parallel: bool, B: int) -> dict:
+                 sequence_parallel: bool, B: int, zero: int = 0) -> dict:
     """dp x tp x pp: every rank's traffic, stage by stage, then summed over the d·t ranks of each.
 
     A rank of stage r holding L_r blocks (over all its chunks) sends per step, with t = tp, d = dp:
@@ -209,7 +247,10 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
       pp   one send of its boundary activation per microbatch for each chunk that is not the last
            virtual stage, and one of the input gradient for each that is not the first: b·s·h,
            or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the sequence);
-      dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B.
+      dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B;
+           under ZeRO (zero = 1 or 2) its parts padded to multiples of d, Ψ_pad,r: the gradients
+           reduce-scattered once per step (ZeRO-1) or once per microbatch (ZeRO-2), the updated
+           parameters all-gathered once, (d-1)/d of each: (d-1)/d · (1 or m + 1) · Ψ_pad,r·B.
 
     Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
     partition the layers); pp adds 2·m·(v·p-1)·b·s·h·B per pipeline (/t under sequence parallelism),
@@ -238,12 +279,20 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
         tp_sent = all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
         sends = sum(m * ((c * p + r < p * virtual - 1) + (c * p + r > 0)) for c in range(virtual))
         p2p_payload = sends * boundary
-        dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 else 0
+        dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 and not zero else 0
         dp_sent = all_reduce_sent_per_rank(d, dp_payload)
+        zero_gather = zero_scatter = 0  # ZeRO's payloads over dp
+        if zero and d > 1:
+            padded = stage_zero_padded_count(cfg, dims, r, virtual, pp_layers) * B
+            zero_gather, zero_scatter = padded, (m if zero == 2 else 1) * padded
+            dp_sent = gather_or_scatter_sent_per_rank(d, zero_gather + zero_scatter)
         ranks = d * t  # the ranks of this stage, all alike
-        for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload) + dp_sent),
-                                  ("all_gather", ag_payload, gather_or_scatter_sent_per_rank(t, ag_payload)),
-                                  ("reduce_scatter", ag_payload, gather_or_scatter_sent_per_rank(t, ag_payload)),
+        for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload)
+                                   + all_reduce_sent_per_rank(d, dp_payload)),
+                                  ("all_gather", ag_payload + zero_gather, gather_or_scatter_sent_per_rank(t, ag_payload)
+                                   + gather_or_scatter_sent_per_rank(d, zero_gather)),
+                                  ("reduce_scatter", ag_payload + zero_scatter, gather_or_scatter_sent_per_rank(t, ag_payload)
+                                   + gather_or_scatter_sent_per_rank(d, zero_scatter)),
                                   ("send", p2p_payload, Fraction(p2p_payload)), ("recv", p2p_payload, Fraction(0))):
             totals[op][0] += payload * ranks
             totals[op][1] += sent * ranks
@@ -315,7 +364,7 @@ def _fsdp2_comm(cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
 
 def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, microbatch_size: int = 1,
                   microbatches: int = 1, virtual: int = 1, sequence_parallel: bool = False,
-                  dtype_bytes: int = FP32_BYTES, pp_layers=None) -> dict:
+                  dtype_bytes: int = FP32_BYTES, pp_layers=None, zero: int = 0) -> dict:
     """Strategy traffic per optimizer step, summed over all ranks, in the summary's schema.
 
     single: nothing crosses between ranks.
@@ -326,7 +375,7 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
     its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e.
     2(dp-1) · Ψ·B over all ranks.
     tp: see `_tp_comm` (microbatch_size b sequences, `microbatches` m per step).
-    3d: see `_mesh3d_comm` (pp_layers: the explicit split, if any).
+    3d: see `_mesh3d_comm` (pp_layers: the explicit split, if any; zero: its dp dimension's ZeRO stage).
     """
     psi = parameter_count(model_cfg)
     if strategy == "single" or dims.world_size == 1:
@@ -347,7 +396,7 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
         return _figure(totals, dims.world_size)
     if strategy == "3d":
         return _mesh3d_comm(model_cfg, dims, microbatch_size, microbatches, virtual, pp_layers, sequence_parallel,
-                            dtype_bytes)
+                            dtype_bytes, zero)
     if strategy == "tp":
         return _tp_comm(model_cfg, dims, microbatch_size, microbatches, sequence_parallel, dtype_bytes)
     if strategy in ("zero1", "zero2", "zero3"):

@@ -72,6 +72,7 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
             sequence_parallel=plan.sequence_parallel, grad_sync=plan.grad_sync, bucket_mb=plan.bucket_mb,
             schedule=plan.schedule, microbatches=plan.microbatches, virtual=plan.virtual_stages,
             pp_layers=list(plan.pp_layers) if plan.pp_layers else None, lr=plan.lr, weight_decay=plan.weight_decay,
+            zero=plan.zero,
         )
     if plan.strategy in ("zero1", "zero2"):
         return ZeroDataParallel(model, ctx.comm("dp"), int(plan.strategy[-1]), plan.lr, plan.weight_decay)
@@ -208,12 +209,14 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         expected = {
             "comm": theory.expected_comm(plan.strategy, plan.model, plan.dims, microbatch_size=plan.microbatch_size,
                                          microbatches=plan.microbatches, virtual=plan.virtual_stages,
-                                         sequence_parallel=plan.sequence_parallel, pp_layers=plan.pp_layers),
+                                         sequence_parallel=plan.sequence_parallel, pp_layers=plan.pp_layers,
+                                         zero=plan.zero),
             "parameters": theory.parameter_count(plan.model),
             "local_parameters": _local_params_formula(plan),
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
-        summary["memory"] = summarize_memory(reports, theory.model_state_bytes(plan.strategy, plan.model, plan.dims))
+        summary["memory"] = summarize_memory(reports, theory.model_state_bytes(
+            plan.strategy, plan.model, plan.dims, zero=plan.zero, virtual=plan.virtual_stages, pp_layers=plan.pp_layers))
         if plan.strategy in ("pp", "3d"):
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
