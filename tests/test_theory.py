@@ -253,3 +253,51 @@ def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
     fig = expected_comm("torch_fsdp2", CFG, ParallelDims.resolve(n))
     per_rank = Fraction(n - 1, n) * 4 * ((2 * L * block + root) + (L * block + root))
     assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * n
+
+
+# -- ZeRO as the dp dimension of dp x tp x pp ----------------------------------------------------------
+def _stage_part_sizes(t, p, v=1):
+    """Per stage, the parts ZeRO shards (zero.py groups a rank's parameters by dp._part_of), counted
+    on the model itself after the tp cut and the pipeline split."""
+    from parallel.dp import _part_of
+    from parallel.pp.split import split_model
+    sizes = []
+    for r in range(p):
+        model = GPT(CFG, seed=0)
+        parallelize_tp(model, SimpleNamespace(rank=0, size=t))
+        parts: dict[str, int] = {}
+        for chunk in split_model(model, p, v, r):
+            for n, q in chunk.named_parameters():
+                parts[_part_of(chunk.global_name(n))] = parts.get(_part_of(chunk.global_name(n)), 0) + q.numel()
+        sizes.append(parts)
+    return sizes
+
+
+@pytest.mark.parametrize("d,t,p,v,b,m,sp,zero", [
+    (2, 2, 1, 1, 4, 2, True, 1), (2, 1, 2, 1, 4, 2, False, 2), (2, 2, 2, 2, 2, 4, False, 1),
+    (3, 2, 1, 1, 2, 2, False, 2), (3, 2, 2, 1, 2, 2, False, 1),  # dp 3: parts padded to multiples of 3
+])
+def test_3d_with_zero_dp_written_out(d, t, p, v, b, m, sp, zero):
+    from parallel.theory import mesh3d_model_state_bytes
+    dims = ParallelDims.resolve(d * t * p, dp=d, tp=t, pp=p)
+    kw = dict(microbatch_size=b, microbatches=m, virtual=v, sequence_parallel=sp)
+    plain, fig = expected_comm("3d", CFG, dims, **kw), expected_comm("3d", CFG, dims, **kw, zero=zero)
+    parts = _stage_part_sizes(t, p, v)
+    padded = [sum(-(-n // d) * d for n in stage.values()) for stage in parts]
+    if d == 3:
+        assert sum(padded) > sum(sum(stage.values()) for stage in parts)  # the padding is real
+    # Per rank of stage r: the all-reduce of its Ψ_r gradients, 2(d-1)/d·4Ψ_r, becomes a reduce-scatter of
+    # its padded parts per step (ZeRO-1) or per microbatch (ZeRO-2) and one all-gather, (d-1)/d·4Ψ_pad,r each.
+    scatters = 1 if zero == 1 else m
+    zero_dp = [Fraction(d - 1, d) * (scatters + 1) * 4 * pad for pad in padded]
+    plain_dp = [2 * Fraction(d - 1, d) * 4 * sum(stage.values()) for stage in parts]
+    expected = [Fraction(x) - a + z for x, a, z in zip(plain["sent_bytes_per_rank_by_stage_exact"], plain_dp, zero_dp)]
+    assert [Fraction(x) for x in fig["sent_bytes_per_rank_by_stage_exact"]] == expected
+    assert Fraction(fig["by_group"]["dp"]["sent_bytes_exact"]) == d * t * sum(zero_dp)
+    for g in ("tp", "pp"):
+        assert fig["by_group"].get(g) == plain["by_group"].get(g)
+    # Each rank holds its padded stage parts' parameters, their gradients (ZeRO-2: 1/d of them) and 1/d of Adam.
+    for r in range(p):
+        state = mesh3d_model_state_bytes(CFG, dims, r, zero, v)
+        assert (state["param_bytes"], state["grad_bytes"], state["optimizer_bytes"]) == (
+            4 * padded[r], 4 * padded[r] // (d if zero == 2 else 1), 8 * padded[r] // d)
