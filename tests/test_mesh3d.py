@@ -11,6 +11,7 @@ Each multi-process case trains the tiny model for 6 steps under torchrun on gloo
   * each rank ran exactly its schedule's list.
 """
 
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -82,6 +83,82 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
         assert executed[rank] == [str(a) for a in plans[dims.coordinates(rank)["pp"]]], f"rank {rank}"
 
 
+# -- ZeRO-1/2 as the dp dimension (parallel.zero) ------------------------------------------------------
+V, H, S, F = 256, 64, 32, 256  # the tiny model
+
+
+def stage_parts(t: int, p: int, r: int) -> list[int]:
+    """The parts one rank of stage r holds (embedding, its blocks, head), cut over t tp ranks,
+    written out: token rows V·h/t + positions s·h; per block two norms 4h, Q/K/V 3(h² + h)/t,
+    output projection h²/t + h, fc (f·h + f)/t, proj f·h/t + h; final norm 2h + head rows V·h/t."""
+    block = 4 * H + 3 * (H * H + H) // t + H * H // t + H + (F * H + F) // t + F * H // t + H
+    return [*([V * H // t + S * H] if r == 0 else []), *[block] * (L // p), *([2 * H + V * H // t] if r == p - 1 else [])]
+
+
+ZERO_CASES = [
+    # id, world, overrides, (dp, tp, pp), zero, sequence parallel, microbatches
+    ("dp2xtp2xpp1-sp-zero1", 4, ["parallel=tp_sp", "parallel.zero=1", "parallel.microbatches=2"], (2, 2, 1), 1, True, 2),
+    ("dp2xtp1xpp2-1f1b-zero2", 4, ["parallel=pp_1f1b", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"],
+     (2, 1, 2), 2, False, 2),
+]
+
+
+@pytest.mark.parametrize("case_id,world,overrides,layout,zero,sp,m", ZERO_CASES, ids=[c[0] for c in ZERO_CASES])
+def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overrides, layout, zero, sp, m, single_run,
+                                                          tmp_path):
+    run = run_train(world, [*TINY, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run",
+                    timeout=400)
+    s = assert_ok(run)
+    d, t, p = layout
+    par = s["parallel"]
+    assert s["strategy"] == "3d" and (par["dp"], par["tp"], par["pp"], par["zero"], par["sequence_parallel"]) == (*layout, zero, sp)
+    check_matches_single(run, single_run)
+    if t > 1:
+        check_grads_match_single(run, single_run)  # the dp shards gathered, and every tp replica complete
+    else:
+        mine, ref = torch.load(run.run_dir / "grads_step0.pt"), torch.load(single_run.run_dir / "grads_step0.pt")
+        assert mine["grads"].keys() == ref["grads"].keys()
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+    comm, expected = s["comm"], s["expected_comm"]
+    assert s["comm_matches_theory"] is True and comm["steady"] is True
+    assert set(comm["by_op"]) == set(expected["by_op"])
+    for op, e in expected["by_op"].items():
+        assert (comm["by_op"][op]["sent_bytes"], comm["by_op"][op]["payload_bytes"]) == (e["sent_bytes"], e["payload_bytes"]), op
+    for group, e in expected["by_group"].items():
+        assert comm["by_group"][group]["sent_bytes"] == e["sent_bytes"], group
+    dims = ParallelDims.resolve(world, dp=d, tp=t, pp=p)
+    by_stage = expected["sent_bytes_per_rank_by_stage"]
+    assert comm["by_rank"] == [by_stage[dims.coordinates(r)["pp"]] for r in range(world)]
+
+    # Over dp, written out: each rank reduce-scatters its stage's padded parts once per step (ZeRO-1)
+    # or per microbatch (ZeRO-2) and all-gathers them once, (d-1)/d of each, 4 bytes an element;
+    # no dp all-reduce. The tiny model's parts are multiples of 2: no padding at dp 2.
+    scatters = 1 if zero == 1 else m
+    padded = [sum(-(-n // d) * d for n in stage_parts(t, p, r)) for r in range(p)]
+    dp_bytes = sum(Fraction(d - 1, d) * (scatters + 1) * 4 * pad for pad in padded) * d * t
+    assert comm["by_group"]["dp"]["sent_bytes"] == float(dp_bytes) == expected["by_group"]["dp"]["sent_bytes"]
+    by_tag = comm["by_tag"]
+    assert not any(tag.startswith("grads/") for tag in by_tag)
+    for r in range(p):
+        for part in (["embed"] if r == 0 else []) + [f"blocks.{i}" for i in range(r * L // p, (r + 1) * L // p)] + (["head"] if r == p - 1 else []):
+            assert by_tag[f"zero/grad_reduce_scatter/{part}"]["calls"] == scatters * d * t, part
+            assert by_tag[f"zero/param_all_gather/{part}"]["calls"] == d * t, part
+    if sp:
+        assert by_tag["tp/sp_grads"]["calls"] == world  # summed over tp before the reduce-scatter
+
+    # Every rank holds its stage's parameters and 1/d of their Adam state (ZeRO-2: 1/d of the
+    # gradients too), measured from its tensors.
+    memory = s["memory"]
+    for row in memory["by_rank"]:
+        pad = padded[dims.coordinates(row["rank"])["pp"]]
+        expect = (4 * pad, 4 * pad // (d if zero == 2 else 1), 8 * pad // d)
+        assert (row["param_bytes"], row["grad_bytes"], row["optimizer_bytes"]) == expect, row
+        assert row["peak_model_state_bytes"] >= row["total_bytes"]
+    assert memory["matches_formula"] is (True if p == 1 else None)  # one formula for all ranks only with one stage
+
+
 # -- the checkpoint interface, in one process: cutting needs no collective ---------------------------
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 
@@ -137,3 +214,34 @@ def test_full_state_and_optimizer_state_gather_and_reload(tmp_path):
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "mesh3d state check: ok" in proc.stdout
+
+
+def test_zero_dp_load_full_state_cuts_the_tp_piece_then_the_dp_shard():
+    """With ZeRO-1 over dp 2, load_full_state keeps each rank's tp piece of the parameters and its
+    dp shard of the Adam moments (no collective): the two dp ranks' shards, put together, are the
+    moments the plain 3d strategy keeps for that tp piece."""
+    full = {n: q.detach().clone() for n, q in GPT(CFG, seed=7).named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    optim = {"step": 5, "state": {n: {"exp_avg": torch.randn(q.shape, generator=gen),
+                                      "exp_avg_sq": torch.rand(q.shape, generator=gen)} for n, q in full.items()}}
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            plain = _strategy(GPT(CFG, seed=0), pp_rank, tp_rank)
+            plain.load_full_state(full, optim)
+            plain_params = dict(plain.global_named_parameters())
+            shards = []
+            for dp_rank in range(2):
+                sharded = Mesh3D(GPT(CFG, seed=0), tp_comm=SimpleNamespace(rank=tp_rank, size=2),
+                                 pp_comm=SimpleNamespace(rank=pp_rank, size=2), dp_comm=SimpleNamespace(rank=dp_rank, size=2),
+                                 sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b", microbatches=2,
+                                 virtual=1, pp_layers=None, lr=1e-3, weight_decay=0.1, zero=1)
+                sharded.load_full_state(full, optim)
+                assert sharded.optimizer is sharded.zero and sharded.zero.optimizer.step_count == 5
+                for name, q in sharded.global_named_parameters():
+                    assert torch.equal(q, plain_params[name]), name
+                shards.append(sharded.zero)
+            for i, part in enumerate(shards[0].parts):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    joined = torch.cat([z.optimizer.shard_state(i, key) for z in shards])[: part.numel]
+                    whole = torch.cat([plain.optimizer.state[plain_params[n]][key].reshape(-1) for n in part.names])
+                    assert torch.equal(joined, whole), (part.name, key)
