@@ -63,6 +63,8 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
     by_stage = expected["sent_bytes_per_rank_by_stage"]
     assert comm["by_rank"] == [by_stage[dims.coordinates(r)["pp"]] for r in range(world)]
     assert s["model"]["local_parameters"] == s["model"]["local_params_formula"]
+    # One stage: every rank holds its tp shard's parameters, gradients and Adam state, 16·Ψ_t bytes.
+    assert s["memory"]["matches_formula"] is (True if p == 1 else None)
 
     # A block's tp collectives run on the d·t ranks of its stage only, m times per direction.
     by = comm["by_tag_op"]
