@@ -8,14 +8,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
 import torch
 
 from . import theory
+from .checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from .comm import CommLog, calls_by_tag_op, summarize_traffic
 from .data import GlobalBatches, load_corpus, local_microbatches
+from .faults import inject_before_step, kill_during_save
 from .distributed import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from .metrics import (
     MetricsWriter,
@@ -29,13 +32,17 @@ from .metrics import (
 from .model import GPT, count_parameters
 from .native import TorchDDP
 from .plan import RunPlan
-from .strategy import SingleProcess, Strategy, make_optimizer
+from .strategy import NonFiniteLoss, SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
 from .pp.executor import PipelineParallel
 from .pp.timeline import write_pipeline_report
 from .tp_strategy import TensorParallel
 
 log = logging.getLogger("parallel")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose, on every rank (a non-finite loss); the message says why."""
 
 
 def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
@@ -80,7 +87,7 @@ def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
 
 
 def _console_line(step: int, plan: RunPlan, loss: float, seconds: float, sent_bytes: float) -> str:
-    timing = "warm-up" if step < plan.warmup_steps else f"{plan.tokens_per_step / seconds:9.0f} tok/s"
+    timing = "warm-up" if step - plan.start_step < plan.warmup_steps else f"{plan.tokens_per_step / seconds:9.0f} tok/s"
     return (
         f"step {step:4d} | loss {loss:.4f} | {seconds * 1e3:8.1f} ms | {timing} | "
         f"{sent_bytes / 1e6:8.3f} MB sent by rank 0"
@@ -107,11 +114,18 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
     log.info(
-        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s",
+        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s | rank %d pid %d",
         run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.tp, plan.dims.pp,
-        plan.backend or "none", ctx.device,
+        plan.backend or "none", ctx.device, ctx.rank, os.getpid(),
     )
     strategy = build_strategy(plan, ctx)
+    strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
+    if plan.resume_from:
+        model_state, optim_state = load_checkpoint(Path(plan.resume_from))
+        strategy.load_full_state(model_state, optim_state)
+        del model_state, optim_state
+        log.info("resumed from %s: continuing at step %d", plan.resume_from, plan.start_step)
+    checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run_dir / "checkpoints"
     n_params, n_local = strategy.full_parameter_count(), count_parameters(strategy.model)
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              n_params, n_local, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
@@ -120,13 +134,26 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     dp_rank = ctx.coords["dp"]
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     losses, step_times = [], []
-    for step in range(plan.steps):
+    for step in range(plan.start_step, plan.steps):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in local_microbatches(global_batch, dp_rank, plan.dims.dp, plan.microbatches)]
+        inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         _sync_device(ctx.device)
         ctx.log.begin_step()
         start = time.perf_counter()
-        local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
+        guarded = strategy.finite_checks
+        try:
+            local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
+        except NonFiniteLoss as e:
+            # Every rank gets here at the same step (the flag was all-reduced): say it in every
+            # rank's log, then stop with the weights and moments of the last good step.
+            message = (f"non-finite loss at step {step} ({e}): stopped before the optimizer step, weights unchanged; "
+                       "lower train.lr, or resume from the last checkpoint")
+            log.error("error: %s", message)
+            raise TrainingStopped(message) from None
+        if strategy.finite_checks != guarded + 1:
+            raise AssertionError(f"strategy {plan.strategy} ran its optimizer step without guard_finite(local_loss) "
+                                 "(parallel/strategy.py): call it once per step, before optimizer.step()")
         _sync_device(ctx.device)
         seconds = time.perf_counter() - start
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
@@ -141,12 +168,14 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         if metrics is not None:
             sent = float(summarize_traffic(traffic)["total"].sent_bytes)
             metrics.write({
-                "step": step, "loss": loss, "step_time_s": seconds, "warmup": step < plan.warmup_steps,
+                "step": step, "loss": loss, "step_time_s": seconds, "warmup": step - plan.start_step < plan.warmup_steps,
                 "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
                 "data_checksum": global_batch.checksum(),
                 "rank0_calls": calls_by_tag_op(traffic),
             })
             log.info(_console_line(step, plan, loss, seconds, sent))
+        if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
+            _save_checkpoint(plan, ctx, strategy, checkpoint_root, step + 1)
     strategy.close()
     if metrics is not None:
         metrics.close()
@@ -177,6 +206,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
             "local_parameters": theory.tp_shard_parameter_count(plan.model, plan.dims.tp) if plan.strategy != "pp" else None,
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
+        summary["first_step"] = plan.start_step  # losses[i] is step first_step + i (non-zero when resumed)
         if plan.strategy == "pp":
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
@@ -188,6 +218,17 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         _log_summary(summary)
         log.info("wrote %s", run_dir / "summary.json")
     return run_dir
+
+
+def _save_checkpoint(plan: RunPlan, ctx: DistContext, strategy: Strategy, root: Path, steps_done: int) -> None:
+    """Gather the whole state to rank 0 (collective, every rank) and let rank 0 write it."""
+    start = time.perf_counter()
+    model_state = strategy.full_state_dict()
+    optim_state = strategy.full_optimizer_state()
+    if ctx.is_rank0:
+        path = save_checkpoint(root, steps_done, model_state, optim_state, checkpoint_meta(plan, steps_done),
+                               before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done))
+        log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
 
 
 def _log_summary(summary: dict) -> None:
