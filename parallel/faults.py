@@ -38,7 +38,8 @@ def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, st
     """Misbehave as asked if this is the chosen rank and step; `params` are this rank's parameters."""
     if mode not in STEP_MODES or step != at_step or rank != fail_rank:
         return
-    print(f"rank {rank}: injecting train.fail_mode={mode} at step {step}", file=sys.stderr, flush=True)
+    # The wall-clock time lets a test measure how long the job takes to end after the fault.
+    print(f"rank {rank}: injecting train.fail_mode={mode} at step {step} (unix time {time.time():.3f})", file=sys.stderr, flush=True)
     if mode == "raise":
         raise InjectedFailure(f"injected failure (train.fail_mode=raise) at step {step} on rank {rank}")
     if mode == "exit":

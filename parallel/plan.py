@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .checkpoint import check_resumable, read_meta, resolve_checkpoint
+from .checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from .dims import LayoutError, ParallelDims
 from .distributed import LaunchEnv, choose_backend
 from .faults import FAIL_MODES
@@ -160,7 +160,8 @@ def _check_numbers(cfg) -> None:
             raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
     if t.threads is not None and (not _is_int(t.threads) or t.threads < 1):
         raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, or null to share the cores among the ranks")
-    for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final), ("train.save_grads", t.save_grads)]:
+    for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final), ("train.save_grads", t.save_grads),
+                        ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log), ("comm.time", cfg.comm.time)]:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")
 
@@ -191,7 +192,7 @@ def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
     if t.resume is None:
         return None, 0
     checkpoint = resolve_checkpoint(str(t.resume))
-    plan_model = {k: getattr(model, k) for k in ("vocab_size", "vocab_pad_multiple", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio")}
+    plan_model = {k: getattr(model, k) for k in MODEL_KEYS}
     plan_data = {"seed": t.seed, "global_batch": t.global_batch, "data_path": cfg.data.path,
                  "data_max_bytes": cfg.data.max_bytes, "seq_len": model.seq_len}
     start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps, t.warmup_steps, str(t.resume))
