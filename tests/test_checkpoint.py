@@ -4,7 +4,8 @@ leaves the previous checkpoint loadable.
 Each layout trains 6 steps saving after 3 (the state after 3 steps does not depend on how many
 come after, so that checkpoint is what a 3-step run would leave), then a fresh run resumes from
 it; its steps 3..5 must repeat the uninterrupted run's losses within 1e-6 relative. Checkpoints
-hold single-process names only, so the tp 2 one is also resumed under pp 2 and in one process.
+hold single-process names only, so the tp 2 one is also resumed under pp 2, and a single-process
+one under tp 2.
 """
 
 import json
@@ -49,17 +50,17 @@ def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, tmp_path):
     _check_continues(resumed, full, rtol=1e-6)
 
 
-def test_tp_checkpoint_resumes_under_tp_pp_and_single(tp_run, tmp_path):
+def test_tp_checkpoint_resumes_under_tp_and_pp(tp_run, tmp_path):
     ckpt = f"train.resume={tp_run.run_dir}/checkpoints/step_000003"
     _check_continues(run_train(2, [*TINY, "parallel=tp", ckpt], tmp_path / "tp"), tp_run, rtol=1e-6)
     # Another layout sums in another order: the project's cross-layout tolerance (1e-5).
     _check_continues(run_train(2, [*TINY, "parallel=pp_gpipe", ckpt], tmp_path / "pp"), tp_run, rtol=1e-5)
-    _check_continues(run_train(1, [*TINY, "parallel=single", ckpt], tmp_path / "single"), tp_run, rtol=1e-5)
 
 
 def test_kill_during_save_keeps_the_last_checkpoint(single_run, tmp_path):
     """SIGKILL while step 4's checkpoint is on disk but not yet published: step 2's stays the
-    latest, and resuming from the checkpoints directory continues from it exactly."""
+    latest, and resuming from the checkpoints directory continues from it exactly, in one process
+    and under tp 2."""
     killed = run_train(1, [*TINY, "parallel=single", "train.checkpoint_every=2",
                            "train.fail_mode=kill_during_save", "train.fail_at_step=4"], tmp_path / "killed")
     assert killed.returncode == -9, killed.stderr[-2000:]
@@ -73,3 +74,7 @@ def test_kill_during_save_keeps_the_last_checkpoint(single_run, tmp_path):
     summary = assert_ok(resumed)
     assert summary["first_step"] == 2
     assert max_rel_diff(summary["losses"], single_run.summary["losses"][2:]) < 1e-6
+    # The reverse layout change: a single-process checkpoint resumed under tp 2.
+    on_tp = assert_ok(run_train(2, [*TINY, "parallel=tp", f"train.resume={root}"], tmp_path / "on_tp"))
+    assert on_tp["first_step"] == 2
+    assert max_rel_diff(on_tp["losses"], single_run.summary["losses"][2:]) < 1e-5
