@@ -13,6 +13,7 @@ the traceback and one `error:` line naming the rank, and exits 1; torchrun then 
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 import hydra
@@ -40,8 +41,10 @@ def main(cfg: DictConfig) -> None:
     except CONFIG_ERRORS as e:
         exit_with_error(env, str(e))
     except TrainingStopped as e:
-        # Every rank reached the same verdict at the same step: each says it and leaves.
+        # Every rank reached the same verdict at the same step: each says it, and waits a moment
+        # before leaving, since torchrun stops every rank as soon as the first one exits.
         print(f"error: {e}" if env.rank == 0 else f"error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
+        time.sleep(0.5)
         exit_process(3)
     except Exception as e:
         # Leave at once: a normal interpreter exit would join gloo's threads, which wait out a

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -66,6 +67,41 @@ def kill_during_save(mode: str | None, at_step: int | None, step: int):
     return kill
 
 
+def peer_table(world) -> list[tuple[str, int]]:
+    """(hostname, pid) of every rank, on every rank (two tooling calls at start-up): what lets a
+    survivor tell which of its peers on this machine is gone."""
+    me = (socket.gethostname(), os.getpid())
+    if world is None:
+        return [me]
+    table = world.gather_object(me, 0, tag="tooling/peers")
+    return world.broadcast_object(table, 0, tag="tooling/peers")
+
+
+def _exited(pid: int) -> bool:
+    """The process is gone, or a zombie waiting for torchrun to collect its exit status."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # no /proc here: cannot tell
+
+
+def gone_peers(table: list[tuple[str, int]], rank: int, wait_s: float = 0.3) -> list[str]:
+    """The ranks on this machine whose process has exited, waiting up to `wait_s` for one: a dying
+    peer closes its sockets a moment before it becomes a zombie. Best effort, like every line a
+    survivor prints: torchrun stops the survivors within a fraction of a second of the first
+    exit (its monitor polls every 0.1 s), often before they get this far."""
+    host = socket.gethostname()
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(table) if r != rank and h == host and _exited(pid)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
 def describe_failure(exc: BaseException, rank: int, timeout_s: float) -> str:
     """One line for a rank that stopped on an exception: its own fault, or a peer's.
 
@@ -74,6 +110,9 @@ def describe_failure(exc: BaseException, rank: int, timeout_s: float) -> str:
     named by parallel/comm.py (op, tag, group and, for a send or receive, the peer's rank).
     """
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    gone = getattr(exc, "gone_peers", None)
+    if gone:
+        return f"rank {rank} stopped: {', '.join(gone)} exited, so {text}"
     if isinstance(exc, RuntimeError) and "Timed out" in text:
         return (f"rank {rank} stopped: {text}: waited parallel.timeout_s={timeout_s:g} s for a peer rank that hangs or died "
                 "(torchrun's list below gives each rank's exit)")

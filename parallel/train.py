@@ -16,9 +16,9 @@ import torch
 
 from . import theory
 from .checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
-from .comm import CommLog, calls_by_tag_op, summarize_traffic
+from .comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from .data import GlobalBatches, load_corpus, local_microbatches
-from .faults import inject_before_step, kill_during_save
+from .faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from .distributed import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from .metrics import (
     MetricsWriter,
@@ -102,6 +102,12 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log)
     try:
         run_dir = _train(plan, resolved_config, ctx, corpus)
+    except RuntimeError as e:
+        # A call failed (ours name themselves: CommFailure; DDP's reducer raises plain
+        # RuntimeErrors): if a peer on this machine is gone, the message will name it.
+        if len(ctx.peers) > 1 and (isinstance(e, CommFailure) or "Connection" in str(e)):
+            e.gone_peers = gone_peers(ctx.peers, ctx.rank)
+        raise
     finally:
         close_logging()
     # Only after success: a rank that failed must not wait in a barrier for peers that may be
@@ -113,6 +119,7 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
 def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch.Tensor) -> Path:
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
+    ctx.peers = peer_table(ctx.comm("world"))
     log.info(
         "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s | rank %d pid %d",
         run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.tp, plan.dims.pp,

@@ -159,3 +159,36 @@ def test_resume_refuses_what_cannot_continue(trained, tmp_path):
         plan_for(1, *TINY, f"train.resume={root}", "train.steps=4", "train.warmup_steps=1")
     meta = json.loads((path / "meta.json").read_text())
     assert meta["saved_by"]["strategy"] == "single" and meta["next_step"] == 3
+
+
+# -- naming the failed peer ------------------------------------------------------------------------
+def test_a_survivor_names_the_peer_that_exited():
+    """A real child process that has exited (a zombie until reaped) is named; a live one is not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from parallel.comm import CommFailure
+    from parallel.faults import describe_failure, gone_peers
+
+    host = socket.gethostname()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        table = [(host, os.getpid()), (host, alive.pid), (host, dead.pid), ("another-host", 1)]
+        # The short child exits and stays a zombie (nobody has waited for it), as a dead rank
+        # does until torchrun collects it; gone_peers waits up to its wait_s for that.
+        assert gone_peers(table, rank=0, wait_s=30) == [f"rank 2 (pid {dead.pid})"]
+    finally:
+        alive.kill()
+        alive.wait()
+        dead.wait()
+    error = CommFailure("all_reduce 'grads/bucket0' over group dp (ranks [0, 1, 2]): Connection reset by peer")
+    error.gone_peers = ["rank 2 (pid 7)"]
+    assert describe_failure(error, 0, 60) == (
+        "rank 0 stopped: rank 2 (pid 7) exited, so all_reduce 'grads/bucket0' over group dp (ranks [0, 1, 2]): "
+        "Connection reset by peer")
+    assert describe_failure(CommFailure("recv 'pp/fwd/0->1' over group pp (ranks [0, 1]) with rank 0: Timed out waiting 5000ms"), 1, 5) \
+        .startswith("rank 1 stopped: recv 'pp/fwd/0->1' over group pp (ranks [0, 1]) with rank 0: Timed out waiting 5000ms: "
+                    "waited parallel.timeout_s=5 s")
