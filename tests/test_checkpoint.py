@@ -78,3 +78,15 @@ def test_kill_during_save_keeps_the_last_checkpoint(single_run, tmp_path):
     on_tp = assert_ok(run_train(2, [*TINY, "parallel=tp", f"train.resume={root}"], tmp_path / "on_tp"))
     assert on_tp["first_step"] == 2
     assert max_rel_diff(on_tp["losses"], single_run.summary["losses"][2:]) < 1e-5
+
+
+def test_sharded_checkpoint_resumes_on_a_3d_mesh(single_run, tmp_path):
+    """A ZeRO-3 checkpoint (each rank holds 1/N of the parameters and of Adam's moments, gathered
+    whole for saving) resumes under dp 1 x tp 2 x pp 2, which cuts the same state another way."""
+    zero3 = run_train(2, [*TINY, "parallel=zero3", *SAVE], tmp_path / "zero3")
+    assert max_rel_diff(assert_ok(zero3)["losses"], single_run.summary["losses"]) < 1e-5
+    resumed = run_train(4, [*TINY, "parallel=pp_1f1b", "parallel.tp=2", "parallel.microbatches=2",
+                            f"train.resume={zero3.run_dir}/checkpoints/step_000003"], tmp_path / "mesh3d")
+    summary = assert_ok(resumed)
+    assert summary["strategy"] == "3d" and summary["first_step"] == 3
+    assert max_rel_diff(summary["losses"], single_run.summary["losses"][3:]) < 1e-5
