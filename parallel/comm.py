@@ -17,6 +17,7 @@ apart from the strategy's own figures.
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -184,30 +185,43 @@ def calls_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, int]]:
     return {tag: {op: t.calls for op, t in ops.items()} for tag, ops in traffic_by_tag_op(traffic).items()}
 
 
+class CommFailure(RuntimeError):
+    """A call that failed or timed out (a peer died or hangs), named by op, tag, group and peer."""
+
+
+def _failed(comm: "Communicator", op: str, tag: str, error: Exception, peer: int | None = None) -> CommFailure:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # gloo's text: "[/path/to/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
+    first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". This is typically")[0]
+    with_peer = f" with rank {comm.global_ranks[peer]}" if peer is not None else ""
+    return CommFailure(f"{op} {tag!r} over group {comm.name} (ranks {comm.global_ranks}){with_peer}: {first_line}")
+
+
 class Handle:
     """An async call's work object; `wait()` charges the time blocked to the call's record."""
 
-    def __init__(self, work, comm: "Communicator", op: str, tag: str, cuda: bool = False):
+    def __init__(self, work, comm: "Communicator", op: str, tag: str, cuda: bool = False, peer: int | None = None):
         self._work = work
         self._comm = comm
         self._op = op
         self._tag = tag
         self._cuda = cuda
+        self._peer = peer
 
     def wait(self) -> None:
         if self._work is None:
             return
         log = self._comm.log
-        if log.timed and self._cuda:
-            interval = DeviceInterval()
+        interval = DeviceInterval() if log.timed and self._cuda else None
+        start = time.perf_counter() if log.timed and not self._cuda else 0.0
+        try:
             self._work.wait()
+        except RuntimeError as e:
+            raise _failed(self._comm, self._op, self._tag, e, self._peer) from e
+        if interval is not None:
             log.add_device_interval(self._op, self._comm.name, self._tag, interval.stop())
         elif log.timed:
-            start = time.perf_counter()
-            self._work.wait()
             log.add_seconds(self._op, self._comm.name, self._tag, time.perf_counter() - start)
-        else:
-            self._work.wait()
         # Drop the work object at once: gloo work objects that outlive the process group keep
         # tensors alive into interpreter shutdown (see parallel/distributed.py).
         self._work = None
@@ -226,21 +240,27 @@ class Communicator:
         self.log = log
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.global_ranks = dist.get_process_group_ranks(group)  # for error messages
         self._pending: set[Handle] = set()
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool, cuda: bool = False):
-        """Call `fn`, record it; `cuda`: its tensors are on a GPU, so time it with CUDA events."""
+    def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool, cuda: bool = False,
+             peer: int | None = None):
+        """Call `fn`, record it; `cuda`: its tensors are on a GPU, so time it with CUDA events;
+        `peer`: the other end of a send or receive, named if the call fails."""
         timed = self.log.timed and not async_op
         interval = DeviceInterval() if timed and cuda else None
         start = time.perf_counter() if timed and not cuda else 0.0
-        work = fn()
+        try:
+            work = fn()
+        except RuntimeError as e:
+            raise _failed(self, op, tag, e, peer) from e
         seconds = time.perf_counter() - start if timed and not cuda else 0.0
         self.log.record(op, self.name, tag, payload_bytes, self.size, seconds)
         if interval is not None:
             self.log.add_device_interval(op, self.name, tag, interval.stop())
         if async_op:
-            handle = Handle(work, self, op, tag, cuda)
+            handle = Handle(work, self, op, tag, cuda, peer)
             self._pending.add(handle)
             return handle
         return None
@@ -300,12 +320,12 @@ class Communicator:
     def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str, async_op: bool = False):
         fn = dist.isend if async_op else dist.send
         return self._run("send", tag, tensor_bytes(tensor), lambda: fn(tensor, group_dst=dst_group_rank, group=self.group), async_op,
-                         tensor.is_cuda)
+                         tensor.is_cuda, peer=dst_group_rank)
 
     def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: str, async_op: bool = False):
         fn = dist.irecv if async_op else dist.recv
         return self._run("recv", tag, tensor_bytes(tensor), lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op,
-                         tensor.is_cuda)
+                         tensor.is_cuda, peer=src_group_rank)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, str]]) -> list[Handle]:
         """Post several sends and receives at once: [("send"|"recv", tensor, peer group rank, tag)].
@@ -318,14 +338,17 @@ class Communicator:
             dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=self.group, group_peer=peer)
             for kind, tensor, peer, _ in ops
         ]
-        works = dist.batch_isend_irecv(p2p)
+        try:
+            works = dist.batch_isend_irecv(p2p)
+        except RuntimeError as e:
+            raise _failed(self, "batch_p2p", ops[0][3], e, ops[0][2]) from e
         for kind, tensor, _, tag in ops:
             self.log.record(kind, self.name, tag, tensor_bytes(tensor), self.size)
         # One work per op on gloo; NCCL may coalesce the batch into one. Waiting time is charged
         # to the op a work belongs to (the first op's, when coalesced).
-        labels = [(kind, tag) for kind, _, _, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3])] * len(works)
+        labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3], None)] * len(works)
         cuda = any(tensor.is_cuda for _, tensor, _, _ in ops)
-        handles = [Handle(work, self, kind, tag, cuda) for work, (kind, tag) in zip(works, labels)]
+        handles = [Handle(work, self, kind, tag, cuda, peer) for work, (kind, tag, peer) in zip(works, labels)]
         self._pending.update(handles)
         return handles
 

@@ -83,6 +83,7 @@ class DistContext:
     log: CommLog
     comms: dict[str, Communicator] = field(default_factory=dict)
     mesh: object = None
+    peers: list = field(default_factory=list)  # (hostname, pid) per rank, for failure messages
 
     @property
     def rank(self) -> int:

@@ -57,6 +57,9 @@ class TorchDDP(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
 
+    def named_full_parameters(self):
+        return self.model.module.named_parameters()  # without DDP's "module." prefix
+
     def full_grads(self) -> dict:
         return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.module.named_parameters()},
                 "tp_replica_max_diff": {}}

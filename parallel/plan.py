@@ -7,10 +7,13 @@ breaks and a fix, and a non-zero exit: never a hang inside a collective.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from .dims import LayoutError, ParallelDims
 from .distributed import LaunchEnv, choose_backend, choose_device_type
+from .faults import FAIL_MODES
 from .model import GPTConfig
 from .precision import PRECISIONS
 from .pp.schedules import ScheduleError, build_schedule
@@ -60,6 +63,15 @@ class RunPlan:
     precision: str = "fp32"
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
+    # Reliability (parallel/checkpoint.py, parallel/faults.py)
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    resume_from: str | None = None  # one complete checkpoint directory, resolved
+    start_step: int = 0
+    check_finite: bool = True
+    fail_mode: str | None = None
+    fail_at_step: int | None = None
+    fail_rank: int = 0
 
     @property
     def local_batch(self) -> int:
@@ -125,6 +137,70 @@ def _check_steps(steps: int, warmup_steps: int) -> None:
             f"train.warmup_steps={warmup_steps!r} must be at least 0 and below train.steps={steps}, "
             "so that some steps are timed: lower it or raise train.steps"
         )
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_numbers(cfg) -> None:
+    """Types and ranges of the numeric options that no layout rule covers (a string or a negative
+    number must not reach torch as a traceback)."""
+    t, p = cfg.train, cfg.parallel
+    positive = [("train.lr", t.lr, "e.g. train.lr=0.001"), ("parallel.bucket_mb", p.bucket_mb, "PyTorch DDP uses 25"),
+                ("parallel.timeout_s", p.timeout_s, "e.g. parallel.timeout_s=60")]
+    for name, value, hint in positive:
+        if not _is_number(value) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive number: {hint}")
+    if not _is_number(t.weight_decay) or t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay!r} must be a number >= 0: e.g. train.weight_decay=0.1")
+    for name, value, low in [("train.seed", t.seed, 0), ("data.max_bytes", cfg.data.max_bytes, 1),
+                             ("parallel.virtual_stages", p.virtual_stages, 1), ("train.checkpoint_every", t.checkpoint_every, 0)]:
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+    if t.threads is not None and (not _is_int(t.threads) or t.threads < 1):
+        raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, or null to share the cores among the ranks")
+    for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final), ("train.save_grads", t.save_grads),
+                        ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log), ("comm.time", cfg.comm.time)]:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be true or false")
+
+
+def _check_faults(t, world_size: int) -> None:
+    """The fault-injection testing aid (parallel/faults.py): a mode, a step the run reaches, a rank that exists."""
+    if t.fail_mode is None:
+        return
+    if t.fail_mode not in FAIL_MODES:
+        raise ConfigError(f"train.fail_mode={t.fail_mode!r}: choose one of {', '.join(FAIL_MODES)}, or null (no fault)")
+    last = t.steps if t.fail_mode == "kill_during_save" else t.steps - 1
+    if not _is_int(t.fail_at_step) or not 0 <= t.fail_at_step <= last:
+        raise ConfigError(f"train.fail_at_step={t.fail_at_step!r} must be a step this run reaches, 0 to {last}")
+    if not _is_int(t.fail_rank) or not 0 <= t.fail_rank < world_size:
+        raise ConfigError(f"train.fail_rank={t.fail_rank!r} must be a rank of this run, 0 to {world_size - 1}")
+    if t.fail_mode == "kill_during_save":
+        if t.fail_rank != 0:
+            raise ConfigError("train.fail_mode=kill_during_save kills the checkpoint writer, which is rank 0: set train.fail_rank=0")
+        if not t.checkpoint_every or t.fail_at_step % t.checkpoint_every or t.fail_at_step == 0:
+            raise ConfigError(
+                f"train.fail_mode=kill_during_save with train.fail_at_step={t.fail_at_step}: no checkpoint is saved after "
+                f"{t.fail_at_step} steps (train.checkpoint_every={t.checkpoint_every}): use a multiple of checkpoint_every"
+            )
+
+
+def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
+    """The checkpoint to resume from and the step it continues at (or None, 0)."""
+    if t.resume is None:
+        return None, 0
+    checkpoint = resolve_checkpoint(str(t.resume))
+    plan_model = {k: getattr(model, k) for k in MODEL_KEYS}
+    plan_data = {"seed": t.seed, "global_batch": t.global_batch, "data_path": cfg.data.path,
+                 "data_max_bytes": cfg.data.max_bytes, "seq_len": model.seq_len}
+    start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps, t.warmup_steps, str(t.resume))
+    return str(checkpoint), start
 
 
 def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
@@ -219,7 +295,13 @@ def _check_precision(precision) -> None:
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     """Validate the whole configuration against the launch environment."""
     p, t = cfg.parallel, cfg.train
+    _check_numbers(cfg)
     model = model_config(cfg.model)
+    if model.vocab_size < 256:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} is below 256, but the data is byte-level (token ids 0..255): "
+            "use model.vocab_size=256 (or more)"
+        )
     dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
     strategy = p.name
     sequence_parallel = bool(p.sequence_parallel)
@@ -253,11 +335,9 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     _check_steps(t.steps, t.warmup_steps)
     if p.grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
-    if not p.bucket_mb > 0:
-        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb!r} must be a positive number of MiB (PyTorch DDP uses 25)")
-    if not p.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s={p.timeout_s!r} must be a positive number of seconds")
     _check_precision(t.precision)
+    _check_faults(t, env.world_size)
+    resume_from, start_step = _resume_point(t, model, cfg)
     backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
     return RunPlan(
         strategy=strategy,
@@ -289,4 +369,12 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         precision=t.precision,
         device_type=choose_device_type(p.backend, backend, cuda_available),
         zero=zero if strategy == "3d" else 0,  # on a pure dp layout the stage is in the strategy's name
+        checkpoint_every=t.checkpoint_every,
+        checkpoint_dir=t.checkpoint_dir,
+        resume_from=resume_from,
+        start_step=start_step,
+        check_finite=t.check_finite,
+        fail_mode=t.fail_mode,
+        fail_at_step=t.fail_at_step,
+        fail_rank=t.fail_rank,
     )

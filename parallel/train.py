@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from . import theory
-from .comm import CommLog, calls_by_tag_op, summarize_traffic
+from .checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
+from .comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from .data import GlobalBatches, load_corpus, local_microbatches
+from .faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from .distributed import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from .metrics import (
     MetricsWriter,
@@ -32,7 +35,7 @@ from .model import GPT, count_parameters
 from .native import TorchDDP, TorchFSDP2
 from .plan import ConfigError, RunPlan
 from .precision import ForwardContext
-from .strategy import SingleProcess, Strategy, make_optimizer
+from .strategy import NonFiniteLoss, SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
 from .pp.executor import PipelineParallel
 from .pp.timeline import write_pipeline_report
@@ -42,6 +45,10 @@ from .zero import ZeroDataParallel
 from .zero3 import Zero3
 
 log = logging.getLogger("parallel")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose, on every rank (a non-finite loss); the message says why."""
 
 
 def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
@@ -104,7 +111,7 @@ def _check_forward_context(plan: RunPlan, strategy: Strategy) -> None:
 
 
 def _console_line(step: int, plan: RunPlan, loss: float, seconds: float, sent_bytes: float) -> str:
-    timing = "warm-up" if step < plan.warmup_steps else f"{plan.tokens_per_step / seconds:9.0f} tok/s"
+    timing = "warm-up" if step - plan.start_step < plan.warmup_steps else f"{plan.tokens_per_step / seconds:9.0f} tok/s"
     return (
         f"step {step:4d} | loss {loss:.4f} | {seconds * 1e3:8.1f} ms | {timing} | "
         f"{sent_bytes / 1e6:8.3f} MB sent by rank 0"
@@ -119,6 +126,12 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
     try:
         run_dir = _train(plan, resolved_config, ctx, corpus)
+    except RuntimeError as e:
+        # A call failed (ours name themselves: CommFailure; DDP's reducer raises plain
+        # RuntimeErrors): if a peer on this machine is gone, the message will name it.
+        if len(ctx.peers) > 1 and (isinstance(e, CommFailure) or "Connection" in str(e)):
+            e.gone_peers = gone_peers(ctx.peers, ctx.rank)
+        raise
     finally:
         close_logging()
     # Only after success: a rank that failed must not wait in a barrier for peers that may be
@@ -130,10 +143,11 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
 def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch.Tensor) -> Path:
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
+    ctx.peers = peer_table(ctx.comm("world"))
     log.info(
-        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s | precision %s",
+        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s | precision %s | rank %d pid %d",
         run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.tp, plan.dims.pp,
-        plan.backend or "none", ctx.device, plan.precision,
+        plan.backend or "none", ctx.device, plan.precision, ctx.rank, os.getpid(),
     )
     # Where this process runs (torchrun's GROUP_RANK is the node's rank): the per-rank logs show the layout.
     logging.getLogger("parallel.rank").info(
@@ -145,6 +159,13 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         log.warning("warning: %s", layout_warning)
     strategy = build_strategy(plan, ctx)
     strategy.forward_context = ForwardContext(plan.precision, ctx.device)
+    strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
+    if plan.resume_from:
+        model_state, optim_state = load_checkpoint(Path(plan.resume_from))
+        strategy.load_full_state(model_state, optim_state)
+        del model_state, optim_state
+        log.info("resumed from %s: continuing at step %d", plan.resume_from, plan.start_step)
+    checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run_dir / "checkpoints"
     n_params, n_local = strategy.full_parameter_count(), count_parameters(strategy.model)
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              n_params, n_local, plan.tokens_per_step, plan.microbatches, plan.microbatch_size)
@@ -154,14 +175,27 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     losses, step_times = [], []
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
-    for step in range(plan.steps):
+    for step in range(plan.start_step, plan.steps):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in local_microbatches(global_batch, dp_rank, plan.dims.dp, plan.microbatches)]
+        inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
-        local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
+        guarded = strategy.finite_checks
+        try:
+            local_loss = strategy.train_step(microbatches, global_batch.n_tokens)
+        except NonFiniteLoss as e:
+            # Every rank gets here at the same step (the flag was all-reduced): say it in every
+            # rank's log, then stop with the weights and moments of the last good step.
+            message = (f"non-finite loss at step {step} ({e}): stopped before the optimizer step, weights unchanged; "
+                       "lower train.lr, or resume from the last checkpoint")
+            log.error("error: %s", message)
+            raise TrainingStopped(message) from None
+        if strategy.finite_checks != guarded + 1:
+            raise AssertionError(f"strategy {plan.strategy} ran its optimizer step without guard_finite(local_loss) "
+                                 "(parallel/strategy.py): call it once per step, before optimizer.step()")
         seconds = timer.stop()
-        if step == 0:
+        if step == plan.start_step:
             _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
         traffic = ctx.log.end_step()
@@ -175,12 +209,14 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         if metrics is not None:
             sent = float(summarize_traffic(traffic)["total"].sent_bytes)
             metrics.write({
-                "step": step, "loss": loss, "step_time_s": seconds, "warmup": step < plan.warmup_steps,
+                "step": step, "loss": loss, "step_time_s": seconds, "warmup": step - plan.start_step < plan.warmup_steps,
                 "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
                 "data_checksum": global_batch.checksum(),
                 "rank0_calls": calls_by_tag_op(traffic),
             })
             log.info(_console_line(step, plan, loss, seconds, sent))
+        if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
+            _save_checkpoint(plan, ctx, strategy, checkpoint_root, step + 1)
     strategy.close()
     if metrics is not None:
         metrics.close()
@@ -217,6 +253,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
         summary["memory"] = summarize_memory(reports, theory.model_state_bytes(
             plan.strategy, plan.model, plan.dims, zero=plan.zero, virtual=plan.virtual_stages, pp_layers=plan.pp_layers))
+        summary["first_step"] = plan.start_step  # losses[i] is step first_step + i (non-zero when resumed)
         if plan.strategy in ("pp", "3d"):
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
@@ -237,6 +274,17 @@ def _local_params_formula(plan: RunPlan) -> int | None:
     if plan.strategy == "3d":
         return theory.mesh3d_local_parameter_count(plan.model, plan.dims, plan.virtual_stages, plan.pp_layers)
     return theory.tp_shard_parameter_count(plan.model, plan.dims.tp)
+
+
+def _save_checkpoint(plan: RunPlan, ctx: DistContext, strategy: Strategy, root: Path, steps_done: int) -> None:
+    """Gather the whole state to rank 0 (collective, every rank) and let rank 0 write it."""
+    start = time.perf_counter()
+    model_state = strategy.full_state_dict()
+    optim_state = strategy.full_optimizer_state()
+    if ctx.is_rank0:
+        path = save_checkpoint(root, steps_done, model_state, optim_state, checkpoint_meta(plan, steps_done),
+                               before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done))
+        log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
 
 
 def _log_summary(summary: dict) -> None:

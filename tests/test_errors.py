@@ -29,6 +29,14 @@ def test_bad_layout_exits_nonzero_with_its_message(world, overrides, message, tm
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+def test_bad_data_in_one_process_exits_nonzero_with_one_line(tmp_path):
+    """World 1 too: an empty corpus file is refused in one line naming the path, status 2."""
+    (tmp_path / "empty.txt").write_text("")
+    run = run_train(1, [*TINY, f"data.path={tmp_path / 'empty.txt'}"], tmp_path / "run", timeout=90)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [f"error: data.path='{tmp_path / 'empty.txt'}' is empty: give a file or directory with some text in it"]
+
+
 def test_unknown_preset_is_refused_by_name(tmp_path):
     run = run_train(1, ["parallel=zero9"], tmp_path / "run", timeout=90)
     assert run.returncode != 0

@@ -136,6 +136,7 @@ class PipelineParallel(Strategy):
         if sends:
             self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start, "end": time.time()})
         self.after_backward()
+        self.guard_finite(local_loss)  # only the last stage has a loss; the flag reaches every stage
         self.optimizer.step()
         return local_loss
 
@@ -195,6 +196,18 @@ class PipelineParallel(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         mine = {chunk.global_name(n): t.detach().cpu().clone() for chunk in self.chunks for n, t in chunk.state_dict().items()}
         return self._gather_to_first_stage(mine, "tooling/state")
+
+    def named_full_parameters(self):
+        return [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+
+    def full_optimizer_state(self) -> dict:
+        """Each stage's moments under single-process names, merged on pp rank 0."""
+        mine = super().full_optimizer_state()["state"]
+        parts = self.pp_comm.gather_object(mine, 0, tag="tooling/optimizer_state")
+        merged = {}
+        for part in parts or []:
+            merged.update(part)
+        return {"step": self.optimizer.step_count, "state": merged}
 
     def full_grads(self) -> dict:
         mine = {chunk.global_name(n): p.grad.detach().cpu().clone() for chunk in self.chunks for n, p in chunk.named_parameters()}
