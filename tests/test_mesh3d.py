@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import TINY, assert_ok, check_matches_single, max_rel_diff, run_train
 from parallel.dims import ParallelDims
 from parallel.mesh3d import Mesh3D
 from parallel.model import GPT, GPTConfig
@@ -99,7 +99,8 @@ def stage_parts(t: int, p: int, r: int) -> list[int]:
 
 ZERO_CASES = [
     # id, world, overrides, (dp, tp, pp), zero, sequence parallel, microbatches
-    ("dp2xtp2xpp1-sp-zero1", 4, ["parallel=tp_sp", "parallel.zero=1", "parallel.microbatches=2"], (2, 2, 1), 1, True, 2),
+    ("dp2xtp2xpp1-sp-zero1", 4, ["parallel=tp_sp", "parallel.zero=1", "parallel.microbatches=2", "train.checkpoint_every=3"],
+     (2, 2, 1), 1, True, 2),
     ("dp2xtp1xpp2-1f1b-zero2", 4, ["parallel=pp_1f1b", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"],
      (2, 1, 2), 2, False, 2),
 ]
@@ -159,6 +160,14 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
         assert (row["param_bytes"], row["grad_bytes"], row["optimizer_bytes"]) == expect, row
         assert row["peak_model_state_bytes"] >= row["total_bytes"]
     assert memory["matches_formula"] is (True if p == 1 else None)  # one formula for all ranks only with one stage
+
+    if "train.checkpoint_every=3" in overrides:
+        # The checkpoint after step 3 holds Adam's moments gathered from the dp shards into the tp
+        # pieces, then whole: one process resumed from it repeats the single run's steps 3..5.
+        resumed = assert_ok(run_train(1, [*TINY, "parallel=single", f"train.resume={run.run_dir}/checkpoints/step_000003"],
+                                      tmp_path / "resumed"))
+        assert resumed["first_step"] == 3
+        assert max_rel_diff(resumed["losses"], single_run.summary["losses"][3:]) < 1e-5
 
 
 # -- the checkpoint interface, in one process: cutting needs no collective ---------------------------
