@@ -15,6 +15,9 @@ summary.json (written by global rank 0):
                       collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
   expected_comm       parallel/theory.py's closed form in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
+  mfu                 model FLOPs utilisation (parallel/mfu.py): flops_per_token, peak_flops
+                      (per device, measured or train.peak_flops), devices, mfu
+  exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
 """
 
 from __future__ import annotations
@@ -170,9 +173,9 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "microbatch_size": plan.microbatch_size,
             "sequence_parallel": plan.sequence_parallel,
             "grad_sync": plan.grad_sync if hand_written_dp else None,
-            "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy == "torch_ddp" else None,
-            "schedule": plan.schedule if plan.strategy == "pp" else None,
-            "virtual_stages": plan.virtual_stages if plan.strategy == "pp" else None,
+            "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy in ("torch_ddp", "accelerate_ddp") else None,
+            "schedule": plan.schedule if plan.strategy in ("pp", "torch_pp") else None,
+            "virtual_stages": plan.virtual_stages if plan.strategy in ("pp", "torch_pp") else None,
             "backend": plan.backend,
         },
         "model": {

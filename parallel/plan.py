@@ -16,7 +16,7 @@ from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp")
+STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "torch_tp", "torch_pp", "accelerate_ddp")
 GRAD_SYNCS = ("bucketed", "naive")
 
 
@@ -52,6 +52,7 @@ class RunPlan:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
+    peak_flops: float | None = None  # per device, for MFU; None: measured by a matmul at the end of the run
 
     @property
     def local_batch(self) -> int:
@@ -90,11 +91,24 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
             f"parallel=single runs one process but the world size is {dims.world_size}: "
             f"run `python -m launch.train parallel=single`, or use parallel=dp under torchrun"
         )
-    if strategy == "torch_ddp" and dims.world_size < 2:
+    if strategy in ("torch_ddp", "accelerate_ddp", "torch_tp", "torch_pp") and dims.world_size < 2:
         raise LayoutError(
-            "parallel=torch_ddp needs at least 2 processes, got world size 1: "
+            f"parallel={strategy} needs at least 2 processes, got world size 1: "
             "launch it with torchrun --nproc-per-node 2 (or more)"
         )
+    if strategy == "torch_pp":
+        if dims.tp != 1 or dims.dp != 1:
+            raise LayoutError(
+                f"parallel=torch_pp runs one torch.distributed.pipelining pipeline over the whole world, but "
+                f"parallel.dp={dims.dp} and parallel.tp={dims.tp}: set parallel.dp=1 parallel.tp=1"
+            )
+        return
+    if strategy == "torch_tp":
+        if dims.pp != 1:
+            raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
+        if dims.tp < 2:
+            raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
+        return
     if strategy == "pp":
         if dims.tp != 1:
             raise LayoutError(f"parallel=pp does not combine with tensor parallelism yet: set parallel.tp=1 (got {dims.tp})")
@@ -156,10 +170,10 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy}: "
             "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
-    if strategy == "tp":
+    if strategy in ("tp", "torch_tp"):
         dims.check_tensor_parallel(model, sequence_parallel)
     dims.check_batch(t.global_batch, p.microbatches)
-    if strategy == "pp":
+    if strategy in ("pp", "torch_pp"):
         _check_pipeline(model, dims, p)
     _check_steps(t.steps, t.warmup_steps)
     if p.grad_sync not in GRAD_SYNCS:
@@ -196,4 +210,13 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         schedule=p.schedule,
         virtual_stages=p.virtual_stages,
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
+        peak_flops=_peak_flops(t.get("peak_flops")),
     )
+
+
+def _peak_flops(value) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"train.peak_flops={value!r} must be a positive number of FLOP/s per device, or null to measure it")
+    return float(value)

@@ -27,7 +27,10 @@ from .metrics import (
     write_json,
 )
 from .model import GPT, count_parameters
-from .native import TorchDDP
+from .mfu import devices_for_peak, flops_per_token, measure_peak_flops, mfu
+from .native import AccelerateDDP, TorchDDP
+from .native_pp import TorchPipeline
+from .native_tp import TorchTP
 from .plan import RunPlan
 from .strategy import SingleProcess, Strategy, make_optimizer
 from .dp import DataParallel
@@ -60,6 +63,13 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
     if plan.strategy == "tp":
         return TensorParallel(model, optimizer_for, ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
                               plan.grad_sync, plan.bucket_mb)
+    if plan.strategy == "accelerate_ddp":
+        return AccelerateDDP(model, optimizer_for, ctx.comm("dp"), plan.bucket_mb, ctx.device)
+    if plan.strategy == "torch_tp":
+        return TorchTP(model, optimizer_for, ctx.mesh["tp"], ctx.comm("tp"), ctx.comm("dp"), ctx.log)
+    if plan.strategy == "torch_pp":
+        return TorchPipeline(model, plan.schedule, ctx.comm("pp"), plan.microbatches, plan.virtual_stages,
+                             list(plan.pp_layers) if plan.pp_layers else None, plan.lr, plan.weight_decay, ctx.device, ctx.log)
     raise AssertionError(f"unhandled strategy {plan.strategy}")  # plan.py refuses unknown names
 
 
@@ -177,6 +187,8 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
             "local_parameters": theory.tp_shard_parameter_count(plan.model, plan.dims.tp) if plan.strategy != "pp" else None,
         }
         summary = build_summary(config=resolved_config, plan=plan, losses=losses, rank_reports=reports, expected=expected)
+        summary["mfu"] = _mfu_block(plan, ctx.device, summary["tokens_per_s"])
+        summary["exposed_comm_measured"] = getattr(strategy, "exposed_comm_measured", True)
         if plan.strategy == "pp":
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
@@ -190,6 +202,14 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     return run_dir
 
 
+def _mfu_block(plan: RunPlan, device: torch.device, tokens_per_s: float) -> dict:
+    """MFU of the run against the peak of its device (measured here, after training, unless given)."""
+    peak = plan.peak_flops or measure_peak_flops(device)
+    devices = devices_for_peak(device, plan.dims.world_size)
+    return {"mfu": mfu(plan.model, tokens_per_s, peak, devices), "flops_per_token": flops_per_token(plan.model),
+            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "devices": devices}
+
+
 def _log_summary(summary: dict) -> None:
     comm, expected = summary["comm"], summary["expected_comm"]
     log.info(
@@ -197,6 +217,8 @@ def _log_summary(summary: dict) -> None:
         summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
         summary["peak_memory_bytes"] / 1e6,
     )
+    log.info("MFU %.1f%% (%.3g FLOP/token, peak %.3g FLOP/s x %d device(s))", 100 * summary["mfu"]["mfu"],
+             summary["mfu"]["flops_per_token"], summary["mfu"]["peak_flops"], summary["mfu"]["devices"])
     if "pipeline" in summary:
         pipe = summary["pipeline"]
         log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",
