@@ -30,6 +30,8 @@ def _counted_allreduce_hook(comm: Communicator):
 
 class TorchDDP(Strategy):
     name = "torch_ddp"
+    # DDP waits on the hook's futures inside its own backward: the log cannot time that wait.
+    exposed_comm_measured = False
 
     def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float):
         ddp = DDP(
@@ -71,6 +73,7 @@ class AccelerateDDP(Strategy):
     """
 
     name = "accelerate_ddp"
+    exposed_comm_measured = False  # as TorchDDP: the waits happen inside DDP
 
     def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float, device: torch.device):
         from accelerate import Accelerator
