@@ -1,20 +1,28 @@
-"""Counting the collectives PyTorch's own parallelism issues, into the same communication log.
+"""Counting the traffic of PyTorch's own parallelism into the same communication log.
 
 DTensor tensor parallelism and torch.distributed.pipelining call torch.distributed themselves, not
-through `comm.py`. Both reach the dispatcher, though: every c10d call (`c10d::allreduce_`,
-`c10d::send`, ...) and every functional collective (`_c10d_functional::all_reduce`, ...) is an
-operator, and a TorchDispatchMode sees each one with its tensors and its process group. This mode
-records each such call in the CommLog as `comm.py` would have (same op names, payload and ring
-bytes, the group under the project's name), so a baseline's summary has the same schema as ours.
+through `comm.py`. Each has one narrow entry point through which all its step traffic passes, and
+for the duration of a step the counters below wrap that entry point, record every call in the
+CommLog exactly as `comm.py` would (same op names, payload and ring bytes, the group under the
+project's name, the time blocked), and call the original:
 
-Ops on DTensor are let through first (returning NotImplemented), so DTensor turns them into local
-ops and collectives, which come back here as plain-tensor ops: the trick torch's own
-CommDebugMode uses (its module tracker fails on this model in torch 2.13: IndexError in
-_fw_set_module_hook, which is why it is not used).
+  FunctionalCollectiveCounter   DTensor redistributes through the functional collectives
+                                (`torch.ops._c10d_functional.all_reduce`, ...), looked up by name
+                                at every call: the wrapper replaces the op in that namespace.
+                                `wait_tensor` is wrapped too and its blocked time charged to the
+                                collective it waits for.
+  PipelineP2PCounter            torch's pipeline schedules post every send and receive of a step
+                                through `schedules._batch_p2p` and wait on them through
+                                `schedules._wait_batch_p2p`: both are wrapped.
 
-Time: the host time of each call is recorded, and for functional collectives the time blocked in
-`wait_tensor` is charged to the collective whose output it waits for. c10d calls return a Work that the
-caller waits on outside the dispatcher, so for them only the posting time is seen.
+Why not a TorchDispatchMode (what torch's CommDebugMode does)? It sees every collective too, but
+it puts Python on the path of every operator of the step, DTensor's local ops included: measured
++40-55% step time for torch_tp on this model (bench/tp_vs_dtensor.py), which would make the
+baselines look slower than they are. The wrappers only touch the communication calls.
+
+A call on a process group that is none of the run's communicators raises: its traffic could not
+be placed in a group. Not counted: torch pipelining's one-time metadata exchange on the first step
+(shapes and dtypes as pickled objects through send_object_list), which is setup, not step traffic.
 """
 
 from __future__ import annotations
@@ -22,120 +30,137 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.utils._pytree as pytree
-from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+import torch.distributed as dist
 
 from .comm import CommLog, Communicator, tensor_bytes
 
-# operator name -> (the project's op name, how its payload is read from the arguments)
-#   "first": the first tensor (or the tensors of the first list), "all": every tensor of the first
-#   list argument, "gathered": the input times the group size (an all-gather's full output),
-#   "second": the second argument (the full input of a reduce-scatter / full output of all-gather)
-C10D_OPS = {
-    "allreduce_": ("all_reduce", "first"),
-    "allreduce_coalesced_": ("all_reduce", "first"),
-    "broadcast_": ("broadcast", "first"),
-    "send": ("send", "first"),
-    "recv_": ("recv", "first"),
-    "recv_any_source_": ("recv", "first"),
-    "allgather_": ("all_gather", "first"),  # (output lists, inputs): outputs are the full tensor
-    "_allgather_base_": ("all_gather", "first"),
-    "reduce_scatter_": ("reduce_scatter", "second"),
-    "_reduce_scatter_base_": ("reduce_scatter", "second"),
-    "alltoall_": ("all_to_all", "second"),
-    "alltoall_base_": ("all_to_all", "second"),
-    "barrier": ("barrier", "none"),
-}
+# functional op -> (the project's op name, payload rule): "input" the input tensor (an all-reduce's
+# tensor, a reduce-scatter's full input), "gathered" input x group size (an all-gather's full output)
 FUNCTIONAL_OPS = {
-    "all_reduce": ("all_reduce", "first"),
-    "all_reduce_": ("all_reduce", "first"),
-    "all_reduce_coalesced": ("all_reduce", "first"),
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
     "all_gather_into_tensor": ("all_gather", "gathered"),
-    "all_gather_into_tensor_out": ("all_gather", "gathered"),
-    "reduce_scatter_tensor": ("reduce_scatter", "first"),
-    "all_to_all_single": ("all_to_all", "first"),
-    "broadcast": ("broadcast", "first"),
-    "broadcast_": ("broadcast", "first"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "broadcast": ("broadcast", "input"),
+    "broadcast_": ("broadcast", "input"),
 }
-FUNCTIONAL_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
-def _bytes_of(arg) -> int:
-    return sum(tensor_bytes(t) for t in pytree.tree_leaves(arg) if isinstance(t, torch.Tensor))
+class _GroupNames:
+    """Process group name -> (the run's name for it, its size)."""
+
+    def __init__(self, comms: list[Communicator]):
+        self.by_name = {c.group.group_name: (c.name, c.size) for c in comms if c is not None}
+
+    def __call__(self, group_name: str) -> tuple[str, int]:
+        if group_name not in self.by_name:
+            raise RuntimeError(f"a collective on process group {group_name!r}, which is none of the run's "
+                               f"communicators ({sorted(self.by_name)}): its traffic could not be placed")
+        return self.by_name[group_name]
 
 
-class CollectiveCounter(TorchDispatchMode):
-    """Records every collective issued inside it into `log`, under the tag `<prefix>/<op>`.
-
-    `comms` are the run's communicators: a call on one of their process groups is logged under
-    that communicator's name ("tp", "dp", "pp", ...). A call on any other group is an error,
-    because it would be traffic the summary cannot place.
-    """
+class FunctionalCollectiveCounter:
+    """Within `with`: every functional collective DTensor issues is recorded under `<prefix>/<op>`."""
 
     def __init__(self, log: CommLog, comms: list[Communicator], tag_prefix: str):
-        super().__init__()
         self.log = log
+        self.groups = _GroupNames(comms)
         self.prefix = tag_prefix
-        self.names = {c.group.group_name: (c.name, c.size) for c in comms if c is not None}
-        self._awaiting: dict[str, tuple[str, str]] = {}
+        self._namespace = torch.ops._c10d_functional
+        self._originals: dict[str, object] = {}
+        self._awaiting: dict[int, tuple[str, str, str]] = {}  # id(output) -> the record its wait is charged to
 
-    def _group(self, args, kwargs) -> tuple[str, int]:
-        for a in pytree.tree_leaves((args, kwargs)):
-            if isinstance(a, torch.ScriptObject):
-                try:
-                    group_name = ProcessGroup.unbox(a).group_name
-                except RuntimeError:
-                    continue  # a ReduceOp, not the group
-                return self._known(group_name)
-            if isinstance(a, str) and a in self.names:
-                return self.names[a]
-        raise RuntimeError(f"collective without a process group the log knows: {args}")
+    def __enter__(self):
+        for name, (op, rule) in FUNCTIONAL_OPS.items():
+            original = getattr(self._namespace, name)
+            self._originals[name] = original
+            setattr(self._namespace, name, self._counted(original, op, rule))
+        wait = getattr(self._namespace, "wait_tensor")
+        self._originals["wait_tensor"] = wait
+        setattr(self._namespace, "wait_tensor", self._timed_wait(wait))
+        return self
 
-    def _known(self, group_name: str) -> tuple[str, int]:
-        if group_name not in self.names:
-            raise RuntimeError(f"a collective on process group {group_name!r}, which is none of the run's "
-                               f"communicators ({sorted(self.names)}): its traffic could not be placed")
-        return self.names[group_name]
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(self._namespace, name, original)
+        self._originals.clear()
+        self._awaiting.clear()
+        return False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        # (Other subclasses pass through: DTensor's sharding propagation runs ops on FakeTensors.)
-        name = func._opname
-        if func.namespace in FUNCTIONAL_NAMESPACES and name == "wait_tensor":
-            return self._timed_wait(func, args, kwargs)
-        if func.namespace == "c10d" and name in C10D_OPS:
-            op, rule = C10D_OPS[name]
-        elif func.namespace in FUNCTIONAL_NAMESPACES and name in FUNCTIONAL_OPS:
-            op, rule = FUNCTIONAL_OPS[name]
-        else:
-            return func(*args, **kwargs)
-        group, size = self._group(args, kwargs)
-        if rule == "first":
-            payload = _bytes_of(args[0])
-        elif rule == "second":
-            payload = _bytes_of(args[1])
-        elif rule == "gathered":
-            payload = _bytes_of(args[0]) * size
-        else:
-            payload = 0
-        tag = f"{self.prefix}/{op}"
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        self.log.record(op, group, tag, payload, size, time.perf_counter() - start if self.log.timed else 0.0)
-        if func.namespace in FUNCTIONAL_NAMESPACES:
+    def _counted(self, original, op: str, rule: str):
+        def call(tensor, *args):
+            group, size = self.groups(args[-1])  # the group name is every functional collective's last argument
+            payload = tensor_bytes(tensor) * (size if rule == "gathered" else 1)
+            start = time.perf_counter()
+            out = original(tensor, *args)
+            tag = f"{self.prefix}/{op}"
+            self.log.record(op, group, tag, payload, size, time.perf_counter() - start if self.log.timed else 0.0)
             self._awaiting[id(out)] = (op, group, tag)
-        return out
+            return out
 
-    def _timed_wait(self, func, args, kwargs):
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        key = self._awaiting.pop(id(args[0]), None)
-        if key is not None and self.log.timed:
-            self.log.add_seconds(*key, time.perf_counter() - start)
-        return out
+        return call
+
+    def _timed_wait(self, original):
+        def call(tensor):
+            start = time.perf_counter()
+            out = original(tensor)
+            key = self._awaiting.pop(id(tensor), None)
+            if key is not None and self.log.timed:
+                self.log.add_seconds(*key, time.perf_counter() - start)
+            return out
+
+        return call
+
+
+class PipelineP2PCounter:
+    """Within `with`: every send and receive torch's pipeline schedules post is recorded under
+    `<prefix>/send|recv`, and the time blocked waiting for them is charged to them."""
+
+    def __init__(self, log: CommLog, comms: list[Communicator], tag_prefix: str):
+        from torch.distributed.pipelining import schedules
+
+        self.log = log
+        self.groups = _GroupNames(comms)
+        self.prefix = tag_prefix
+        self._module = schedules
+        self._originals: dict[str, object] = {}
+
+    def __enter__(self):
+        for name, wrap in (("_batch_p2p", self._counted), ("_wait_batch_p2p", self._timed_wait)):
+            original = getattr(self._module, name)
+            self._originals[name] = original
+            setattr(self._module, name, wrap(original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(self._module, name, original)
+        self._originals.clear()
+        return False
+
+    def _counted(self, original):
+        def call(p2p_ops, *args, **kwargs):
+            start = time.perf_counter()
+            works = original(p2p_ops, *args, **kwargs)
+            seconds = (time.perf_counter() - start) / max(len(p2p_ops), 1) if self.log.timed else 0.0
+            for p in p2p_ops:
+                kind = "send" if p.op is dist.isend else "recv"
+                group, size = self.groups((p.group or dist.group.WORLD).group_name)
+                self.log.record(kind, group, f"{self.prefix}/{kind}", tensor_bytes(p.tensor), size, seconds)
+            return works
+
+        return call
+
+    def _timed_wait(self, original):
+        def call(works, *args, **kwargs):
+            start = time.perf_counter()
+            out = original(works, *args, **kwargs)
+            if self.log.timed and self.groups.by_name:
+                group = next(iter(self.groups.by_name.values()))[0]
+                # Which op a finished batch was cannot be told from its Work objects: waiting is
+                # charged to the receives, which are what a pipeline stage waits for.
+                self.log.add_seconds("recv", group, f"{self.prefix}/recv", time.perf_counter() - start)
+            return out
+
+        return call

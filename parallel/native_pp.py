@@ -6,13 +6,11 @@ torch's ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B. The loss is the 
 (summed token loss / global tokens) with scale_grads=False, because that loss is already divided
 by the global token count; the optimizer is the project's AdamW over this rank's chunks.
 
-Traffic: torch's stages send and receive through torch.distributed directly; the dispatcher-level
-counter (native_count.py) logs every send and receive under the "pp" group. The first step also
-carries torch's one-time metadata exchange (shapes and dtypes inferred from the first
-microbatch, sent as pickled objects), so step 0 moves more than the steady state; the summary's
-per-step figure is the last step's. Torch's schedules block inside themselves, so only the time
-spent posting sends and receives is seen: exposed communication is not measured for this baseline.
-One pipeline over the whole world (dp = 1).
+Traffic: torch's schedules post their sends and receives through torch.distributed directly;
+native_count.PipelineP2PCounter wraps the schedules' batch-posting and waiting functions, so every
+send and receive is logged under the "pp" group, and the time blocked waiting for them is the
+exposed communication. Torch's one-time metadata exchange on the first step (shapes inferred from
+the first microbatch) is setup and not counted. One pipeline over the whole world (dp = 1).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ import torch.nn as nn
 from .comm import CommLog, Communicator
 from .data import Batch
 from .model import GPT, token_loss_sum
-from .native_count import CollectiveCounter
+from .native_count import PipelineP2PCounter
 from .pp.split import split_model
 from .strategy import Strategy, make_optimizer
 
@@ -40,8 +38,6 @@ def torch_schedule_class(schedule: str):
 
 class TorchPipeline(Strategy):
     name = "torch_pp"
-    # Torch's schedules wait on their own Work objects: the log sees posting time only.
-    exposed_comm_measured = False
 
     def __init__(self, model: GPT, schedule: str, pp_comm: Communicator, microbatches: int, virtual: int,
                  pp_layers, lr: float, weight_decay: float, device: torch.device, log: CommLog | None = None):
@@ -57,7 +53,7 @@ class TorchPipeline(Strategy):
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         self.global_tokens = 0  # set each step, read by the loss function
-        self.counter = (lambda: CollectiveCounter(log, [pp_comm], "pipelining")) if log is not None else contextlib.nullcontext
+        self.counter = (lambda: PipelineP2PCounter(log, [pp_comm], "pipelining")) if log is not None else contextlib.nullcontext
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return token_loss_sum(logits, targets) / self.global_tokens

@@ -27,7 +27,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .comm import CommLog, Communicator
 from .data import Batch
-from .native_count import CollectiveCounter
+from .native_count import FunctionalCollectiveCounter
 from .strategy import Strategy
 
 
@@ -72,8 +72,8 @@ class TorchTP(Strategy):
         parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab, shared_qkv))
         super().__init__(model, optimizer_factory(model), loss_comm=dp_comm)
         self.dp_comm = dp_comm if dp_comm is not None and dp_comm.size > 1 else None
-        # DTensor's own collectives are counted at the dispatcher; the dp sum goes through dp_comm.
-        self.counter = (lambda: CollectiveCounter(log, [tp_comm], "dtensor")) if log is not None else contextlib.nullcontext
+        # DTensor's own collectives are counted where it calls them; the dp sum goes through dp_comm.
+        self.counter = (lambda: FunctionalCollectiveCounter(log, [tp_comm], "dtensor")) if log is not None else contextlib.nullcontext
 
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
         self.zero_grad()

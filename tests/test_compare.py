@@ -15,7 +15,7 @@ from parallel.compare.rows import COLUMNS
 def test_compare_sweep_reports_every_strategy(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "launch.compare", "compare.world=2", "compare.strategies=[single,dp,torch_ddp,tp,no_such]",
-           "compare.worlds={single:1,tp:3}", "compare.timeout_s=200", "model=tiny", "train.steps=4", "train.warmup_steps=1",
+           "+compare.worlds.tp=3", "compare.timeout_s=200", "model=tiny", "train.steps=4", "train.warmup_steps=1",
            "data.max_bytes=1000000", f"run.dir={out}"]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500, env=os.environ.copy())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -31,7 +31,7 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
     rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
 
     # The failures are rows with their error, and did not stop the sweep.
-    assert rows["tp"]["status"] == "failed" and "parallel.tp=2" in rows["tp"]["error"] and "3" in rows["tp"]["error"], rows["tp"]
+    assert rows["tp"]["status"] == "failed" and "world size 3 is not divisible by parallel.tp" in rows["tp"]["error"], rows["tp"]
     assert rows["no_such"]["status"] == "failed" and "conf/parallel/no_such.yaml" in rows["no_such"]["error"]
     assert rows["tp"]["tokens_per_s"] is None
 
