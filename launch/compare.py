@@ -78,11 +78,50 @@ def missing_preset(strategy: str) -> str | None:
     return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout (see conf/parallel/ for those that are)"
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children first."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a run that outlived its timeout, and every process it started.
+
+    torchrun, on SIGTERM, stops its workers itself; the workers run in sessions of their own, so a
+    worker stuck past that grace period is then killed by its own pid, as are any left behind.
+    """
+    workers = descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, float]:
     """Run one strategy; returns (status, error, seconds). Output goes to <run_dir>/console.log.
 
-    The run gets its own process group, so that on a timeout torchrun and every worker it started
-    are stopped together (SIGTERM, then SIGKILL) and nothing is left behind.
+    The run gets its own session, so that a timeout stops torchrun and everything it started
+    (see `stop`) and nothing is left behind.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -93,16 +132,7 @@ def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, 
         stdout, stderr = proc.communicate(timeout=timeout_s)
         status = "ok" if proc.returncode == 0 else "failed"
     except subprocess.TimeoutExpired:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop(proc)
         stdout, stderr = proc.communicate()
         status = "timeout"
     seconds = time.perf_counter() - start
