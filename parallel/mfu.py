@@ -39,11 +39,21 @@ def flops_per_token(cfg: GPTConfig) -> int:
     return 6 * matmul_parameters(cfg) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
 
 
-def measure_peak_flops(device: torch.device, size: int | None = None, repeats: int = 5) -> float:
-    """FLOPs/s of the best of `repeats` square fp32 matmuls of `size` on `device`.
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the host's count: a container often
+    sees many more CPUs in os.cpu_count() than it is allowed, and oversubscribed threads would
+    measure a fraction of the real peak."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    CPU: with every core of the machine (the ranks of a CPU run share it). CUDA: timed with
-    CUDA events after a warm-up, so the launch is not what is measured.
+
+def measure_peak_flops(device: torch.device, size: int | None = None, repeats: int = 5, min_seconds: float = 1.0) -> float:
+    """FLOPs/s of the best of at least `repeats` square fp32 matmuls of `size` on `device`, repeated
+    for at least `min_seconds` on CPU.
+
+    CPU: with every core of the machine (the ranks of a CPU run share it). The best of many is the
+    estimate because other work on a shared machine only ever slows a matmul down: a peak measured
+    while others hold the cores is too low, and MFU against it too high (it can pass 100%).
+    CUDA: timed with CUDA events after a warm-up, so the launch is not what is measured.
     """
     device = torch.device(device)
     n = size or (8192 if device.type == "cuda" else 1024)
@@ -63,14 +73,15 @@ def measure_peak_flops(device: torch.device, size: int | None = None, repeats: i
             best = min(best, start.elapsed_time(end) / 1e3)
         return flops / best
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     try:
         torch.matmul(a, b)  # warm-up: thread pool, caches
-        best = float("inf")
-        for _ in range(repeats):
+        best, began, done = float("inf"), time.perf_counter(), 0
+        while done < repeats or time.perf_counter() - began < min_seconds:
             start = time.perf_counter()
             torch.matmul(a, b)
             best = min(best, time.perf_counter() - start)
+            done += 1
     finally:
         torch.set_num_threads(threads)
     return flops / best
