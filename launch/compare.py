@@ -75,7 +75,7 @@ def missing_preset(strategy: str) -> str | None:
     """A sweep name without a conf/parallel/ preset fails at once, without starting a run."""
     if (PROJECT_ROOT / "conf" / "parallel" / f"{strategy}.yaml").exists():
         return None
-    return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout (see conf/parallel/ for those that are)"
+    return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout"
 
 
 def descendants(pid: int) -> list[int]:

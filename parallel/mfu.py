@@ -13,8 +13,8 @@ FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; training = forward + b
             2·s·h FLOPs per token per layer forward (full s x s scores, as the model computes
             them, causal mask or not), times 3 for forward + backward.
 
-The peak is measured, not looked up: the best of a few large fp32 matmuls on the run's device
-(all of the machine's cores on CPU, CUDA events on a GPU). MFU = achieved model FLOPs/s of the
+The peak is measured, not looked up: the best of many large fp32 matmuls on the run's device
+(on CPU one thread's best times the usable cores; on a GPU timed with CUDA events). MFU = achieved model FLOPs/s of the
 whole run / (peak per device x devices); on CPU the ranks share one machine, so devices = 1.
 """
 
@@ -50,9 +50,10 @@ def measure_peak_flops(device: torch.device, size: int | None = None, repeats: i
     """FLOPs/s of the best of at least `repeats` square fp32 matmuls of `size` on `device`, repeated
     for at least `min_seconds` on CPU.
 
-    CPU: with every core of the machine (the ranks of a CPU run share it). The best of many is the
-    estimate because other work on a shared machine only ever slows a matmul down: a peak measured
-    while others hold the cores is too low, and MFU against it too high (it can pass 100%).
+    CPU: the whole machine (the ranks of a CPU run share it), as one thread's best rate times the
+    usable cores. The best of many is the estimate because other work on a shared machine only
+    ever slows a matmul down: a peak measured while others hold the cores is too low, and MFU
+    against it too high (it can pass 100%).
     CUDA: timed with CUDA events after a warm-up, so the launch is not what is measured.
     """
     device = torch.device(device)
@@ -72,8 +73,11 @@ def measure_peak_flops(device: torch.device, size: int | None = None, repeats: i
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3)
         return flops / best
+    # One core's rate times the cores: on a machine shared with other jobs, one thread finds a free
+    # core far more often than several threads find all of them free at once, so the best
+    # single-thread matmul is the steadier estimate of what each core can do.
     threads = torch.get_num_threads()
-    torch.set_num_threads(usable_cores())
+    torch.set_num_threads(1)
     try:
         torch.matmul(a, b)  # warm-up: thread pool, caches
         best, began, done = float("inf"), time.perf_counter(), 0
@@ -84,7 +88,7 @@ def measure_peak_flops(device: torch.device, size: int | None = None, repeats: i
             done += 1
     finally:
         torch.set_num_threads(threads)
-    return flops / best
+    return usable_cores() * flops / best
 
 
 def devices_for_peak(device: torch.device, world_size: int) -> int:
