@@ -1,8 +1,8 @@
 """Every strategy and PyTorch's own, one after another on the same model and data, side by side.
 
     python -m launch.compare                                             # the whole sweep, world 4, model=small
-    python -m launch.compare compare.world=2 compare.strategies=[single,dp,tp,pp_1f1b] model=tiny train.steps=4
-    python -m launch.compare compare.timeout_s=60 compare.overrides=[parallel.microbatches=4]
+    python -m launch.compare compare.world=2 'compare.strategies=[single,dp,tp,pp_1f1b]' model=tiny train.steps=4
+    python -m launch.compare compare.timeout_s=60 'compare.overrides=[parallel.microbatches=4]' '+compare.worlds.tp=2'
 
 Not run under torchrun itself: for each strategy (a preset of conf/parallel/) it starts one
 `python -m torch.distributed.run --standalone` (plain python for `single`) with a timeout, passing
@@ -24,13 +24,14 @@ import time
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from parallel.compare import plots
 from parallel.compare.report import console_table, write_csv, write_json, write_markdown
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
-from parallel.mfu import measure_peak_flops
+from parallel.mfu import measure_peak_flops, usable_cores
 from parallel.plan import model_config
 from parallel.theory import parameter_count
 
@@ -159,6 +160,11 @@ def load_reference(path: str) -> list[float]:
     return json.loads(p.read_text())["losses"]
 
 
+def model_choice() -> str:
+    """The model preset picked on the command line (`small`, `tiny`, ...), for the report's heading."""
+    return HydraConfig.get().runtime.choices.get("model", "?")
+
+
 def default_sweep_dir(world: int) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-w{world}"
 
@@ -203,10 +209,10 @@ def main(cfg: DictConfig) -> None:
 
     model = model_config(cfg.model)
     meta = {
-        "command": command, "sweep_dir": str(sweep_dir), "model": HydraChoice.model(), "parameters": parameter_count(model),
+        "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
         "steps": cfg.train.steps, "warmup_steps": cfg.train.warmup_steps, "global_batch": cfg.train.global_batch,
         "seq_len": model.seq_len, "world": c.world, "peak_flops": peak, "peak_source": "given" if c.peak_flops else "measured",
-        "torch": torch.__version__, "device": f"{device} ({os.cpu_count()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
+        "torch": torch.__version__, "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
         "reference": c.reference or ("single" if "single" in summaries else None),
     }
     write_json(sweep_dir / "results.json", meta, rows)
@@ -227,14 +233,6 @@ def main(cfg: DictConfig) -> None:
     print(console_table(rows))
     ok = sum(r["status"] == "ok" for r in rows)
     print(f"\n{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, plots)")
-
-
-class HydraChoice:
-    @staticmethod
-    def model() -> str:
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get().runtime.choices.get("model", "?")
 
 
 if __name__ == "__main__":
