@@ -203,8 +203,11 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
 
 
 def _mfu_block(plan: RunPlan, device: torch.device, tokens_per_s: float) -> dict:
-    """MFU of the run against the peak of its device (measured here, after training, unless given)."""
-    peak = plan.peak_flops or measure_peak_flops(device)
+    """MFU of the run against the peak of its device (measured here, after training, unless given).
+
+    A quarter of a second of matmuls keeps every run cheap; launch.compare measures for longer,
+    once, and passes the figure to each of its runs (train.peak_flops)."""
+    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25)
     devices = devices_for_peak(device, plan.dims.world_size)
     return {"mfu": mfu(plan.model, tokens_per_s, peak, devices), "flops_per_token": flops_per_token(plan.model),
             "peak_flops": peak, "peak_measured": plan.peak_flops is None, "devices": devices}
