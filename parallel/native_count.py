@@ -16,11 +16,11 @@ project's name, the time blocked), and call the original:
                                 `schedules._wait_batch_p2p`: both are wrapped.
 
 Why not a TorchDispatchMode (what torch's CommDebugMode does)? It sees every collective too, but
-it puts Python on the path of every operator of the step, DTensor's local ops included. Measured
-on the tiny model at tp 2 (forward + backward, median of 30 steps interleaved with uncounted
-ones, 2 loaded cores): a dispatch-mode counter +28%, these wrappers +3% (within noise). A
-counter that slows the baseline would flatter our strategies; the wrappers touch only the
-communication calls.
+it puts Python on the path of every operator of the step, DTensor's local ops included (one A/B
+on the tiny model at tp 2, forward + backward: +28%). A counter that slows a baseline would
+flatter our strategies; the wrappers touch only the ~30 communication calls of a step, and their
+cost did not stand out of this shared machine's noise (repeated A/Bs of counted against
+uncounted torch_tp steps ranged from -17% to +39%, both signs: bench/tp_vs_dtensor.py prints it).
 
 A call on a process group that is none of the run's communicators raises: its traffic could not
 be placed in a group. Not counted: torch pipelining's one-time metadata exchange on the first step
