@@ -172,7 +172,8 @@ def default_sweep_dir(world: int) -> Path:
 @hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     c = cfg.compare
-    sweep_dir = Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(c.world)
+    # Absolute: the runs start in the project root, whatever directory this was started from.
+    sweep_dir = (Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(c.world)).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     strategies = list(c.strategies)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
