@@ -178,6 +178,8 @@ def main(cfg: DictConfig) -> None:
     strategies = list(c.strategies)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
     common = [*section_overrides(cfg, "model"), *section_overrides(cfg, "data"), *section_overrides(cfg, "train"),
               f"train.peak_flops={peak}", *c.overrides]
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
