@@ -5,42 +5,52 @@
     torchrun --standalone --nproc-per-node 4 -m launch.train parallel=dp_naive parallel.microbatches=2
 
 A configuration error is reported in one line on stderr, before any process group exists, and the
-process exits with status 2.
+process exits with status 2. A non-finite loss stops every rank with status 3. Any other failure
+of a rank (its own exception, or a peer that died or hung: gloo then raises on this rank) prints
+the traceback and one `error:` line naming the rank, and exits 1; torchrun then stops the rest.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from parallel.checkpoint import CheckpointError
 from parallel.data import DataError
 from parallel.dims import LayoutError
 from parallel.distributed import LaunchEnv, exit_process, exit_with_error
+from parallel.faults import describe_failure
 from parallel.plan import ConfigError, build_plan
-from parallel.train import train
+from parallel.train import TrainingStopped, train
 
-CONFIG_ERRORS = (ConfigError, LayoutError, DataError)
+CONFIG_ERRORS = (ConfigError, LayoutError, DataError, CheckpointError)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     env = LaunchEnv.from_environ()
+    timeout_s = cfg.parallel.timeout_s
     try:
         plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
         train(plan, OmegaConf.to_container(cfg, resolve=True), env)
     except CONFIG_ERRORS as e:
         exit_with_error(env, str(e))
-    except Exception:
-        if env.world_size == 1:
-            raise
+    except TrainingStopped as e:
+        # Every rank reached the same verdict at the same step: each says it, and waits a moment
+        # before leaving, since torchrun stops every rank as soon as the first one exits.
+        print(f"error: {e}" if env.rank == 0 else f"error (rank {env.rank}): {e}", file=sys.stderr, flush=True)
+        time.sleep(0.5)
+        exit_process(3)
+    except Exception as e:
         # Leave at once: a normal interpreter exit would join gloo's threads, which wait out a
         # pending collective's timeout. torchrun sees the failure and stops the other ranks.
         traceback.print_exc()
-        print(f"error: rank {env.rank} failed (traceback above)", file=sys.stderr)
+        print(f"error: {describe_failure(e, env.rank, timeout_s)}", file=sys.stderr, flush=True)
         exit_process(1)
     if env.world_size > 1:
         # The run is complete and flushed: leave without interpreter finalisation, which can

@@ -6,7 +6,8 @@ Every call is recorded in a `CommLog` with:
   tag           which part of the model or algorithm sent it ("grads/bucket3", "tooling/loss")
   payload       bytes of the full (unsharded) tensor the collective is about
   sent          bytes one rank sends under a bandwidth-optimal (ring) algorithm, NCCL's convention
-  seconds       optional host wall time the caller was blocked in the call (or in its wait)
+  seconds       optional time the caller was blocked in the call (or in its wait): host wall time
+                on the CPU; on a GPU, CUDA events on the caller's stream (see `DeviceInterval`)
 
 Bytes come from shapes and dtypes, so counting never synchronises a device. Traffic that the tools
 add themselves (gathering metrics, reducing the loss for the log) is tagged `tooling/...` and kept
@@ -16,6 +17,7 @@ apart from the strategy's own figures.
 from __future__ import annotations
 
 import pickle
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -92,11 +94,14 @@ class CommLog:
         # Calls made outside any training step (setup, the final gathering of results).
         self.outside: StepTraffic = defaultdict(Totals)
         self._current: StepTraffic = self.outside
+        # GPU calls whose time is known only once their events complete: (record, interval).
+        self._unresolved: list[tuple[Totals, "DeviceInterval"]] = []
 
     def begin_step(self) -> None:
         self._current = defaultdict(Totals)
 
     def end_step(self) -> StepTraffic:
+        self.resolve_device_times()
         traffic = dict(self._current)
         self.steps.append(traffic)
         self._current = self.outside
@@ -112,6 +117,39 @@ class CommLog:
         """Time spent waiting on an async call, charged to the call once it is known."""
         if self.enabled:
             self._current[(op, group, tag)].seconds += seconds
+
+    def add_device_interval(self, op: str, group: str, tag: str, interval: "DeviceInterval") -> None:
+        """A GPU call's time, read at the end of the step (reading it now would synchronise)."""
+        if self.enabled:
+            self._unresolved.append((self._current[(op, group, tag)], interval))
+
+    def resolve_device_times(self) -> None:
+        for totals, interval in self._unresolved:
+            totals.seconds += interval.seconds()
+        self._unresolved.clear()
+
+
+class DeviceInterval:
+    """Two CUDA events on the current stream around a call.
+
+    A NCCL call returns once it is enqueued, so host time would be launch time. Its completion is
+    ordered back onto the caller's stream (a blocking call, or `wait()` on an async one, makes the
+    current stream wait for NCCL's), so the events measure how long the caller's stream was held by
+    the call: the communication time that computation on that stream did not hide.
+    """
+
+    def __init__(self):
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._end = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def stop(self) -> "DeviceInterval":
+        self._end.record()
+        return self
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3
 
 
 def is_tooling(tag: str) -> bool:
@@ -147,22 +185,43 @@ def calls_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, int]]:
     return {tag: {op: t.calls for op, t in ops.items()} for tag, ops in traffic_by_tag_op(traffic).items()}
 
 
+class CommFailure(RuntimeError):
+    """A call that failed or timed out (a peer died or hangs), named by op, tag, group and peer."""
+
+
+def _failed(comm: "Communicator", op: str, tag: str, error: Exception, peer: int | None = None) -> CommFailure:
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    # gloo's text: "[/path/to/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
+    first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". This is typically")[0]
+    with_peer = f" with rank {comm.global_ranks[peer]}" if peer is not None else ""
+    return CommFailure(f"{op} {tag!r} over group {comm.name} (ranks {comm.global_ranks}){with_peer}: {first_line}")
+
+
 class Handle:
     """An async call's work object; `wait()` charges the time blocked to the call's record."""
 
-    def __init__(self, work, comm: "Communicator", op: str, tag: str):
+    def __init__(self, work, comm: "Communicator", op: str, tag: str, cuda: bool = False, peer: int | None = None):
         self._work = work
         self._comm = comm
         self._op = op
         self._tag = tag
+        self._cuda = cuda
+        self._peer = peer
 
     def wait(self) -> None:
         if self._work is None:
             return
-        start = time.perf_counter() if self._comm.log.timed else 0.0
-        self._work.wait()
-        if self._comm.log.timed:
-            self._comm.log.add_seconds(self._op, self._comm.name, self._tag, time.perf_counter() - start)
+        log = self._comm.log
+        interval = DeviceInterval() if log.timed and self._cuda else None
+        start = time.perf_counter() if log.timed and not self._cuda else 0.0
+        try:
+            self._work.wait()
+        except RuntimeError as e:
+            raise _failed(self._comm, self._op, self._tag, e, self._peer) from e
+        if interval is not None:
+            log.add_device_interval(self._op, self._comm.name, self._tag, interval.stop())
+        elif log.timed:
+            log.add_seconds(self._op, self._comm.name, self._tag, time.perf_counter() - start)
         # Drop the work object at once: gloo work objects that outlive the process group keep
         # tensors alive into interpreter shutdown (see parallel/distributed.py).
         self._work = None
@@ -181,17 +240,27 @@ class Communicator:
         self.log = log
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.global_ranks = dist.get_process_group_ranks(group)  # for error messages
         self._pending: set[Handle] = set()
 
     # -- bookkeeping --------------------------------------------------------------------------
-    def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool):
+    def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool, cuda: bool = False,
+             peer: int | None = None):
+        """Call `fn`, record it; `cuda`: its tensors are on a GPU, so time it with CUDA events;
+        `peer`: the other end of a send or receive, named if the call fails."""
         timed = self.log.timed and not async_op
-        start = time.perf_counter() if timed else 0.0
-        work = fn()
-        seconds = time.perf_counter() - start if timed else 0.0
+        interval = DeviceInterval() if timed and cuda else None
+        start = time.perf_counter() if timed and not cuda else 0.0
+        try:
+            work = fn()
+        except RuntimeError as e:
+            raise _failed(self, op, tag, e, peer) from e
+        seconds = time.perf_counter() - start if timed and not cuda else 0.0
         self.log.record(op, self.name, tag, payload_bytes, self.size, seconds)
+        if interval is not None:
+            self.log.add_device_interval(op, self.name, tag, interval.stop())
         if async_op:
-            handle = Handle(work, self, op, tag)
+            handle = Handle(work, self, op, tag, cuda, peer)
             self._pending.add(handle)
             return handle
         return None
@@ -215,7 +284,7 @@ class Communicator:
         return self._run(
             "all_reduce", tag, tensor_bytes(tensor),
             lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=async_op),
-            async_op,
+            async_op, tensor.is_cuda,
         )
 
     def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
@@ -229,7 +298,7 @@ class Communicator:
         return self._run(
             "all_gather", tag, tensor_bytes(output),
             lambda: dist.all_gather_single(output, shard, group=self.group, async_op=async_op),
-            async_op,
+            async_op, output.is_cuda,
         )
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor, tag: str, async_op: bool = False):
@@ -237,24 +306,26 @@ class Communicator:
         return self._run(
             "reduce_scatter", tag, tensor_bytes(full_in),
             lambda: dist.reduce_scatter_single(shard_out, full_in, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
-            async_op,
+            async_op, full_in.is_cuda,
         )
 
     def broadcast(self, tensor: torch.Tensor, src_group_rank: int, tag: str, async_op: bool = False):
         return self._run(
             "broadcast", tag, tensor_bytes(tensor),
             lambda: dist.broadcast(tensor, group_src=src_group_rank, group=self.group, async_op=async_op),
-            async_op,
+            async_op, tensor.is_cuda,
         )
 
     # -- point to point -----------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str, async_op: bool = False):
         fn = dist.isend if async_op else dist.send
-        return self._run("send", tag, tensor_bytes(tensor), lambda: fn(tensor, group_dst=dst_group_rank, group=self.group), async_op)
+        return self._run("send", tag, tensor_bytes(tensor), lambda: fn(tensor, group_dst=dst_group_rank, group=self.group), async_op,
+                         tensor.is_cuda, peer=dst_group_rank)
 
     def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: str, async_op: bool = False):
         fn = dist.irecv if async_op else dist.recv
-        return self._run("recv", tag, tensor_bytes(tensor), lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op)
+        return self._run("recv", tag, tensor_bytes(tensor), lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op,
+                         tensor.is_cuda, peer=src_group_rank)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, str]]) -> list[Handle]:
         """Post several sends and receives at once: [("send"|"recv", tensor, peer group rank, tag)].
@@ -267,13 +338,17 @@ class Communicator:
             dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=self.group, group_peer=peer)
             for kind, tensor, peer, _ in ops
         ]
-        works = dist.batch_isend_irecv(p2p)
+        try:
+            works = dist.batch_isend_irecv(p2p)
+        except RuntimeError as e:
+            raise _failed(self, "batch_p2p", ops[0][3], e, ops[0][2]) from e
         for kind, tensor, _, tag in ops:
             self.log.record(kind, self.name, tag, tensor_bytes(tensor), self.size)
         # One work per op on gloo; NCCL may coalesce the batch into one. Waiting time is charged
         # to the op a work belongs to (the first op's, when coalesced).
-        labels = [(kind, tag) for kind, _, _, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3])] * len(works)
-        handles = [Handle(work, self, kind, tag) for work, (kind, tag) in zip(works, labels)]
+        labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3], None)] * len(works)
+        cuda = any(tensor.is_cuda for _, tensor, _, _ in ops)
+        handles = [Handle(work, self, kind, tag, cuda, peer) for work, (kind, tag, peer) in zip(works, labels)]
         self._pending.update(handles)
         return handles
 

@@ -129,6 +129,22 @@ class ParallelDims:
                 "set model.dropout=0"
             )
 
+    def node_layout_warning(self, local_world_size: int) -> str | None:
+        """Whether the tensor-parallel groups stay inside one node, as they should.
+
+        torchrun numbers ranks node by node (node k holds ranks k·n .. k·n+n-1 for n processes per
+        node) and tp is the innermost dimension, so each tp group is a run of tp consecutive ranks:
+        it stays inside a node exactly when tp divides n. Otherwise the run is still correct, but
+        the several collectives per layer that tp makes cross the network; that is worth a warning,
+        not a refusal (a job may have no better shape).
+        """
+        if self.tp == 1 or local_world_size >= self.world_size or local_world_size % self.tp == 0:
+            return None
+        return (
+            f"parallel.tp={self.tp} does not divide the {local_world_size} processes per node, so tensor-parallel "
+            "groups span nodes and every tp collective crosses the network: use a tp that divides --nproc-per-node"
+        )
+
     def as_dict(self) -> dict:
         return asdict(self)
 

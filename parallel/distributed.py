@@ -55,6 +55,17 @@ def choose_backend(requested: str, cuda_available: bool) -> str:
     return requested
 
 
+def choose_device_type(requested_backend: str, backend: str | None, cuda_available: bool) -> str:
+    """Where the tensors live. NCCL: on the GPU (each rank its own, cuda:LOCAL_RANK). One process
+    (no backend): on the GPU when one is visible, unless parallel.backend=gloo asks for the CPU.
+    gloo: on the CPU (gloo has no send/recv for CUDA tensors, which the pipeline needs)."""
+    if backend == "nccl":
+        return "cuda"
+    if backend is None and requested_backend != "gloo" and cuda_available:
+        return "cuda"
+    return "cpu"
+
+
 def threads_per_rank(local_world_size: int, requested: int | None = None) -> int:
     """Share the cores among the ranks of this machine, so 4 ranks on 2 cores do not fight."""
     if requested:
@@ -72,6 +83,7 @@ class DistContext:
     log: CommLog
     comms: dict[str, Communicator] = field(default_factory=dict)
     mesh: object = None
+    peers: list = field(default_factory=list)  # (hostname, pid) per rank, for failure messages
 
     @property
     def rank(self) -> int:
@@ -89,10 +101,24 @@ class DistContext:
         return self.comms.get(name)
 
 
-def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s: float, log: CommLog) -> DistContext:
-    """Create the process groups for `dims` (already validated) and name them."""
-    device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s: float, log: CommLog,
+                     device_type: str | None = None) -> DistContext:
+    """Create the process groups for `dims` (already validated) and name them.
+
+    device_type None: CUDA under NCCL, the CPU otherwise (see `choose_device_type`). On CUDA each
+    process takes the GPU of its LOCAL_RANK, so the ranks of one node use different GPUs.
+    """
+    device_type = device_type or ("cuda" if backend == "nccl" else "cpu")
+    device = torch.device("cuda", env.local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        visible = torch.cuda.device_count()
+        if env.local_world_size > visible:  # every rank of the node sees it, rank 0 included
+            # NCCL refuses two ranks on one GPU; say so before any group exists instead.
+            raise LayoutError(
+                f"{env.local_world_size} processes on this node run on CUDA, one GPU each, but {visible} GPU(s) "
+                f"are visible: launch --nproc-per-node {visible} (or fewer), or set parallel.backend=gloo "
+                "to run the ranks on the CPU"
+            )
         torch.cuda.set_device(device)
     ctx = DistContext(env=env, dims=dims, backend=None, device=device, log=log)
     if env.world_size == 1:

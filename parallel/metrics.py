@@ -5,8 +5,10 @@ summary.json (written by global rank 0):
   strategy            the strategy that ran ("single", "dp", "torch_ddp", ...)
   world_size          number of processes
   parallel            the layout (dp, tp, pp, microbatches, ...) and strategy options
+  precision, device   fp32 | bf16 (train.precision); cpu | cuda
   losses              per step: mean loss over every token of the global batch
   step_time_s         median over the timed steps (warm-up excluded) of the slowest rank's time
+                      (host clock on the CPU, CUDA events on a GPU: parallel/timing.py)
   tokens_per_s        global tokens per step / step_time_s
   peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
   comm                measured strategy traffic per optimizer step, summed over ranks:
@@ -18,6 +20,9 @@ summary.json (written by global rank 0):
   mfu                 model FLOPs utilisation (parallel/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
+  memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
+                      and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
+                      `formula` (theory.model_state_bytes, ZeRO paper) and `matches_formula`
 """
 
 from __future__ import annotations
@@ -135,8 +140,9 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
         "by_tag": _totals_dict(last["by_tag"]),
         "by_tag_op": {tag: _totals_dict(ops) for tag, ops in traffic_by_tag_op(per_step[-1]).items()},
         "by_rank": by_rank,
-        # Host time each rank was blocked in communication per step (median over timed steps,
-        # mean over ranks): the communication that was *not* hidden behind computation.
+        # Time each rank was blocked in communication per step (median over timed steps, mean
+        # over ranks): the communication that was *not* hidden behind computation. Host time on
+        # the CPU; on a GPU, CUDA events on the stream that waited (comm.DeviceInterval).
         "exposed_seconds_per_step": statistics.fmean(seconds_per_rank),
         "timed_steps": len(timed),
         "tooling": {
@@ -161,7 +167,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     step_time = statistics.median(step_times[timed_from:])
     comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
     memory = [r["peak_memory_bytes"] for r in rank_reports]
-    hand_written_dp = plan.strategy == "dp" or (plan.strategy == "tp" and plan.dims.dp > 1)
+    hand_written_dp = plan.strategy == "dp" or (plan.strategy in ("tp", "3d") and plan.dims.dp > 1)
+    pipelined = plan.strategy in ("pp", "3d", "torch_pp")
     return {
         "schema_version": SCHEMA_VERSION,
         "config": config,
@@ -174,8 +181,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "sequence_parallel": plan.sequence_parallel,
             "grad_sync": plan.grad_sync if hand_written_dp else None,
             "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy in ("torch_ddp", "accelerate_ddp") else None,
-            "schedule": plan.schedule if plan.strategy in ("pp", "torch_pp") else None,
-            "virtual_stages": plan.virtual_stages if plan.strategy in ("pp", "torch_pp") else None,
+            "schedule": plan.schedule if pipelined else None,
+            "virtual_stages": plan.virtual_stages if pipelined else None,
             "backend": plan.backend,
         },
         "model": {
@@ -185,6 +192,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "local_parameters": rank_reports[0]["local_parameters"],
             "local_params_formula": expected.get("local_parameters"),
         },
+        "precision": plan.precision,
+        "device": plan.device_type,
         "steps": len(losses),
         "warmup_steps": plan.warmup_steps,
         "tokens_per_step": plan.tokens_per_step,
@@ -198,6 +207,30 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "expected_comm": expected["comm"],
         "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["comm"]["sent_bytes_per_step_exact"]),
     }
+
+
+MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+
+
+def summarize_memory(rank_reports: list[dict], formula: dict | None) -> dict:
+    """The summary's `memory` block: per rank, the parameter, gradient and optimizer-state bytes
+    it held after the last step and its peak model-state bytes during it (tensor sizes), with
+    the allocator's peak (CUDA on GPU, RSS on CPU); beside them theory.model_state_bytes, and
+    whether every rank's three figures equal it exactly."""
+    by_rank = []
+    for r in rank_reports:
+        state = r["model_state"]
+        by_rank.append({
+            "rank": r["rank"],
+            **{k: state[k] for k in MODEL_STATE_FIELDS},
+            "total_bytes": sum(state[k] for k in MODEL_STATE_FIELDS),
+            "peak_model_state_bytes": state["peak_model_state_bytes"],
+            "peak_allocator_bytes": r["peak_memory_bytes"],
+        })
+    matches = None
+    if formula is not None:
+        matches = all(row[k] == formula[k] for row in by_rank for k in MODEL_STATE_FIELDS)
+    return {"by_rank": by_rank, "formula": formula, "matches_formula": matches}
 
 
 def write_json(path: Path, obj: dict) -> None:

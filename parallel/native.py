@@ -1,7 +1,9 @@
 """PyTorch's own implementations on the same model and data, as baselines to measure against.
 
 Their traffic goes through the same communication log: DDP lets us replace its all-reduce with a
-communication hook, so every bucket it sends is counted by `comm.py` exactly as ours are.
+communication hook, and FSDP2 its all-gather and reduce-scatter with custom collectives
+(`set_custom_all_gather`, `set_custom_reduce_scatter`), so every byte they send is counted by
+`comm.py` exactly as ours are.
 """
 
 from __future__ import annotations
@@ -9,10 +11,14 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .comm import Communicator
-from .strategy import Strategy
+from .optim import AdamW
+from .strategy import Strategy, storage_bytes
+from .zero import BETAS, EPS
 
 
 def _counted_allreduce_hook(comm: Communicator):
@@ -52,6 +58,9 @@ class TorchDDP(Strategy):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
+
+    def named_full_parameters(self):
+        return self.model.module.named_parameters()  # without DDP's "module." prefix
 
     def full_grads(self) -> dict:
         return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.module.named_parameters()},
@@ -99,9 +108,11 @@ class AccelerateDDP(Strategy):
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         for i, mb in enumerate(microbatches):
             with self.backward_context(last_microbatch=i == len(microbatches) - 1):
-                loss = self.forward_loss(mb, global_tokens)
+                with self.forward_context():
+                    loss = self.forward_loss(mb, global_tokens)
                 self.accelerator.backward(loss)
             local_loss += loss.detach()
+        self.guard_finite(local_loss)
         self.optimizer.step()
         return local_loss
 
@@ -112,3 +123,146 @@ class AccelerateDDP(Strategy):
         module = self.accelerator.unwrap_model(self.model)
         return {"grads": {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()},
                 "tp_replica_max_diff": {}}
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------
+
+class _CountedAllGather:
+    """FSDP2's all-gather of one parameter group, through the communication log (synchronous: on
+    the CPU FSDP2 has no side streams to overlap with)."""
+
+    def __init__(self, comm: Communicator, tag: str):
+        self.comm, self.tag = comm, tag
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        assert group is self.comm.group or dist.get_world_size(group) == self.comm.size
+        self.comm.all_gather_into(output_tensor, input_tensor, tag=self.tag)
+        return None
+
+
+class _CountedReduceScatter:
+    """FSDP2's reduce-scatter of one group's gradients, through the communication log. FSDP2 is
+    told to sum (divide factor 1, sum-only reductions): our losses are already divided by the
+    global token count, as for every strategy."""
+
+    def __init__(self, comm: Communicator, tag: str):
+        self.comm, self.tag = comm, tag
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"torch_fsdp2: expected a SUM reduce-scatter, FSDP2 asked for {op}")
+        self.comm.reduce_scatter(output_tensor, input_tensor, tag=self.tag)
+        return None
+
+
+def fsdp2_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The FSDP2 units: each Block, then the root (which keeps the embedding and the head)."""
+    return [*((f"blocks.{i}", b) for i, b in enumerate(model.blocks)), ("root", model)]
+
+
+class TorchFSDP2(Strategy):
+    """`torch.distributed.fsdp.fully_shard` on every Block and on the whole GPT (the root holds
+    the embedding and the head), fp32, over the dp mesh. The optimizer is our AdamW on each
+    parameter's local shard (the DTensor's local tensor), in the same weight-decay groups."""
+
+    name = "torch_fsdp2"
+
+    def __init__(self, model: nn.Module, dp_mesh, dp_comm: Communicator, lr: float, weight_decay: float):
+        from torch.distributed.fsdp import fully_shard
+
+        self.comm = dp_comm
+        self.full_shapes = {n: p.shape for n, p in model.named_parameters()}
+        for tag, module in fsdp2_groups(model):
+            fully_shard(module, mesh=dp_mesh)
+            module.set_custom_all_gather(_CountedAllGather(dp_comm, f"fsdp2/param_all_gather/{tag}"))
+            module.set_custom_reduce_scatter(_CountedReduceScatter(dp_comm, f"fsdp2/grad_reduce_scatter/{tag}"))
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        self.dtensors = dict(model.named_parameters())
+        with torch.no_grad():  # views of FSDP2's own shard storage: stepping them updates the model
+            self.locals = {n: p.to_local() for n, p in self.dtensors.items()}
+        decay = [self.locals[n] for n, p in self.dtensors.items() if p.dim() >= 2]
+        no_decay = [self.locals[n] for n, p in self.dtensors.items() if p.dim() < 2]
+        optimizer = AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                          lr=lr, betas=BETAS, eps=EPS)
+        super().__init__(model, optimizer, loss_comm=dp_comm)
+
+    def zero_grad(self) -> None:
+        for p in self.dtensors.values():
+            p.grad = None
+        for t in self.locals.values():
+            t.grad = None
+
+    def after_backward(self) -> None:
+        # The optimizer steps the local shards: hand each the local part of its gradient.
+        for n, p in self.dtensors.items():
+            self.locals[n].grad = p.grad.to_local()
+
+    def memory_report(self) -> dict:
+        params = storage_bytes(self.locals.values())
+        grads = storage_bytes(p.grad.to_local() for p in self.dtensors.values() if p.grad is not None)
+        state = storage_bytes(t for s in self.optimizer.state.values() for t in s.values())
+        # FSDP2 frees gathered parameters and gradients inside its own code: only the end state
+        # is measured here, so the peak is reported as that sum (the allocator's peak is beside it).
+        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state,
+                "peak_model_state_bytes": params + grads + state}
+
+    def full_parameter_count(self) -> int:
+        return sum(shape.numel() for shape in self.full_shapes.values())
+
+    def _gather(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
+        """Full tensors from dim-0 shards as FSDP2 cuts them (torch.chunk: ceil(d0/N) rows per rank,
+        the last ranks fewer): pad each shard to ceil(d0/N) rows, all-gather, trim."""
+        n, out = self.comm.size, {}
+        for name, local in tensors.items():
+            shape = self.full_shapes[name]
+            rows = -(-shape[0] // n)
+            padded = torch.zeros((rows, *shape[1:]), dtype=local.dtype, device=local.device)
+            padded[: local.shape[0]].copy_(local)
+            full = torch.empty((rows * n, *shape[1:]), dtype=local.dtype, device=local.device)
+            self.comm.all_gather_into(full, padded, tag=tag)
+            out[name] = full[: shape[0]].detach().cpu().clone()
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._gather(self.locals, "tooling/full_state")
+
+    def full_grads(self) -> dict:
+        return {"grads": self._gather({n: p.grad.to_local() for n, p in self.dtensors.items()}, "tooling/full_grads"),
+                "tp_replica_max_diff": {}}
+
+    def full_optimizer_state(self) -> dict:
+        state = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            values = {n: self.optimizer.state[t][key] if t in self.optimizer.state else torch.zeros_like(t)
+                      for n, t in self.locals.items()}
+            for n, full in self._gather(values, f"tooling/checkpoint/{key}").items():
+                state.setdefault(n, {})[key] = full
+        return {"step": self.optimizer.step_count, "state": state}
+
+    def _my_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's dim-0 chunk of a full tensor, as FSDP2 cuts it (possibly empty)."""
+        rows = -(-self.full_shapes[name][0] // self.comm.size)
+        return full[self.comm.rank * rows: (self.comm.rank + 1) * rows]
+
+    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
+        """Each rank copies in its own chunk of the full dicts (no communication)."""
+        with torch.no_grad():
+            for n, local in self.locals.items():
+                local.copy_(self._my_rows(n, model_state[n]))
+                if optim_state is not None:
+                    state = self.optimizer.state.setdefault(local, {"exp_avg": torch.zeros_like(local),
+                                                                    "exp_avg_sq": torch.zeros_like(local)})
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key].copy_(self._my_rows(n, optim_state["state"][n][key]))
+            if optim_state is not None:
+                self.optimizer.step_count = int(optim_state["step"])
+
+    def close(self) -> None:
+        self.comm.wait_all()

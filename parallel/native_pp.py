@@ -71,12 +71,14 @@ class TorchPipeline(Strategy):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        with self.counter():
+        # forward_context (autocast for bf16) covers torch's whole schedule: its forwards and
+        # backwards are interleaved inside step().
+        with self.counter(), self.forward_context():
             self.schedule.step(*args, return_outputs=False, **kwargs)
+        local_loss = torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=inputs.device)
+        self.guard_finite(local_loss)
         self.optimizer.step()
-        if losses:
-            return torch.stack([loss.detach() for loss in losses]).sum()
-        return torch.zeros((), device=inputs.device)
+        return local_loss
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         """Only the last stage holds the loss: sum over pp (the others add 0)."""

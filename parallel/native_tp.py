@@ -80,11 +80,13 @@ class TorchTP(Strategy):
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         with self.counter():
             for mb in microbatches:
-                loss = self.forward_loss(mb, global_tokens)
+                with self.forward_context():
+                    loss = self.forward_loss(mb, global_tokens)
                 loss.backward()
                 local_loss += loss.detach()
             self._grads_to_parameter_placements()
         self.after_backward()
+        self.guard_finite(local_loss)
         with self.counter():  # elementwise on same-placement DTensors: no collective expected, but counted if any
             self.optimizer.step()
         return local_loss

@@ -7,16 +7,23 @@ breaks and a fix, and a non-zero exit: never a hang inside a collective.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from .checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from .dims import LayoutError, ParallelDims
-from .distributed import LaunchEnv, choose_backend
+from .distributed import LaunchEnv, choose_backend, choose_device_type
+from .faults import FAIL_MODES
 from .model import GPTConfig
+from .precision import PRECISIONS
 from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "torch_tp", "torch_pp", "accelerate_ddp")
+STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d", "zero1", "zero2", "zero3", "torch_fsdp2",
+              "torch_tp", "torch_pp", "accelerate_ddp")
+# Sharded data parallelism: pure dp layouts, at least two ranks to shard over.
+SHARDED = ("zero1", "zero2", "zero3", "torch_fsdp2")
 GRAD_SYNCS = ("bucketed", "naive")
 
 
@@ -53,6 +60,17 @@ class RunPlan:
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
     peak_flops: float | None = None  # per device, for MFU; None: measured by a matmul at the end of the run
+    precision: str = "fp32"
+    device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
+    # Reliability (parallel/checkpoint.py, parallel/faults.py)
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    resume_from: str | None = None  # one complete checkpoint directory, resolved
+    start_step: int = 0
+    check_finite: bool = True
+    fail_mode: str | None = None
+    fail_at_step: int | None = None
+    fail_rank: int = 0
 
     @property
     def local_batch(self) -> int:
@@ -109,17 +127,13 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
         if dims.tp < 2:
             raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
         return
-    if strategy == "pp":
-        if dims.tp != 1:
-            raise LayoutError(f"parallel=pp does not combine with tensor parallelism yet: set parallel.tp=1 (got {dims.tp})")
-        return
-    if strategy == "tp":
-        if dims.pp != 1:
-            raise LayoutError(
-                f"parallel=tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1 "
-                "(the world is split into dp x tp)"
-            )
-        return
+    if strategy in SHARDED and dims.world_size < 2:
+        raise LayoutError(
+            f"parallel={strategy} shards the model state over data-parallel ranks and needs at least 2 processes, "
+            "got world size 1: launch it with torchrun --nproc-per-node 2 (or more)"
+        )
+    if strategy in ("pp", "tp", "3d"):
+        return  # pp with tp > 1 and tp with pp > 1 were renamed 3d by build_plan
     if dims.tp != 1 or dims.pp != 1:
         raise LayoutError(
             f"parallel={strategy} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
@@ -137,6 +151,70 @@ def _check_steps(steps: int, warmup_steps: int) -> None:
         )
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_numbers(cfg) -> None:
+    """Types and ranges of the numeric options that no layout rule covers (a string or a negative
+    number must not reach torch as a traceback)."""
+    t, p = cfg.train, cfg.parallel
+    positive = [("train.lr", t.lr, "e.g. train.lr=0.001"), ("parallel.bucket_mb", p.bucket_mb, "PyTorch DDP uses 25"),
+                ("parallel.timeout_s", p.timeout_s, "e.g. parallel.timeout_s=60")]
+    for name, value, hint in positive:
+        if not _is_number(value) or value <= 0:
+            raise ConfigError(f"{name}={value!r} must be a positive number: {hint}")
+    if not _is_number(t.weight_decay) or t.weight_decay < 0:
+        raise ConfigError(f"train.weight_decay={t.weight_decay!r} must be a number >= 0: e.g. train.weight_decay=0.1")
+    for name, value, low in [("train.seed", t.seed, 0), ("data.max_bytes", cfg.data.max_bytes, 1),
+                             ("parallel.virtual_stages", p.virtual_stages, 1), ("train.checkpoint_every", t.checkpoint_every, 0)]:
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
+    if t.threads is not None and (not _is_int(t.threads) or t.threads < 1):
+        raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, or null to share the cores among the ranks")
+    for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final), ("train.save_grads", t.save_grads),
+                        ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log), ("comm.time", cfg.comm.time)]:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name}={value!r} must be true or false")
+
+
+def _check_faults(t, world_size: int) -> None:
+    """The fault-injection testing aid (parallel/faults.py): a mode, a step the run reaches, a rank that exists."""
+    if t.fail_mode is None:
+        return
+    if t.fail_mode not in FAIL_MODES:
+        raise ConfigError(f"train.fail_mode={t.fail_mode!r}: choose one of {', '.join(FAIL_MODES)}, or null (no fault)")
+    last = t.steps if t.fail_mode == "kill_during_save" else t.steps - 1
+    if not _is_int(t.fail_at_step) or not 0 <= t.fail_at_step <= last:
+        raise ConfigError(f"train.fail_at_step={t.fail_at_step!r} must be a step this run reaches, 0 to {last}")
+    if not _is_int(t.fail_rank) or not 0 <= t.fail_rank < world_size:
+        raise ConfigError(f"train.fail_rank={t.fail_rank!r} must be a rank of this run, 0 to {world_size - 1}")
+    if t.fail_mode == "kill_during_save":
+        if t.fail_rank != 0:
+            raise ConfigError("train.fail_mode=kill_during_save kills the checkpoint writer, which is rank 0: set train.fail_rank=0")
+        if not t.checkpoint_every or t.fail_at_step % t.checkpoint_every or t.fail_at_step == 0:
+            raise ConfigError(
+                f"train.fail_mode=kill_during_save with train.fail_at_step={t.fail_at_step}: no checkpoint is saved after "
+                f"{t.fail_at_step} steps (train.checkpoint_every={t.checkpoint_every}): use a multiple of checkpoint_every"
+            )
+
+
+def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
+    """The checkpoint to resume from and the step it continues at (or None, 0)."""
+    if t.resume is None:
+        return None, 0
+    checkpoint = resolve_checkpoint(str(t.resume))
+    plan_model = {k: getattr(model, k) for k in MODEL_KEYS}
+    plan_data = {"seed": t.seed, "global_batch": t.global_batch, "data_path": cfg.data.path,
+                 "data_max_bytes": cfg.data.max_bytes, "seq_len": model.seq_len}
+    start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps, t.warmup_steps, str(t.resume))
+    return str(checkpoint), start
+
+
 def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
     """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v)."""
     if p.virtual_stages > 1 and dims.pp < 2:
@@ -151,10 +229,36 @@ def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
         raise ConfigError(str(e)) from None
 
 
+def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
+    """The bucketed sync overlaps with the last microbatch's backward, which with one chunk per rank
+    gives every local parameter its final gradient; with virtual stages a rank's chunks finish
+    their last backward at different times, far apart in the schedule."""
+    if dims.dp > 1 and p.grad_sync == "bucketed" and p.virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.grad_sync=bucketed overlaps the dp all-reduce with the last microbatch's backward, but with "
+            f"parallel.virtual_stages={p.virtual_stages} a rank's chunks finish their backward at different times: "
+            "set parallel.grad_sync=naive (or parallel.virtual_stages=1)"
+        )
+
+
+def _check_precision(precision) -> None:
+    if precision not in PRECISIONS:
+        raise ConfigError(
+            f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}: use fp32 (the default, what the "
+            "exact comparisons with the single run need) or bf16 (autocast with fp32 master weights)"
+        )
+
+
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     """Validate the whole configuration against the launch environment."""
     p, t = cfg.parallel, cfg.train
+    _check_numbers(cfg)
     model = model_config(cfg.model)
+    if model.vocab_size < 256:
+        raise ConfigError(
+            f"model.vocab_size={model.vocab_size} is below 256, but the data is byte-level (token ids 0..255): "
+            "use model.vocab_size=256 (or more)"
+        )
     dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
     strategy = p.name
     sequence_parallel = bool(p.sequence_parallel)
@@ -162,26 +266,30 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     # cuts nothing), and `parallel=dp` (or pp) in one plain process is the single-process run.
     if strategy == "tp" and dims.tp == 1:
         strategy, sequence_parallel = "dp", False
-    if strategy in ("dp", "pp") and env.world_size == 1:
+    # A pipeline of tensor-parallel stages is one strategy, however it was asked for.
+    if (strategy == "pp" and dims.tp > 1) or (strategy == "tp" and dims.pp > 1):
+        strategy = "3d"
+    if strategy in ("dp", "pp", "3d") and env.world_size == 1:
         strategy = "single"
     _check_strategy(strategy, dims)
-    if sequence_parallel and strategy != "tp":
+    if sequence_parallel and (strategy not in ("tp", "3d") or dims.tp == 1):
         raise ConfigError(
-            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy}: "
+            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy} with parallel.tp={dims.tp}: "
             "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
-    if strategy in ("tp", "torch_tp"):
+    if strategy in ("tp", "3d", "torch_tp"):
         dims.check_tensor_parallel(model, sequence_parallel)
     dims.check_batch(t.global_batch, p.microbatches)
-    if strategy in ("pp", "torch_pp"):
+    if strategy in ("pp", "3d", "torch_pp"):
         _check_pipeline(model, dims, p)
+    if strategy == "3d":
+        _check_3d_grad_sync(dims, p)
     _check_steps(t.steps, t.warmup_steps)
     if p.grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
-    if not p.bucket_mb > 0:
-        raise ConfigError(f"parallel.bucket_mb={p.bucket_mb!r} must be a positive number of MiB (PyTorch DDP uses 25)")
-    if not p.timeout_s > 0:
-        raise ConfigError(f"parallel.timeout_s={p.timeout_s!r} must be a positive number of seconds")
+    _check_precision(t.precision)
+    _check_faults(t, env.world_size)
+    resume_from, start_step = _resume_point(t, model, cfg)
     backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
     return RunPlan(
         strategy=strategy,
@@ -211,6 +319,16 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         virtual_stages=p.virtual_stages,
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
         peak_flops=_peak_flops(t.get("peak_flops")),
+        precision=t.precision,
+        device_type=choose_device_type(p.backend, backend, cuda_available),
+        checkpoint_every=t.checkpoint_every,
+        checkpoint_dir=t.checkpoint_dir,
+        resume_from=resume_from,
+        start_step=start_step,
+        check_finite=t.check_finite,
+        fail_mode=t.fail_mode,
+        fail_at_step=t.fail_at_step,
+        fail_rank=t.fail_rank,
     )
 
 

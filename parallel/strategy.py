@@ -5,6 +5,15 @@ synchronisation the strategy needs; then the optimizer. The loss of every microb
 summed token loss divided by the number of tokens in the *global* batch, so the gradients add up
 to the gradient of the global mean loss however the batch is split. That is why the strategies
 sum gradients across ranks (never average them) and why their losses match the single run.
+
+Two contracts every strategy keeps, whatever its layout:
+
+* Before its optimizer step it calls `guard_finite(local_loss)`: one tiny all-reduce over the
+  world says whether any rank's loss is NaN or inf, and if so every rank raises `NonFiniteLoss`
+  before a single weight or moment is overwritten.
+* Checkpoints are layout-free: `full_state_dict` and `full_optimizer_state` give the whole model
+  and its Adam moments under single-process names (collective, valid on rank 0), and
+  `load_full_state` takes those same dicts on every rank and keeps this rank's part of them.
 """
 
 from __future__ import annotations
@@ -20,6 +29,20 @@ from .model import token_loss_sum
 from .optim import AdamW
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once; a freed
+    storage, resized to 0, counts 0): what a rank really holds, not what the shapes suggest."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() and s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> AdamW:
     """AdamW; no weight decay on biases and LayerNorm weights (the nanoGPT/GPT-2 convention)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -28,16 +51,32 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> AdamW:
     return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
+class NonFiniteLoss(ArithmeticError):
+    """Some rank's loss is NaN or inf; raised on every rank before the optimizer step."""
+
+    def __init__(self, local_loss: float):
+        super().__init__(f"this rank's share of the loss is {local_loss}")
+        self.local_loss = local_loss
+
+
 class Strategy:
     """Base: a model, its optimizer, and the step loop with hooks for gradient synchronisation."""
 
     name = "single"
+    # The world communicator that `guard_finite` reduces its verdict over (None: one process, or
+    # the check turned off); set by parallel/train.py once the process groups exist.
+    finite_comm: Communicator | None = None
+    check_finite: bool = True
+    finite_checks: int = 0  # how many steps were guarded; train.py checks every step was
 
     def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None):
         self.model = model
         self.optimizer = optimizer
         # The group over which the per-rank loss shares add up to the global loss (None: one rank).
         self.loss_comm = loss_comm
+        # The context every forward pass runs in: nothing for fp32, autocast for bf16
+        # (parallel/precision.py; the training loop sets it from train.precision).
+        self.forward_context = contextlib.nullcontext
 
     # Hooks the data-parallel strategies fill in ----------------------------------------------
     def zero_grad(self) -> None:
@@ -60,12 +99,31 @@ class Strategy:
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         for i, mb in enumerate(microbatches):
             with self.backward_context(last_microbatch=i == len(microbatches) - 1):
-                loss = self.forward_loss(mb, global_tokens)
+                with self.forward_context():
+                    loss = self.forward_loss(mb, global_tokens)
                 loss.backward()
             local_loss += loss.detach()
         self.after_backward()
+        self.guard_finite(local_loss)
         self.optimizer.step()
         return local_loss
+
+    def guard_finite(self, local_loss: torch.Tensor) -> None:
+        """Stop every rank, before the optimizer, if any rank's loss is not finite.
+
+        Each rank knows only its share of the loss (a dp slice; or nothing, off the last pipeline
+        stage), so the verdict is a max-all-reduce of a 0/1 flag over the world: 4 bytes, tagged
+        as tooling. A NaN anywhere reaches every rank's gradients through the gradient sync, so
+        all ranks must stop together, and they do, since they all see the same flag.
+        """
+        self.finite_checks += 1
+        if not self.check_finite:
+            return
+        bad = (~torch.isfinite(local_loss.detach())).float().reshape(1)
+        if self.finite_comm is not None and self.finite_comm.size > 1:
+            self.finite_comm.all_reduce(bad, tag="tooling/finite", op="max")
+        if bad.item():
+            raise NonFiniteLoss(float(local_loss))
 
     def global_loss(self, local_loss: torch.Tensor) -> float:
         """The mean loss over every token of the global batch, on rank 0 (tooling traffic)."""
@@ -81,11 +139,51 @@ class Strategy:
         """Parameters of the whole model, however it is split across ranks."""
         return sum(p.numel() for p in self.model.parameters())
 
+    # -- checkpoints: the whole state under single-process names ----------------------------------
+    def named_full_parameters(self):
+        """(single-process name, parameter) for what this rank holds (here: the whole model)."""
+        return self.model.named_parameters()
+
+    def full_optimizer_state(self) -> dict:
+        """{"step": optimizer steps taken, "state": {name: {"exp_avg": full, "exp_avg_sq": full}}}.
+
+        Replicated strategies hold the whole state on every rank: rank 0 just copies its own.
+        """
+        return {"step": self.optimizer.step_count, "state": {
+            name: {k: v.detach().cpu().clone() for k, v in self.optimizer.state[p].items()}
+            for name, p in self.named_full_parameters() if p in self.optimizer.state}}
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full tensor named `name` (the whole of it, unless sharded)."""
+        return full
+
+    @torch.no_grad()
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict) -> None:
+        """Keep this rank's part of a whole-model checkpoint; every rank calls it, no collectives."""
+        self.optimizer.step_count = int(optim_state["step"])
+        for name, p in self.named_full_parameters():
+            p.copy_(self.local_part(name, model_state[name]))
+            moments = optim_state["state"].get(name)
+            if moments is None:
+                self.optimizer.state.pop(p, None)
+            else:
+                self.optimizer.state[p] = {k: self.local_part(name, v).to(p.device, p.dtype).clone() for k, v in moments.items()}
+
     def full_grads(self) -> dict:
         """The whole model's gradients as the optimizer sees them (after every sync), single-process
         names; `tp_replica_max_diff` is filled by strategies that replicate parameters over tp."""
         return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.named_parameters()},
                 "tp_replica_max_diff": {}}
+
+    def memory_report(self) -> dict:
+        """Model-state bytes this rank holds after a step, measured from its tensors. Here every
+        one of them is held for the whole step (gradients from the first backward on), so the
+        peak is their sum; the ZeRO strategies track theirs as tensors come and go."""
+        params = storage_bytes(self.model.parameters())
+        grads = storage_bytes(p.grad for p in self.model.parameters())
+        state = storage_bytes(t for s in self.optimizer.state.values() for t in s.values())
+        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state,
+                "peak_model_state_bytes": params + grads + state}
 
     def close(self) -> None:
         """Finish outstanding communication before the process group goes away."""

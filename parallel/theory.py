@@ -12,6 +12,7 @@ from fractions import Fraction
 
 from .dims import ParallelDims
 from .model import GPTConfig
+from .pp.split import layer_counts
 
 FP32_BYTES = 4
 
@@ -48,6 +49,45 @@ def sequence_sharded_parameter_count(cfg: GPTConfig) -> int:
     LayerNorm (2h) and the position table (s·h, each rank adds only its piece's positions)."""
     h, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
     return L * 6 * h + 2 * h + s * h
+
+
+def part_parameter_counts(cfg: GPTConfig) -> list[int]:
+    """Parameters of each part of the GPT, in forward order: the embedding V·h + s·h, each Block
+    12h² + 13h (for an MLP 4h wide), the head 2h + V·h (final LayerNorm and the untied LM head)."""
+    V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
+    f = cfg.mlp_ratio * h
+    block = 4 * h * h + 4 * h + 2 * f * h + f + h + 4 * h
+    return [V * h + s * h, *[block] * L, 2 * h + V * h]
+
+
+def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
+    """Ψ_pad: ZeRO shards each part's flat buffer, padded to a multiple of the dp size n, so the
+    bytes it moves and holds are computed on Σ_parts ceil(Ψ_part / n)·n (Ψ_pad = Ψ for n = 1)."""
+    return sum(-(-count // n) * n for count in part_parameter_counts(cfg))
+
+
+def model_state_bytes(strategy: str, cfg: GPTConfig, dims: ParallelDims, dtype_bytes: int = FP32_BYTES) -> dict | None:
+    """Bytes of parameters, gradients and Adam state one rank holds (ZeRO paper §5, fp32 Adam:
+    4 + 4 + 8 bytes per parameter; REFERENCES.md). Plain data parallelism holds all of it; stage 1
+    shards the optimizer state over the N dp ranks, stage 2 also the gradients, stage 3 also the
+    parameters, each on the padded count Ψ_pad. None for layouts without a formula here (tp, pp).
+    """
+    n = dims.dp
+    if strategy in ("single", "dp", "torch_ddp"):
+        psi = parameter_count(cfg)
+        params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
+    elif strategy in ("zero1", "zero2", "zero3"):
+        psi = zero_padded_parameter_count(cfg, n)
+        stage = int(strategy[-1])
+        state = Fraction(2 * psi * dtype_bytes, n)
+        grads = Fraction(psi * dtype_bytes, n) if stage >= 2 else psi * dtype_bytes
+        params = Fraction(psi * dtype_bytes, n) if stage >= 3 else psi * dtype_bytes
+    else:
+        return None
+    figures = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state}
+    assert all(Fraction(v).denominator == 1 for v in figures.values())  # Ψ_pad divides by n
+    figures = {k: int(v) for k, v in figures.items()}
+    return {**figures, "total_bytes": sum(figures.values()), "parameters_counted": psi}
 
 
 def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
@@ -168,9 +208,149 @@ def _torch_tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, B: int) -
     return _figure(totals, ranks, extra)
 
 
+def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> int:
+    """The parameters one rank of a pipeline stage holds, its blocks cut over t tp ranks: `layers`
+    blocks as in `tp_shard_parameter_count`, plus the token rows and positions on the first stage
+    and the final norm and head rows on the last. Summed over the stages it is Ψ_t."""
+    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.d_ff
+    per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
+    return layers * per_layer + (V * h // t + s * h if first else 0) + (2 * h + V * h // t if last else 0)
+
+
+def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None) -> list[int]:
+    """Blocks each pipeline rank holds: its v chunks, virtual stages r, r + p, r + 2p, ..."""
+    counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
+    return [sum(counts[c * dims.pp + r] for c in range(virtual)) for r in range(dims.pp)]
+
+
+def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+                                 pp_rank: int = 0) -> int:
+    layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
+    return stage_shard_parameter_count(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+
+
+def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: int, pp_layers,
+                 sequence_parallel: bool, B: int) -> dict:
+    """dp x tp x pp: every rank's traffic, stage by stage, then summed over the d·t ranks of each.
+
+    A rank of stage r holding L_r blocks (over all its chunks) sends per step, with t = tp, d = dp:
+
+      tp   the Megatron collectives of *its* blocks only: 4·L_r tensors of b·s·h per microbatch,
+           plus the embedding's one on the first stage and the head's one on the last; the
+           vocab-parallel loss's 3 all-reduces of b·s fp32 on the last stage. Each all-reduce
+           2(t-1)/t of its bytes, or under sequence parallelism an all-gather plus a reduce-scatter,
+           (t-1)/t each; then once per step the stage's sequence-sharded gradients (its blocks'
+           6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced;
+      pp   one send of its boundary activation per microbatch for each chunk that is not the last
+           virtual stage, and one of the input gradient for each that is not the first: b·s·h,
+           or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the sequence);
+      dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B.
+
+    Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
+    partition the layers); pp adds 2·m·(v·p-1)·b·s·h·B per pipeline (/t under sequence parallelism),
+    d·t pipelines.
+    """
+    t, d, p = dims.tp, dims.dp, dims.pp
+    s, h = cfg.seq_len, cfg.d_model
+    activation = b * s * h * B
+    boundary = b * (s // t if sequence_parallel else s) * h * B
+    layers = stage_layers(cfg, dims, virtual, pp_layers)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+    totals = {op: [0, Fraction(0)] for op in ops}
+    groups = {g: Fraction(0) for g in ("tp", "pp", "dp")}
+    per_rank_by_stage = []
+    for r in range(p):
+        first, last = r == 0, r == p - 1
+        ar_payload, ag_payload, p2p_payload = 0, 0, 0  # this rank's per step
+        if t > 1:
+            acts = (4 * layers[r] + first + last) * m * activation
+            loss = 3 * m * b * s * FP32_BYTES if last else 0
+            if sequence_parallel:
+                ag_payload = acts
+                ar_payload = loss + (6 * h * layers[r] + s * h * first + 2 * h * last) * B
+            else:
+                ar_payload = acts + loss
+        tp_sent = all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
+        sends = sum(m * ((c * p + r < p * virtual - 1) + (c * p + r > 0)) for c in range(virtual))
+        p2p_payload = sends * boundary
+        dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 else 0
+        dp_sent = all_reduce_sent_per_rank(d, dp_payload)
+        ranks = d * t  # the ranks of this stage, all alike
+        for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload) + dp_sent),
+                                  ("all_gather", ag_payload, gather_or_scatter_sent_per_rank(t, ag_payload)),
+                                  ("reduce_scatter", ag_payload, gather_or_scatter_sent_per_rank(t, ag_payload)),
+                                  ("send", p2p_payload, Fraction(p2p_payload)), ("recv", p2p_payload, Fraction(0))):
+            totals[op][0] += payload * ranks
+            totals[op][1] += sent * ranks
+        for g, v in (("tp", tp_sent), ("pp", Fraction(p2p_payload)), ("dp", dp_sent)):
+            groups[g] += v * ranks
+        per_rank_by_stage.append(tp_sent + p2p_payload + dp_sent)
+    extra = {
+        "by_group": {g: {"sent_bytes": float(v), "sent_bytes_exact": str(v)} for g, v in groups.items() if v},
+        # What each rank of stage r sends per step (the stages differ: embedding, head, loss).
+        "sent_bytes_per_rank_by_stage": [float(v) for v in per_rank_by_stage],
+        "sent_bytes_per_rank_by_stage_exact": [str(v) for v in per_rank_by_stage],
+        "layers_by_stage": layers,
+        "boundary_bytes": boundary,
+    }
+    return _figure({op: (pl, st) for op, (pl, st) in totals.items() if pl}, dims.world_size, extra)
+
+def _zero_comm(strategy: str, cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
+    """ZeRO over N = dp ranks (Rajbhandari et al. §7), on the padded flat buffers (Ψ_pad·B bytes
+    of gradients G and of parameters P); a reduce-scatter or all-gather of S bytes sends
+    (N-1)/N·S per rank:
+
+      zero1   G reduce-scattered once per step, P all-gathered after the step: (N-1)/N·(G + P)
+      zero2   each microbatch's G reduce-scattered as its parts finish backward, P all-gathered
+              after the step: (N-1)/N·(m·G + P); with m = 1 the paper's (N-1)/N·(G + P)
+      zero3   per microbatch, P all-gathered before forward and again before backward, G
+              reduce-scattered: m·(N-1)/N·(2P + G)
+    """
+    n = dims.dp
+    size = zero_padded_parameter_count(cfg, n) * B
+    gathers, scatters = {"zero1": (1, 1), "zero2": (1, m), "zero3": (2 * m, m)}[strategy]
+    per_rank = {"all_gather": gathers * size, "reduce_scatter": scatters * size}
+    ranks = dims.world_size
+    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
+    return _figure(totals, ranks, {"padded_parameters": zero_padded_parameter_count(cfg, n)})
+
+
+def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
+    """Elements FSDP2 all-gathers and reduce-scatters per parameter group (torch 2.13,
+    _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
+    rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
+    elements. Groups: each Block, and the root (embedding and head)."""
+    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.mlp_ratio * cfg.d_model
+
+    def padded(d0: int, rest: int = 1) -> int:
+        return n * -(-d0 // n) * rest
+
+    block = (4 * padded(h)                          # ln1, ln2 weight and bias
+             + 4 * (padded(h, h) + padded(h))       # q, k, v, attention proj
+             + padded(f, h) + padded(f)             # fc
+             + padded(h, f) + padded(h))            # mlp proj
+    root = padded(V, h) + padded(s, h) + 2 * padded(h) + padded(V, h)
+    return {**{f"blocks.{i}": block for i in range(cfg.n_layers)}, "root": root}
+
+
+def _fsdp2_comm(cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
+    """torch_fsdp2 (fully_shard per Block and on the root), per microbatch: each Block's group
+    all-gathered before forward and again before backward, the root's once (FSDP2 keeps the root
+    unsharded between its forward and backward), every group's gradients reduce-scattered once:
+    (N-1)/N·(2·P_blocks + P_root + G) per rank and microbatch, on FSDP2's padded sizes."""
+    n = dims.dp
+    groups = fsdp2_group_padded_counts(cfg, n)
+    blocks = sum(v for k, v in groups.items() if k != "root") * B
+    root = groups["root"] * B
+    per_rank = {"all_gather": m * (2 * blocks + root), "reduce_scatter": m * (blocks + root)}
+    ranks = dims.world_size
+    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
+    return _figure(totals, ranks, {"padded_parameters": sum(groups.values())})
+
+
 def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, microbatch_size: int = 1,
                   microbatches: int = 1, virtual: int = 1, sequence_parallel: bool = False,
-                  dtype_bytes: int = FP32_BYTES) -> dict:
+                  dtype_bytes: int = FP32_BYTES, pp_layers=None) -> dict:
     """Strategy traffic per optimizer step, summed over all ranks, in the summary's schema.
 
     single: nothing crosses between ranks.
@@ -181,6 +361,7 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
     its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e.
     2(dp-1) · Ψ·B over all ranks.
     tp: see `_tp_comm` (microbatch_size b sequences, `microbatches` m per step).
+    3d: see `_mesh3d_comm` (pp_layers: the explicit split, if any).
     """
     psi = parameter_count(model_cfg)
     if strategy == "single" or dims.world_size == 1:
@@ -201,6 +382,13 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
         return _figure(totals, dims.world_size)
     if strategy == "torch_tp":
         return _torch_tp_comm(model_cfg, dims, microbatch_size, microbatches, dtype_bytes)
+    if strategy == "3d":
+        return _mesh3d_comm(model_cfg, dims, microbatch_size, microbatches, virtual, pp_layers, sequence_parallel,
+                            dtype_bytes)
     if strategy == "tp":
         return _tp_comm(model_cfg, dims, microbatch_size, microbatches, sequence_parallel, dtype_bytes)
+    if strategy in ("zero1", "zero2", "zero3"):
+        return _zero_comm(strategy, model_cfg, dims, microbatches, dtype_bytes)
+    if strategy == "torch_fsdp2":
+        return _fsdp2_comm(model_cfg, dims, microbatches, dtype_bytes)
     raise ValueError(f"theory has no formula for strategy {strategy!r}")

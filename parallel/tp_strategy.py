@@ -87,6 +87,24 @@ class TensorParallel(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._gather(dict(self.model.named_parameters()))
 
+    def full_optimizer_state(self) -> dict:
+        """Adam's moments are shaped like the parameters: gather them along the same dims."""
+        params = dict(self.model.named_parameters())
+        moments = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            gathered = self._gather({n: self.optimizer.state[p][key] for n, p in params.items() if p in self.optimizer.state})
+            for name, full in gathered.items():
+                moments.setdefault(name, {})[key] = full
+        return {"step": self.optimizer.step_count, "state": moments}
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The slice `parallelize_tp` gave this rank: equal consecutive pieces along the split dim."""
+        dim = self.shards.split_dim.get(name)
+        if dim is None:
+            return full
+        size = full.shape[dim] // self.tp_comm.size
+        return full.narrow(dim, self.tp_comm.rank * size, size)
+
     def full_grads(self) -> dict:
         grads = self._gather({n: p.grad for n, p in self.model.named_parameters()})
         # Replicated gradients must be complete and equal on every tp rank, or the replicas drift

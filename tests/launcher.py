@@ -2,14 +2,21 @@
 
 Every multi-process run uses `--standalone` (a free rendezvous port picked by the OS, never a
 fixed one) and a hard timeout, so a hang fails the test instead of stalling the suite.
+
+`run_nodes` starts several torchrun agents on this machine as the nodes of one job, with the
+command line a cluster uses (`multinode_command`: c10d rendezvous on HOST:PORT, one job id).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,11 +58,17 @@ def train_command(nproc: int, overrides: list[str]) -> list[str]:
     ]
 
 
-def run_train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240, env: dict | None = None) -> Run:
+# The CPU suite runs on the CPU even where a GPU is visible (its 1e-5 comparisons are CPU against
+# CPU, and NCCL would need a GPU per rank); the GPU-marked tests pass gpu=True.
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240, env: dict | None = None,
+              gpu: bool = False) -> Run:
     cmd = train_command(nproc, [*overrides, f"run.dir={run_dir}"])
     proc = subprocess.run(
         cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**os.environ, **({} if gpu else CPU_ONLY), **(env or {})},
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
 
@@ -85,3 +98,84 @@ def check_matches_single(run, single_run, rtol=1e-5):
     for name in ref_params:
         torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-2 * lr, msg=lambda m: f"{name}: {m}")
     assert [m["data_checksum"] for m in run.metrics()] == [m["data_checksum"] for m in single_run.metrics()]
+
+
+# -- several torchrun agents as the nodes of one job ------------------------------------------------
+
+def multinode_command(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],
+                      python: str = sys.executable) -> list[str]:
+    """One node's torchrun command line, as on a cluster: every node runs the same command and
+    the c10d rendezvous on `rdzv_endpoint` numbers the nodes (and so the global ranks)."""
+    return [
+        python, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
+        "-m", "launch.train", *overrides,
+    ]
+
+
+def free_port() -> int:
+    """A port free right now; the rendezvous binds it a moment later (the first agent to try
+    becomes the store's server, the other its client)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeRun:
+    """One agent's outcome; `workdir` is its current directory (its `runs/` lives there)."""
+
+    returncode: int | None  # None: killed after the deadline
+    stdout: str
+    stderr: str
+    workdir: Path
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM first: the agent then stops its workers (they run in sessions of their own, so a
+    signal to the agent's process group would miss them); SIGKILL if it does not go."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_nodes(nproc_per_node: int, overrides: list[str], workdirs: list[Path], timeout: float = 120,
+              env: dict | None = None) -> list[NodeRun]:
+    """Run one job as len(workdirs) nodes on this machine, agent k in workdirs[k].
+
+    Separate working directories stand for nodes without a shared filesystem: each node's ranks
+    write their logs under its own `runs/`, and only the node that got global rank 0 holds the
+    summary. Loopback rendezvous on a free port; GLOO_SOCKET_IFNAME=lo, as a user sets the
+    interface on a cluster. As soon as one agent fails, or at the deadline, every agent is stopped.
+    """
+    endpoint, job = f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}"
+    pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    full_env = {**os.environ, **CPU_ONLY, "PYTHONPATH": pythonpath, "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    cmd = multinode_command(len(workdirs), nproc_per_node, endpoint, job, overrides)
+    procs, outputs, codes = [], [], []
+    try:
+        for workdir in workdirs:
+            workdir.mkdir(parents=True, exist_ok=True)
+            out, err = open(workdir / "agent.out", "w"), open(workdir / "agent.err", "w")
+            outputs.append((out, err))
+            procs.append(subprocess.Popen(cmd, cwd=workdir, env=full_env, stdout=out, stderr=err, text=True))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]  # None: still running, about to be stopped
+    finally:
+        for proc in procs:
+            _stop(proc)
+        for out, err in outputs:
+            out.close()
+            err.close()
+    return [NodeRun(code, (w / "agent.out").read_text(), (w / "agent.err").read_text(), w)
+            for code, w in zip(codes, workdirs)]

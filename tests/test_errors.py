@@ -16,6 +16,7 @@ from launcher import TINY, run_train
      "error: parallel.microbatches=3 is not a multiple of parallel.pp=2"),
     (3, ["parallel=tp", "parallel.tp=3"],
      "error: model.n_heads=4 is not divisible by parallel.tp=3: use a tp that divides the head count (1, 2 or 4)"),
+    (1, ["parallel=3d"], "error: world size 1 is not divisible by parallel.tp x parallel.pp = 2 x 2 = 4"),
 ])
 def test_bad_layout_exits_nonzero_with_its_message(world, overrides, message, tmp_path):
     start = time.monotonic()
@@ -26,6 +27,14 @@ def test_bad_layout_exits_nonzero_with_its_message(world, overrides, message, tm
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     # Refused before training: no process group, no summary.
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_bad_data_in_one_process_exits_nonzero_with_one_line(tmp_path):
+    """World 1 too: an empty corpus file is refused in one line naming the path, status 2."""
+    (tmp_path / "empty.txt").write_text("")
+    run = run_train(1, [*TINY, f"data.path={tmp_path / 'empty.txt'}"], tmp_path / "run", timeout=90)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [f"error: data.path='{tmp_path / 'empty.txt'}' is empty: give a file or directory with some text in it"]
 
 
 def test_unknown_preset_is_refused_by_name(tmp_path):

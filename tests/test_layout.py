@@ -66,6 +66,7 @@ def test_plan_dp_under_torchrun():
     (1, ["train.warmup_steps=20"], r"train.warmup_steps=20 must be at least 0 and below train.steps=20"),
     (1, ["model.n_heads=3"], r"model.d_model=256 is not divisible by model.n_heads=3"),
     (2, ["parallel.timeout_s=0"], r"parallel.timeout_s=0 must be a positive number"),
+    (1, ["train.precision=fp16"], r"train.precision='fp16' is not one of fp32, bf16"),
     (3, ["parallel=pp_1f1b", "model=tiny", "train.global_batch=12"],
      r"model.n_layers=4 does not split evenly into parallel.pp x parallel.virtual_stages = 3 pieces"),
     (2, ["parallel=pp_interleaved", "model=tiny", "parallel.microbatches=3", "train.global_batch=12"],
@@ -75,7 +76,6 @@ def test_plan_dp_under_torchrun():
      r"parallel.pp_layers=\[3, 2\] must list 2 positive layer counts .* summing to model.n_layers=4"),
     (2, ["parallel=pp_1f1b", "parallel.schedule=zb"], r"parallel.schedule='zb' is not a schedule"),
     (2, ["parallel=pp_interleaved", "parallel.dp=2"], r"parallel.virtual_stages=2 interleaves chunks across pipeline ranks, but parallel.pp=1"),
-    (4, ["parallel=pp_1f1b", "parallel.tp=2"], r"parallel=pp does not combine with tensor parallelism yet"),
     (4, ["parallel=pp_1f1b", "parallel.dp=3"], r"world size 4 is not divisible by parallel.dp x parallel.tp = 3 x 1 = 3"),
     (3, ["parallel.dp=2"], r"world size 3 != parallel.dp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),
     # Tensor parallelism: the model must split evenly over tp, checked before any process group.
@@ -87,7 +87,6 @@ def test_plan_dp_under_torchrun():
     (2, ["parallel=tp_sp", "model.seq_len=33"], r"model.seq_len=33 is not divisible by parallel.tp=2, and sequence parallelism"),
     (2, ["parallel=tp", "model.dropout=0.1"], r"model.dropout=0.1 with parallel.tp=2: .* set model.dropout=0"),
     (2, ["parallel.sequence_parallel=true"], r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=dp"),
-    (4, ["parallel=tp", "parallel.pp=2"], r"parallel=tp does not pipeline, but parallel.pp=2"),
     (1, ["parallel=tp"], r"world size 1 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
     (3, ["parallel=tp"], r"world size 3 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
     # PyTorch's baselines: refused by name before any process group, as ours are.
@@ -134,3 +133,47 @@ def test_plan_pipeline_derives_pp_from_the_world():
     plan = plan_for(4, "parallel=pp_interleaved", "parallel.dp=2", "model=tiny")
     assert (plan.dims.pp, plan.dims.dp, plan.virtual_stages) == (2, 2, 2)
     assert plan_for(2, "parallel=pp_gpipe", "model=tiny", "parallel.pp_layers=[1,3]").pp_layers == (1, 3)
+
+
+# -- dp x tp x pp on one mesh ----------------------------------------------------------------------
+@pytest.mark.parametrize("world,overrides,layout", [
+    (8, ["parallel=3d"], (2, 2, 2)),                  # the preset's defaults: dp derived from the world
+    (4, ["parallel=3d"], (1, 2, 2)),
+    (4, ["parallel=3d", "parallel.pp=1"], (2, 2, 1)),
+    (4, ["parallel=pp_1f1b", "parallel.tp=2"], (1, 2, 2)),  # pp derived: 4 / (dp 1 x tp 2)
+    (4, ["parallel=tp", "parallel.pp=2"], (1, 2, 2)),       # dp derived: 4 / (tp 2 x pp 2)
+    (8, ["parallel=tp_sp", "parallel.pp=2"], (2, 2, 2)),
+])
+def test_pipeline_of_tensor_parallel_stages_is_3d(world, overrides, layout):
+    plan = plan_for(world, "model=tiny", *overrides)
+    assert plan.strategy == "3d" and (plan.dims.dp, plan.dims.tp, plan.dims.pp) == layout
+    assert plan.sequence_parallel == ("parallel=tp_sp" in overrides)
+
+
+def test_3d_with_one_rank_of_everything_is_single():
+    assert plan_for(1, "parallel=3d", "parallel.tp=1", "parallel.pp=1").strategy == "single"
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (6, ["parallel=3d"], r"world size 6 is not divisible by parallel.tp x parallel.pp = 2 x 2 = 4"),
+    (8, ["parallel=3d", "parallel.dp=4"], r"world size 8 != parallel.dp x parallel.tp x parallel.pp = 4 x 2 x 2 = 16"),
+    (8, ["parallel=3d", "parallel.tp=8", "parallel.pp=1"], r"model.n_heads=4 is not divisible by parallel.tp=8"),
+    (4, ["parallel=3d", "model.vocab_size=257", "model.vocab_pad_multiple=1"],
+     r"the padded vocabulary 257 .* is not divisible by parallel.tp=2"),
+    (8, ["parallel=3d", "parallel.tp=1", "parallel.pp=8"],
+     r"model.n_layers=4 does not split evenly into parallel.pp x parallel.virtual_stages = 8 pieces"),
+    (8, ["parallel=3d", "train.global_batch=12"],
+     r"train.global_batch=12 is not divisible by parallel.dp x parallel.microbatches = 2 x 4 = 8"),
+    (4, ["parallel=3d", "parallel.sequence_parallel=true", "model.seq_len=33"],
+     r"model.seq_len=33 is not divisible by parallel.tp=2, and sequence parallelism"),
+    (4, ["parallel=3d", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2", "parallel.microbatches=3",
+         "train.global_batch=12"], r"parallel.microbatches=3 is not a multiple of parallel.pp=2"),
+    (8, ["parallel=3d", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
+     r"parallel.grad_sync=bucketed overlaps .* parallel.virtual_stages=2 .* set parallel.grad_sync=naive"),
+    (4, ["parallel=3d", "parallel.tp=1", "parallel.pp=4", "parallel.sequence_parallel=true"],
+     r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=3d with parallel.tp=1"),
+    (4, ["parallel=3d", "model.dropout=0.1"], r"model.dropout=0.1 with parallel.tp=2"),
+])
+def test_3d_refuses_what_does_not_divide(world, overrides, message):
+    with pytest.raises((LayoutError, ConfigError), match=message):
+        plan_for(world, "model=tiny", *overrides)

@@ -122,3 +122,134 @@ def test_shard_parameter_count_is_what_parallelize_tp_leaves(t):
     assert total_sharded + replicated == parameter_count(CFG)
     if t == 1:
         assert tp_shard_parameter_count(CFG, 1) == parameter_count(CFG)
+
+
+# -- dp x tp x pp on one mesh -----------------------------------------------------------------------
+def _stage_shard_sizes(d, t, p, v=1):
+    """What one rank of each stage holds, counted on the model itself: cut by parallelize_tp, then
+    split by split_model (no collective runs while cutting)."""
+    from parallel.pp.split import split_model
+    sizes = []
+    for r in range(p):
+        model = GPT(CFG, seed=0)
+        parallelize_tp(model, SimpleNamespace(rank=0, size=t))
+        sizes.append(sum(q.numel() for chunk in split_model(model, p, v, r) for q in chunk.parameters()))
+    return sizes
+
+
+@pytest.mark.parametrize("d,t,p,v,b,m,sp", [
+    (2, 2, 2, 1, 4, 2, False), (2, 2, 2, 1, 4, 2, True), (1, 2, 2, 2, 8, 2, False), (2, 2, 1, 1, 4, 2, True),
+    (1, 2, 4, 1, 2, 4, False),
+])
+def test_3d_traffic_written_out_stage_by_stage(d, t, p, v, b, m, sp):
+    dims = ParallelDims.resolve(d * t * p, dp=d, tp=t, pp=p)
+    fig = expected_comm("3d", CFG, dims, microbatch_size=b, microbatches=m, virtual=v, sequence_parallel=sp)
+    shard = _stage_shard_sizes(d, t, p, v)
+    assert sum(shard) == tp_shard_parameter_count(CFG, t)  # the stages partition the tp shard
+    q = Fraction(t - 1, t)
+    bsh = b * S * H
+    per_rank = []
+    for r in range(p):
+        first, last = r == 0, r == p - 1
+        layers = L // p
+        # tp, only the blocks this stage holds: 2 fwd + 2 bwd tensors of b·s·h per block and
+        # microbatch, plus the embedding's one on the first stage and the head's one on the last.
+        acts = (4 * layers + first + last) * m * bsh * 4
+        loss = 3 * m * b * S * 4 if last else 0
+        sp_grads = (6 * H * layers + S * H * first + 2 * H * last) * 4 if sp else 0
+        tp_bytes = 2 * q * (acts + loss + sp_grads)  # as all-reduces, or AG + RS: the same bytes
+        # pp: each chunk sends its output forward unless it is the last virtual stage, its input
+        # gradient backward unless it is the first; b·s·h, or the b·(s/t)·h piece under sp.
+        boundary = b * (S // t if sp else S) * H * 4
+        sends = sum(m * ((c * p + r < v * p - 1) + (c * p + r > 0)) for c in range(v))
+        # dp: this rank's own gradients, once per step.
+        dp_bytes = 2 * Fraction(d - 1, d) * shard[r] * 4
+        per_rank.append(tp_bytes + sends * boundary + dp_bytes)
+    assert [Fraction(x) for x in fig["sent_bytes_per_rank_by_stage_exact"]] == per_rank
+    assert Fraction(fig["sent_bytes_per_step_exact"]) == d * t * sum(per_rank)
+
+    # Summed over stages, tp and dp are those of `tp` at the same d and t; pp adds
+    # 2·m·(v·p-1)·b·s·h·4 per pipeline (the piece of the sequence under sp), d·t pipelines.
+    alone = expected_comm("tp", CFG, ParallelDims.resolve(d * t, tp=t), microbatch_size=b, microbatches=m,
+                          sequence_parallel=sp)
+    groups = fig["by_group"]
+    assert Fraction(groups["tp"]["sent_bytes_exact"]) == Fraction(alone["by_group"]["tp"]["sent_bytes_exact"])
+    if d > 1:
+        assert Fraction(groups["dp"]["sent_bytes_exact"]) == Fraction(alone["by_group"]["dp"]["sent_bytes_exact"])
+    p2p = 2 * m * (v * p - 1) * b * S * H * 4 // (t if sp else 1) * d * t
+    assert Fraction(groups.get("pp", {"sent_bytes_exact": "0"})["sent_bytes_exact"]) == p2p
+    assert set(groups) == {"tp"} | ({"dp"} if d > 1 else set()) | ({"pp"} if p > 1 else set())
+
+
+def test_3d_without_tp_is_pp_and_without_pp_is_tp():
+    for d, p, v in ((1, 2, 1), (2, 2, 1), (2, 2, 2), (1, 4, 1)):
+        dims = ParallelDims.resolve(d * p, dp=d, tp=1, pp=p)
+        pp = expected_comm("pp", CFG, dims, microbatch_size=2, microbatches=4, virtual=v)
+        assert expected_comm("3d", CFG, dims, microbatch_size=2, microbatches=4, virtual=v)["by_op"] == pp["by_op"]
+    for d, t, sp in ((1, 2, False), (2, 2, True), (2, 4, False)):
+        dims = ParallelDims.resolve(d * t, dp=d, tp=t, pp=1)
+        tp = expected_comm("tp", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)
+        assert expected_comm("3d", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)["by_op"] == tp["by_op"]
+
+# -- ZeRO and FSDP2 ---------------------------------------------------------------------------------
+from parallel.theory import model_state_bytes, part_parameter_counts, zero_padded_parameter_count  # noqa: E402
+
+
+def test_parts_add_up_to_the_whole_model():
+    assert part_parameter_counts(CFG) == [256 * H + S * H, *[12 * H * H + 13 * H] * L, 2 * H + 256 * H]
+    assert sum(part_parameter_counts(CFG)) == parameter_count(CFG)
+    model = GPT(CFG, seed=0)
+    parts = [model.embed, *model.blocks, model.head]
+    assert [count_parameters(p) for p in parts] == part_parameter_counts(CFG)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 2])
+def test_zero_traffic_is_the_papers_on_the_padded_size(n, m):
+    # Each part padded to a multiple of n: a Block's 12h² + 13h = 49,984 is a multiple of 2 and 4
+    # and 8 but needs 2 more at n = 3.
+    block = 12 * H * H + 13 * H
+    psi_pad = (256 * H + S * H) + L * (-(-block // n) * n) + (2 * H + 256 * H)
+    assert zero_padded_parameter_count(CFG, n) == psi_pad
+    assert (psi_pad > parameter_count(CFG)) == (n == 3)
+    dims = ParallelDims.resolve(n)
+    P = G = psi_pad * 4
+    # Rajbhandari et al. §7: ZeRO-1/2 (N-1)/N·(G + P), ZeRO-3 (N-1)/N·(2P + G) per rank (m = 1);
+    # here stage 2 reduce-scatters each microbatch and stage 3 does all of it per microbatch.
+    for strategy, per_rank in (("zero1", Fraction(n - 1, n) * (G + P)), ("zero2", Fraction(n - 1, n) * (m * G + P)),
+                               ("zero3", m * Fraction(n - 1, n) * (2 * P + G))):
+        fig = expected_comm(strategy, CFG, dims, microbatches=m)
+        assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * n, strategy
+        assert set(fig["by_op"]) == {"all_gather", "reduce_scatter"}
+    # ZeRO-1/2 with one microbatch moves what plain dp's all-reduce moves (on the padded size).
+    assert Fraction(expected_comm("zero2", CFG, dims)["sent_bytes_per_step_exact"]) == \
+        Fraction(2 * (n - 1), n) * psi_pad * 4 * n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_model_state_bytes_are_the_papers(n):
+    psi, pad = parameter_count(CFG), zero_padded_parameter_count(CFG, n)
+    dims = ParallelDims.resolve(n)
+    # fp32 Adam: params 4Ψ, grads 4Ψ, Adam moments 8Ψ; stage 1 shards the moments, 2 also the
+    # grads, 3 also the params.
+    assert model_state_bytes("dp", CFG, dims)["total_bytes"] == 16 * psi
+    expected = {"zero1": (4 * pad, 4 * pad, 8 * pad // n), "zero2": (4 * pad, 4 * pad // n, 8 * pad // n),
+                "zero3": (4 * pad // n, 4 * pad // n, 8 * pad // n)}
+    for strategy, (p, g, o) in expected.items():
+        fig = model_state_bytes(strategy, CFG, dims)
+        assert (fig["param_bytes"], fig["grad_bytes"], fig["optimizer_bytes"]) == (p, g, o)
+    assert model_state_bytes("tp", CFG, dims) is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
+    h, f, V = H, 4 * H, 256
+
+    def pad(d0, rest=1):
+        return n * -(-d0 // n) * rest
+
+    block = 4 * pad(h) + 4 * (pad(h, h) + pad(h)) + pad(f, h) + pad(f) + pad(h, f) + pad(h)
+    root = 2 * pad(V, h) + pad(S, h) + 2 * pad(h)
+    fig = expected_comm("torch_fsdp2", CFG, ParallelDims.resolve(n))
+    per_rank = Fraction(n - 1, n) * 4 * ((2 * L * block + root) + (L * block + root))
+    assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * n

@@ -3,7 +3,8 @@
 Each rank walks its list. Forward and backward run its chunks; runs of consecutive sends and
 receives are posted together (batch_isend_irecv through the communication log), then the
 receives are waited on before the compute that needs them, and the sends are waited on at the end
-of the step. Activations cross stage boundaries as (microbatch, seq, d_model) fp32 tensors.
+of the step. Activations cross stage boundaries as (microbatch, seq, d_model) fp32 tensors (under
+bf16 autocast too: a chunk ends with a block or the embedding, whose residual stream stays fp32).
 
 The loss exists only on the last virtual stage: each microbatch's summed token loss divided by
 the global batch's token count, so the gradients equal the single-process ones (dividing by the
@@ -44,14 +45,36 @@ class PipelineParallel(Strategy):
         self.dp_comm = dp_comm
         self.d_model = model.cfg.d_model
         self.schedule = schedule
+        self.microbatches = microbatches
         self.actions: list[Action] = build_schedule(schedule, self.stages, microbatches, virtual)[self.pp_rank]
-        named = [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
-        self.grad_sync = NaiveGradSync.from_named(named, dp_comm) if dp_comm is not None and dp_comm.size > 1 else None
+        self.grad_sync = self._make_grad_sync(dp_comm)
         self.executed: list[Action] = []  # the order actually run in the last step (tests compare it with the schedule)
         self.spans: list[dict] = []  # the last step's timeline: one record per action
 
     def full_parameter_count(self) -> int:
         return self._full_parameters
+
+    def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their single-process names."""
+        return [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+
+    # -- what a subclass (the 3-D strategy, parallel/mesh3d.py) changes -------------------------
+    def _make_grad_sync(self, dp_comm: Communicator | None):
+        if dp_comm is None or dp_comm.size == 1:
+            return None
+        return NaiveGradSync.from_named(self.global_named_parameters(), dp_comm)
+
+    def _activation_shape(self, mb: Batch) -> tuple[int, ...]:
+        """What crosses a stage boundary: one microbatch's hidden states."""
+        return (mb.n_sequences, mb.inputs.shape[1], self.d_model)
+
+    def _stage_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last virtual stage's summed token loss from its output."""
+        return token_loss_sum(out, targets)
+
+    def after_backward(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
 
     # -- helpers ----------------------------------------------------------------------------------
     def _vstage(self, a: Action) -> int:
@@ -68,7 +91,7 @@ class PipelineParallel(Strategy):
         self.zero_grad()
         self.executed, self.spans = [], []
         device = microbatches[0].inputs.device
-        act_shape = (microbatches[0].n_sequences, microbatches[0].inputs.shape[1], self.d_model)
+        act_shape = self._activation_shape(microbatches[0])
         inputs: dict[tuple[int, int], torch.Tensor] = {}    # received activations (leaves with grad)
         outputs: dict[tuple[int, int], torch.Tensor] = {}   # chunk outputs, or the loss on the last stage
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients of the outputs
@@ -90,17 +113,20 @@ class PipelineParallel(Strategy):
             start = time.time()
             if a.op == F:
                 x = microbatches[a.mb].inputs if vs == 0 else inputs[key]
-                out = chunk(x)
+                with self.forward_context():
+                    out = chunk(x)
+                    if vs == self.last_vstage:
+                        out = self._stage_loss(out, microbatches[a.mb].targets) / global_tokens
                 if vs == self.last_vstage:
-                    out = token_loss_sum(out, microbatches[a.mb].targets) / global_tokens
                     local_loss += out.detach()
                 outputs[key] = out
             else:
                 out = outputs.pop(key)
-                if vs == self.last_vstage:
-                    out.backward()
-                else:
-                    torch.autograd.backward(out, out_grads.pop(key))
+                with self.backward_context(last_microbatch=a.mb == self.microbatches - 1):
+                    if vs == self.last_vstage:
+                        out.backward()
+                    else:
+                        torch.autograd.backward(out, out_grads.pop(key))
             self._span(a, "forward" if a.op == F else "backward", start, time.time())
             self.executed.append(a)
             i += 1
@@ -109,8 +135,8 @@ class PipelineParallel(Strategy):
             handle.wait()
         if sends:
             self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start, "end": time.time()})
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
+        self.after_backward()
+        self.guard_finite(local_loss)  # only the last stage has a loss; the flag reaches every stage
         self.optimizer.step()
         return local_loss
 
@@ -170,6 +196,18 @@ class PipelineParallel(Strategy):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         mine = {chunk.global_name(n): t.detach().cpu().clone() for chunk in self.chunks for n, t in chunk.state_dict().items()}
         return self._gather_to_first_stage(mine, "tooling/state")
+
+    def named_full_parameters(self):
+        return [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+
+    def full_optimizer_state(self) -> dict:
+        """Each stage's moments under single-process names, merged on pp rank 0."""
+        mine = super().full_optimizer_state()["state"]
+        parts = self.pp_comm.gather_object(mine, 0, tag="tooling/optimizer_state")
+        merged = {}
+        for part in parts or []:
+            merged.update(part)
+        return {"step": self.optimizer.step_count, "state": merged}
 
     def full_grads(self) -> dict:
         mine = {chunk.global_name(n): p.grad.detach().cpu().clone() for chunk in self.chunks for n, p in chunk.named_parameters()}

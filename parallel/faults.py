@@ -1,0 +1,121 @@
+"""Failure, on purpose: a testing aid, and the one-line verdict when a rank fails for real.
+
+`train.fail_mode` with `train.fail_at_step=K` and `train.fail_rank=R` makes rank R misbehave at
+step K, so the tests can prove that every way a rank can go wrong ends the whole job, non-zero,
+within seconds, with a sentence that says which rank and what:
+
+    raise             an exception in the training loop (a bug)
+    exit              the process vanishes (os._exit: a segfault, the OOM killer)
+    hang              the rank stops responding (a deadlock, a stuck device): its peers wait in
+                      their next collective until parallel.timeout_s, then fail
+    nan_weights       the rank's weights become NaN, so the loss of step K is NaN (a corrupted
+                      weight, or a learning rate that blew up): the non-finite guard must stop
+                      every rank before the optimizer step
+    kill_during_save  rank 0 is SIGKILLed while the checkpoint taken after K steps is written,
+                      after its files are on disk but before the rename that publishes it
+
+Off by default (`fail_mode: null`); nothing here runs unless asked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill_during_save")
+STEP_MODES = ("raise", "exit", "hang", "nan_weights")
+
+
+class InjectedFailure(RuntimeError):
+    """The exception `fail_mode=raise` throws."""
+
+
+def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, step: int, rank: int, params) -> None:
+    """Misbehave as asked if this is the chosen rank and step; `params` are this rank's parameters."""
+    if mode not in STEP_MODES or step != at_step or rank != fail_rank:
+        return
+    # The wall-clock time lets a test measure how long the job takes to end after the fault.
+    print(f"rank {rank}: injecting train.fail_mode={mode} at step {step} (unix time {time.time():.3f})", file=sys.stderr, flush=True)
+    if mode == "raise":
+        raise InjectedFailure(f"injected failure (train.fail_mode=raise) at step {step} on rank {rank}")
+    if mode == "exit":
+        os._exit(13)
+    if mode == "hang":
+        while True:
+            time.sleep(60)
+    if mode == "nan_weights":
+        with torch.no_grad():
+            for p in params:
+                p.fill_(float("nan"))
+
+
+def kill_during_save(mode: str | None, at_step: int | None, step: int):
+    """The hook `save_checkpoint` calls between writing and publishing, or None."""
+    if mode != "kill_during_save" or step != at_step:
+        return None
+
+    def kill(tmp_dir) -> None:
+        print(f"rank 0: injecting train.fail_mode=kill_during_save: SIGKILL with {tmp_dir} written but not renamed",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
+
+
+def peer_table(world) -> list[tuple[str, int]]:
+    """(hostname, pid) of every rank, on every rank (two tooling calls at start-up): what lets a
+    survivor tell which of its peers on this machine is gone."""
+    me = (socket.gethostname(), os.getpid())
+    if world is None:
+        return [me]
+    table = world.gather_object(me, 0, tag="tooling/peers")
+    return world.broadcast_object(table, 0, tag="tooling/peers")
+
+
+def _exited(pid: int) -> bool:
+    """The process is gone, or a zombie waiting for torchrun to collect its exit status."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # no /proc here: cannot tell
+
+
+def gone_peers(table: list[tuple[str, int]], rank: int, wait_s: float = 0.3) -> list[str]:
+    """The ranks on this machine whose process has exited, waiting up to `wait_s` for one: a dying
+    peer closes its sockets a moment before it becomes a zombie. Best effort, like every line a
+    survivor prints: torchrun stops the survivors within a fraction of a second of the first
+    exit (its monitor polls every 0.1 s), often before they get this far."""
+    host = socket.gethostname()
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(table) if r != rank and h == host and _exited(pid)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
+def describe_failure(exc: BaseException, rank: int, timeout_s: float) -> str:
+    """One line for a rank that stopped on an exception: its own fault, or a peer's.
+
+    A peer's death reaches the survivors as gloo's "Connection closed by peer" or "Connection
+    reset" at once; a peer that hangs, as "Timed out" after parallel.timeout_s. The failed call is
+    named by parallel/comm.py (op, tag, group and, for a send or receive, the peer's rank).
+    """
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    gone = getattr(exc, "gone_peers", None)
+    if gone:
+        return f"rank {rank} stopped: {', '.join(gone)} exited, so {text}"
+    if isinstance(exc, RuntimeError) and "Timed out" in text:
+        return (f"rank {rank} stopped: {text}: waited parallel.timeout_s={timeout_s:g} s for a peer rank that hangs or died "
+                "(torchrun's list below gives each rank's exit)")
+    if isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe")):
+        return f"rank {rank} stopped: {text}: a peer rank crashed or was killed (torchrun's list below gives each rank's exit)"
+    return f"rank {rank} failed: {type(exc).__name__}: {text}"

@@ -1,0 +1,206 @@
+"""ZeRO stage 3 (`zero3`): parameters, gradients and optimizer state all sharded over dp.
+
+Each rank keeps, per model part (embedding, each Block, head; see zero.py), only its shard of the
+flat padded parameters, of the summed gradients and of the Adam moments: 16·Ψ_pad/N bytes. A
+part's full parameters exist only while the part computes:
+
+    forward pre-hook      all-gather the part's parameters   (zero/param_all_gather/fwd/<part>)
+    forward hook          free them; hook the part's output, so that
+    output's grad hook    all-gathers them again just before the part's backward
+                          (zero/param_all_gather/bwd/<part>)
+    post-accumulate-grad  copy each new gradient into the part's flat gradient buffer and drop it;
+    hooks                 when the part's last one arrives, free the gathered parameters and start
+                          the buffer's reduce-scatter (zero/grad_reduce_scatter/<part>), which runs
+                          while backward goes on with the part before; it is waited for (added
+                          into the gradient shard, the buffer freed) when the next part's starts
+
+How parameters are freed without disturbing autograd (FSDP1's trick): every parameter of a part
+is a view into the part's one flat buffer, and freeing resizes that buffer's *storage* to 0 bytes.
+The tensors autograd saved in forward still point at the same storage; the backward all-gather
+resizes it back and fills it before any of them is read. Once a part's last parameter has its
+gradient, every backward node that read the part's parameters has run (each such node sends a
+gradient to them), so freeing then is safe.
+
+With several microbatches, each one gathers twice and reduce-scatters once per part; the
+gradient shards add up. The optimizer (zero.ShardAdamW) steps the shards directly; no all-gather
+follows the step, the next forward gathers what it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+import torch.nn as nn
+
+from .comm import Communicator
+from .strategy import Strategy, storage_bytes
+from .zero import MemoryMeter, Part, ShardAdamW, _gather_full, group_into_parts
+
+log = logging.getLogger(__name__)
+
+
+def model_parts(model: nn.Module) -> list[str]:
+    """The GPT's parts, in forward order."""
+    return ["embed", *(f"blocks.{i}" for i in range(len(model.blocks))), "head"]
+
+
+class Zero3(Strategy):
+    name = "zero3"
+
+    def __init__(self, model: nn.Module, dp_comm: Communicator, lr: float, weight_decay: float):
+        self.comm = dp_comm
+        self.meter = MemoryMeter()
+        self.parts: list[Part] = group_into_parts(list(model.named_parameters()), dp_comm.size, dp_comm.rank)
+        assert [p.name for p in self.parts] == model_parts(model), [p.name for p in self.parts]
+        # parameter -> (index of its part, its index in the part)
+        self._where = {p: (k, i) for k, part in enumerate(self.parts) for i, p in enumerate(part.params)}
+        self.full: list[torch.Tensor] = []  # per part: the flat full buffer (storage 0 bytes when freed)
+        self.shards: list[torch.Tensor] = []
+        self.grad_shards: list[torch.Tensor] = []
+        self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._reductions: list[tuple] = []  # (part index, handle, output) of reduce-scatters in flight
+        for index, part in enumerate(self.parts):
+            flat = part.flatten([p.detach() for p in part.params])
+            self.shards.append(flat[part.lo: part.hi].clone())
+            self.grad_shards.append(torch.zeros(part.shard_numel, dtype=part.dtype, device=part.device))
+            for p, view in zip(part.params, part.unflatten(flat).values()):
+                p.data = view
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            flat.untyped_storage().resize_(0)
+            self.full.append(flat)
+            module = model.get_submodule(part.name)
+            module.register_forward_pre_hook(self._gather_for_forward(index))
+            module.register_forward_hook(self._free_after_forward(index))
+        optimizer = ShardAdamW(self.parts, self.shards, self.grad_shards, lr, weight_decay)
+        super().__init__(model, optimizer, loss_comm=dp_comm)
+        log.info("zero3: %d parts, padded sizes %s, shard %d elements", len(self.parts),
+                 [p.padded for p in self.parts], sum(p.shard_numel for p in self.parts))
+
+    # -- gather and free ---------------------------------------------------------------------------
+    def _gather(self, index: int, direction: str) -> None:
+        part, flat = self.parts[index], self.full[index]
+        if flat.untyped_storage().nbytes():
+            raise RuntimeError(f"zero3: {part.name}'s parameters gathered twice without a free")
+        flat.untyped_storage().resize_(part.nbytes)
+        self.meter.add(part.nbytes)
+        self.comm.all_gather_into(flat, self.shards[index], tag=f"zero/param_all_gather/{direction}/{part.name}")
+
+    def _free(self, index: int) -> None:
+        self.full[index].untyped_storage().resize_(0)
+        self.meter.sub(self.parts[index].nbytes)
+
+    def _gather_for_forward(self, index: int):
+        def hook(_module, _inputs):
+            self._gather(index, "fwd")
+        return hook
+
+    def _free_after_forward(self, index: int):
+        def hook(_module, _inputs, output):
+            self._free(index)
+            if torch.is_grad_enabled() and output.requires_grad:
+                output.register_hook(lambda _grad: self._gather_for_backward(index))
+            return output
+        return hook
+
+    def _gather_for_backward(self, index: int) -> None:
+        self.parts[index].waiting = len(self.parts[index].params)
+        self._gather(index, "bwd")
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        index, i = self._where[param]
+        part = self.parts[index]
+        buffer = self._grad_buffers.get(index)
+        if buffer is None:
+            buffer = self._grad_buffers[index] = torch.zeros(part.padded, dtype=part.dtype, device=part.device)
+            self.meter.add(part.nbytes)
+        grad_bytes = param.grad.numel() * param.grad.element_size()
+        self.meter.add(grad_bytes)
+        buffer[part.offsets[i]: part.offsets[i] + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+        self.meter.sub(grad_bytes)
+        part.waiting -= 1
+        if part.waiting == 0:
+            # The part's backward is over: free its parameters now, and reduce-scatter its
+            # gradients asynchronously while backward goes on with the part before it. One
+            # reduce-scatter in flight at a time: waiting for the previous one first bounds the
+            # full gradients held at once to two parts.
+            self._free(index)
+            self._wait_reductions()
+            out = torch.empty_like(self.grad_shards[index])
+            self.meter.add(part.shard_nbytes)
+            handle = self.comm.reduce_scatter(out, buffer, tag=f"zero/grad_reduce_scatter/{part.name}", async_op=True)
+            self._reductions.append((index, handle, out))
+
+    def _wait_reductions(self) -> None:
+        """Add each finished reduce-scatter into its gradient shard; free the full gradients."""
+        for index, handle, out in self._reductions:
+            handle.wait()
+            self.grad_shards[index].add_(out)
+            del self._grad_buffers[index]
+            self.meter.sub(self.parts[index].nbytes + self.parts[index].shard_nbytes)
+        self._reductions = []
+
+    # -- the step ----------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for g in self.grad_shards:
+            g.zero_()
+        self.meter.current = self.persistent_bytes()
+        self.meter.reset_peak()
+
+    def backward_context(self, last_microbatch: bool):
+        self._wait_reductions()  # the previous microbatch's
+        return contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        self._wait_reductions()
+        gathered = [p.name for p, f in zip(self.parts, self.full) if f.untyped_storage().nbytes()]
+        if gathered or self._grad_buffers:
+            raise RuntimeError(f"zero3: parts {gathered or list(self._grad_buffers)} still gathered after backward "
+                               "(some parameter got no gradient: every parameter must take part in the loss)")
+
+    # -- what this rank holds ----------------------------------------------------------------------
+    def persistent_bytes(self) -> int:
+        return storage_bytes(self.shards) + storage_bytes(self.grad_shards) + storage_bytes(self.optimizer.state_tensors())
+
+    def memory_report(self) -> dict:
+        return {
+            # The model's own parameters count too: after a step their storage is freed (0 bytes).
+            "param_bytes": storage_bytes([*self.shards, *self.model.parameters()]),
+            "grad_bytes": storage_bytes(self.grad_shards),
+            "optimizer_bytes": storage_bytes(self.optimizer.state_tensors()),
+            "peak_model_state_bytes": self.meter.peak,
+        }
+
+    # -- whole-model views (collective) ------------------------------------------------------------
+    def full_parameter_count(self) -> int:
+        return sum(part.numel for part in self.parts)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return _gather_full(self.parts, self.shards, self.comm, "tooling/full_state")
+
+    def full_grads(self) -> dict:
+        return {"grads": _gather_full(self.parts, self.grad_shards, self.comm, "tooling/full_grads"), "tp_replica_max_diff": {}}
+
+    def full_optimizer_state(self) -> dict:
+        state: dict[str, dict] = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            shards = [self.optimizer.shard_state(i, key) for i in range(len(self.parts))]
+            for name, t in _gather_full(self.parts, shards, self.comm, f"tooling/checkpoint/{key}").items():
+                state.setdefault(name, {})[key] = t
+        return {"step": self.optimizer.step_count, "state": state}
+
+    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
+        with torch.no_grad():
+            for i, part in enumerate(self.parts):
+                self.shards[i].copy_(part.flatten([model_state[n] for n in part.names])[part.lo: part.hi])
+                if optim_state is not None:
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        full = part.flatten([optim_state["state"][n][key] for n in part.names])
+                        self.optimizer.load_shard_state(i, key, full[part.lo: part.hi])
+            if optim_state is not None:
+                self.optimizer.adamw.step_count = int(optim_state["step"])
+
+    def close(self) -> None:
+        self.comm.wait_all()

@@ -1,0 +1,92 @@
+"""Checkpoints: k steps + resume for k more equals 2k steps, on any layout, and a crash mid-save
+leaves the previous checkpoint loadable.
+
+Each layout trains 6 steps saving after 3 (the state after 3 steps does not depend on how many
+come after, so that checkpoint is what a 3-step run would leave), then a fresh run resumes from
+it; its steps 3..5 must repeat the uninterrupted run's losses within 1e-6 relative. Checkpoints
+hold single-process names only, so the tp 2 one is also resumed under pp 2, and a single-process
+one under tp 2.
+"""
+
+import json
+
+import pytest
+
+from launcher import TINY, assert_ok, max_rel_diff, run_train
+
+SAVE = ["train.checkpoint_every=3"]
+
+
+def _losses_by_step(run) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in run.metrics()}
+
+
+def _check_continues(resumed, full, rtol: float) -> None:
+    """The resumed run ran exactly steps 3..5, with the full run's losses and data."""
+    summary = assert_ok(resumed)
+    assert summary["first_step"] == 3
+    got, want = _losses_by_step(resumed), _losses_by_step(full)
+    assert sorted(got) == [3, 4, 5]
+    diff = max_rel_diff([got[s] for s in (3, 4, 5)], [want[s] for s in (3, 4, 5)])
+    assert diff < rtol, f"resumed losses differ by {diff:.2e}: {got} vs {want}"
+    assert [m["data_checksum"] for m in resumed.metrics()] == [m["data_checksum"] for m in full.metrics()[3:]]
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory):
+    run = run_train(2, [*TINY, "parallel=tp", *SAVE], tmp_path_factory.mktemp("tp") / "run")
+    assert_ok(run)
+    return run
+
+
+@pytest.mark.parametrize("nproc,preset", [(2, "dp"), (2, "pp_1f1b")])
+def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, tmp_path):
+    full = run_train(nproc, [*TINY, f"parallel={preset}", *SAVE], tmp_path / "full")
+    assert_ok(full)
+    meta = json.loads((full.run_dir / "checkpoints" / "step_000003" / "meta.json").read_text())
+    assert meta["next_step"] == 3 and meta["optimizer_step"] == 3 and meta["data"]["seed"] == 1234
+    assert (full.run_dir / "checkpoints" / "latest").read_text().strip() == "step_000006"
+    resumed = run_train(nproc, [*TINY, f"parallel={preset}", f"train.resume={full.run_dir}/checkpoints/step_000003"], tmp_path / "resumed")
+    _check_continues(resumed, full, rtol=1e-6)
+
+
+def test_tp_checkpoint_resumes_under_tp_and_pp(tp_run, tmp_path):
+    ckpt = f"train.resume={tp_run.run_dir}/checkpoints/step_000003"
+    _check_continues(run_train(2, [*TINY, "parallel=tp", ckpt], tmp_path / "tp"), tp_run, rtol=1e-6)
+    # Another layout sums in another order: the project's cross-layout tolerance (1e-5).
+    _check_continues(run_train(2, [*TINY, "parallel=pp_gpipe", ckpt], tmp_path / "pp"), tp_run, rtol=1e-5)
+
+
+def test_kill_during_save_keeps_the_last_checkpoint(single_run, tmp_path):
+    """SIGKILL while step 4's checkpoint is on disk but not yet published: step 2's stays the
+    latest, and resuming from the checkpoints directory continues from it exactly, in one process
+    and under tp 2."""
+    killed = run_train(1, [*TINY, "parallel=single", "train.checkpoint_every=2",
+                           "train.fail_mode=kill_during_save", "train.fail_at_step=4"], tmp_path / "killed")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    root = killed.run_dir / "checkpoints"
+    names = sorted(p.name for p in root.iterdir())
+    assert names[:2] == ["latest", "step_000002"] and names[2].startswith("step_000004.tmp-") and len(names) == 3, names
+    assert (root / "latest").read_text().strip() == "step_000002"
+    # Steps 0..3 ran and match the reference run.
+    assert max_rel_diff([m["loss"] for m in killed.metrics()], single_run.summary["losses"][:4]) < 1e-6
+    resumed = run_train(1, [*TINY, "parallel=single", f"train.resume={root}"], tmp_path / "resumed")
+    summary = assert_ok(resumed)
+    assert summary["first_step"] == 2
+    assert max_rel_diff(summary["losses"], single_run.summary["losses"][2:]) < 1e-6
+    # The reverse layout change: a single-process checkpoint resumed under tp 2.
+    on_tp = assert_ok(run_train(2, [*TINY, "parallel=tp", f"train.resume={root}"], tmp_path / "on_tp"))
+    assert on_tp["first_step"] == 2
+    assert max_rel_diff(on_tp["losses"], single_run.summary["losses"][2:]) < 1e-5
+
+
+def test_sharded_checkpoint_resumes_on_a_3d_mesh(single_run, tmp_path):
+    """A ZeRO-3 checkpoint (each rank holds 1/N of the parameters and of Adam's moments, gathered
+    whole for saving) resumes under dp 1 x tp 2 x pp 2, which cuts the same state another way."""
+    zero3 = run_train(2, [*TINY, "parallel=zero3", *SAVE], tmp_path / "zero3")
+    assert max_rel_diff(assert_ok(zero3)["losses"], single_run.summary["losses"]) < 1e-5
+    resumed = run_train(4, [*TINY, "parallel=pp_1f1b", "parallel.tp=2", "parallel.microbatches=2",
+                            f"train.resume={zero3.run_dir}/checkpoints/step_000003"], tmp_path / "mesh3d")
+    summary = assert_ok(resumed)
+    assert summary["strategy"] == "3d" and summary["first_step"] == 3
+    assert max_rel_diff(summary["losses"], single_run.summary["losses"][3:]) < 1e-5

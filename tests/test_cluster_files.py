@@ -1,0 +1,126 @@
+"""The Slurm script, the Docker files and the compose file, checked as far as this machine allows.
+
+Neither Slurm nor a Docker engine runs here. What is checked: the sbatch script is valid bash,
+its #SBATCH lines are where Slurm reads them, and run with stand-ins for `scontrol` and `srun`
+(which only report what they were given) it starts exactly the torchrun command line that
+tests/test_multinode.py runs for real; the compose file starts the same command line, with its
+layout accepted by the run plan; the Dockerfiles copy files that exist, the CPU image pins the
+torch that launch/setup.sh installs, and the CUDA image keeps its own torch.
+"""
+
+import re
+import shlex
+import subprocess
+import sys
+
+import yaml
+from hydra import compose, initialize_config_dir
+
+from launcher import PROJECT_ROOT, multinode_command
+from parallel.distributed import LaunchEnv
+from parallel.plan import build_plan
+
+SBATCH = PROJECT_ROOT / "launch" / "slurm" / "train.sbatch"
+DOCKER = PROJECT_ROOT / "docker"
+
+
+def test_sbatch_is_valid_bash_with_directives_before_the_first_command():
+    subprocess.run(["bash", "-n", str(SBATCH)], check=True)
+    lines = [line.strip() for line in SBATCH.read_text().splitlines()]
+    first_command = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+    # Slurm stops reading #SBATCH lines at the first command.
+    assert directives and max(directives) < first_command
+    assert "#SBATCH --ntasks-per-node=1" in lines  # one torchrun agent per node
+
+
+def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[01-02]" ] && printf "gpu01\\ngpu02\\n"\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$SRUN_ARGS"\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    args_file = tmp_path / "srun_args"
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(args_file), "PYTHON": sys.executable,
+        "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
+        "SLURM_GPUS_ON_NODE": "2", "SLURM_SUBMIT_DIR": str(PROJECT_ROOT),
+    }
+    overrides = ["parallel=tp", "model=tiny", "train.steps=6"]
+    done = subprocess.run(["bash", str(SBATCH), *overrides], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+    args = args_file.read_text().splitlines()
+    split = args.index(sys.executable)
+    assert args[:split] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    endpoint = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=", 1)[1]
+    host, port = endpoint.rsplit(":", 1)
+    assert host == "gpu01" and 1024 <= int(port) <= 65535
+    assert args[split:] == multinode_command(2, 2, endpoint, "4242", overrides, python=sys.executable)
+
+
+def _compose():
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def test_compose_runs_the_multinode_command_between_two_containers():
+    services = _compose()["services"]
+    assert sorted(services) == ["node0", "node1"]
+    commands = [services[name]["command"] for name in ("node0", "node1")]
+    assert commands[0] == commands[1], "every node runs the same torchrun command"
+    cmd = commands[0]
+    overrides = cmd[cmd.index("launch.train") + 1:]
+    assert cmd == multinode_command(2, 2, "node0:29400", "compose-job", overrides, python="python")
+    # The rendezvous host is a service whose own host name it is (so its agent serves the store).
+    assert services["node0"]["hostname"] == "node0"
+    for name, service in services.items():
+        # As in the loopback test (GLOO_SOCKET_IFNAME=lo), gloo is told its interface.
+        assert service["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert (PROJECT_ROOT / service["build"]["dockerfile"]).name == "Dockerfile.cpu"
+    # The job's layout is one the plan accepts at world 4 on 2 processes per node, with each
+    # tensor-parallel group inside one container.
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    plan = build_plan(cfg, LaunchEnv(rank=0, world_size=4, local_rank=0, local_world_size=2), cuda_available=False)
+    assert plan.dims.node_layout_warning(2) is None
+
+
+def _instructions(dockerfile: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined."""
+    text = (DOCKER / dockerfile).read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def _check_copies_exist(instructions):
+    ignored = {line.strip() for line in (PROJECT_ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    for op, args in instructions:
+        if op == "COPY":
+            *sources, _dest = shlex.split(args)
+            for source in sources:
+                assert (PROJECT_ROOT / source).exists(), f"COPY {source}: not in the build context"
+                assert source.rstrip("/") not in ignored, f"COPY {source}: excluded by .dockerignore"
+
+
+def test_cpu_image_pins_the_torch_of_setup_sh():
+    instructions = _instructions("Dockerfile.cpu")
+    assert instructions[0] == ("FROM", "python:3.11-slim")
+    args = dict(a.split("=", 1) for op, a in instructions if op == "ARG")
+    setup_pin = re.search(r"spec=\$\{TORCH_SPEC:-torch==([\d.]+)\}", (PROJECT_ROOT / "launch" / "setup.sh").read_text())
+    assert setup_pin and args["TORCH_VERSION"] == setup_pin.group(1)
+    runs = [a for op, a in instructions if op == "RUN"]
+    assert any("--index-url https://download.pytorch.org/whl/cpu" in r and '"torch==${TORCH_VERSION}"' in r for r in runs)
+    assert ("CMD", '["python", "-m", "launch.compare"]') in instructions
+    _check_copies_exist(instructions)
+
+
+def test_cuda_image_keeps_the_torch_of_its_pytorch_base():
+    instructions = _instructions("Dockerfile.cuda")
+    base = dict(a.split("=", 1) for op, a in instructions if op == "ARG")["BASE"]
+    assert re.fullmatch(r"pytorch/pytorch:[\d.]+-cuda[\d.]+-cudnn\d+-runtime", base)
+    assert ("FROM", "${BASE}") in instructions
+    runs = " ".join(a for op, a in instructions if op == "RUN")
+    assert "pip install torch" not in runs and "-c /tmp/torch-constraint.txt" in runs
+    _check_copies_exist(instructions)
