@@ -28,7 +28,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from .comm import CommLog, Communicator
 from .data import Batch
 from .native_count import FunctionalCollectiveCounter
-from .strategy import Strategy
+from .strategy import Strategy, storage_bytes
 
 
 def torch_tp_plan(n_layers: int, vocab: str = "parallel", shared_qkv: bool = False) -> dict:
@@ -109,6 +109,14 @@ class TorchTP(Strategy):
         self.dp_comm.all_reduce(flat, tag="grads/flat")
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)
+
+    def memory_report(self) -> dict:
+        """As the base class's, on the local shards (a DTensor has no storage of its own)."""
+        params = storage_bytes(_local(p) for p in self.model.parameters())
+        grads = storage_bytes(_local(p.grad) for p in self.model.parameters() if p.grad is not None)
+        state = storage_bytes(_local(t) for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state,
+                "peak_model_state_bytes": params + grads + state}
 
     def full_parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())  # a DTensor's numel is the full tensor's
