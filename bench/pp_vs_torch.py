@@ -9,9 +9,10 @@ the same seed, with the same stage split (`split_model`: rank r holds virtual st
 and the same m microbatches of the same global batches:
 
     ours_<schedule>    parallel.pp.executor.PipelineParallel (the project's action lists)
-    torch_<schedule>   torch.distributed.pipelining: one PipelineStage per chunk of this rank
-                       (stage_index = the chunk's virtual stage, num_stages = p*v, the pp group),
-                       driven by ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B
+    torch_<schedule>   parallel/native_pp.py's TorchPipeline (as train.py builds parallel=torch_pp_*):
+                       one PipelineStage per chunk of this rank (stage_index = the chunk's virtual
+                       stage, num_stages = p*v, the pp group), driven by ScheduleGPipe /
+                       Schedule1F1B / ScheduleInterleaved1F1B, its sends counted by native_count.py
 
 with schedule in gpipe, 1f1b, interleaved_1f1b (v virtual stages per rank, default 2). Both end a
 step with the project's AdamW (`make_optimizer`) over the rank's chunks.
@@ -38,21 +39,17 @@ import statistics
 import sys
 
 import torch
-import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from parallel.data import GlobalBatches, local_microbatches
 from parallel.distributed import LaunchEnv
-from parallel.model import GPT, token_loss_sum
+from parallel.model import GPT
+from parallel.native_pp import SCHEDULES as ALL_SCHEDULES
+from parallel.native_pp import TorchPipeline
 from parallel.pp.executor import PipelineParallel
 from parallel.pp.schedules import ScheduleError, build_schedule
-from parallel.pp.split import split_model
-from parallel.strategy import make_optimizer
 
 from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
-ALL_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 LOSS_STEPS = 3  # the first steps whose losses are compared
 
 
@@ -69,43 +66,6 @@ def main() -> None:
                     f"got strategy {plan.strategy}, dp {plan.dims.dp}: launch it with torchrun and >= 2 processes")
     run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"]),
                                                              schedules, int(opts["virtual"])))
-
-
-class TorchPipeline:
-    """torch.distributed.pipelining over the same chunks, with the project's loss and optimizer."""
-
-    def __init__(self, model: GPT, schedule: str, pp_comm, microbatches: int, virtual: int, pp_layers,
-                 lr: float, weight_decay: float, device: torch.device):
-        p, rank = pp_comm.size, pp_comm.rank
-        self.chunks = split_model(model, p, virtual, rank, pp_layers)
-        self.optimizer = make_optimizer(nn.ModuleList(self.chunks), lr, weight_decay)
-        self.stages = [PipelineStage(chunk, chunk.vstage, p * virtual, device, group=pp_comm.group)
-                       for chunk in self.chunks]
-        self.is_first = any(s.is_first for s in self.stages)
-        self.is_last = any(s.is_last for s in self.stages)
-        self.global_tokens = 0  # set each step, read by the loss function
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            return token_loss_sum(logits, targets) / self.global_tokens
-
-        # scale_grads=False: the loss is already divided by the global token count (see the docstring).
-        cls = TORCH_SCHEDULES[schedule]
-        if schedule == "interleaved_1f1b":
-            self.schedule = cls(self.stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-        else:
-            self.schedule = cls(self.stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, global_tokens: int) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_tokens = global_tokens
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
-        self.optimizer.step()
-        if losses:
-            return torch.stack([loss.detach() for loss in losses]).sum()
-        return torch.zeros((), device=inputs.device)
 
 
 def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtual: int) -> None:
@@ -128,7 +88,7 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
         try:
             variants[f"torch_{schedule}"] = TorchPipeline(
                 GPT(plan.model, seed=plan.seed).to(ctx.device), schedule, pp_comm, m, v, layers,
-                plan.lr, plan.weight_decay, ctx.device,
+                plan.lr, plan.weight_decay, ctx.device, ctx.log,
             )
         except Exception as e:  # construction is deterministic: every rank fails alike, nobody hangs
             skipped[f"torch_{schedule}"] = f"{type(e).__name__}: {e}"
@@ -146,11 +106,7 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
                 glob = batches(counter[name])
                 counter[name] += 1
                 mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, m)]
-                inputs, targets = glob.inputs.to(ctx.device), glob.targets.to(ctx.device)
-                if name.startswith("ours_"):
-                    seconds, local, _ = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
-                else:
-                    seconds, local, _ = timed_step(ctx, lambda: strategy.train_step(inputs, targets, glob.n_tokens))
+                seconds, local, _ = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
                 # Outside the timed region: the loss lives on the last stage only; sum it over pp.
                 # Also the global gradient norm the optimizer used (Adam would hide a 1/m scaling
                 # of the gradients from the losses; the norm shows it).
@@ -162,9 +118,8 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
                     norms[name].append(float(pair[1]) ** 0.5)
                     if r > 0:
                         times[name].append(seconds)
-    for name, strategy in variants.items():
-        if name.startswith("ours_"):
-            strategy.close()
+    for strategy in variants.values():
+        strategy.close()
     if ctx.is_rank0:
         report(plan, schedules, virtual, times, losses, norms, skipped, rounds, steps)
 

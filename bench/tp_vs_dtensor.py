@@ -4,17 +4,18 @@
     torchrun --standalone --nproc-per-node 4 bench/tp_vs_dtensor.py rounds=3        # tp 4
     torchrun --standalone --nproc-per-node 2 bench/tp_vs_dtensor.py model=tiny vocab=replicated
 
-Both variants live in the same processes and take turns (round-robin with a rotating start,
+All variants live in the same processes and take turns (round-robin with a rotating start,
 `steps` steps each per round), so machine noise and drift fall on both alike. Each variant's step
 time is the median over its timed steps of the slowest rank; the printed ratio compares medians
 measured in this one run. Variants:
 
     tp         parallel/tp_strategy.py's TensorParallel, built as parallel/train.py builds it
                (communication log on, the project default)
-    torch_tp   GPT(cfg, seed), then torch.distributed.tensor.parallel.parallelize_module on the
-               tp sub-mesh: ColwiseParallel for each block's attn.q/k/v and mlp.fc, RowwiseParallel
-               for attn.proj and mlp.proj; loss = token_loss_sum(full logits) / global tokens;
-               optimizer = parallel.strategy.make_optimizer on the DTensor parameters
+    torch_tp   parallel/native_tp.py's TorchTP, as train.py builds parallel=torch_tp: GPT(cfg,
+               seed), then parallelize_module on the tp sub-mesh (ColwiseParallel for each block's
+               attn.q/k/v and mlp.fc, RowwiseParallel for attn.proj and mlp.proj); the project's
+               loss and optimizer; its collectives counted by native_count.py
+    torch_tp_uncounted  the same without the counter: the cost of counting
 
 The vocabulary (option vocab=...):
 
@@ -34,10 +35,9 @@ all-reduces instead of gathering the logits).
 Scope: dp = 1 only (tp = world size, set by default), no sequence parallelism, no pipeline.
 
 Correctness check: before timing, each variant runs steps 0, 1, 2 on the same global batches from
-the same seed; their losses are printed side by side and must agree to ~1e-5 relative. One of
-those steps (step 2) is also run under a dispatcher mode that counts every collective (c10d and
-functional), so the collectives each variant issues per step are printed next to each other (for
-tp, also as its communication log recorded them).
+the same seed; their losses are printed side by side and must agree to ~1e-5 relative. The
+collectives each variant issued in step 2 (tp: its communication log; torch_tp: the counter around
+DTensor's functional collectives, parallel/native_count.py) are printed next to each other.
 
 Options are Hydra-style key=value overrides of the training config (model=..., train.global_batch=...,
 parallel.microbatches=...), plus rounds=N, steps=N, vocab=parallel|replicated and shared_qkv=true|false
@@ -48,26 +48,21 @@ from __future__ import annotations
 
 import statistics
 import sys
-from collections import Counter
 
-import torch
-import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from parallel.comm import calls_by_tag_op
+from parallel.comm import summarize_traffic
 from parallel.data import GlobalBatches, local_microbatches
 from parallel.dims import LayoutError
 from parallel.distributed import LaunchEnv
 from parallel.model import GPT
+from parallel.native_tp import TorchTP
 from parallel.plan import ConfigError
-from parallel.strategy import Strategy, make_optimizer
+from parallel.strategy import make_optimizer
 from parallel.tp_strategy import TensorParallel
 
 from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 CHECK_STEPS = 3  # steps 0..2 run by every variant on the same data, for the loss check
-COUNT_STEP = 2  # the check step that is also run under CommDebugMode
+COUNT_STEP = 2  # the check step whose collectives are printed
 VOCAB_MODES = ("parallel", "replicated")
 
 
@@ -90,82 +85,6 @@ def main() -> None:
                                                              vocab, shared_qkv))
 
 
-# -- the DTensor variant ----------------------------------------------------------------------------
-def torch_tp_plan(n_layers: int, vocab: str, shared_qkv: bool = False) -> dict:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
-
-    plan = {}
-    for i in range(n_layers):
-        if shared_qkv:
-            # Make attention's input a Replicate DTensor once: q, k and v then share it, their input
-            # gradients add up as Partial and are all-reduced once (Megatron's f), not three times.
-            plan[f"blocks.{i}.attn"] = PrepareModuleInput(input_layouts=(Replicate(),),
-                                                          desired_input_layouts=(Replicate(),), use_local_output=False)
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
-            plan[f"blocks.{i}.{name}"] = ColwiseParallel()
-        for name in ("attn.proj", "mlp.proj"):
-            plan[f"blocks.{i}.{name}"] = RowwiseParallel()
-    if vocab == "parallel":
-        # torchtitan's plan for a Llama's tok_embeddings and output, minus loss_parallel (the loss
-        # here is the plain cross-entropy on full logits).
-        plan["embed.tok"] = RowwiseParallel(input_layouts=Replicate())
-        plan["head.out"] = ColwiseParallel(output_layouts=Replicate())
-    return plan
-
-
-class TorchTP(Strategy):
-    """The base Strategy's step (forward, token_loss_sum / global tokens, backward, optimizer) on
-    a DTensor-parallelized GPT. dp = 1, so there is no gradient sync and the loss needs no reduce."""
-
-    name = "torch_tp"
-
-    def __init__(self, model: nn.Module, tp_mesh, vocab: str, lr: float, weight_decay: float, shared_qkv: bool = False):
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab, shared_qkv))
-        super().__init__(model, make_optimizer(model, lr, weight_decay), loss_comm=None)
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts the collectives issued on plain tensors (c10d and functional collectives), by op,
-    with their payload bytes. Ops on DTensor are let through first (NotImplemented), so DTensor
-    desugars them into local ops and collectives, which come back here: the same trick as
-    torch's CommDebugMode, whose module tracker fails on this model (IndexError in
-    _fw_set_module_hook, torch 2.13)."""
-
-    NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d", "_c10d_functional_autograd")
-
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter = Counter()
-        self.payload: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
-            return NotImplemented
-        name = func._opname.rstrip("_")
-        if func.namespace in self.NAMESPACES and not any(w in name for w in ("wait", "wrap")):
-            self.calls[name] += 1
-            tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            if tensors:
-                # The project's payload convention: the full tensor (an all-gather's output).
-                group = args[1] if "all_gather" in name and len(args) > 1 and isinstance(args[1], int) else 1
-                self.payload[name] += tensors[0].numel() * tensors[0].element_size() * group
-        return func(*args, **kwargs)
-
-
-def counted_step(strategy: Strategy, mbs, global_tokens: int):
-    """One step under CountCollectives: every collective of forward, backward and optimizer."""
-    mode = CountCollectives()
-    with mode:
-        loss = strategy.train_step(mbs, global_tokens)
-    return loss, mode
-
-
 # -- the benchmark ------------------------------------------------------------------------------------
 def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool) -> None:
     def fresh_model():
@@ -174,16 +93,18 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
     def optimizer_for(m):
         return make_optimizer(m, plan.lr, plan.weight_decay)
 
-    m1, m2 = fresh_model(), fresh_model()
+    m1, m2, m3 = fresh_model(), fresh_model(), fresh_model()
+    tp_comm, dp_comm = ctx.comm("tp"), ctx.comm("dp")
     variants = {
-        # As parallel/train.py's build_strategy builds parallel=tp.
-        "tp": TensorParallel(m1, optimizer_for, ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
-                             plan.grad_sync, plan.bucket_mb),
-        "torch_tp": TorchTP(m2, ctx.mesh["tp"], vocab, plan.lr, plan.weight_decay),
+        # As parallel/train.py's build_strategy builds parallel=tp and parallel=torch_tp.
+        "tp": TensorParallel(m1, optimizer_for, tp_comm, dp_comm, plan.sequence_parallel, plan.grad_sync, plan.bucket_mb),
+        "torch_tp": TorchTP(m2, optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, ctx.log, vocab),
+        # The same without the counter: what counting DTensor's collectives costs.
+        "torch_tp_uncounted": TorchTP(m3, optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, None, vocab),
     }
     if shared_qkv:
-        m3 = fresh_model()
-        variants["torch_tp_sq"] = TorchTP(m3, ctx.mesh["tp"], vocab, plan.lr, plan.weight_decay, shared_qkv=True)
+        variants["torch_tp_sq"] = TorchTP(fresh_model(), optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, ctx.log, vocab,
+                                          shared_qkv=True)
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
 
     def microbatches(step):
@@ -192,20 +113,15 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
 
     # Correctness first: the same steps 0..2, same data, from the same seed, for every variant.
     check_losses: dict[str, list[float]] = {name: [] for name in variants}
-    collectives: dict[str, CountCollectives] = {}
-    logged_tp: Counter = Counter()
+    collectives: dict[str, dict] = {}  # variant -> op -> Totals of one step, this rank
     for name, strategy in variants.items():
         for step in range(CHECK_STEPS):
             glob, mbs = microbatches(step)
             ctx.log.begin_step()
-            if step == COUNT_STEP:
-                local_loss, collectives[name] = counted_step(strategy, mbs, glob.n_tokens)
-            else:
-                local_loss = strategy.train_step(mbs, glob.n_tokens)
+            local_loss = strategy.train_step(mbs, glob.n_tokens)
             traffic = ctx.log.end_step()
-            if name == "tp" and step == COUNT_STEP:
-                for ops in calls_by_tag_op(traffic).values():
-                    logged_tp.update(ops)
+            if step == COUNT_STEP and name != "torch_tp_uncounted":
+                collectives[name] = summarize_traffic(traffic)["by_op"]
             check_losses[name].append(strategy.global_loss(local_loss))
 
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -223,10 +139,10 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
     for strategy in variants.values():
         strategy.close()
     if ctx.is_rank0:
-        report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_tp)
+        report(plan, times, rounds, steps, vocab, check_losses, collectives)
 
 
-def report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_tp) -> None:
+def report(plan, times, rounds, steps, vocab, check_losses, collectives) -> None:
     med = {name: statistics.median(t) for name, t in times.items()}
     tokens = plan.tokens_per_step
     print(f"\nmodel d_model={plan.model.d_model} layers={plan.model.n_layers} heads={plan.model.n_heads} "
@@ -237,6 +153,8 @@ def report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_
     for name, seconds in med.items():
         print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f}")
     print(f"\ntp / torch_tp tokens/s ratio: {med['torch_tp'] / med['tp']:.3f}  (>1: hand-written tp is faster)")
+    print(f"counting DTensor's collectives: {100 * (med['torch_tp'] / med['torch_tp_uncounted'] - 1):+.1f}% "
+          "torch_tp step time (an A/B of medians: within the noise of this machine if small)")
     if "torch_tp_sq" in med:
         print(f"tp / torch_tp_sq tokens/s ratio: {med['torch_tp_sq'] / med['tp']:.3f}")
 
@@ -252,11 +170,11 @@ def report(plan, times, rounds, steps, vocab, check_losses, collectives, logged_
     print(f"largest relative difference {worst:.2e}: {'OK (<= 1e-5)' if worst <= 1e-5 else 'MISMATCH (> 1e-5)'}")
 
     print(f"\ncollectives per rank in one step ({plan.microbatches} microbatch(es); forward, backward, optimizer; "
-          "counted at the dispatcher):")
-    for name, mode in collectives.items():
-        detail = ", ".join(f"{n} {op} ({mode.payload[op] / 1e6:.2f} MB)" for op, n in sorted(mode.calls.items()))
-        print(f"  {name:<12} {sum(mode.calls.values()):4d} calls, {sum(mode.payload.values()) / 1e6:7.2f} MB payload: {detail}")
-    print(f"  (tp's communication log for the same step: {', '.join(f'{n} {op}' for op, n in sorted(logged_tp.items()))})")
+          "tp: its communication log; torch_tp: parallel/native_count.py's counter):")
+    for name, by_op in collectives.items():
+        detail = ", ".join(f"{t.calls} {op} ({t.payload_bytes / 1e6:.2f} MB)" for op, t in sorted(by_op.items()))
+        calls, payload = sum(t.calls for t in by_op.values()), sum(t.payload_bytes for t in by_op.values())
+        print(f"  {name:<12} {calls:4d} calls, {payload / 1e6:7.2f} MB payload: {detail}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ summary.json (written by global rank 0):
                       collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
   expected_comm       parallel/theory.py's closed form in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
+  mfu                 model FLOPs utilisation (parallel/mfu.py): flops_per_token, peak_flops
+                      (per device, measured or train.peak_flops), devices, mfu
+  exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
   memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
                       `formula` (theory.model_state_bytes, ZeRO paper) and `matches_formula`
@@ -166,7 +169,7 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     memory = [r["peak_memory_bytes"] for r in rank_reports]
     zero = plan.zero  # the ZeRO stage of a 3d layout's dp dimension (0: plain)
     hand_written_dp = plan.strategy == "dp" or (plan.strategy in ("tp", "3d") and plan.dims.dp > 1 and not zero)
-    pipelined = plan.strategy in ("pp", "3d")
+    pipelined = plan.strategy in ("pp", "3d", "torch_pp")
     return {
         "schema_version": SCHEMA_VERSION,
         "config": config,
@@ -178,7 +181,7 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "microbatch_size": plan.microbatch_size,
             "sequence_parallel": plan.sequence_parallel,
             "grad_sync": plan.grad_sync if hand_written_dp else None,
-            "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy == "torch_ddp" else None,
+            "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy in ("torch_ddp", "accelerate_ddp") else None,
             "schedule": plan.schedule if pipelined else None,
             "virtual_stages": plan.virtual_stages if pipelined else None,
             "backend": plan.backend,

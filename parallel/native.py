@@ -36,6 +36,8 @@ def _counted_allreduce_hook(comm: Communicator):
 
 class TorchDDP(Strategy):
     name = "torch_ddp"
+    # DDP waits on the hook's futures inside its own backward: the log cannot time that wait.
+    exposed_comm_measured = False
 
     def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float):
         ddp = DDP(
@@ -62,6 +64,64 @@ class TorchDDP(Strategy):
 
     def full_grads(self) -> dict:
         return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.module.named_parameters()},
+                "tp_replica_max_diff": {}}
+
+
+class AccelerateDDP(Strategy):
+    """Hugging Face accelerate's `Accelerator` under torchrun: what most training scripts use.
+
+    `Accelerator` reads the torchrun environment, finds the process group already initialised
+    (parallel/distributed.py made it) and `prepare` wraps the model in DDP, the optimizer in its
+    AcceleratedOptimizer. Our comm hook is registered on that DDP so every bucket is counted, and
+    gradients are summed as in TorchDDP (each microbatch loss is already divided by the global
+    token count). Accumulation uses `accelerator.no_sync`, the backward `accelerator.backward`.
+
+    Unlike TorchDDP, accelerate keeps DDP's initial parameter broadcast (init_sync): it runs once
+    in `prepare`, before the first step, so it is outside every step's traffic (and moves nothing
+    new: every rank built the same model from the same seed).
+    """
+
+    name = "accelerate_ddp"
+    exposed_comm_measured = False  # as TorchDDP: the waits happen inside DDP
+
+    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float, device: torch.device):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        self.accelerator = Accelerator(
+            cpu=device.type == "cpu",
+            kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=bucket_mb)],
+        )
+        optimizer = optimizer_factory(model)
+        ddp, optimizer = self.accelerator.prepare(model, optimizer)
+        if not isinstance(ddp, DDP):
+            raise RuntimeError(f"accelerate did not wrap the model in DDP (got {type(ddp).__name__}): "
+                               "launch accelerate_ddp under torchrun with at least 2 processes")
+        ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
+        super().__init__(ddp, optimizer, loss_comm=dp_comm)
+
+    def backward_context(self, last_microbatch: bool):
+        return contextlib.nullcontext() if last_microbatch else self.accelerator.no_sync(self.model)
+
+    def train_step(self, microbatches, global_tokens: int) -> torch.Tensor:
+        self.zero_grad()
+        local_loss = torch.zeros((), device=microbatches[0].inputs.device)
+        for i, mb in enumerate(microbatches):
+            with self.backward_context(last_microbatch=i == len(microbatches) - 1):
+                with self.forward_context():
+                    loss = self.forward_loss(mb, global_tokens)
+                self.accelerator.backward(loss)
+            local_loss += loss.detach()
+        self.guard_finite(local_loss)
+        self.optimizer.step()
+        return local_loss
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.accelerator.unwrap_model(self.model).state_dict().items()}
+
+    def full_grads(self) -> dict:
+        module = self.accelerator.unwrap_model(self.model)
+        return {"grads": {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()},
                 "tp_replica_max_diff": {}}
 
 

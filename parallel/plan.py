@@ -20,7 +20,8 @@ from .pp.schedules import ScheduleError, build_schedule
 from .pp.split import SplitError, layer_counts
 
 # Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d", "zero1", "zero2", "zero3", "torch_fsdp2")
+STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d", "zero1", "zero2", "zero3", "torch_fsdp2",
+              "torch_tp", "torch_pp", "accelerate_ddp")
 # Sharded data parallelism: pure dp layouts, at least two ranks to shard over.
 SHARDED = ("zero1", "zero2", "zero3", "torch_fsdp2")
 GRAD_SYNCS = ("bucketed", "naive")
@@ -60,6 +61,7 @@ class RunPlan:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_layers: tuple[int, ...] | None = None
+    peak_flops: float | None = None  # per device, for MFU; None: measured by a matmul at the end of the run
     precision: str = "fp32"
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
@@ -110,11 +112,24 @@ def _check_strategy(strategy: str, dims: ParallelDims) -> None:
             f"parallel=single runs one process but the world size is {dims.world_size}: "
             f"run `python -m launch.train parallel=single`, or use parallel=dp under torchrun"
         )
-    if strategy == "torch_ddp" and dims.world_size < 2:
+    if strategy in ("torch_ddp", "accelerate_ddp", "torch_tp", "torch_pp") and dims.world_size < 2:
         raise LayoutError(
-            "parallel=torch_ddp needs at least 2 processes, got world size 1: "
+            f"parallel={strategy} needs at least 2 processes, got world size 1: "
             "launch it with torchrun --nproc-per-node 2 (or more)"
         )
+    if strategy == "torch_pp":
+        if dims.tp != 1 or dims.dp != 1:
+            raise LayoutError(
+                f"parallel=torch_pp runs one torch.distributed.pipelining pipeline over the whole world, but "
+                f"parallel.dp={dims.dp} and parallel.tp={dims.tp}: set parallel.dp=1 parallel.tp=1"
+            )
+        return
+    if strategy == "torch_tp":
+        if dims.pp != 1:
+            raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
+        if dims.tp < 2:
+            raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
+        return
     if strategy in SHARDED and dims.world_size < 2:
         raise LayoutError(
             f"parallel={strategy} shards the model state over data-parallel ranks and needs at least 2 processes, "
@@ -322,10 +337,10 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy} with parallel.tp={dims.tp}: "
             "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
-    if strategy in ("tp", "3d"):
+    if strategy in ("tp", "3d", "torch_tp"):
         dims.check_tensor_parallel(model, sequence_parallel)
     dims.check_batch(t.global_batch, p.microbatches)
-    if strategy in ("pp", "3d"):
+    if strategy in ("pp", "3d", "torch_pp"):
         _check_pipeline(model, dims, p)
     if strategy == "3d":
         if zero:
@@ -366,6 +381,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         schedule=p.schedule,
         virtual_stages=p.virtual_stages,
         pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
+        peak_flops=_peak_flops(t.get("peak_flops")),
         precision=t.precision,
         device_type=choose_device_type(p.backend, backend, cuda_available),
         zero=zero if strategy == "3d" else 0,  # on a pure dp layout the stage is in the strategy's name
@@ -378,3 +394,11 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         fail_at_step=t.fail_at_step,
         fail_rank=t.fail_rank,
     )
+
+
+def _peak_flops(value) -> float | None:
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"train.peak_flops={value!r} must be a positive number of FLOP/s per device, or null to measure it")
+    return float(value)

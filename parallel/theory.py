@@ -178,6 +178,41 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
     return _figure(totals, ranks, extra)
 
 
+def _torch_tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, B: int) -> dict:
+    """PyTorch DTensor tensor parallelism with native_tp.py's plan (not Megatron's count).
+
+    Per microbatch, with A = b·s·h·B the bytes of one activation:
+
+      embedding   forward: the vocabulary-sharded lookups summed (RowwiseParallel)       1 all-reduce
+      each layer  forward: attention and MLP outputs summed (RowwiseParallel)            2 all-reduces
+                  backward: the input gradients of q, k, v and fc, each a ColwiseParallel
+                  whose Replicate input gets its own Partial gradient                      4 all-reduces
+      head        forward: the full logits all-gathered (output_layouts=Replicate())      b·s·V·B
+                  backward: its input gradient summed                                     1 all-reduce
+
+    so (6L + 2)·A all-reduced over tp against Megatron's (4L + 2)·A, and b·s·V·B gathered where
+    Megatron's vocab-parallel loss all-reduces 3·b·s fp32 values. With dp > 1 the local shards
+    (Ψ_t, the same as Megatron's) are summed over dp.
+    """
+    t, d = dims.tp, dims.dp
+    activation = b * cfg.seq_len * cfg.d_model * B
+    reduced = (6 * cfg.n_layers + 2) * m * activation
+    logits = m * b * cfg.seq_len * cfg.padded_vocab_size * B
+    dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
+    tp_sent = all_reduce_sent_per_rank(t, reduced) + gather_or_scatter_sent_per_rank(t, logits)
+    dp_sent = all_reduce_sent_per_rank(d, dp_grads)
+    ranks = dims.world_size
+    by_op = {
+        "all_reduce": (reduced + dp_grads, all_reduce_sent_per_rank(t, reduced) + dp_sent),
+        "all_gather": (logits, gather_or_scatter_sent_per_rank(t, logits)),
+    }
+    totals = {op: (payload * ranks, sent * ranks) for op, (payload, sent) in by_op.items()}
+    extra = {"by_group": {g: {"sent_bytes": float(v * ranks), "sent_bytes_exact": str(v * ranks)}
+                          for g, v in (("tp", tp_sent), ("dp", dp_sent)) if v},
+             "activation_bytes": activation}
+    return _figure(totals, ranks, extra)
+
+
 def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> int:
     """The parameters one rank of a pipeline stage holds, its blocks cut over t tp ranks: `layers`
     blocks as in `tp_shard_parameter_count`, plus the token rows and positions on the first stage
@@ -380,11 +415,11 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
     psi = parameter_count(model_cfg)
     if strategy == "single" or dims.world_size == 1:
         return _figure({}, dims.world_size)
-    if strategy in ("dp", "torch_ddp"):
+    if strategy in ("dp", "torch_ddp", "accelerate_ddp"):
         grads = psi * dtype_bytes
         return _figure({"all_reduce": (grads * dims.world_size, all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
                        dims.world_size)
-    if strategy == "pp":
+    if strategy in ("pp", "torch_pp"):  # torch's stages send the same activations and gradients
         b = microbatch_size
         p2p = pipeline_p2p_bytes(model_cfg, b, microbatches, dims.pp, virtual, dtype_bytes) * dims.dp
         totals = {}
@@ -394,6 +429,8 @@ def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, mi
             grads = psi * dtype_bytes  # summed over the stages of one pipeline
             totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
         return _figure(totals, dims.world_size)
+    if strategy == "torch_tp":
+        return _torch_tp_comm(model_cfg, dims, microbatch_size, microbatches, dtype_bytes)
     if strategy == "3d":
         return _mesh3d_comm(model_cfg, dims, microbatch_size, microbatches, virtual, pp_layers, sequence_parallel,
                             dtype_bytes, zero)

@@ -32,7 +32,10 @@ from .metrics import (
 )
 from .mesh3d import Mesh3D
 from .model import GPT, count_parameters
-from .native import TorchDDP, TorchFSDP2
+from .mfu import devices_for_peak, flops_per_token, measure_peak_flops, mfu
+from .native import AccelerateDDP, TorchDDP, TorchFSDP2
+from .native_pp import TorchPipeline
+from .native_tp import TorchTP
 from .plan import ConfigError, RunPlan
 from .precision import ForwardContext
 from .strategy import NonFiniteLoss, SingleProcess, Strategy, make_optimizer
@@ -73,6 +76,13 @@ def build_strategy(plan: RunPlan, ctx: DistContext) -> Strategy:
     if plan.strategy == "tp":
         return TensorParallel(model, optimizer_for, ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
                               plan.grad_sync, plan.bucket_mb)
+    if plan.strategy == "accelerate_ddp":
+        return AccelerateDDP(model, optimizer_for, ctx.comm("dp"), plan.bucket_mb, ctx.device)
+    if plan.strategy == "torch_tp":
+        return TorchTP(model, optimizer_for, ctx.mesh["tp"], ctx.comm("tp"), ctx.comm("dp"), ctx.log)
+    if plan.strategy == "torch_pp":
+        return TorchPipeline(model, plan.schedule, ctx.comm("pp"), plan.microbatches, plan.virtual_stages,
+                             list(plan.pp_layers) if plan.pp_layers else None, plan.lr, plan.weight_decay, ctx.device, ctx.log)
     if plan.strategy == "3d":
         return Mesh3D(
             model, tp_comm=ctx.comm("tp"), pp_comm=ctx.comm("pp"), dp_comm=ctx.comm("dp"),
@@ -254,6 +264,8 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         summary["memory"] = summarize_memory(reports, theory.model_state_bytes(
             plan.strategy, plan.model, plan.dims, zero=plan.zero, virtual=plan.virtual_stages, pp_layers=plan.pp_layers))
         summary["first_step"] = plan.start_step  # losses[i] is step first_step + i (non-zero when resumed)
+        summary["mfu"] = _mfu_block(plan, ctx.device, summary["tokens_per_s"])
+        summary["exposed_comm_measured"] = getattr(strategy, "exposed_comm_measured", True)
         if plan.strategy in ("pp", "3d"):
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
@@ -267,9 +279,20 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     return run_dir
 
 
+def _mfu_block(plan: RunPlan, device: torch.device, tokens_per_s: float) -> dict:
+    """MFU of the run against the peak of its device (measured here, after training, unless given).
+
+    A quarter of a second of matmuls keeps every run cheap; launch.compare measures for longer,
+    once, and passes the figure to each of its runs (train.peak_flops)."""
+    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25)
+    devices = devices_for_peak(device, plan.dims.world_size)
+    return {"mfu": mfu(plan.model, tokens_per_s, peak, devices), "flops_per_token": flops_per_token(plan.model),
+            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "devices": devices}
+
+
 def _local_params_formula(plan: RunPlan) -> int | None:
     """What rank 0 holds, in closed form where theory has one."""
-    if plan.strategy == "pp":
+    if plan.strategy in ("pp", "torch_pp"):
         return None
     if plan.strategy == "3d":
         return theory.mesh3d_local_parameter_count(plan.model, plan.dims, plan.virtual_stages, plan.pp_layers)
@@ -294,6 +317,8 @@ def _log_summary(summary: dict) -> None:
         summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
         summary["peak_memory_bytes"] / 1e6,
     )
+    log.info("MFU %.1f%% (%.3g FLOP/token, peak %.3g FLOP/s x %d device(s))", 100 * summary["mfu"]["mfu"],
+             summary["mfu"]["flops_per_token"], summary["mfu"]["peak_flops"], summary["mfu"]["devices"])
     memory = summary["memory"]
     log.info("model state per rank (params + grads + optimizer, bytes): measured %s | formula %s",
              [r["total_bytes"] for r in memory["by_rank"]],

@@ -89,6 +89,14 @@ def test_plan_dp_under_torchrun():
     (2, ["parallel.sequence_parallel=true"], r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=dp"),
     (1, ["parallel=tp"], r"world size 1 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
     (3, ["parallel=tp"], r"world size 3 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
+    # PyTorch's baselines: refused by name before any process group, as ours are.
+    (1, ["parallel=accelerate_ddp"], r"parallel=accelerate_ddp needs at least 2 processes"),
+    (4, ["parallel=torch_pp_1f1b", "parallel.dp=2"], r"parallel=torch_pp runs one torch.distributed.pipelining pipeline .* parallel.dp=2"),
+    (2, ["parallel=torch_tp", "parallel.tp=1"], r"parallel=torch_tp needs parallel.tp >= 2 \(got 1\)"),
+    (2, ["parallel=torch_tp", "parallel.sequence_parallel=true"], r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=torch_tp"),
+    (3, ["parallel=torch_pp_1f1b", "model=tiny", "train.global_batch=12"],
+     r"model.n_layers=4 does not split evenly into parallel.pp x parallel.virtual_stages = 3 pieces"),
+    (2, ["train.peak_flops=-1"], r"train.peak_flops=-1 must be a positive number"),
 ])
 def test_plan_refuses_bad_config(world, overrides, message):
     with pytest.raises((LayoutError, ConfigError), match=message):

@@ -1,0 +1,242 @@
+"""Every strategy and PyTorch's own, one after another on the same model and data, side by side.
+
+    python -m launch.compare                                             # the whole sweep, world 4, model=small
+    python -m launch.compare compare.world=2 'compare.strategies=[single,dp,tp,pp_1f1b]' model=tiny train.steps=4
+    python -m launch.compare compare.timeout_s=60 'compare.overrides=[parallel.microbatches=4]' '+compare.worlds.tp=2'
+
+Not run under torchrun itself: for each strategy (a preset of conf/parallel/) it starts one
+`python -m torch.distributed.run --standalone` (plain python for `single`) with a timeout, passing
+the model, data and train settings and `run.dir=<sweep dir>/<strategy>`, then reads that run's
+summary.json. A strategy that fails or times out gets a row with its error; the sweep goes on.
+The report (results.csv, results.json, report.md, PNG plots) goes to `run.dir`
+(default runs/<time>-compare-w<world>), and the table to the console.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from parallel.compare import plots
+from parallel.compare.report import console_table, write_csv, write_json, write_markdown
+from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
+from parallel.mfu import measure_peak_flops, usable_cores
+from parallel.plan import model_config
+from parallel.theory import parameter_count
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_command(strategy: str, world: int, overrides: list[str]) -> list[str]:
+    if world == 1:
+        return [sys.executable, "-m", "launch.train", f"parallel={strategy}", *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+            "-m", "launch.train", f"parallel={strategy}", *overrides]
+
+
+def section_overrides(cfg: DictConfig, section: str) -> list[str]:
+    """Every resolved field of a config section as `section.key=value`, so that whatever the user
+    overrode here (model=tiny, model.n_layers=2, train.steps=3) reaches each run unchanged."""
+    values = OmegaConf.to_container(cfg[section], resolve=True)
+    values.pop("peak_flops", None)  # compare passes its own, measured once for the whole sweep
+    return [f"{section}.{k}={json.dumps(v) if isinstance(v, str) else ('null' if v is None else v)}"
+            for k, v in values.items()]
+
+
+# torchrun's own report of a failed worker: never the cause.
+LAUNCHER_NOISE = ("traceback :", "error_file", "ChildFailedError", "elastic", "FAILED", "exitcode", "Root Cause")
+
+
+def error_line(stdout: str, stderr: str) -> str:
+    """The run's own one-line verdict (`error: ...`) if it printed one, else the last line that names
+    an error (an exception's message), else the last line of stderr."""
+    lines = [line.strip() for line in (stderr + "\n" + stdout).splitlines()
+             if line.strip() and not any(n in line for n in LAUNCHER_NOISE)]
+    for line in lines:
+        if line.startswith("error:"):
+            return line[len("error:"):].strip()
+    named = [line for line in lines if "Error" in line or "error" in line]
+    if named:
+        return named[-1]
+    return lines[-1] if lines else "no output"
+
+
+def missing_preset(strategy: str) -> str | None:
+    """A sweep name without a conf/parallel/ preset fails at once, without starting a run."""
+    if (PROJECT_ROOT / "conf" / "parallel" / f"{strategy}.yaml").exists():
+        return None
+    return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children first."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a run that outlived its timeout, and every process it started.
+
+    torchrun, on SIGTERM, stops its workers itself; the workers run in sessions of their own, so a
+    worker stuck past that grace period is then killed by its own pid, as are any left behind.
+    """
+    workers = descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, float]:
+    """Run one strategy; returns (status, error, seconds). Output goes to <run_dir>/console.log.
+
+    The run gets its own session, so that a timeout stops torchrun and everything it started
+    (see `stop`) and nothing is left behind.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        status = "ok" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        stdout, stderr = proc.communicate()
+        status = "timeout"
+    seconds = time.perf_counter() - start
+    (run_dir / "console.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
+    if status == "ok" and not (run_dir / "summary.json").exists():
+        status = "failed"
+        return status, f"exit 0 but no summary.json: {error_line(stdout, stderr)}", seconds
+    if status == "timeout":
+        return status, f"stopped after {timeout_s:g} s (compare.timeout_s)", seconds
+    if status == "failed":
+        return status, f"exit {proc.returncode}: {error_line(stdout, stderr)}", seconds
+    return status, "", seconds
+
+
+def progress(done: int, total: int, text: str, width: int = 24) -> str:
+    filled = round(width * done / total)
+    return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {text}"
+
+
+def load_reference(path: str) -> list[float]:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "summary.json"
+    return json.loads(p.read_text())["losses"]
+
+
+def model_choice() -> str:
+    """The model preset picked on the command line (`small`, `tiny`, ...), for the report's heading."""
+    return HydraConfig.get().runtime.choices.get("model", "?")
+
+
+def default_sweep_dir(world: int) -> Path:
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-w{world}"
+
+
+@hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    c = cfg.compare
+    # Absolute: the runs start in the project root, whatever directory this was started from.
+    sweep_dir = (Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(c.world)).resolve()
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    strategies = list(c.strategies)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
+    common = [*section_overrides(cfg, "model"), *section_overrides(cfg, "data"), *section_overrides(cfg, "train"),
+              f"train.peak_flops={peak}", *c.overrides]
+    command = "python -m launch.compare " + " ".join(sys.argv[1:])
+    print(f"compare: {len(strategies)} strategies -> {sweep_dir} | peak {peak:.3g} FLOP/s per device "
+          f"({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
+
+    reference = load_reference(c.reference) if c.reference else None
+    rows, summaries = [], {}
+    for i, strategy in enumerate(strategies):
+        world = int(c.worlds.get(strategy, c.world))
+        run_dir = sweep_dir / strategy
+        print(progress(i, len(strategies), f"running {strategy} (world {world})"), flush=True)
+        missing = missing_preset(strategy)
+        if missing:
+            status, error, seconds = "failed", missing, 0.0
+        else:
+            status, error, seconds = run_one(run_command(strategy, world, [*common, f"run.dir={run_dir}"]), run_dir, c.timeout_s)
+        if status == "ok":
+            summary = json.loads((run_dir / "summary.json").read_text())
+            if strategy == "single" and reference is None:
+                reference = summary["losses"]
+            summaries[strategy] = summary
+            rows.append(row_from_summary(strategy, summary, reference, seconds))
+            tail = f"{summary['tokens_per_s']:.0f} tokens/s"
+        else:
+            rows.append(failed_row(strategy, world, status, error, seconds))
+            tail = f"{status}: {error[:120]}"
+        print(progress(i + 1, len(strategies), f"{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
+    add_baseline_ratios(rows, OmegaConf.to_container(c.baselines))
+
+    model = model_config(cfg.model)
+    meta = {
+        "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
+        "steps": cfg.train.steps, "warmup_steps": cfg.train.warmup_steps, "global_batch": cfg.train.global_batch,
+        "seq_len": model.seq_len, "world": c.world, "peak_flops": peak, "peak_source": "given" if c.peak_flops else "measured",
+        "torch": torch.__version__, "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
+        "reference": c.reference or ("single" if "single" in summaries else None),
+    }
+    write_json(sweep_dir / "results.json", meta, rows)
+    write_csv(sweep_dir / "results.csv", rows)
+    figures = {"Throughput": "tokens_per_s.png", "Bytes per step, by op and by group (theory marked)": "bytes_per_step.png",
+               "Peak memory per rank": "memory_per_rank.png"}
+    plots.tokens_per_s(rows, sweep_dir / figures["Throughput"])
+    plots.bytes_per_step(rows, summaries, sweep_dir / figures["Bytes per step, by op and by group (theory marked)"])
+    plots.memory_per_rank(rows, sweep_dir / figures["Peak memory per rank"])
+    timelines = {}
+    for strategy in summaries:
+        source = sweep_dir / strategy / "timeline.png"
+        if source.exists():
+            timelines[strategy] = f"timeline_{strategy}.png"
+            shutil.copyfile(source, sweep_dir / timelines[strategy])
+    write_markdown(sweep_dir / "report.md", meta, rows, figures, timelines)
+    print()
+    print(console_table(rows))
+    ok = sum(r["status"] == "ok" for r in rows)
+    print(f"\n{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, plots)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""One row of the comparison per strategy, read from its run's summary.json.
+
+A row is a flat dict (one CSV line). A strategy that failed or timed out still has a row: its
+status and the error, every figure None.
+"""
+
+from __future__ import annotations
+
+COLUMNS = (
+    "strategy", "status", "layout", "world", "tokens_per_s", "baseline", "ratio_to_baseline", "step_ms", "mfu",
+    "bytes_per_step", "bytes_per_step_theory", "matches_theory", "exposed_comm_share", "bubble_share",
+    "peak_memory_mb_max", "peak_memory_mb_by_rank", "final_loss", "same_losses_as_single", "max_rel_loss_diff",
+    "seconds", "error",
+)
+LOSS_RTOL = 1e-5  # the project's standard for "the same losses as the single-process run"
+
+
+def layout(summary: dict) -> str:
+    """dp x tp x pp, then microbatches (and virtual stages for interleaved pipelines)."""
+    p = summary["parallel"]
+    text = f"{p['dp']}x{p['tp']}x{p['pp']} m{p['microbatches']}"
+    if p.get("virtual_stages") and p["virtual_stages"] > 1:
+        text += f" v{p['virtual_stages']}"
+    if p.get("sequence_parallel"):
+        text += " sp"
+    return text
+
+
+def max_rel_diff(losses: list[float], reference: list[float]) -> float | None:
+    if len(losses) != len(reference):
+        return None
+    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, reference))
+
+
+def failed_row(strategy: str, world: int, status: str, error: str, seconds: float) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(strategy=strategy, status=status, world=world, error=error, seconds=round(seconds, 1))
+    return row
+
+
+def row_from_summary(strategy: str, summary: dict, reference_losses: list[float] | None, seconds: float) -> dict:
+    comm, expected = summary["comm"], summary["expected_comm"]
+    step = summary["step_time_s"]
+    exposed = comm["exposed_seconds_per_step"] / step if summary.get("exposed_comm_measured", True) else None
+    pipeline = summary.get("pipeline")
+    memory = [m / 2**20 for m in summary["memory_by_rank"]]
+    diff = max_rel_diff(summary["losses"], reference_losses) if reference_losses is not None else None
+    row = dict.fromkeys(COLUMNS)
+    row.update(
+        strategy=strategy,
+        status="ok",
+        layout=layout(summary),
+        world=summary["world_size"],
+        tokens_per_s=summary["tokens_per_s"],
+        step_ms=step * 1e3,
+        mfu=summary.get("mfu", {}).get("mfu"),
+        bytes_per_step=comm["sent_bytes_per_step"],
+        bytes_per_step_theory=expected["sent_bytes_per_step"],
+        matches_theory=summary["comm_matches_theory"],
+        exposed_comm_share=exposed,
+        bubble_share=pipeline["bubble_measured"] if pipeline else None,
+        peak_memory_mb_max=max(memory),
+        peak_memory_mb_by_rank=[round(m, 1) for m in memory],
+        final_loss=summary["losses"][-1],
+        same_losses_as_single=None if diff is None else diff <= LOSS_RTOL,
+        max_rel_loss_diff=diff,
+        seconds=round(seconds, 1),
+        error="",
+    )
+    return row
+
+
+def add_baseline_ratios(rows: list[dict], baselines: dict[str, str]) -> None:
+    """ratio_to_baseline = this row's tokens/s over its PyTorch counterpart's (> 1: ours is faster)."""
+    by_name = {r["strategy"]: r for r in rows}
+    for row in rows:
+        base = baselines.get(row["strategy"])
+        if base is None:
+            continue
+        row["baseline"] = base
+        theirs = by_name.get(base)
+        if row["tokens_per_s"] and theirs and theirs["tokens_per_s"]:
+            row["ratio_to_baseline"] = row["tokens_per_s"] / theirs["tokens_per_s"]

@@ -1,0 +1,168 @@
+"""Counting the traffic of PyTorch's own parallelism into the same communication log.
+
+DTensor tensor parallelism and torch.distributed.pipelining call torch.distributed themselves, not
+through `comm.py`. Each has one narrow entry point through which all its step traffic passes, and
+for the duration of a step the counters below wrap that entry point, record every call in the
+CommLog exactly as `comm.py` would (same op names, payload and ring bytes, the group under the
+project's name, the time blocked), and call the original:
+
+  FunctionalCollectiveCounter   DTensor redistributes through the functional collectives
+                                (`torch.ops._c10d_functional.all_reduce`, ...), looked up by name
+                                at every call: the wrapper replaces the op in that namespace.
+                                `wait_tensor` is wrapped too and its blocked time charged to the
+                                collective it waits for.
+  PipelineP2PCounter            torch's pipeline schedules post every send and receive of a step
+                                through `schedules._batch_p2p` and wait on them through
+                                `schedules._wait_batch_p2p`: both are wrapped.
+
+Why not a TorchDispatchMode (what torch's CommDebugMode does)? It sees every collective too, but
+it puts Python on the path of every operator of the step, DTensor's local ops included (one A/B
+on the tiny model at tp 2, forward + backward: +28%). A counter that slows a baseline would
+flatter our strategies; the wrappers touch only the ~30 communication calls of a step, and their
+cost did not stand out of this shared machine's noise (repeated A/Bs of counted against
+uncounted torch_tp steps ranged from -17% to +39%, both signs: bench/tp_vs_dtensor.py prints it).
+
+A call on a process group that is none of the run's communicators raises: its traffic could not
+be placed in a group. Not counted: torch pipelining's one-time metadata exchange on the first step
+(shapes and dtypes as pickled objects through send_object_list), which is setup, not step traffic.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommLog, Communicator, tensor_bytes
+
+# functional op -> (the project's op name, payload rule): "input" the input tensor (an all-reduce's
+# tensor, a reduce-scatter's full input), "gathered" input x group size (an all-gather's full output)
+FUNCTIONAL_OPS = {
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
+    "all_gather_into_tensor": ("all_gather", "gathered"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "broadcast": ("broadcast", "input"),
+    "broadcast_": ("broadcast", "input"),
+}
+
+
+class _GroupNames:
+    """Process group name -> (the run's name for it, its size)."""
+
+    def __init__(self, comms: list[Communicator]):
+        self.by_name = {c.group.group_name: (c.name, c.size) for c in comms if c is not None}
+
+    def __call__(self, group_name: str) -> tuple[str, int]:
+        if group_name not in self.by_name:
+            raise RuntimeError(f"a collective on process group {group_name!r}, which is none of the run's "
+                               f"communicators ({sorted(self.by_name)}): its traffic could not be placed")
+        return self.by_name[group_name]
+
+
+class FunctionalCollectiveCounter:
+    """Within `with`: every functional collective DTensor issues is recorded under `<prefix>/<op>`."""
+
+    def __init__(self, log: CommLog, comms: list[Communicator], tag_prefix: str):
+        self.log = log
+        self.groups = _GroupNames(comms)
+        self.prefix = tag_prefix
+        self._namespace = torch.ops._c10d_functional
+        self._originals: dict[str, object] = {}
+        self._awaiting: dict[int, tuple[str, str, str]] = {}  # id(output) -> the record its wait is charged to
+
+    def __enter__(self):
+        for name, (op, rule) in FUNCTIONAL_OPS.items():
+            original = getattr(self._namespace, name)
+            self._originals[name] = original
+            setattr(self._namespace, name, self._counted(original, op, rule))
+        wait = getattr(self._namespace, "wait_tensor")
+        self._originals["wait_tensor"] = wait
+        setattr(self._namespace, "wait_tensor", self._timed_wait(wait))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(self._namespace, name, original)
+        self._originals.clear()
+        self._awaiting.clear()
+        return False
+
+    def _counted(self, original, op: str, rule: str):
+        def call(tensor, *args):
+            group, size = self.groups(args[-1])  # the group name is every functional collective's last argument
+            payload = tensor_bytes(tensor) * (size if rule == "gathered" else 1)
+            start = time.perf_counter()
+            out = original(tensor, *args)
+            tag = f"{self.prefix}/{op}"
+            self.log.record(op, group, tag, payload, size, time.perf_counter() - start if self.log.timed else 0.0)
+            self._awaiting[id(out)] = (op, group, tag)
+            return out
+
+        return call
+
+    def _timed_wait(self, original):
+        def call(tensor):
+            start = time.perf_counter()
+            out = original(tensor)
+            key = self._awaiting.pop(id(tensor), None)
+            if key is not None and self.log.timed:
+                self.log.add_seconds(*key, time.perf_counter() - start)
+            return out
+
+        return call
+
+
+class PipelineP2PCounter:
+    """Within `with`: every send and receive torch's pipeline schedules post is recorded under
+    `<prefix>/send|recv`, and the time blocked waiting for them is charged to them."""
+
+    def __init__(self, log: CommLog, comms: list[Communicator], tag_prefix: str):
+        from torch.distributed.pipelining import schedules
+
+        self.log = log
+        self.groups = _GroupNames(comms)
+        self.prefix = tag_prefix
+        self._module = schedules
+        self._originals: dict[str, object] = {}
+
+    def __enter__(self):
+        for name, wrap in (("_batch_p2p", self._counted), ("_wait_batch_p2p", self._timed_wait)):
+            original = getattr(self._module, name)
+            self._originals[name] = original
+            setattr(self._module, name, wrap(original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(self._module, name, original)
+        self._originals.clear()
+        return False
+
+    def _counted(self, original):
+        def call(p2p_ops, *args, **kwargs):
+            start = time.perf_counter()
+            works = original(p2p_ops, *args, **kwargs)
+            seconds = (time.perf_counter() - start) / max(len(p2p_ops), 1) if self.log.timed else 0.0
+            for p in p2p_ops:
+                kind = "send" if p.op is dist.isend else "recv"
+                group, size = self.groups((p.group or dist.group.WORLD).group_name)
+                self.log.record(kind, group, f"{self.prefix}/{kind}", tensor_bytes(p.tensor), size, seconds)
+            return works
+
+        return call
+
+    def _timed_wait(self, original):
+        def call(works, *args, **kwargs):
+            start = time.perf_counter()
+            out = original(works, *args, **kwargs)
+            if self.log.timed and self.groups.by_name:
+                group = next(iter(self.groups.by_name.values()))[0]
+                # Which op a finished batch was cannot be told from its Work objects: waiting is
+                # charged to the receives, which are what a pipeline stage waits for.
+                self.log.add_seconds("recv", group, f"{self.prefix}/recv", time.perf_counter() - start)
+            return out
+
+        return call

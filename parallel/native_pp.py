@@ -1,0 +1,104 @@
+"""torch.distributed.pipelining on the same chunks: the baselines for our pipeline schedules.
+
+The GPT is cut into exactly the chunks `pp/split.py` gives our executor (same layers per virtual
+stage, chunk c of rank r is virtual stage c·p + r); each becomes a PipelineStage, driven by
+torch's ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B. The loss is the project's
+(summed token loss / global tokens) with scale_grads=False, because that loss is already divided
+by the global token count; the optimizer is the project's AdamW over this rank's chunks.
+
+Traffic: torch's schedules post their sends and receives through torch.distributed directly;
+native_count.PipelineP2PCounter wraps the schedules' batch-posting and waiting functions, so every
+send and receive is logged under the "pp" group, and the time blocked waiting for them is the
+exposed communication. Torch's one-time metadata exchange on the first step (shapes inferred from
+the first microbatch) is setup and not counted. One pipeline over the whole world (dp = 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from .comm import CommLog, Communicator
+from .data import Batch
+from .model import GPT, token_loss_sum
+from .native_count import PipelineP2PCounter
+from .pp.split import split_model
+from .strategy import Strategy, make_optimizer
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def torch_schedule_class(schedule: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
+
+
+class TorchPipeline(Strategy):
+    name = "torch_pp"
+
+    def __init__(self, model: GPT, schedule: str, pp_comm: Communicator, microbatches: int, virtual: int,
+                 pp_layers, lr: float, weight_decay: float, device: torch.device, log: CommLog | None = None):
+        from torch.distributed.pipelining import PipelineStage
+
+        self._full_parameters = sum(p.numel() for p in model.parameters())
+        p = pp_comm.size
+        self.chunks = split_model(model, p, virtual, pp_comm.rank, pp_layers)
+        local = nn.ModuleList(self.chunks)
+        super().__init__(local, make_optimizer(local, lr, weight_decay), loss_comm=None)
+        self.pp_comm = pp_comm
+        self.stages = [PipelineStage(chunk, chunk.vstage, p * virtual, device, group=pp_comm.group) for chunk in self.chunks]
+        self.is_first = any(s.is_first for s in self.stages)
+        self.is_last = any(s.is_last for s in self.stages)
+        self.global_tokens = 0  # set each step, read by the loss function
+        self.counter = (lambda: PipelineP2PCounter(log, [pp_comm], "pipelining")) if log is not None else contextlib.nullcontext
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            return token_loss_sum(logits, targets) / self.global_tokens
+
+        cls = torch_schedule_class(schedule)
+        stages = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+        self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
+        """Torch splits the local batch back into the same microbatches (equal chunks along dim 0)."""
+        self.zero_grad()
+        self.global_tokens = global_tokens
+        inputs = torch.cat([mb.inputs for mb in microbatches])
+        targets = torch.cat([mb.targets for mb in microbatches])
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        # forward_context (autocast for bf16) covers torch's whole schedule: its forwards and
+        # backwards are interleaved inside step().
+        with self.counter(), self.forward_context():
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        local_loss = torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=inputs.device)
+        self.guard_finite(local_loss)
+        self.optimizer.step()
+        return local_loss
+
+    def global_loss(self, local_loss: torch.Tensor) -> float:
+        """Only the last stage holds the loss: sum over pp (the others add 0)."""
+        self.pp_comm.all_reduce(local_loss, tag="tooling/loss")
+        return float(local_loss)
+
+    def full_parameter_count(self) -> int:
+        return self._full_parameters
+
+    def _gather(self, local: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
+        merged: dict[str, torch.Tensor] = {}
+        for part in self.pp_comm.gather_object(local, 0, tag=tag) or []:
+            merged.update(part)
+        return merged
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return self._gather({c.global_name(n): t.detach().cpu().clone() for c in self.chunks for n, t in c.state_dict().items()},
+                            "tooling/state")
+
+    def full_grads(self) -> dict:
+        return {"grads": self._gather({c.global_name(n): p.grad.detach().cpu().clone()
+                                       for c in self.chunks for n, p in c.named_parameters()}, "tooling/grads"),
+                "tp_replica_max_diff": {}}

@@ -1,0 +1,53 @@
+"""launch.compare as a user runs it: a small sweep on the tiny model, with one PyTorch baseline
+and two strategies that cannot run (a layout that does not divide, a name with no preset)."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+from launcher import PROJECT_ROOT
+
+from parallel.compare.rows import COLUMNS
+
+
+def test_compare_sweep_reports_every_strategy(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "launch.compare", "compare.world=2", "compare.strategies=[single,dp,torch_ddp,tp,no_such]",
+           "+compare.worlds.tp=3", "compare.timeout_s=200", "model=tiny", "train.steps=4", "train.warmup_steps=1",
+           "data.max_bytes=1000000", f"run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("results.csv", "results.json", "report.md", "tokens_per_s.png", "bytes_per_step.png", "memory_per_rank.png"):
+        assert (out / name).stat().st_size > 0, name
+    for strategy in ("single", "dp", "torch_ddp"):
+        assert (out / strategy / "summary.json").exists()
+
+    with open(out / "results.csv") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == COLUMNS
+        assert [r["strategy"] for r in reader] == ["single", "dp", "torch_ddp", "tp", "no_such"]
+    rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+
+    # The failures are rows with their error, and did not stop the sweep.
+    assert rows["tp"]["status"] == "failed" and "world size 3 is not divisible by parallel.tp" in rows["tp"]["error"], rows["tp"]
+    assert rows["no_such"]["status"] == "failed" and "conf/parallel/no_such.yaml" in rows["no_such"]["error"]
+    assert rows["tp"]["tokens_per_s"] is None
+
+    # Every strategy that ran trained the single-process model, moved theory's bytes, and has its figures.
+    for name in ("single", "dp", "torch_ddp"):
+        row = rows[name]
+        assert row["status"] == "ok", row
+        assert row["same_losses_as_single"] is True and row["max_rel_loss_diff"] < 1e-5, row
+        assert row["matches_theory"] is True, row
+        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0 and row["mfu"] > 0
+        assert len(row["peak_memory_mb_by_rank"]) == row["world"]
+    assert rows["dp"]["layout"] == "2x1x1 m1" and rows["dp"]["baseline"] == "torch_ddp"
+    assert rows["dp"]["ratio_to_baseline"] == rows["dp"]["tokens_per_s"] / rows["torch_ddp"]["tokens_per_s"]
+    assert rows["torch_ddp"]["exposed_comm_share"] is None  # DDP waits where the log cannot see
+    assert rows["dp"]["exposed_comm_share"] is not None
+
+    report = (out / "report.md").read_text()
+    assert "| strategy |" in report and "no_such" in report and "tokens_per_s.png" in report
+    assert "5/5" in proc.stdout and "3/5 strategies ran" in proc.stdout
