@@ -9,8 +9,6 @@ from launcher import TINY, run_train
 
 @pytest.mark.parametrize("world,overrides,message", [
     (2, ["parallel.dp=3"], "error: world size 2 != parallel.dp x parallel.tp x parallel.pp = 3 x 1 x 1 = 3"),
-    (2, ["parallel=single"], "error: parallel=single runs one process but the world size is 2"),
-    (2, ["train.global_batch=15"], "error: train.global_batch=15 is not divisible by parallel.dp x parallel.microbatches"),
     (2, ["data.path=/no/such/corpus"], "error: data.path='/no/such/corpus' does not exist"),
     (2, ["parallel=pp_interleaved", "parallel.microbatches=3", "train.global_batch=12"],
      "error: parallel.microbatches=3 is not a multiple of parallel.pp=2"),
