@@ -36,7 +36,7 @@ from .data import Batch
 from .dp import make_grad_sync
 from .model import GPT, token_loss_sum
 from .pp.executor import PipelineParallel
-from .tp import SEQ_DIM, TPShards, all_gather_along, parallelize_tp
+from .tp import SEQ_DIM, TPShards, all_gather_along, parallelize_tp, sum_sequence_partial_grads
 from .tp_loss import vocab_parallel_loss_sum
 from .zero import ZeroOptimizer, _gather_full
 
@@ -130,13 +130,7 @@ class Mesh3D(PipelineParallel):
         self._sum_sequence_partial_over_tp()
 
     def _sum_sequence_partial_over_tp(self) -> None:
-        if self.sequence_partial:
-            flat = torch.cat([p.grad.reshape(-1) for p in self.sequence_partial])
-            self.tp_comm.all_reduce(flat, tag="tp/sp_grads")
-            offset = 0
-            for p in self.sequence_partial:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-                offset += p.numel()
+        sum_sequence_partial_grads(self.sequence_partial, self.tp_comm)
 
     def memory_report(self) -> dict:
         return self.zero.memory() if self.zero is not None else super().memory_report()

@@ -103,18 +103,8 @@ class AccelerateDDP(Strategy):
     def backward_context(self, last_microbatch: bool):
         return contextlib.nullcontext() if last_microbatch else self.accelerator.no_sync(self.model)
 
-    def train_step(self, microbatches, global_tokens: int) -> torch.Tensor:
-        self.zero_grad()
-        local_loss = torch.zeros((), device=microbatches[0].inputs.device)
-        for i, mb in enumerate(microbatches):
-            with self.backward_context(last_microbatch=i == len(microbatches) - 1):
-                with self.forward_context():
-                    loss = self.forward_loss(mb, global_tokens)
-                self.accelerator.backward(loss)
-            local_loss += loss.detach()
-        self.guard_finite(local_loss)
-        self.optimizer.step()
-        return local_loss
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)  # accelerate's entry point (loss scaling, its hooks)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.accelerator.unwrap_model(self.model).state_dict().items()}

@@ -92,6 +92,9 @@ class Strategy:
     def forward_loss(self, mb: Batch, global_tokens: int) -> torch.Tensor:
         return token_loss_sum(self.model(mb.inputs), mb.targets) / global_tokens
 
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     # The step ---------------------------------------------------------------------------------
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
         """Run one optimizer step; return this rank's share of the global mean loss (detached)."""
@@ -101,7 +104,7 @@ class Strategy:
             with self.backward_context(last_microbatch=i == len(microbatches) - 1):
                 with self.forward_context():
                     loss = self.forward_loss(mb, global_tokens)
-                loss.backward()
+                self.backward(loss)
             local_loss += loss.detach()
         self.after_backward()
         self.guard_finite(local_loss)

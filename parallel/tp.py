@@ -117,6 +117,20 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather_along(ctx.comm, grad, SEQ_DIM, f"{ctx.tag}/bwd"), None, None
 
 
+def sum_sequence_partial_grads(params: list[nn.Parameter], comm: Communicator) -> None:
+    """Sequence parallelism leaves each tp rank with the gradient of its piece of the sequence for
+    the replicated parameters that act on sequence-sharded activations (norms, row-parallel biases,
+    positions): add them up over tp, in one all-reduce of all of them flattened."""
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    comm.all_reduce(flat, tag="tp/sp_grads")
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def enter_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
     return (_GatherFromSP if sequence_parallel else _CopyToTP).apply(x, comm, tag)
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 from .comm import Communicator
 from .data import Batch
 from .dp import make_grad_sync
-from .tp import all_gather_along, parallelize_tp
+from .tp import all_gather_along, parallelize_tp, sum_sequence_partial_grads
 from .tp_loss import vocab_parallel_loss_sum
 from .strategy import Strategy
 
@@ -63,13 +63,7 @@ class TensorParallel(Strategy):
         # Sums over tp and over dp commute, so the sequence-sharded gradients are summed over tp
         # after the dp sync has finished: the bucketed sync's all-reduces are in flight during
         # backward, and summing a gradient while its bucket is on the wire would race it.
-        if self.sequence_partial:
-            flat = torch.cat([p.grad.reshape(-1) for p in self.sequence_partial])
-            self.tp_comm.all_reduce(flat, tag="tp/sp_grads")
-            offset = 0
-            for p in self.sequence_partial:
-                p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-                offset += p.numel()
+        sum_sequence_partial_grads(self.sequence_partial, self.tp_comm)
 
     # -- the whole model, for checkpoints and tests ----------------------------------------------
     def _gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -188,6 +188,17 @@ def _gather_full(parts: list[Part], shards: list[torch.Tensor], comm: Communicat
     return out
 
 
+def gather_optimizer_state(parts: list[Part], optimizer: ShardAdamW, comm: Communicator) -> dict:
+    """{"step", "state": {name: {"exp_avg", "exp_avg_sq"}}} of the whole model from every rank's
+    shards (collective; every rank gets it, rank 0 is the one that saves)."""
+    state: dict[str, dict] = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        shards = [optimizer.shard_state(i, key) for i in range(len(parts))]
+        for name, t in _gather_full(parts, shards, comm, f"tooling/checkpoint/{key}").items():
+            state.setdefault(name, {})[key] = t
+    return {"step": optimizer.step_count, "state": state}
+
+
 class ZeroOptimizer:
     """ZeRO stage 1 or 2 over one data-parallel group: the gradient sync and the optimizer in one.
 
@@ -348,15 +359,8 @@ class ZeroOptimizer:
         }
 
     # -- checkpoints -------------------------------------------------------------------------------
-    def full_optimizer_state(self, names_order: list[str] | None = None) -> dict:
-        """{"step", "state": {name: {"exp_avg", "exp_avg_sq"}}} of the whole model (collective;
-        every rank gets it, rank 0 is the one that saves)."""
-        state: dict[str, dict] = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            shards = [self.optimizer.shard_state(i, key) for i in range(len(self.parts))]
-            for name, t in _gather_full(self.parts, shards, self.comm, f"tooling/checkpoint/{key}").items():
-                state.setdefault(name, {})[key] = t
-        return {"step": self.optimizer.step_count, "state": state}
+    def full_optimizer_state(self) -> dict:
+        return gather_optimizer_state(self.parts, self.optimizer, self.comm)
 
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         """Each rank copies in its part of the full dicts (no communication)."""

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .comm import Communicator
 from .strategy import Strategy, storage_bytes
-from .zero import MemoryMeter, Part, ShardAdamW, _gather_full, group_into_parts
+from .zero import MemoryMeter, Part, ShardAdamW, _gather_full, gather_optimizer_state, group_into_parts
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +184,7 @@ class Zero3(Strategy):
         return {"grads": _gather_full(self.parts, self.grad_shards, self.comm, "tooling/full_grads"), "tp_replica_max_diff": {}}
 
     def full_optimizer_state(self) -> dict:
-        state: dict[str, dict] = {}
-        for key in ("exp_avg", "exp_avg_sq"):
-            shards = [self.optimizer.shard_state(i, key) for i in range(len(self.parts))]
-            for name, t in _gather_full(self.parts, shards, self.comm, f"tooling/checkpoint/{key}").items():
-                state.setdefault(name, {})[key] = t
-        return {"step": self.optimizer.step_count, "state": state}
+        return gather_optimizer_state(self.parts, self.optimizer, self.comm)
 
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         with torch.no_grad():
