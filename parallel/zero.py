@@ -188,6 +188,50 @@ def _gather_full(parts: list[Part], shards: list[torch.Tensor], comm: Communicat
     return out
 
 
+class GradReduceScatter:
+    """Stages 2 and 3: each new gradient is copied into its part's full flat buffer and dropped at
+    once (`take`); `launch(k)` reduce-scatters a complete part asynchronously, and `wait()` adds
+    the results into this rank's gradient shards and frees the full buffers. One reduce-scatter
+    in flight at a time: waiting for the previous part's first keeps at most two parts' full
+    gradients alive (the point of stage 2), while each one still overlaps with the backward of the
+    part before it."""
+
+    def __init__(self, parts: list[Part], grad_shards: list[torch.Tensor], comm: Communicator, meter: MemoryMeter):
+        self.parts, self.grad_shards, self.comm, self.meter = parts, grad_shards, comm, meter
+        self.buffers: dict[int, torch.Tensor] = {}  # part index -> full gradient buffer being filled
+        self._in_flight: list[tuple] = []  # (part index, handle, output)
+
+    def take(self, index: int, i: int, param: nn.Parameter) -> None:
+        """Move `param.grad` (the i-th parameter of part `index`) into the part's buffer."""
+        part = self.parts[index]
+        buffer = self.buffers.get(index)
+        if buffer is None:
+            buffer = self.buffers[index] = torch.zeros(part.padded, dtype=part.dtype, device=part.device)
+            self.meter.add(part.nbytes)
+        grad_bytes = param.grad.numel() * param.grad.element_size()
+        self.meter.add(grad_bytes)
+        buffer[part.offsets[i]: part.offsets[i] + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+        self.meter.sub(grad_bytes)
+        part.waiting -= 1
+
+    def launch(self, index: int) -> None:
+        self.wait()
+        out = torch.empty_like(self.grad_shards[index])
+        self.meter.add(self.parts[index].shard_nbytes)
+        handle = self.comm.reduce_scatter(out, self.buffers[index], tag=f"zero/grad_reduce_scatter/{self.parts[index].name}",
+                                          async_op=True)
+        self._in_flight.append((index, handle, out))
+
+    def wait(self) -> None:
+        for index, handle, out in self._in_flight:
+            handle.wait()
+            self.grad_shards[index].add_(out)
+            del self.buffers[index]
+            self.meter.sub(self.parts[index].nbytes + self.parts[index].shard_nbytes)
+        self._in_flight = []
+
+
 def gather_optimizer_state(parts: list[Part], optimizer: ShardAdamW, comm: Communicator) -> dict:
     """{"step", "state": {name: {"exp_avg", "exp_avg_sq"}}} of the whole model from every rank's
     shards (collective; every rank gets it, rank 0 is the one that saves)."""
@@ -253,10 +297,7 @@ class ZeroOptimizer:
         self.grad_shards = grad_shards
         self.optimizer = ShardAdamW(self.parts, [f[part.lo: part.hi] for f, part in zip(self.flat_params, self.parts)],
                                     grad_shards, lr, weight_decay)
-        # Stage 2: per part, the full-gradient buffer of the microbatch in flight and its
-        # reduce-scatter (handle, output).
-        self._grad_buffers: dict[int, torch.Tensor] = {}
-        self._reductions: list[tuple] = []
+        self.reduction = GradReduceScatter(self.parts, grad_shards, dp_comm, self.meter)  # stage 2
         self._next_to_launch = 0
         log.info("zero%d: %d parts, padded sizes %s, shard %d elements", stage, len(self.parts),
                  [p.padded for p in self.parts], sum(p.shard_numel for p in self.parts))
@@ -272,7 +313,7 @@ class ZeroOptimizer:
 
     def arm(self, last_microbatch: bool) -> None:
         if self.stage == 2:
-            self._wait_reductions()  # the previous microbatch's, if any
+            self.reduction.wait()  # the previous microbatch's, if any
             self._next_to_launch = 0
             for part in self.parts:
                 part.waiting = len(part.params)
@@ -281,37 +322,11 @@ class ZeroOptimizer:
         """Stage 2: copy the new gradient into its part's flat buffer and drop it; when the part
         is complete, start its reduce-scatter (parts strictly in backward order on every rank)."""
         index, i = self._where[param]
-        part = self.parts[index]
-        buffer = self._grad_buffers.get(index)
-        if buffer is None:
-            buffer = self._grad_buffers[index] = torch.zeros(part.padded, dtype=part.dtype, device=part.device)
-            self.meter.add(part.nbytes)
-        self.meter.add(param.grad.numel() * param.grad.element_size())
-        buffer[part.offsets[i]: part.offsets[i] + param.numel()].copy_(param.grad.reshape(-1))
-        self.meter.sub(param.grad.numel() * param.grad.element_size())
-        param.grad = None
-        part.waiting -= 1
+        self.reduction.take(index, i, param)
         order = list(range(len(self.parts) - 1, -1, -1))  # backward runs the parts last to first
         while self._next_to_launch < len(order) and self.parts[order[self._next_to_launch]].waiting == 0:
-            k = order[self._next_to_launch]
-            # One reduce-scatter in flight at a time: waiting for the previous part's first keeps
-            # at most two parts' full gradients alive (the point of stage 2), while each one still
-            # overlaps with the backward of the part before it.
-            self._wait_reductions()
-            out = torch.empty(self.parts[k].shard_numel, dtype=part.dtype, device=part.device)
-            self.meter.add(self.parts[k].shard_nbytes)
-            handle = self.comm.reduce_scatter(out, self._grad_buffers[k], tag=f"zero/grad_reduce_scatter/{self.parts[k].name}",
-                                              async_op=True)
-            self._reductions.append((k, handle, out))
+            self.reduction.launch(order[self._next_to_launch])
             self._next_to_launch += 1
-
-    def _wait_reductions(self) -> None:
-        for k, handle, out in self._reductions:
-            handle.wait()
-            self.grad_shards[k].add_(out)
-            del self._grad_buffers[k]
-            self.meter.sub(self.parts[k].nbytes + self.parts[k].shard_nbytes)
-        self._reductions = []
 
     def finish(self) -> None:
         if self.stage == 1:
@@ -324,7 +339,7 @@ class ZeroOptimizer:
             stuck = [p.name for p in self.parts if p.waiting]
             raise RuntimeError(f"zero2: parts {stuck} got no gradient for some parameter in backward "
                                "(every parameter must take part in the loss)")
-        self._wait_reductions()
+        self.reduction.wait()
 
     # -- the optimizer ---------------------------------------------------------------------------
     def step(self) -> None:

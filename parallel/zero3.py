@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from .comm import Communicator
 from .strategy import Strategy, storage_bytes
-from .zero import MemoryMeter, Part, ShardAdamW, _gather_full, gather_optimizer_state, group_into_parts
+from .zero import GradReduceScatter, MemoryMeter, Part, ShardAdamW, _gather_full, gather_optimizer_state, group_into_parts
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,6 @@ class Zero3(Strategy):
         self.full: list[torch.Tensor] = []  # per part: the flat full buffer (storage 0 bytes when freed)
         self.shards: list[torch.Tensor] = []
         self.grad_shards: list[torch.Tensor] = []
-        self._grad_buffers: dict[int, torch.Tensor] = {}
-        self._reductions: list[tuple] = []  # (part index, handle, output) of reduce-scatters in flight
         for index, part in enumerate(self.parts):
             flat = part.flatten([p.detach() for p in part.params])
             self.shards.append(flat[part.lo: part.hi].clone())
@@ -73,6 +71,7 @@ class Zero3(Strategy):
             module = model.get_submodule(part.name)
             module.register_forward_pre_hook(self._gather_for_forward(index))
             module.register_forward_hook(self._free_after_forward(index))
+        self.reduction = GradReduceScatter(self.parts, self.grad_shards, dp_comm, self.meter)
         optimizer = ShardAdamW(self.parts, self.shards, self.grad_shards, lr, weight_decay)
         super().__init__(model, optimizer, loss_comm=dp_comm)
         log.info("zero3: %d parts, padded sizes %s, shard %d elements", len(self.parts),
@@ -110,37 +109,12 @@ class Zero3(Strategy):
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         index, i = self._where[param]
-        part = self.parts[index]
-        buffer = self._grad_buffers.get(index)
-        if buffer is None:
-            buffer = self._grad_buffers[index] = torch.zeros(part.padded, dtype=part.dtype, device=part.device)
-            self.meter.add(part.nbytes)
-        grad_bytes = param.grad.numel() * param.grad.element_size()
-        self.meter.add(grad_bytes)
-        buffer[part.offsets[i]: part.offsets[i] + param.numel()].copy_(param.grad.reshape(-1))
-        param.grad = None
-        self.meter.sub(grad_bytes)
-        part.waiting -= 1
-        if part.waiting == 0:
+        self.reduction.take(index, i, param)
+        if self.parts[index].waiting == 0:
             # The part's backward is over: free its parameters now, and reduce-scatter its
-            # gradients asynchronously while backward goes on with the part before it. One
-            # reduce-scatter in flight at a time: waiting for the previous one first bounds the
-            # full gradients held at once to two parts.
+            # gradients asynchronously while backward goes on with the part before it.
             self._free(index)
-            self._wait_reductions()
-            out = torch.empty_like(self.grad_shards[index])
-            self.meter.add(part.shard_nbytes)
-            handle = self.comm.reduce_scatter(out, buffer, tag=f"zero/grad_reduce_scatter/{part.name}", async_op=True)
-            self._reductions.append((index, handle, out))
-
-    def _wait_reductions(self) -> None:
-        """Add each finished reduce-scatter into its gradient shard; free the full gradients."""
-        for index, handle, out in self._reductions:
-            handle.wait()
-            self.grad_shards[index].add_(out)
-            del self._grad_buffers[index]
-            self.meter.sub(self.parts[index].nbytes + self.parts[index].shard_nbytes)
-        self._reductions = []
+            self.reduction.launch(index)
 
     # -- the step ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -150,14 +124,14 @@ class Zero3(Strategy):
         self.meter.reset_peak()
 
     def backward_context(self, last_microbatch: bool):
-        self._wait_reductions()  # the previous microbatch's
+        self.reduction.wait()  # the previous microbatch's
         return contextlib.nullcontext()
 
     def after_backward(self) -> None:
-        self._wait_reductions()
+        self.reduction.wait()
         gathered = [p.name for p, f in zip(self.parts, self.full) if f.untyped_storage().nbytes()]
-        if gathered or self._grad_buffers:
-            raise RuntimeError(f"zero3: parts {gathered or list(self._grad_buffers)} still gathered after backward "
+        if gathered or self.reduction.buffers:
+            raise RuntimeError(f"zero3: parts {gathered or list(self.reduction.buffers)} still gathered after backward "
                                "(some parameter got no gradient: every parameter must take part in the loss)")
 
     # -- what this rank holds ----------------------------------------------------------------------
