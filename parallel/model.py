@@ -63,17 +63,34 @@ def _largest_divisor_at_most(n: int, k: int) -> int:
     return max(d for d in range(1, k + 1) if n % d == 0)
 
 
+class AttentionCore(nn.Module):
+    """Causal attention proper: softmax(Q·Kᵀ/√d + mask)·V over (batch, heads, seq, head_dim).
+
+    It has no weights, and it is the only part of a block whose memory grows with the square of
+    the sequence. A module of its own so that a strategy can replace it (context parallelism runs
+    it over a sequence split across ranks) or wrap it (selective recomputation) without touching
+    the rest of the block.
+    """
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.head_dim
-        self.dropout = cfg.dropout
         # Separate Q, K and V projections (not one fused qkv matrix) so that tensor parallelism can
         # cut each along its heads without reshuffling a fused weight.
         self.q = nn.Linear(cfg.d_model, cfg.d_model)
         self.k = nn.Linear(cfg.d_model, cfg.d_model)
         self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.core = AttentionCore(cfg.dropout)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +98,7 @@ class CausalSelfAttention(nn.Module):
         # Heads are read off the projection's own output width, so a shard that holds only some
         # heads (tensor parallelism) runs this same code.
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
