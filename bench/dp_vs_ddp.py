@@ -23,12 +23,12 @@ import sys
 import time
 
 
-from parallel.comm import CommLog, Communicator, summarize_traffic
+from parallel.dist.comm import CommLog, Communicator, summarize_traffic
 from parallel.data import GlobalBatches, local_microbatches
-from parallel.distributed import LaunchEnv
-from parallel.dp import DataParallel
+from parallel.dist.groups import LaunchEnv
+from parallel.dp.strategy import DataParallel
 from parallel.model import GPT
-from parallel.native import TorchDDP
+from parallel.baselines.ddp import TorchDDP
 from parallel.strategy import make_optimizer
 
 from harness import plan_for, rotation, run_distributed, split_args, timed_step

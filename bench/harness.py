@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from parallel.comm import CommLog
+from parallel.dist.comm import CommLog
 from parallel.data import load_corpus
-from parallel.distributed import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
+from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
 from parallel.plan import build_plan
 
 CONF = Path(__file__).resolve().parent.parent / "conf"

@@ -41,10 +41,10 @@ import sys
 import torch
 
 from parallel.data import GlobalBatches, local_microbatches
-from parallel.distributed import LaunchEnv
+from parallel.dist.groups import LaunchEnv
 from parallel.model import GPT
-from parallel.native_pp import SCHEDULES as ALL_SCHEDULES
-from parallel.native_pp import TorchPipeline
+from parallel.baselines.pipelining import SCHEDULES as ALL_SCHEDULES
+from parallel.baselines.pipelining import TorchPipeline
 from parallel.pp.executor import PipelineParallel
 from parallel.pp.schedules import ScheduleError, build_schedule
 

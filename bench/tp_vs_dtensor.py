@@ -49,15 +49,15 @@ from __future__ import annotations
 import statistics
 import sys
 
-from parallel.comm import summarize_traffic
+from parallel.dist.comm import summarize_traffic
 from parallel.data import GlobalBatches, local_microbatches
-from parallel.dims import LayoutError
-from parallel.distributed import LaunchEnv
+from parallel.dist.dims import LayoutError
+from parallel.dist.groups import LaunchEnv
 from parallel.model import GPT
-from parallel.native_tp import TorchTP
+from parallel.baselines.dtensor_tp import TorchTP
 from parallel.plan import ConfigError
 from parallel.strategy import make_optimizer
-from parallel.tp_strategy import TensorParallel
+from parallel.tp.strategy import TensorParallel
 
 from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 

@@ -19,12 +19,12 @@ import sys
 from fractions import Fraction
 
 from parallel import theory
-from parallel.comm import summarize_traffic
+from parallel.dist.comm import summarize_traffic
 from parallel.data import GlobalBatches, local_microbatches
-from parallel.distributed import LaunchEnv
+from parallel.dist.groups import LaunchEnv
 from parallel.model import GPT
-from parallel.native import TorchFSDP2
-from parallel.zero3 import Zero3
+from parallel.baselines.fsdp2 import TorchFSDP2
+from parallel.zero.zero3 import Zero3
 
 from harness import plan_for, rotation, run_distributed, split_args, timed_step
 

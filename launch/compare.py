@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from parallel.compare import plots
 from parallel.compare.report import console_table, write_csv, write_json, write_markdown
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
-from parallel.mfu import measure_peak_flops, usable_cores
+from parallel.report.mfu import measure_peak_flops, usable_cores
 from parallel.plan import model_config
 from parallel.theory import parameter_count
 

@@ -20,11 +20,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from parallel.checkpoint import CheckpointError
+from parallel.reliability.checkpoint import CheckpointError
 from parallel.data import DataError
-from parallel.dims import LayoutError
-from parallel.distributed import LaunchEnv, exit_process, exit_with_error
-from parallel.faults import describe_failure
+from parallel.dist.dims import LayoutError
+from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
+from parallel.reliability.faults import describe_failure
 from parallel.plan import ConfigError, build_plan
 from parallel.train import TrainingStopped, train
 

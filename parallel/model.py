@@ -200,5 +200,21 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction="sum")
 
 
+def part_names(n_layers: int) -> list[str]:
+    """The GPT's parts in forward order: `embed`, `blocks.0` ... `blocks.{L-1}`, `head`.
+
+    A part is the unit the strategies cut, shard and tag by: a pipeline stage holds whole parts,
+    ZeRO keeps one flat buffer per part, FSDP2 wraps each Block, and gradients are tagged
+    `grads/<part>`. theory.part_parameter_counts gives each part's size in closed form.
+    """
+    return ["embed", *(f"blocks.{i}" for i in range(n_layers)), "head"]
+
+
+def part_of(param_name: str) -> str:
+    """The part a parameter belongs to: `blocks.3.attn.q.weight` -> `blocks.3`, `embed.tok.weight` -> `embed`."""
+    parts = param_name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -63,6 +63,34 @@ class AdamW:
                 denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
                 p.addcdiv_(m, denom, value=-step_size)
 
+    # -- checkpoints: the state by parameter name ------------------------------------------------
+    def named_state(self, named_params) -> dict:
+        """{"step": steps taken, "state": {name: {"exp_avg", "exp_avg_sq"}}} for the given
+        (name, parameter) pairs, copied to the CPU. Before the first step there are no moments."""
+        return {"step": self.step_count, "state": {
+            name: {k: t.detach().cpu().clone() for k, t in self.state[p].items()}
+            for name, p in named_params if p in self.state}}
+
+    def load_named_state(self, named_params, state: dict, local_part=lambda name, t: t) -> None:
+        """Take the moments of the given parameters from a `named_state`-shaped dict whose tensors
+        may be whole where the parameters are pieces (`local_part(name, whole)` cuts this rank's).
+
+        A parameter without moments in a state that has taken steps is an error, not a silent
+        restart of its moments from zero (resumed runs would drift from an uninterrupted one).
+        """
+        step = int(state["step"])
+        missing = [name for name, _ in named_params if name not in state["state"]]
+        if step > 0 and missing:
+            raise KeyError(f"the optimizer state has taken {step} steps but holds no Adam moments for {len(missing)} "
+                           f"parameter(s), e.g. {missing[:3]}: it was saved under other names")
+        self.step_count = step
+        for name, p in named_params:
+            moments = state["state"].get(name)
+            if moments is None:
+                self.state.pop(p, None)
+            else:
+                self.state[p] = {k: local_part(name, t).to(p.device, p.dtype).clone() for k, t in moments.items()}
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (ZeRO reports it beside the formula)."""
         return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values())

@@ -10,27 +10,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
-from .dims import LayoutError, ParallelDims
-from .distributed import LaunchEnv, choose_backend, choose_device_type
-from .faults import FAIL_MODES
-from .model import GPTConfig
-from .precision import PRECISIONS
-from .pp.schedules import ScheduleError, build_schedule
-from .pp.split import SplitError, layer_counts
+from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
+from parallel.dp.sync import GRAD_SYNCS
+from parallel.layout import Layout
+from parallel.model import GPTConfig
+from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
+from parallel.pp.split import SplitError, layer_counts
+from parallel.precision import PRECISIONS
+from parallel.registry import ConfigError, Options, StrategySpec, check_layout, resolve, spec_of
+from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
+from parallel.reliability.faults import FAIL_MODES
 
-# Strategy name -> what it needs of the layout. Later strategies add themselves here.
-STRATEGIES = ("single", "dp", "torch_ddp", "tp", "pp", "3d", "zero1", "zero2", "zero3", "torch_fsdp2",
-              "torch_tp", "torch_pp", "accelerate_ddp")
-# Sharded data parallelism: pure dp layouts, at least two ranks to shard over.
-SHARDED = ("zero1", "zero2", "zero3", "torch_fsdp2")
-GRAD_SYNCS = ("bucketed", "naive")
-# parallel.zero: how the dp dimension of a layout syncs, 0 plain (all-reduce), 1 or 2 a ZeRO stage.
-ZERO_STAGES = (0, 1, 2, 3)
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot run."""
+__all__ = ["ConfigError", "LayoutError", "RunPlan", "build_plan", "model_config"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +79,16 @@ class RunPlan:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.model.seq_len
 
+    @property
+    def spec(self) -> StrategySpec:
+        return spec_of(self.strategy)
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dims=self.dims, microbatches=self.microbatches, microbatch_size=self.microbatch_size,
+                      sequence_parallel=self.sequence_parallel, schedule=self.schedule,
+                      virtual_stages=self.virtual_stages, pp_layers=self.pp_layers, zero=self.zero)
+
 
 def model_config(cfg) -> GPTConfig:
     try:
@@ -102,46 +104,6 @@ def model_config(cfg) -> GPTConfig:
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-
-
-def _check_strategy(strategy: str, dims: ParallelDims) -> None:
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"parallel.name={strategy!r} is not a strategy: choose one of {', '.join(STRATEGIES)}")
-    if strategy == "single" and dims.world_size != 1:
-        raise LayoutError(
-            f"parallel=single runs one process but the world size is {dims.world_size}: "
-            f"run `python -m launch.train parallel=single`, or use parallel=dp under torchrun"
-        )
-    if strategy in ("torch_ddp", "accelerate_ddp", "torch_tp", "torch_pp") and dims.world_size < 2:
-        raise LayoutError(
-            f"parallel={strategy} needs at least 2 processes, got world size 1: "
-            "launch it with torchrun --nproc-per-node 2 (or more)"
-        )
-    if strategy == "torch_pp":
-        if dims.tp != 1 or dims.dp != 1:
-            raise LayoutError(
-                f"parallel=torch_pp runs one torch.distributed.pipelining pipeline over the whole world, but "
-                f"parallel.dp={dims.dp} and parallel.tp={dims.tp}: set parallel.dp=1 parallel.tp=1"
-            )
-        return
-    if strategy == "torch_tp":
-        if dims.pp != 1:
-            raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
-        if dims.tp < 2:
-            raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
-        return
-    if strategy in SHARDED and dims.world_size < 2:
-        raise LayoutError(
-            f"parallel={strategy} shards the model state over data-parallel ranks and needs at least 2 processes, "
-            "got world size 1: launch it with torchrun --nproc-per-node 2 (or more)"
-        )
-    if strategy in ("pp", "tp", "3d"):
-        return  # pp with tp > 1 and tp with pp > 1 were renamed 3d by build_plan
-    if dims.tp != 1 or dims.pp != 1:
-        raise LayoutError(
-            f"parallel={strategy} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
-            "set parallel.tp=1 parallel.pp=1, or use parallel=tp for tensor parallelism"
-        )
 
 
 def _check_steps(steps: int, warmup_steps: int) -> None:
@@ -218,6 +180,11 @@ def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
     return str(checkpoint), start
 
 
+def _check_schedule_name(schedule) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={schedule!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
+
+
 def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
     """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v)."""
     if p.virtual_stages > 1 and dims.pp < 2:
@@ -242,40 +209,6 @@ def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
             f"parallel.virtual_stages={p.virtual_stages} a rank's chunks finish their backward at different times: "
             "set parallel.grad_sync=naive (or parallel.virtual_stages=1)"
         )
-
-
-def _route_zero(strategy: str, zero, dims: ParallelDims) -> str:
-    """parallel.zero picks how the dp dimension syncs. On a pure dp layout it is the zero<k>
-    strategy; with tp or pp it is the 3d strategy (one code path, pp=1 or tp=1 included), whose dp
-    sync becomes a ZeroOptimizer over the dp group. Refused where it means nothing."""
-    if zero not in ZERO_STAGES or isinstance(zero, bool):
-        raise ConfigError(f"parallel.zero={zero!r} is not a ZeRO stage: choose 0 (plain dp all-reduce), 1 or 2 "
-                          "(3 only with parallel.tp=1 parallel.pp=1)")
-    if zero == 0:
-        return strategy
-    if strategy not in ("dp", "tp", "pp", "3d"):
-        raise ConfigError(
-            f"parallel.zero={zero} sets the ZeRO stage of the dp dimension of parallel=dp, tp, pp or 3d, but "
-            f"parallel={strategy} {'is a ZeRO stage already' if strategy in SHARDED else 'has no such dp sync'}: "
-            "set parallel.zero=0"
-        )
-    if dims.dp < 2:
-        raise LayoutError(
-            f"parallel.zero={zero} shards over the data-parallel ranks, but parallel.dp={dims.dp} "
-            f"(world {dims.world_size} = dp {dims.dp} x tp {dims.tp} x pp {dims.pp}): "
-            "use at least 2 dp ranks, or parallel.zero=0"
-        )
-    if dims.tp == 1 and dims.pp == 1:
-        return f"zero{zero}"
-    if zero == 3:
-        raise ConfigError(
-            f"parallel.zero=3 does not compose with parallel.tp={dims.tp} parallel.pp={dims.pp} here: ZeRO-3 all-gathers "
-            "each part's parameters before every microbatch's forward and again before its backward (2m gathers of "
-            "every stage per step under a pipeline schedule, which wants m large), reduce-scatters gradients inside "
-            "backward (before sequence parallelism's tp sum of partial gradients) and frees parameters that the tp and "
-            "pp strategies read; use parallel.zero=1 or 2, or parallel=zero3 with parallel.tp=1 parallel.pp=1"
-        )
-    return "3d"
 
 
 def _check_3d_zero(zero: int, sequence_parallel: bool, dims: ParallelDims, p) -> None:
@@ -318,31 +251,20 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             "use model.vocab_size=256 (or more)"
         )
     dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
-    strategy = p.name
-    sequence_parallel = bool(p.sequence_parallel)
-    # Tensor parallelism over one rank is data parallelism (sequence parallelism over one rank
-    # cuts nothing), and `parallel=dp` (or pp) in one plain process is the single-process run.
-    if strategy == "tp" and dims.tp == 1:
-        strategy, sequence_parallel = "dp", False
-    # A pipeline of tensor-parallel stages is one strategy, however it was asked for.
-    if (strategy == "pp" and dims.tp > 1) or (strategy == "tp" and dims.pp > 1):
-        strategy = "3d"
-    zero = p.zero
-    strategy = _route_zero(strategy, zero, dims)
-    if strategy in ("dp", "pp", "3d") and env.world_size == 1:
-        strategy = "single"
-    _check_strategy(strategy, dims)
-    if sequence_parallel and (strategy not in ("tp", "3d") or dims.tp == 1):
-        raise ConfigError(
-            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={strategy} with parallel.tp={dims.tp}: "
-            "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
-        )
-    if strategy in ("tp", "3d", "torch_tp"):
+    requested = spec_of(p.name)
+    if requested.pipelined:
+        # The schedule is checked whatever the layout runs as (a pipeline preset in one process
+        # runs as `single`, but a schedule name it does not know is still a mistake to refuse).
+        _check_schedule_name(p.schedule)
+    strategy, options = resolve(p.name, dims, Options(bool(p.sequence_parallel), p.zero))
+    spec = check_layout(strategy, dims, options)
+    sequence_parallel, zero = options.sequence_parallel, options.zero
+    if spec.tensor_parallel:
         dims.check_tensor_parallel(model, sequence_parallel)
     dims.check_batch(t.global_batch, p.microbatches)
-    if strategy in ("pp", "3d", "torch_pp"):
+    if spec.pipelined:
         _check_pipeline(model, dims, p)
-    if strategy == "3d":
+    if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/combined/mesh3d.py)
         if zero:
             _check_3d_zero(zero, sequence_parallel, dims, p)  # the ZeroOptimizer replaces grad_sync
         else:
@@ -384,7 +306,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         peak_flops=_peak_flops(t.get("peak_flops")),
         precision=t.precision,
         device_type=choose_device_type(p.backend, backend, cuda_available),
-        zero=zero if strategy == "3d" else 0,  # on a pure dp layout the stage is in the strategy's name
+        zero=zero,  # of a combined layout's dp dimension; on a pure dp layout the stage is in the strategy's name
         checkpoint_every=t.checkpoint_every,
         checkpoint_dir=t.checkpoint_dir,
         resume_from=resume_from,

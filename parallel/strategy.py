@@ -23,10 +23,10 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .comm import Communicator
-from .data import Batch
-from .model import token_loss_sum
-from .optim import AdamW
+from parallel.dist.comm import Communicator
+from parallel.data import Batch
+from parallel.model import token_loss_sum
+from parallel.optim import AdamW
 
 
 def storage_bytes(tensors) -> int:
@@ -43,12 +43,68 @@ def storage_bytes(tensors) -> int:
     return total
 
 
+def moment_param(key: str) -> str:
+    """`blocks.0.attn.q.weight/exp_avg` -> `blocks.0.attn.q.weight`: a moment is cut like its parameter."""
+    return key.rsplit("/", 1)[0]
+
+
+def flat_moments(state: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """{name: {"exp_avg": t}} -> {`name/exp_avg`: t}: moments as tensors that gather like their parameter."""
+    return {f"{name}/{k}": t for name, moments in state.items() for k, t in moments.items()}
+
+
+def nest_moments(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """{`name/exp_avg`: t} -> {name: {"exp_avg": t}}."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        name, moment = key.rsplit("/", 1)
+        out.setdefault(name, {})[moment] = t
+    return out
+
+
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> AdamW:
     """AdamW; no weight decay on biases and LayerNorm weights (the nanoGPT/GPT-2 convention)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class GradSync:
+    """The gradient-sync protocol, and its no-op default: gradients stay where backward left them.
+
+    Every way of combining gradients across ranks (plain dp, naive or bucketed; ZeRO-1/2; the dp
+    dimension of tp and of a pipeline) implements these three moments of a step:
+
+        zero_grad()                  before the step's first microbatch
+        before_microbatch(last)      before each microbatch's backward; `last`: the step's last
+                                     microbatch, whose backward may start communicating
+        finish()                     after the last backward: every gradient is final here
+
+    `completions` are functions that complete local gradients across *another* group before they
+    are used (sequence parallelism's sum of partial LayerNorm and bias gradients over tp). Each
+    sync runs them where that is right for its own reduction: a plain sum commutes with them, so
+    after its all-reduces have landed (never while a bucket is on the wire); a reduce-scatter
+    (ZeRO-1) before it, since each rank keeps only a shard of what it reduces.
+    """
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.completions: list = []
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def before_microbatch(self, last: bool) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.complete()
+
+    def complete(self) -> None:
+        for complete in self.completions:
+            complete()
 
 
 class NonFiniteLoss(ArithmeticError):
@@ -69,25 +125,31 @@ class Strategy:
     check_finite: bool = True
     finite_checks: int = 0  # how many steps were guarded; train.py checks every step was
 
-    def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None):
+    def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None,
+                 sync: GradSync | None = None):
         self.model = model
         self.optimizer = optimizer
+        # How gradients are combined across ranks (the no-op GradSync: they stay local).
+        self.sync = sync if sync is not None else GradSync([p for p in model.parameters() if p.requires_grad])
         # The group over which the per-rank loss shares add up to the global loss (None: one rank).
         self.loss_comm = loss_comm
         # The context every forward pass runs in: nothing for fp32, autocast for bf16
         # (parallel/precision.py; the training loop sets it from train.precision).
         self.forward_context = contextlib.nullcontext
 
-    # Hooks the data-parallel strategies fill in ----------------------------------------------
+    # The gradient-sync protocol: the three moments of a step where gradients are handled ----------
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad()
 
-    def backward_context(self, last_microbatch: bool):
-        """Entered around each microbatch's forward and backward."""
+    def microbatch_context(self, last_microbatch: bool):
+        """Entered around each microbatch's backward (and forward); tells the sync whether this is
+        the step's last microbatch, the one whose backward communicates."""
+        self.sync.before_microbatch(last_microbatch)
         return contextlib.nullcontext()
 
     def after_backward(self) -> None:
         """Called once all microbatches have run backward, before the optimizer."""
+        self.sync.finish()
 
     def forward_loss(self, mb: Batch, global_tokens: int) -> torch.Tensor:
         return token_loss_sum(self.model(mb.inputs), mb.targets) / global_tokens
@@ -101,7 +163,7 @@ class Strategy:
         self.zero_grad()
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         for i, mb in enumerate(microbatches):
-            with self.backward_context(last_microbatch=i == len(microbatches) - 1):
+            with self.microbatch_context(last_microbatch=i == len(microbatches) - 1):
                 with self.forward_context():
                     loss = self.forward_loss(mb, global_tokens)
                 self.backward(loss)
@@ -152,9 +214,7 @@ class Strategy:
 
         Replicated strategies hold the whole state on every rank: rank 0 just copies its own.
         """
-        return {"step": self.optimizer.step_count, "state": {
-            name: {k: v.detach().cpu().clone() for k, v in self.optimizer.state[p].items()}
-            for name, p in self.named_full_parameters() if p in self.optimizer.state}}
+        return self.optimizer.named_state(self.named_full_parameters())
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor named `name` (the whole of it, unless sharded)."""
@@ -163,14 +223,10 @@ class Strategy:
     @torch.no_grad()
     def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict) -> None:
         """Keep this rank's part of a whole-model checkpoint; every rank calls it, no collectives."""
-        self.optimizer.step_count = int(optim_state["step"])
-        for name, p in self.named_full_parameters():
+        named = list(self.named_full_parameters())
+        for name, p in named:
             p.copy_(self.local_part(name, model_state[name]))
-            moments = optim_state["state"].get(name)
-            if moments is None:
-                self.optimizer.state.pop(p, None)
-            else:
-                self.optimizer.state[p] = {k: self.local_part(name, v).to(p.device, p.dtype).clone() for k, v in moments.items()}
+        self.optimizer.load_named_state(named, optim_state, self.local_part)
 
     def full_grads(self) -> dict:
         """The whole model's gradients as the optimizer sees them (after every sync), single-process

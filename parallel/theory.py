@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .dims import ParallelDims
-from .model import GPTConfig
-from .pp.split import layer_counts
+from parallel.dist.dims import ParallelDims
+from parallel.layout import Layout
+from parallel.model import GPTConfig
+from parallel.pp.split import layer_counts
 
 FP32_BYTES = 4
 
@@ -66,33 +67,41 @@ def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
     return sum(-(-count // n) * n for count in part_parameter_counts(cfg))
 
 
-def model_state_bytes(strategy: str, cfg: GPTConfig, dims: ParallelDims, dtype_bytes: int = FP32_BYTES, *,
-                      zero: int = 0, virtual: int = 1, pp_layers=None) -> dict | None:
-    """Bytes of parameters, gradients and Adam state one rank holds (ZeRO paper §5, fp32 Adam:
-    4 + 4 + 8 bytes per parameter; REFERENCES.md). Plain data parallelism holds all of it; stage 1
-    shards the optimizer state over the N dp ranks, stage 2 also the gradients, stage 3 also the
-    parameters, each on the padded count Ψ_pad. 3d with one pipeline stage: every rank holds the
-    same, `mesh3d_model_state_bytes` (zero: the stage of its dp dimension); with several stages
-    ranks differ (that function per stage). None for layouts without a formula here (tp, pp).
+def replicated_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
+    """Plain data parallelism (and one process) holds all of it on every rank: fp32 parameters 4Ψ,
+    gradients 4Ψ and Adam's two moments 8Ψ bytes (ZeRO paper §5, with K = 8 for fp32 Adam)."""
+    psi = parameter_count(cfg)
+    B = layout.dtype_bytes
+    return _state_figures(psi * B, psi * B, 2 * psi * B, psi)
+
+
+def zero_model_state_bytes(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
+    """ZeRO over the N dp ranks (Rajbhandari et al. 2019, §5): stage 1 shards Adam's state, stage 2
+    also the gradients, stage 3 also the parameters, each on the padded count Ψ_pad:
+
+        zero1  4Ψ + 4Ψ + 8Ψ/N     zero2  4Ψ + 4Ψ/N + 8Ψ/N     zero3  (4Ψ + 4Ψ + 8Ψ)/N   (Ψ = Ψ_pad)
     """
-    n = dims.dp
-    if strategy == "3d" and dims.pp == 1:
-        return mesh3d_model_state_bytes(cfg, dims, 0, zero, virtual, pp_layers, dtype_bytes)
-    if strategy in ("single", "dp", "torch_ddp"):
-        psi = parameter_count(cfg)
-        params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
-    elif strategy in ("zero1", "zero2", "zero3"):
-        psi = zero_padded_parameter_count(cfg, n)
-        stage = int(strategy[-1])
-        state = Fraction(2 * psi * dtype_bytes, n)
-        grads = Fraction(psi * dtype_bytes, n) if stage >= 2 else psi * dtype_bytes
-        params = Fraction(psi * dtype_bytes, n) if stage >= 3 else psi * dtype_bytes
-    else:
-        return None
+    n, B = layout.dims.dp, layout.dtype_bytes
+    psi = zero_padded_parameter_count(cfg, n)
+    state = Fraction(2 * psi * B, n)
+    grads = Fraction(psi * B, n) if stage >= 2 else psi * B
+    params = Fraction(psi * B, n) if stage >= 3 else psi * B
+    assert all(Fraction(v).denominator == 1 for v in (params, grads, state))  # Ψ_pad divides by n
+    return _state_figures(int(params), int(grads), int(state), psi)
+
+
+def _state_figures(params: int, grads: int, state: int, counted: int) -> dict:
     figures = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state}
-    assert all(Fraction(v).denominator == 1 for v in figures.values())  # Ψ_pad divides by n
-    figures = {k: int(v) for k, v in figures.items()}
-    return {**figures, "total_bytes": sum(figures.values()), "parameters_counted": psi}
+    return {**figures, "total_bytes": params + grads + state, "parameters_counted": counted}
+
+
+def mesh3d_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict | None:
+    """dp x tp x pp: with one pipeline stage every rank holds the same (`mesh3d_model_state_bytes`);
+    with several the stages differ, and the summary's one formula is None (per stage, call that)."""
+    if layout.dims.pp != 1:
+        return None
+    return mesh3d_model_state_bytes(cfg, layout.dims, 0, layout.zero, layout.virtual_stages, layout.pp_layers,
+                                    layout.dtype_bytes)
 
 
 def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
@@ -344,7 +353,7 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
     }
     return _figure({op: (pl, st) for op, (pl, st) in totals.items() if pl}, dims.world_size, extra)
 
-def _zero_comm(strategy: str, cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
+def _zero_comm(stage: int, cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
     """ZeRO over N = dp ranks (Rajbhandari et al. §7), on the padded flat buffers (Ψ_pad·B bytes
     of gradients G and of parameters P); a reduce-scatter or all-gather of S bytes sends
     (N-1)/N·S per rank:
@@ -357,7 +366,7 @@ def _zero_comm(strategy: str, cfg: GPTConfig, dims: ParallelDims, m: int, B: int
     """
     n = dims.dp
     size = zero_padded_parameter_count(cfg, n) * B
-    gathers, scatters = {"zero1": (1, 1), "zero2": (1, m), "zero3": (2 * m, m)}[strategy]
+    gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[stage]
     per_rank = {"all_gather": gathers * size, "reduce_scatter": scatters * size}
     ranks = dims.world_size
     totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
@@ -397,47 +406,66 @@ def _fsdp2_comm(cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
     return _figure(totals, ranks, {"padded_parameters": sum(groups.values())})
 
 
-def expected_comm(strategy: str, model_cfg: GPTConfig, dims: ParallelDims, *, microbatch_size: int = 1,
-                  microbatches: int = 1, virtual: int = 1, sequence_parallel: bool = False,
-                  dtype_bytes: int = FP32_BYTES, pp_layers=None, zero: int = 0) -> dict:
-    """Strategy traffic per optimizer step, summed over all ranks, in the summary's schema.
+# -- each strategy's traffic per optimizer step, summed over all ranks (the registry names which) --
+def no_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """One process: nothing crosses between ranks."""
+    return _figure({}, layout.dims.world_size)
 
-    single: nothing crosses between ranks.
-    dp (naive, bucketed, torch_ddp): one all-reduce of all gradients per step, 2(N-1)/N · Ψ·B per
-    rank, whatever the bucketing and however many microbatches are accumulated.
-    pp: every activation and its gradient crosses each boundary once per microbatch (sends; a
-    receive sends nothing), in each of the dp pipelines; with dp > 1 each stage then all-reduces
-    its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e.
-    2(dp-1) · Ψ·B over all ranks.
-    tp: see `_tp_comm` (microbatch_size b sequences, `microbatches` m per step).
-    3d: see `_mesh3d_comm` (pp_layers: the explicit split, if any; zero: its dp dimension's ZeRO stage).
-    """
-    psi = parameter_count(model_cfg)
-    if strategy == "single" or dims.world_size == 1:
-        return _figure({}, dims.world_size)
-    if strategy in ("dp", "torch_ddp", "accelerate_ddp"):
-        grads = psi * dtype_bytes
-        return _figure({"all_reduce": (grads * dims.world_size, all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
-                       dims.world_size)
-    if strategy in ("pp", "torch_pp"):  # torch's stages send the same activations and gradients
-        b = microbatch_size
-        p2p = pipeline_p2p_bytes(model_cfg, b, microbatches, dims.pp, virtual, dtype_bytes) * dims.dp
-        totals = {}
-        if p2p:
-            totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))}
-        if dims.dp > 1:
-            grads = psi * dtype_bytes  # summed over the stages of one pipeline
-            totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
-        return _figure(totals, dims.world_size)
-    if strategy == "torch_tp":
-        return _torch_tp_comm(model_cfg, dims, microbatch_size, microbatches, dtype_bytes)
-    if strategy == "3d":
-        return _mesh3d_comm(model_cfg, dims, microbatch_size, microbatches, virtual, pp_layers, sequence_parallel,
-                            dtype_bytes, zero)
-    if strategy == "tp":
-        return _tp_comm(model_cfg, dims, microbatch_size, microbatches, sequence_parallel, dtype_bytes)
-    if strategy in ("zero1", "zero2", "zero3"):
-        return _zero_comm(strategy, model_cfg, dims, microbatches, dtype_bytes)
-    if strategy == "torch_fsdp2":
-        return _fsdp2_comm(model_cfg, dims, microbatches, dtype_bytes)
-    raise ValueError(f"theory has no formula for strategy {strategy!r}")
+
+def dp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """dp (naive, bucketed), torch_ddp, accelerate_ddp: one all-reduce of all gradients per step,
+    2(N-1)/N · Ψ·B per rank, whatever the bucketing and however many microbatches are accumulated."""
+    dims, grads = layout.dims, parameter_count(cfg) * layout.dtype_bytes
+    return _figure({"all_reduce": (grads * dims.world_size, all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
+                   dims.world_size)
+
+
+def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """pp and torch_pp (torch's stages send the same activations and gradients): every activation
+    and its gradient crosses each boundary once per microbatch (sends; a receive sends nothing), in
+    each of the dp pipelines; with dp > 1 each stage then all-reduces its own parameters over dp,
+    which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
+    dims, B = layout.dims, layout.dtype_bytes
+    p2p = pipeline_p2p_bytes(cfg, layout.microbatch_size, layout.microbatches, dims.pp, layout.virtual_stages, B) * dims.dp
+    totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))} if p2p else {}
+    if dims.dp > 1:
+        grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
+        totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
+    return _figure(totals, dims.world_size)
+
+
+def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """tp and tp_sp (with dp across tp groups): see `_tp_comm`."""
+    return _tp_comm(cfg, layout.dims, layout.microbatch_size, layout.microbatches, layout.sequence_parallel,
+                    layout.dtype_bytes)
+
+
+def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """torch_tp (DTensor): see `_torch_tp_comm`."""
+    return _torch_tp_comm(cfg, layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes)
+
+
+def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """dp x tp x pp with a plain or ZeRO dp dimension: see `_mesh3d_comm`."""
+    return _mesh3d_comm(cfg, layout.dims, layout.microbatch_size, layout.microbatches, layout.virtual_stages,
+                        layout.pp_layers, layout.sequence_parallel, layout.dtype_bytes, layout.zero)
+
+
+def zero_comm(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
+    """zero1, zero2, zero3: see `_zero_comm`."""
+    return _zero_comm(stage, cfg, layout.dims, layout.microbatches, layout.dtype_bytes)
+
+
+def fsdp2_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """torch_fsdp2: see `_fsdp2_comm`."""
+    return _fsdp2_comm(cfg, layout.dims, layout.microbatches, layout.dtype_bytes)
+
+
+def tp_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+    """What rank 0 holds when the model is cut over tp only (Ψ_t; Ψ without tp)."""
+    return tp_shard_parameter_count(cfg, layout.dims.tp)
+
+
+def mesh3d_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+    """What rank 0 (the first stage's tp rank 0) holds under dp x tp x pp."""
+    return mesh3d_local_parameter_count(cfg, layout.dims, layout.virtual_stages, layout.pp_layers)

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from parallel.comm import CommLog
+from parallel.dist.comm import CommLog
 from parallel.data import GlobalBatches, load_corpus, local_microbatches
-from parallel.dims import ParallelDims
-from parallel.distributed import LaunchEnv, exit_process, init_distributed, shutdown
-from parallel.mesh3d import Mesh3D
+from parallel.dist.dims import ParallelDims
+from parallel.dist.groups import LaunchEnv, exit_process, init_distributed, shutdown
+from types import SimpleNamespace
+
+from parallel.combined.mesh3d import build_mesh3d
+from parallel.pp.executor import PipelineParallel
 from parallel.model import GPT, GPTConfig
 from parallel.strategy import SingleProcess, make_optimizer
 
@@ -46,10 +49,11 @@ def main() -> None:
     batches = GlobalBatches(corpus, CFG.seq_len, GLOBAL_BATCH, SEED)
     ctx = init_distributed(env, dims, "gloo", 60.0, CommLog())
 
-    def build(seed: int) -> Mesh3D:
-        return Mesh3D(GPT(CFG, seed=seed), tp_comm=ctx.comm("tp"), pp_comm=ctx.comm("pp"), dp_comm=ctx.comm("dp"),
-                      sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b",
-                      microbatches=MICROBATCHES, virtual=1, pp_layers=None, lr=LR, weight_decay=WD)
+    plan = SimpleNamespace(sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b",
+                           microbatches=MICROBATCHES, virtual_stages=1, pp_layers=None, lr=LR, weight_decay=WD, zero=0)
+
+    def build(seed: int) -> PipelineParallel:
+        return build_mesh3d(GPT(CFG, seed=seed), plan, ctx)
 
     def step(strategy, k: int) -> None:
         batch = batches(k)

@@ -17,7 +17,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from launcher import PROJECT_ROOT, multinode_command
-from parallel.distributed import LaunchEnv
+from parallel.dist.groups import LaunchEnv
 from parallel.plan import build_plan
 
 SBATCH = PROJECT_ROOT / "launch" / "slurm" / "train.sbatch"

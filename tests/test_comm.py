@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.comm import CommLog, Communicator, summarize_traffic
+from parallel.dist.comm import CommLog, Communicator, summarize_traffic
 
 
 def _worker(rank, world, store_path, results):

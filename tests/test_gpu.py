@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from launcher import PROJECT_ROOT, TINY, assert_ok, max_rel_diff, run_train
 from parallel.data import Batch
-from parallel.distributed import LaunchEnv, choose_device_type
+from parallel.dist.groups import LaunchEnv, choose_device_type
 from parallel.model import GPT, GPTConfig
 from parallel.plan import ConfigError, build_plan
 from parallel.precision import ForwardContext

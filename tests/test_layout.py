@@ -4,8 +4,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from launcher import PROJECT_ROOT
-from parallel.dims import LayoutError, ParallelDims
-from parallel.distributed import LaunchEnv, choose_backend, threads_per_rank
+from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.dist.groups import LaunchEnv, choose_backend, threads_per_rank
 from parallel.plan import ConfigError, build_plan
 
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from launcher import TINY, assert_ok, check_matches_single, max_rel_diff, run_train
-from parallel.dims import ParallelDims
-from parallel.mesh3d import Mesh3D
+from parallel.dist.dims import ParallelDims
+from parallel.combined.mesh3d import build_mesh3d
 from parallel.model import GPT, GPTConfig
 from parallel.pp.schedules import build_schedule
-from parallel.tp import parallelize_tp
+from parallel.tp.layers import parallelize_tp
 from test_tp import check_grads_match_single
 
 L = 4  # the tiny model's layers
@@ -174,11 +174,12 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 
 
-def _strategy(model, pp_rank, tp_rank, p=2, t=2):
+def _strategy(model, pp_rank, tp_rank, p=2, t=2, dp_comm=None, zero=0):
     # Building reads only the ranks and sizes of the groups; dp_comm None: no dp sync is made.
-    return Mesh3D(model, tp_comm=SimpleNamespace(rank=tp_rank, size=t), pp_comm=SimpleNamespace(rank=pp_rank, size=p),
-                  dp_comm=None, sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b",
-                  microbatches=2, virtual=1, pp_layers=None, lr=1e-3, weight_decay=0.1)
+    plan = SimpleNamespace(sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b", microbatches=2,
+                           virtual_stages=1, pp_layers=None, lr=1e-3, weight_decay=0.1, zero=zero)
+    comms = {"tp": SimpleNamespace(rank=tp_rank, size=t), "pp": SimpleNamespace(rank=pp_rank, size=p), "dp": dp_comm}
+    return build_mesh3d(model, plan, SimpleNamespace(comm=comms.get))
 
 
 def test_load_full_state_keeps_each_ranks_own_piece():
@@ -192,9 +193,9 @@ def test_load_full_state_keeps_each_ranks_own_piece():
             loaded = _strategy(GPT(CFG, seed=0), pp_rank, tp_rank)
             loaded.load_full_state(full, optim)
             # The same piece parallelize_tp and the split cut from a model built with those weights.
-            built = dict(_strategy(GPT(CFG, seed=7), pp_rank, tp_rank).global_named_parameters())
+            built = dict(_strategy(GPT(CFG, seed=7), pp_rank, tp_rank).named_full_parameters())
             assert loaded.optimizer.step_count == 5
-            for name, q in loaded.global_named_parameters():
+            for name, q in loaded.named_full_parameters():
                 assert torch.equal(q, built[name]), name
                 state = loaded.optimizer.state[q]
                 pieces.setdefault(name, []).append((tp_rank, q.detach(), state["exp_avg"], state["exp_avg_sq"]))
@@ -239,18 +240,15 @@ def test_zero_dp_load_full_state_cuts_the_tp_piece_then_the_dp_shard():
         for tp_rank in range(2):
             plain = _strategy(GPT(CFG, seed=0), pp_rank, tp_rank)
             plain.load_full_state(full, optim)
-            plain_params = dict(plain.global_named_parameters())
+            plain_params = dict(plain.named_full_parameters())
             shards = []
             for dp_rank in range(2):
-                sharded = Mesh3D(GPT(CFG, seed=0), tp_comm=SimpleNamespace(rank=tp_rank, size=2),
-                                 pp_comm=SimpleNamespace(rank=pp_rank, size=2), dp_comm=SimpleNamespace(rank=dp_rank, size=2),
-                                 sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b", microbatches=2,
-                                 virtual=1, pp_layers=None, lr=1e-3, weight_decay=0.1, zero=1)
+                sharded = _strategy(GPT(CFG, seed=0), pp_rank, tp_rank, dp_comm=SimpleNamespace(rank=dp_rank, size=2), zero=1)
                 sharded.load_full_state(full, optim)
-                assert sharded.optimizer is sharded.zero and sharded.zero.optimizer.step_count == 5
-                for name, q in sharded.global_named_parameters():
+                assert sharded.optimizer is sharded.sync and sharded.sync.optimizer.step_count == 5
+                for name, q in sharded.named_full_parameters():
                     assert torch.equal(q, plain_params[name]), name
-                shards.append(sharded.zero)
+                shards.append(sharded.sync)
             for i, part in enumerate(shards[0].parts):
                 for key in ("exp_avg", "exp_avg_sq"):
                     joined = torch.cat([z.optimizer.shard_state(i, key) for z in shards])[: part.numel]

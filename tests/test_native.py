@@ -5,9 +5,9 @@ traffic, counted around DTensor's and pipelining's communication calls or throug
 import pytest
 from omegaconf import OmegaConf
 
-from parallel.dims import ParallelDims
+from parallel.dist.dims import ParallelDims
 from parallel.plan import model_config
-from parallel.theory import expected_comm
+from parallel.registry import expected_comm
 
 from launcher import TINY, assert_ok, check_matches_single, run_train
 

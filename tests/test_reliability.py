@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from test_layout import plan_for
-from parallel.checkpoint import (CheckpointError, checkpoint_meta, load_checkpoint, resolve_checkpoint,
-                                 save_checkpoint)
+from parallel.reliability.checkpoint import CheckpointError, checkpoint_meta, load_checkpoint, resolve_checkpoint, save_checkpoint
 from parallel.data import GlobalBatches, load_corpus, local_microbatches
-from parallel.dims import LayoutError
+from parallel.dist.dims import LayoutError
 from parallel.model import GPT, GPTConfig
 from parallel.plan import ConfigError
 from parallel.strategy import NonFiniteLoss, SingleProcess, make_optimizer
@@ -169,8 +168,8 @@ def test_a_survivor_names_the_peer_that_exited():
     import subprocess
     import sys
 
-    from parallel.comm import CommFailure
-    from parallel.faults import describe_failure, gone_peers
+    from parallel.dist.comm import CommFailure
+    from parallel.reliability.faults import describe_failure, gone_peers
 
     host = socket.gethostname()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

@@ -5,11 +5,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallel.comm import ring_bytes_sent
-from parallel.dims import ParallelDims
+from parallel.dist.comm import ring_bytes_sent
+from parallel.dist.dims import ParallelDims
 from parallel.model import GPT, GPTConfig, count_parameters
-from parallel.theory import expected_comm, parameter_count, tp_shard_parameter_count
-from parallel.tp import parallelize_tp
+from parallel.registry import expected_comm
+from parallel.theory import parameter_count, tp_shard_parameter_count
+from parallel.tp.layers import parallelize_tp
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 
@@ -192,7 +193,8 @@ def test_3d_without_tp_is_pp_and_without_pp_is_tp():
         assert expected_comm("3d", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)["by_op"] == tp["by_op"]
 
 # -- ZeRO and FSDP2 ---------------------------------------------------------------------------------
-from parallel.theory import model_state_bytes, part_parameter_counts, zero_padded_parameter_count  # noqa: E402
+from parallel.registry import model_state_bytes  # noqa: E402
+from parallel.theory import part_parameter_counts, zero_padded_parameter_count  # noqa: E402
 
 
 def test_parts_add_up_to_the_whole_model():
@@ -259,7 +261,7 @@ def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
 def _stage_part_sizes(t, p, v=1):
     """Per stage, the parts ZeRO shards (zero.py groups a rank's parameters by dp._part_of), counted
     on the model itself after the tp cut and the pipeline split."""
-    from parallel.dp import _part_of
+    from parallel.model import part_of as _part_of
     from parallel.pp.split import split_model
     sizes = []
     for r in range(p):

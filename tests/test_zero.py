@@ -21,7 +21,7 @@ import torch
 from launcher import TINY, assert_ok, check_matches_single, run_train
 from parallel.model import GPT, GPTConfig
 from parallel.strategy import make_optimizer
-from parallel.zero import ShardAdamW, group_into_parts
+from parallel.zero.shards import ShardAdamW, group_into_parts
 
 V, H, S, L = 256, 64, 32, 4  # the tiny model
 
@@ -142,7 +142,7 @@ def plan_for(world: int, *overrides: str):
     from hydra import compose, initialize_config_dir
 
     from launcher import PROJECT_ROOT
-    from parallel.distributed import LaunchEnv
+    from parallel.dist.groups import LaunchEnv
     from parallel.plan import build_plan
 
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
@@ -152,7 +152,7 @@ def plan_for(world: int, *overrides: str):
 
 @pytest.mark.parametrize("preset", ["zero1", "zero2", "zero3", "torch_fsdp2"])
 def test_sharded_presets_are_pure_data_parallel(preset):
-    from parallel.dims import LayoutError
+    from parallel.dist.dims import LayoutError
 
     plan = plan_for(4, f"parallel={preset}")
     assert (plan.strategy, plan.dims.dp, plan.dims.tp, plan.dims.pp) == (preset, 4, 1, 1)

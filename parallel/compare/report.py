@@ -6,7 +6,7 @@ import csv
 import json
 from pathlib import Path
 
-from .rows import COLUMNS, LOSS_RTOL
+from parallel.compare.rows import COLUMNS, LOSS_RTOL
 
 # (header, row key, format) of the table shown on the console and in report.md.
 TABLE = (

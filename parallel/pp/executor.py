@@ -10,6 +10,11 @@ The loss exists only on the last virtual stage: each microbatch's summed token l
 the global batch's token count, so the gradients equal the single-process ones (dividing by the
 microbatch's own count would make them m times too large, the classic mistake). The global mean
 loss reaches rank 0 through an all-reduce over pp and then dp, tagged as tooling.
+
+The runner is given its parts rather than building them: the chunks this rank holds, the
+optimizer, the gradient sync over dp, how the last stage turns its output into a loss, what
+crosses a boundary, and how its parameters are cut over tp (`TPShards`, the identity without tp).
+parallel/combined/mesh3d.py composes them for `pp` and for dp x tp x pp.
 """
 
 from __future__ import annotations
@@ -19,62 +24,52 @@ import time
 import torch
 import torch.nn as nn
 
-from ..comm import Communicator
-from ..data import Batch
-from ..dp import NaiveGradSync
-from ..model import GPT, token_loss_sum
-from ..strategy import Strategy, make_optimizer
-from .schedules import COMM, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, build_schedule
-from .split import split_model
+from parallel.data import Batch
+from parallel.dist.comm import Communicator
+from parallel.model import token_loss_sum
+from parallel.pp.schedules import COMM, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, build_schedule
+from parallel.pp.split import PipelineChunk
+from parallel.strategy import GradSync, Strategy, flat_moments, moment_param, nest_moments
+from parallel.tp.layers import TPShards
+from parallel.zero.shards import gather_full
 
 
 class PipelineParallel(Strategy):
     name = "pp"
 
-    def __init__(self, model: GPT, *, pp_comm: Communicator, dp_comm: Communicator | None, schedule: str,
-                 microbatches: int, virtual: int, pp_layers: list[int] | None, lr: float, weight_decay: float):
-        self._full_parameters = sum(p.numel() for p in model.parameters())
+    def __init__(self, chunks: list[PipelineChunk], *, pp_comm: Communicator, dp_comm: Communicator | None,
+                 schedule: str, microbatches: int, virtual: int, optimizer, sync: GradSync, full_parameters: int,
+                 d_model: int, stage_loss=token_loss_sum, boundary_seq_parts: int = 1, shards: TPShards | None = None,
+                 tp_comm: Communicator | None = None):
+        self._full_parameters = full_parameters
         self.stages = pp_comm.size
         self.pp_rank = pp_comm.rank
         self.virtual = virtual
         self.last_vstage = self.stages * virtual - 1
-        self.chunks = split_model(model, self.stages, virtual, self.pp_rank, pp_layers)
-        local = nn.ModuleList(self.chunks)
-        super().__init__(local, make_optimizer(local, lr, weight_decay), loss_comm=dp_comm)
-        self.pp_comm = pp_comm
-        self.dp_comm = dp_comm
-        self.d_model = model.cfg.d_model
+        self.chunks = chunks
+        super().__init__(nn.ModuleList(chunks), optimizer, loss_comm=dp_comm, sync=sync)
+        self.pp_comm, self.dp_comm, self.tp_comm = pp_comm, dp_comm, tp_comm
+        self.d_model = d_model
+        self.stage_loss = stage_loss  # (last chunk's output, targets) -> summed token loss
+        self.boundary_seq_parts = boundary_seq_parts  # each rank sends 1/this of the sequence (sequence parallelism)
+        self.shards = shards if shards is not None else TPShards()
         self.schedule = schedule
         self.microbatches = microbatches
         self.actions: list[Action] = build_schedule(schedule, self.stages, microbatches, virtual)[self.pp_rank]
-        self.grad_sync = self._make_grad_sync(dp_comm)
         self.executed: list[Action] = []  # the order actually run in the last step (tests compare it with the schedule)
         self.spans: list[dict] = []  # the last step's timeline: one record per action
 
     def full_parameter_count(self) -> int:
         return self._full_parameters
 
-    def global_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their single-process names."""
-        return [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
-
-    # -- what a subclass (the 3-D strategy, parallel/mesh3d.py) changes -------------------------
-    def _make_grad_sync(self, dp_comm: Communicator | None):
-        if dp_comm is None or dp_comm.size == 1:
-            return None
-        return NaiveGradSync.from_named(self.global_named_parameters(), dp_comm)
+    def named_full_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters (tp pieces, if cut) under their single-process names."""
+        return global_named_parameters(self.chunks)
 
     def _activation_shape(self, mb: Batch) -> tuple[int, ...]:
-        """What crosses a stage boundary: one microbatch's hidden states."""
-        return (mb.n_sequences, mb.inputs.shape[1], self.d_model)
-
-    def _stage_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last virtual stage's summed token loss from its output."""
-        return token_loss_sum(out, targets)
-
-    def after_backward(self) -> None:
-        if self.grad_sync is not None:
-            self.grad_sync.finish()
+        """What crosses a stage boundary: one microbatch's hidden states (or this tp rank's piece
+        of its sequence, under sequence parallelism)."""
+        return (mb.n_sequences, mb.inputs.shape[1] // self.boundary_seq_parts, self.d_model)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _vstage(self, a: Action) -> int:
@@ -116,13 +111,13 @@ class PipelineParallel(Strategy):
                 with self.forward_context():
                     out = chunk(x)
                     if vs == self.last_vstage:
-                        out = self._stage_loss(out, microbatches[a.mb].targets) / global_tokens
+                        out = self.stage_loss(out, microbatches[a.mb].targets) / global_tokens
                 if vs == self.last_vstage:
                     local_loss += out.detach()
                 outputs[key] = out
             else:
                 out = outputs.pop(key)
-                with self.backward_context(last_microbatch=a.mb == self.microbatches - 1):
+                with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
                     if vs == self.last_vstage:
                         out.backward()
                     else:
@@ -185,35 +180,49 @@ class PipelineParallel(Strategy):
             self.pp_comm.all_reduce(local_loss, tag="tooling/loss")
         return super().global_loss(local_loss)
 
-    def _gather_to_first_stage(self, local: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
-        """Every stage's tensors, already under single-process names, merged on pp rank 0."""
-        parts = self.pp_comm.gather_object(local, 0, tag=tag)
+    def _gather_to_first_stage(self, local: dict, tag: str) -> dict:
+        """Every stage's entries, already under single-process names, merged on pp rank 0."""
         merged = {}
-        for part in parts or []:
+        for part in self.pp_comm.gather_object(local, 0, tag=tag) or []:
             merged.update(part)
         return merged
 
+    # Whole-model views (collective; valid on rank 0): this rank's pieces gathered over tp, then
+    # every stage's merged on the first stage. The optimizer may be AdamW or a ZeroOptimizer over
+    # dp: both give their moments by parameter name (the latter gathered over dp first).
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        mine = {chunk.global_name(n): t.detach().cpu().clone() for chunk in self.chunks for n, t in chunk.state_dict().items()}
-        return self._gather_to_first_stage(mine, "tooling/state")
-
-    def named_full_parameters(self):
-        return [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
+        return self._gather_to_first_stage(self.shards.gather(dict(self.named_full_parameters())), "tooling/state")
 
     def full_optimizer_state(self) -> dict:
-        """Each stage's moments under single-process names, merged on pp rank 0."""
-        mine = super().full_optimizer_state()["state"]
-        parts = self.pp_comm.gather_object(mine, 0, tag="tooling/optimizer_state")
-        merged = {}
-        for part in parts or []:
-            merged.update(part)
-        return {"step": self.optimizer.step_count, "state": merged}
+        local = self.optimizer.named_state(self.named_full_parameters())
+        whole = self.shards.gather(flat_moments(local["state"]), moment_param)
+        return {"step": local["step"], "state": nest_moments(self._gather_to_first_stage(whole, "tooling/optim_state"))}
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return self.shards.local_part(name, full).contiguous()
 
     def full_grads(self) -> dict:
-        mine = {chunk.global_name(n): p.grad.detach().cpu().clone() for chunk in self.chunks for n, p in chunk.named_parameters()}
-        return {"grads": self._gather_to_first_stage(mine, "tooling/grads"), "tp_replica_max_diff": {}}
+        grads = self.synced_local_grads()
+        spread = self.shards.replica_spread(grads)
+        return {"grads": self._gather_to_first_stage(self.shards.gather(grads), "tooling/grads"),
+                "tp_replica_max_diff": self._gather_to_first_stage(spread, "tooling/grads")}
+
+    def synced_local_grads(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients as the optimizer used them, by name; under ZeRO only the dp shards
+        hold the synced sums, so they are gathered over dp (collective)."""
+        if hasattr(self.sync, "synced_grad_shards"):
+            return gather_full(self.sync.parts, self.sync.synced_grad_shards(), self.sync.comm, "tooling/full_grads")
+        return {n: p.grad for n, p in self.named_full_parameters()}
+
+    def memory_report(self) -> dict:
+        return self.sync.memory() if hasattr(self.sync, "memory") else super().memory_report()
 
     def close(self) -> None:
-        self.pp_comm.wait_all()
-        if self.dp_comm is not None:
-            self.dp_comm.wait_all()
+        for comm in (self.pp_comm, self.dp_comm, self.tp_comm):
+            if comm is not None:
+                comm.wait_all()
+
+
+def global_named_parameters(chunks: list[PipelineChunk]) -> list[tuple[str, nn.Parameter]]:
+    """The chunks' parameters under their single-process names."""
+    return [(chunk.global_name(n), p) for chunk in chunks for n, p in chunk.named_parameters()]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_location, virtual_stage
+from parallel.pp.schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_location, virtual_stage
 
 
 class ScheduleInvalid(AssertionError):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..model import GPT
+from parallel.model import GPT
 
 
 class SplitError(ValueError):

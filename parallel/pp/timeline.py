@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .schedules import build_schedule
-from .simulator import simulate, unit_costs
+from parallel.pp.schedules import build_schedule
+from parallel.pp.simulator import simulate, unit_costs
 
 COMPUTE_KINDS = ("forward", "backward")
 # "p2p": posting sends and receives; "wait": waiting for a receive to arrive (or, at the end of

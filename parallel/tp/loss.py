@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Communicator
+from parallel.dist.comm import Communicator
 
 TAG = "tp/loss/fwd"
 

@@ -20,12 +20,12 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .comm import CommLog, Communicator
-from .data import Batch
-from .model import GPT, token_loss_sum
-from .native_count import PipelineP2PCounter
-from .pp.split import split_model
-from .strategy import Strategy, make_optimizer
+from parallel.dist.comm import CommLog, Communicator
+from parallel.data import Batch
+from parallel.model import GPT, token_loss_sum
+from parallel.baselines.counting import PipelineP2PCounter
+from parallel.pp.split import split_model
+from parallel.strategy import Strategy, make_optimizer
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -93,6 +93,15 @@ class TorchPipeline(Strategy):
         for part in self.pp_comm.gather_object(local, 0, tag=tag) or []:
             merged.update(part)
         return merged
+
+    def named_full_parameters(self):
+        """This rank's chunks' parameters under their single-process names (a checkpoint's keys)."""
+        return [(c.global_name(n), p) for c in self.chunks for n, p in c.named_parameters()]
+
+    def full_optimizer_state(self) -> dict:
+        """Each stage's moments under single-process names, merged on pp rank 0."""
+        local = self.optimizer.named_state(self.named_full_parameters())
+        return {"step": local["step"], "state": self._gather(local["state"], "tooling/optim_state")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return self._gather({c.global_name(n): t.detach().cpu().clone() for c in self.chunks for n, t in c.state_dict().items()},

@@ -1,121 +1,22 @@
-"""PyTorch's own implementations on the same model and data, as baselines to measure against.
+"""PyTorch FSDP2 (`fully_shard`) on the same model: the baseline for `zero3`.
 
-Their traffic goes through the same communication log: DDP lets us replace its all-reduce with a
-communication hook, and FSDP2 its all-gather and reduce-scatter with custom collectives
-(`set_custom_all_gather`, `set_custom_reduce_scatter`), so every byte they send is counted by
-`comm.py` exactly as ours are.
+Its all-gathers and reduce-scatters go through the communication log as custom collectives
+(`set_custom_all_gather`, `set_custom_reduce_scatter`), so every byte it sends is counted by
+parallel/dist/comm.py exactly as ours are.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .comm import Communicator
-from .optim import AdamW
-from .strategy import Strategy, storage_bytes
-from .zero import BETAS, EPS
+from parallel.dist.comm import Communicator
+from parallel.model import part_names
+from parallel.optim import AdamW
+from parallel.strategy import GradSync, Strategy, storage_bytes
+from parallel.zero.shards import BETAS, EPS
 
-
-def _counted_allreduce_hook(comm: Communicator):
-    """A DDP comm hook that sums each bucket through the communication log.
-
-    DDP's built-in hook divides by the world size (it averages); ours sums, because every
-    microbatch loss is already divided by the global token count (see strategy.py).
-    """
-
-    def hook(_state, bucket):
-        return comm.all_reduce_future(bucket.buffer(), tag=f"grads/bucket{bucket.index()}")
-
-    return hook
-
-
-class TorchDDP(Strategy):
-    name = "torch_ddp"
-    # DDP waits on the hook's futures inside its own backward: the log cannot time that wait.
-    exposed_comm_measured = False
-
-    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float):
-        ddp = DDP(
-            model,
-            process_group=dp_comm.group,
-            bucket_cap_mb=bucket_mb,
-            # The model is built identically from one seed on every rank; skipping DDP's
-            # initial parameter broadcast keeps all traffic inside the communication log.
-            # (The GPT has no buffers, so DDP has none to broadcast in forward either.)
-            init_sync=False,
-        )
-        ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
-        super().__init__(ddp, optimizer_factory(ddp.module), loss_comm=dp_comm)
-
-    def backward_context(self, last_microbatch: bool):
-        # DDP's own way of accumulating without communicating.
-        return contextlib.nullcontext() if last_microbatch else self.model.no_sync()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
-
-    def named_full_parameters(self):
-        return self.model.module.named_parameters()  # without DDP's "module." prefix
-
-    def full_grads(self) -> dict:
-        return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.module.named_parameters()},
-                "tp_replica_max_diff": {}}
-
-
-class AccelerateDDP(Strategy):
-    """Hugging Face accelerate's `Accelerator` under torchrun: what most training scripts use.
-
-    `Accelerator` reads the torchrun environment, finds the process group already initialised
-    (parallel/distributed.py made it) and `prepare` wraps the model in DDP, the optimizer in its
-    AcceleratedOptimizer. Our comm hook is registered on that DDP so every bucket is counted, and
-    gradients are summed as in TorchDDP (each microbatch loss is already divided by the global
-    token count). Accumulation uses `accelerator.no_sync`, the backward `accelerator.backward`.
-
-    Unlike TorchDDP, accelerate keeps DDP's initial parameter broadcast (init_sync): it runs once
-    in `prepare`, before the first step, so it is outside every step's traffic (and moves nothing
-    new: every rank built the same model from the same seed).
-    """
-
-    name = "accelerate_ddp"
-    exposed_comm_measured = False  # as TorchDDP: the waits happen inside DDP
-
-    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float, device: torch.device):
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs
-
-        self.accelerator = Accelerator(
-            cpu=device.type == "cpu",
-            kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=bucket_mb)],
-        )
-        optimizer = optimizer_factory(model)
-        ddp, optimizer = self.accelerator.prepare(model, optimizer)
-        if not isinstance(ddp, DDP):
-            raise RuntimeError(f"accelerate did not wrap the model in DDP (got {type(ddp).__name__}): "
-                               "launch accelerate_ddp under torchrun with at least 2 processes")
-        ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
-        super().__init__(ddp, optimizer, loss_comm=dp_comm)
-
-    def backward_context(self, last_microbatch: bool):
-        return contextlib.nullcontext() if last_microbatch else self.accelerator.no_sync(self.model)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)  # accelerate's entry point (loss scaling, its hooks)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.accelerator.unwrap_model(self.model).state_dict().items()}
-
-    def full_grads(self) -> dict:
-        module = self.accelerator.unwrap_model(self.model)
-        return {"grads": {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()},
-                "tp_replica_max_diff": {}}
-
-
-# -- FSDP2 ----------------------------------------------------------------------------------------
 
 class _CountedAllGather:
     """FSDP2's all-gather of one parameter group, through the communication log (synchronous: on
@@ -152,8 +53,10 @@ class _CountedReduceScatter:
 
 
 def fsdp2_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The FSDP2 units: each Block, then the root (which keeps the embedding and the head)."""
-    return [*((f"blocks.{i}", b) for i, b in enumerate(model.blocks)), ("root", model)]
+    """The FSDP2 units: each Block (a part of model.part_names), then the root, which keeps the
+    embedding and the head."""
+    blocks = [name for name in part_names(len(model.blocks)) if name.startswith("blocks.")]
+    return [*((name, model.get_submodule(name)) for name in blocks), ("root", model)]
 
 
 class TorchFSDP2(Strategy):
@@ -181,18 +84,7 @@ class TorchFSDP2(Strategy):
         no_decay = [self.locals[n] for n, p in self.dtensors.items() if p.dim() < 2]
         optimizer = AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                           lr=lr, betas=BETAS, eps=EPS)
-        super().__init__(model, optimizer, loss_comm=dp_comm)
-
-    def zero_grad(self) -> None:
-        for p in self.dtensors.values():
-            p.grad = None
-        for t in self.locals.values():
-            t.grad = None
-
-    def after_backward(self) -> None:
-        # The optimizer steps the local shards: hand each the local part of its gradient.
-        for n, p in self.dtensors.items():
-            self.locals[n].grad = p.grad.to_local()
+        super().__init__(model, optimizer, loss_comm=dp_comm, sync=FSDP2Sync(self.dtensors, self.locals))
 
     def memory_report(self) -> dict:
         params = storage_bytes(self.locals.values())
@@ -256,3 +148,24 @@ class TorchFSDP2(Strategy):
 
     def close(self) -> None:
         self.comm.wait_all()
+
+
+class FSDP2Sync(GradSync):
+    """FSDP2 reduce-scatters gradients inside its own backward hooks; what is left to this side of
+    the protocol is clearing the gradients before a step, and after backward handing each local
+    shard the local part of its (sharded DTensor) gradient, which is what our AdamW steps."""
+
+    def __init__(self, dtensors: dict, locals_: dict):
+        super().__init__([])
+        self.dtensors, self.locals = dtensors, locals_
+
+    def zero_grad(self) -> None:
+        for p in self.dtensors.values():
+            p.grad = None
+        for t in self.locals.values():
+            t.grad = None
+
+    def finish(self) -> None:
+        for n, p in self.dtensors.items():
+            self.locals[n].grad = p.grad.to_local()
+        self.complete()

@@ -19,15 +19,14 @@ gradients of earlier microbatches accumulate locally, and the sum is synced once
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 import torch.nn as nn
 
-from .comm import Communicator, Handle
-from .optim import AdamW
-from .strategy import Strategy
+from parallel.dist.comm import Communicator, Handle
+from parallel.model import part_of
+from parallel.strategy import GradSync
 
 log = logging.getLogger(__name__)
 
@@ -37,33 +36,23 @@ MiB = 1 << 20
 FIRST_BUCKET_BYTES = 1 * MiB
 
 
-def _part_of(param_name: str) -> str:
-    """`blocks.3.attn.q.weight` -> `blocks.3`; `embed.tok.weight` -> `embed`: the tag of a gradient."""
-    parts = param_name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+class NaiveGradSync(GradSync):
+    """After backward, all-reduce every gradient in turn; nothing overlaps with computation.
 
+    `named_params`: the parameters under their single-process names (a whole model, a tp shard or
+    a pipeline stage alike); the name gives each all-reduce its tag, `grads/<part>`.
+    """
 
-class NaiveGradSync:
-    def __init__(self, model: nn.Module, comm: Communicator):
-        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], comm: Communicator):
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        super().__init__([p for _, p in named])
+        self.named_params = named
         self.comm = comm
-
-    @classmethod
-    def from_named(cls, named_params: list[tuple[str, nn.Parameter]], comm: Communicator) -> "NaiveGradSync":
-        """For a model held in pieces (a pipeline stage): parameters under their full-model names."""
-        sync = cls(nn.Module(), comm)
-        sync.named_params = [(n, p) for n, p in named_params if p.requires_grad]
-        return sync
-
-    def zero_grad(self, optimizer: AdamW) -> None:
-        optimizer.zero_grad(set_to_none=True)
-
-    def arm(self, last_microbatch: bool) -> None:
-        pass
 
     def finish(self) -> None:
         for name, p in self.named_params:
-            self.comm.all_reduce(p.grad, tag=f"grads/{_part_of(name)}")
+            self.comm.all_reduce(p.grad, tag=f"grads/{part_of(name)}")
+        self.complete()  # sums commute: completing over another group after ours is the same
 
 
 class Bucket:
@@ -85,10 +74,13 @@ class Bucket:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-class BucketedGradSync:
-    def __init__(self, model: nn.Module, comm: Communicator, bucket_bytes: int):
+class BucketedGradSync(GradSync):
+    """PyTorch DDP's way: gradients in flat buckets, each all-reduced as soon as backward fills it."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, bucket_bytes: int):
+        params = [p for p in params if p.requires_grad]
+        super().__init__(params)
         self.comm = comm
-        params = [p for p in model.parameters() if p.requires_grad]
         self.buckets = self._make_buckets(list(reversed(params)), bucket_bytes)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._armed = False
@@ -112,15 +104,15 @@ class BucketedGradSync:
         p0 = params_in_backward_order[0]
         return [Bucket(i, g, p0.device, p0.dtype) for i, g in enumerate(groups)]
 
-    def zero_grad(self, optimizer: AdamW) -> None:
+    def zero_grad(self) -> None:
         # Zero in place: the gradients are views into the buckets and must stay so.
         for b in self.buckets:
             b.buffer.zero_()
 
-    def arm(self, last_microbatch: bool) -> None:
+    def before_microbatch(self, last: bool) -> None:
         """Only the last microbatch's backward communicates; earlier ones just accumulate."""
-        self._armed = last_microbatch
-        if last_microbatch:
+        self._armed = last
+        if last:
             self._next_to_launch = 0
             for b in self.buckets:
                 b.waiting = len(b.params)
@@ -148,34 +140,21 @@ class BucketedGradSync:
             b.handle.wait()
             b.handle = None
         self._armed = False
+        # Only now that no bucket is on the wire may another group's sum touch these gradients.
+        self.complete()
 
 
-def make_grad_sync(model: nn.Module, comm: Communicator, grad_sync: str, bucket_mb: float):
-    """The gradient synchroniser `parallel.grad_sync` names, over `comm` (the dp group)."""
+GRAD_SYNCS = ("bucketed", "naive")
+
+
+def make_grad_sync(named_params: list[tuple[str, nn.Parameter]], comm: Communicator | None, grad_sync: str,
+                   bucket_mb: float) -> GradSync:
+    """The gradient sync `parallel.grad_sync` names over `comm` (the dp group); with no dp group
+    to sum over (None, or one rank), the no-op GradSync."""
+    if comm is None or comm.size == 1:
+        return GradSync([p for _, p in named_params if p.requires_grad])
     if grad_sync == "naive":
-        return NaiveGradSync(model, comm)
+        return NaiveGradSync(named_params, comm)
     if grad_sync == "bucketed":
-        return BucketedGradSync(model, comm, int(bucket_mb * MiB))
-    raise ValueError(f"parallel.grad_sync={grad_sync!r}: use 'bucketed' or 'naive'")
-
-
-class DataParallel(Strategy):
-    name = "dp"
-
-    def __init__(self, model, optimizer, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
-        super().__init__(model, optimizer, loss_comm=dp_comm)
-        self.sync = make_grad_sync(model, dp_comm, grad_sync, bucket_mb)
-        self.grad_sync = grad_sync
-
-    def zero_grad(self) -> None:
-        self.sync.zero_grad(self.optimizer)
-
-    def backward_context(self, last_microbatch: bool):
-        self.sync.arm(last_microbatch)
-        return contextlib.nullcontext()
-
-    def after_backward(self) -> None:
-        self.sync.finish()
-
-    def close(self) -> None:
-        self.loss_comm.wait_all()
+        return BucketedGradSync([p for _, p in named_params], comm, int(bucket_mb * MiB))
+    raise ValueError(f"parallel.grad_sync={grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .comm import CommLog, Communicator
-from .dims import LayoutError, ParallelDims, build_device_mesh
+from parallel.dist.comm import CommLog, Communicator
+from parallel.dist.dims import LayoutError, ParallelDims, build_device_mesh
 
 
 @dataclass(frozen=True)

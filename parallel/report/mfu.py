@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from .model import GPTConfig
-from .theory import parameter_count
+from parallel.model import GPTConfig
+from parallel.theory import parameter_count
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:

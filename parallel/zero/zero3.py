@@ -28,22 +28,19 @@ follows the step, the next forward gathers what it needs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
 import torch.nn as nn
 
-from .comm import Communicator
-from .strategy import Strategy, storage_bytes
-from .zero import GradReduceScatter, MemoryMeter, Part, ShardAdamW, _gather_full, gather_optimizer_state, group_into_parts
+from parallel.dist.comm import Communicator
+from parallel.model import part_names
+from parallel.strategy import GradSync, Strategy, storage_bytes
+from parallel.zero.shards import (
+    GradReduceScatter, MemoryMeter, Part, ShardAdamW, gather_full, gather_optimizer_state, group_into_parts,
+)
 
 log = logging.getLogger(__name__)
-
-
-def model_parts(model: nn.Module) -> list[str]:
-    """The GPT's parts, in forward order."""
-    return ["embed", *(f"blocks.{i}" for i in range(len(model.blocks))), "head"]
 
 
 class Zero3(Strategy):
@@ -53,7 +50,7 @@ class Zero3(Strategy):
         self.comm = dp_comm
         self.meter = MemoryMeter()
         self.parts: list[Part] = group_into_parts(list(model.named_parameters()), dp_comm.size, dp_comm.rank)
-        assert [p.name for p in self.parts] == model_parts(model), [p.name for p in self.parts]
+        assert [p.name for p in self.parts] == part_names(len(model.blocks)), [p.name for p in self.parts]
         # parameter -> (index of its part, its index in the part)
         self._where = {p: (k, i) for k, part in enumerate(self.parts) for i, p in enumerate(part.params)}
         self.full: list[torch.Tensor] = []  # per part: the flat full buffer (storage 0 bytes when freed)
@@ -73,7 +70,7 @@ class Zero3(Strategy):
             module.register_forward_hook(self._free_after_forward(index))
         self.reduction = GradReduceScatter(self.parts, self.grad_shards, dp_comm, self.meter)
         optimizer = ShardAdamW(self.parts, self.shards, self.grad_shards, lr, weight_decay)
-        super().__init__(model, optimizer, loss_comm=dp_comm)
+        super().__init__(model, optimizer, loss_comm=dp_comm, sync=Zero3Sync(self))
         log.info("zero3: %d parts, padded sizes %s, shard %d elements", len(self.parts),
                  [p.padded for p in self.parts], sum(p.shard_numel for p in self.parts))
 
@@ -116,18 +113,14 @@ class Zero3(Strategy):
             self._free(index)
             self.reduction.launch(index)
 
-    # -- the step ----------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    # -- the step: the gradient-sync protocol (Zero3Sync) calls these --------------------------------
+    def reset_gradients(self) -> None:
         for g in self.grad_shards:
             g.zero_()
         self.meter.current = self.persistent_bytes()
         self.meter.reset_peak()
 
-    def backward_context(self, last_microbatch: bool):
-        self.reduction.wait()  # the previous microbatch's
-        return contextlib.nullcontext()
-
-    def after_backward(self) -> None:
+    def check_all_freed(self) -> None:
         self.reduction.wait()
         gathered = [p.name for p, f in zip(self.parts, self.full) if f.untyped_storage().nbytes()]
         if gathered or self.reduction.buffers:
@@ -152,10 +145,10 @@ class Zero3(Strategy):
         return sum(part.numel for part in self.parts)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return _gather_full(self.parts, self.shards, self.comm, "tooling/full_state")
+        return gather_full(self.parts, self.shards, self.comm, "tooling/full_state")
 
     def full_grads(self) -> dict:
-        return {"grads": _gather_full(self.parts, self.grad_shards, self.comm, "tooling/full_grads"), "tp_replica_max_diff": {}}
+        return {"grads": gather_full(self.parts, self.grad_shards, self.comm, "tooling/full_grads"), "tp_replica_max_diff": {}}
 
     def full_optimizer_state(self) -> dict:
         return gather_optimizer_state(self.parts, self.optimizer, self.comm)
@@ -173,3 +166,24 @@ class Zero3(Strategy):
 
     def close(self) -> None:
         self.comm.wait_all()
+
+
+class Zero3Sync(GradSync):
+    """ZeRO-3's side of the gradient-sync protocol: its reductions run in hooks during backward,
+    so a step only zeroes the shards, waits for the previous microbatch's reduce-scatter, and at
+    the end checks that every gathered part was freed."""
+
+    def __init__(self, zero3: Zero3):
+        super().__init__([])
+        self.zero3 = zero3
+
+    def zero_grad(self) -> None:
+        self.zero3.reset_gradients()
+
+    def before_microbatch(self, last: bool) -> None:
+        self.zero3.reduction.wait()  # the previous microbatch's
+
+    def finish(self) -> None:
+        if self.completions:
+            raise RuntimeError("zero3 reduces gradients inside backward, before completions over another group could run")
+        self.zero3.check_all_freed()

@@ -25,10 +25,10 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .comm import CommLog, Communicator
-from .data import Batch
-from .native_count import FunctionalCollectiveCounter
-from .strategy import Strategy, storage_bytes
+from parallel.dist.comm import CommLog, Communicator
+from parallel.data import Batch
+from parallel.baselines.counting import FunctionalCollectiveCounter
+from parallel.strategy import GradSync, Strategy, storage_bytes
 
 
 def torch_tp_plan(n_layers: int, vocab: str = "parallel", shared_qkv: bool = False) -> dict:
@@ -70,8 +70,11 @@ class TorchTP(Strategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab, shared_qkv))
-        super().__init__(model, optimizer_factory(model), loss_comm=dp_comm)
+        self._params = dict(model.named_parameters())
         self.dp_comm = dp_comm if dp_comm is not None and dp_comm.size > 1 else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        sync = FlatDPSync(params, self.dp_comm) if self.dp_comm is not None else None
+        super().__init__(model, optimizer_factory(model), loss_comm=dp_comm, sync=sync)
         # DTensor's own collectives are counted where it calls them; the dp sum goes through dp_comm.
         self.counter = (lambda: FunctionalCollectiveCounter(log, [tp_comm], "dtensor")) if log is not None else contextlib.nullcontext
 
@@ -101,14 +104,6 @@ class TorchTP(Strategy):
             if g is not None and hasattr(g, "placements") and g.placements != p.placements:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
 
-    def after_backward(self) -> None:
-        if self.dp_comm is None:
-            return
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
-        self.dp_comm.all_reduce(flat, tag="grads/flat")
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
 
     def memory_report(self) -> dict:
         """As the base class's, on the local shards (a DTensor has no storage of its own)."""
@@ -127,3 +122,40 @@ class TorchTP(Strategy):
     def full_grads(self) -> dict:
         return {"grads": {n: _full(p.grad).detach().cpu().clone() for n, p in self.model.named_parameters()},
                 "tp_replica_max_diff": {}}
+
+    # -- checkpoints: whole tensors out, each rank's DTensor shard back in -----------------------
+    def full_optimizer_state(self) -> dict:
+        local = self.optimizer.named_state(self.model.named_parameters())
+        return {"step": local["step"], "state": {n: {k: _full(t).detach().cpu().clone() for k, t in m.items()}
+                                                 for n, m in local["state"].items()}}
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """The DTensor of this rank's shard of `full`, placed as parameter `name` is (a local slice:
+        DTensor's own layout rules give its shape and offset; no communication)."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        p = self._params[name]
+        if not isinstance(p, DTensor):
+            return full
+        shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
+        piece = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(p.device, p.dtype).contiguous()
+        return DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False)
+
+
+class FlatDPSync(GradSync):
+    """With dp > 1, each rank's local gradient shards summed over dp in one all-reduce of one flat
+    buffer after backward: a DDP without bucketing or overlap, so what is compared over tp is
+    DTensor against Megatron."""
+
+    def __init__(self, params: list[nn.Parameter], dp_comm: Communicator):
+        super().__init__(params)
+        self.dp_comm = dp_comm
+
+    def finish(self) -> None:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        self.dp_comm.all_reduce(flat, tag="grads/flat")
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+        self.complete()

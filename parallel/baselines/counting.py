@@ -34,7 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .comm import CommLog, Communicator, tensor_bytes
+from parallel.dist.comm import CommLog, Communicator, tensor_bytes
 
 # functional op -> (the project's op name, payload rule): "input" the input tensor (an all-reduce's
 # tensor, a reduce-scatter's full input), "gathered" input x group size (an all-gather's full output)

@@ -1,6 +1,6 @@
-"""Run directory, per-rank logs, and the `summary.json` every strategy and every tool shares.
+"""summary.json: the one output schema every strategy, every baseline and every tool shares.
 
-summary.json (written by global rank 0):
+Assembled here, in one place, by global rank 0 from every rank's report (`rank_report`):
   config              the resolved Hydra config
   strategy            the strategy that ran ("single", "dp", "torch_ddp", ...)
   world_size          number of processes
@@ -22,78 +22,110 @@ summary.json (written by global rank 0):
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
   memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
-                      `formula` (theory.model_state_bytes, ZeRO paper) and `matches_formula`
+                      `formula` (the strategy's model_state formula, ZeRO paper) and `matches_formula`
+  first_step          losses[i] is step first_step + i (non-zero when resumed)
+  pipeline            pipelined strategies: schedule, measured / simulated / closed-form bubble,
+                      executed order by rank (parallel/pp/timeline.py)
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import resource
 import statistics
-import sys
-import time
 from collections import defaultdict
 from fractions import Fraction
 from pathlib import Path
 
 import torch
 
-from .comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
+from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
+from parallel.report.mfu import devices_for_peak, flops_per_token, measure_peak_flops, mfu
+from parallel.theory import parameter_count
 
 SCHEMA_VERSION = 1
 
 
-def default_run_dir(strategy: str, world_size: int) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{stamp}-{strategy}-w{world_size}-{os.getpid() % 0x10000:04x}")
+def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], device: torch.device,
+                  run_dir: Path) -> dict:
+    """The whole summary.json from the plan, the global losses and every rank's report."""
+    spec, layout = plan.spec, plan.layout
+    expected = spec.comm(plan.model, layout)
+    timed_from = plan.warmup_steps
+    # A step lasts as long as its slowest rank.
+    step_times = [max(r["step_times"][i] for r in rank_reports) for i in range(len(losses))]
+    step_time = statistics.median(step_times[timed_from:])
+    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
+    memory = [r["peak_memory_bytes"] for r in rank_reports]
+    summary = {
+        "schema_version": SCHEMA_VERSION,
+        "config": config,
+        "strategy": plan.strategy,
+        "world_size": plan.dims.world_size,
+        "parallel": {
+            **plan.dims.as_dict(),
+            "microbatches": plan.microbatches,
+            "microbatch_size": plan.microbatch_size,
+            "sequence_parallel": plan.sequence_parallel,
+            # The options a strategy does not honour are null, so a reader never mistakes them for facts.
+            "grad_sync": plan.grad_sync if spec.grad_sync and plan.dims.dp > 1 and not plan.zero else None,
+            "bucket_mb": plan.bucket_mb if (spec.grad_sync and plan.dims.dp > 1 and not plan.zero) or spec.bucket_mb
+            else None,
+            "schedule": plan.schedule if spec.pipelined else None,
+            "virtual_stages": plan.virtual_stages if spec.pipelined else None,
+            "backend": plan.backend,
+            "zero": plan.zero,
+        },
+        "model": {
+            "parameters": rank_reports[0]["parameters"], "params_formula": parameter_count(plan.model),
+            # What one rank holds (rank 0: a tensor-parallel shard, or a pipeline stage) and, where
+            # theory has one, its closed form.
+            "local_parameters": rank_reports[0]["local_parameters"],
+            "local_params_formula": spec.local_parameters(plan.model, layout),
+        },
+        "precision": plan.precision,
+        "device": plan.device_type,
+        "steps": len(losses),
+        "first_step": plan.start_step,
+        "warmup_steps": plan.warmup_steps,
+        "tokens_per_step": plan.tokens_per_step,
+        "losses": losses,
+        "step_times_s": step_times,
+        "step_time_s": step_time,
+        "tokens_per_s": plan.tokens_per_step / step_time,
+        "peak_memory_bytes": max(memory),
+        "memory_by_rank": memory,
+        "comm": comm,
+        "expected_comm": expected,
+        "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["sent_bytes_per_step_exact"]),
+        "exposed_comm_measured": spec.exposed_comm_measured,
+        "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout)),
+    }
+    summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
+    if spec.pipelined and rank_reports[0]["pipeline_spans"] is not None:
+        summary["pipeline"] = pipeline_block(plan, rank_reports, run_dir)
+    return summary
 
 
-def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
-    """Each rank logs to its own file; only rank 0 also talks to the console."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    root.handlers.clear()
-    root.setLevel(logging.INFO)
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log", mode="w")
-    file_handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(name)s: %(message)s"))
-    root.addHandler(file_handler)
-    if rank == 0:
-        console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(console)
-    return logging.getLogger("parallel")
+def pipeline_block(plan, rank_reports: list[dict], run_dir: Path) -> dict:
+    """The first pipeline's (dp 0, tp 0) ranks' spans of the last step, in stage order: the measured,
+    simulated and closed-form bubble, trace.json and timeline.png (parallel/pp/timeline.py)."""
+    from parallel.pp.timeline import write_pipeline_report
+
+    spans = [r["pipeline_spans"] for r in sorted(rank_reports, key=lambda r: r["coords"]["pp"])
+             if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
+    block = write_pipeline_report(run_dir, spans, plan.schedule, plan.dims.pp, plan.microbatches, plan.virtual_stages)
+    block["executed_by_rank"] = [r["pipeline_executed"] for r in rank_reports]
+    return block
 
 
-def close_logging() -> None:
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        handler.flush()
-        handler.close()
-        root.removeHandler(handler)
+def mfu_block(plan, device: torch.device, tokens_per_s: float) -> dict:
+    """MFU of the run against the peak of its device (measured here, after training, unless given).
 
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    # ru_maxrss is in KiB on Linux (bytes on macOS).
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
-
-
-class MetricsWriter:
-    """metrics.jsonl: one line per step, written by rank 0 as the run goes."""
-
-    def __init__(self, path: Path):
-        self._file = open(path, "w")
-
-    def write(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+    A quarter of a second of matmuls keeps every run cheap; launch.compare measures for longer,
+    once, and passes the figure to each of its runs (train.peak_flops)."""
+    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25)
+    devices = devices_for_peak(device, plan.dims.world_size)
+    return {"mfu": mfu(plan.model, tokens_per_s, peak, devices), "flops_per_token": flops_per_token(plan.model),
+            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "devices": devices}
 
 
 def _totals_dict(groups: dict[str, Totals]) -> dict:
@@ -160,57 +192,6 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
     }
 
 
-def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], expected: dict) -> dict:
-    timed_from = plan.warmup_steps
-    # A step lasts as long as its slowest rank.
-    step_times = [max(r["step_times"][i] for r in rank_reports) for i in range(len(losses))]
-    step_time = statistics.median(step_times[timed_from:])
-    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
-    memory = [r["peak_memory_bytes"] for r in rank_reports]
-    zero = plan.zero  # the ZeRO stage of a 3d layout's dp dimension (0: plain)
-    hand_written_dp = plan.strategy == "dp" or (plan.strategy in ("tp", "3d") and plan.dims.dp > 1 and not zero)
-    pipelined = plan.strategy in ("pp", "3d", "torch_pp")
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": config,
-        "strategy": plan.strategy,
-        "world_size": plan.dims.world_size,
-        "parallel": {
-            **plan.dims.as_dict(),
-            "microbatches": plan.microbatches,
-            "microbatch_size": plan.microbatch_size,
-            "sequence_parallel": plan.sequence_parallel,
-            "grad_sync": plan.grad_sync if hand_written_dp else None,
-            "bucket_mb": plan.bucket_mb if hand_written_dp or plan.strategy in ("torch_ddp", "accelerate_ddp") else None,
-            "schedule": plan.schedule if pipelined else None,
-            "virtual_stages": plan.virtual_stages if pipelined else None,
-            "backend": plan.backend,
-            "zero": zero,
-        },
-        "model": {
-            "parameters": rank_reports[0]["parameters"], "params_formula": expected.get("parameters"),
-            # What one rank holds (rank 0: a tensor-parallel shard, or a pipeline stage) and, where
-            # theory has one, its closed form.
-            "local_parameters": rank_reports[0]["local_parameters"],
-            "local_params_formula": expected.get("local_parameters"),
-        },
-        "precision": plan.precision,
-        "device": plan.device_type,
-        "steps": len(losses),
-        "warmup_steps": plan.warmup_steps,
-        "tokens_per_step": plan.tokens_per_step,
-        "losses": losses,
-        "step_times_s": step_times,
-        "step_time_s": step_time,
-        "tokens_per_s": plan.tokens_per_step / step_time,
-        "peak_memory_bytes": max(memory),
-        "memory_by_rank": memory,
-        "comm": comm,
-        "expected_comm": expected["comm"],
-        "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["comm"]["sent_bytes_per_step_exact"]),
-    }
-
-
 MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
@@ -235,8 +216,3 @@ def summarize_memory(rank_reports: list[dict], formula: dict | None) -> dict:
     return {"by_rank": by_rank, "formula": formula, "matches_formula": matches}
 
 
-def write_json(path: Path, obj: dict) -> None:
-    """Write through a temporary file and rename, so a reader never sees half a summary."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)

@@ -1,23 +1,4 @@
-"""Tensor parallelism (Megatron-LM), written by hand on the communication log.
-
-Shoeybi et al. 2019 (arXiv 1909.08053) split each transformer block into two *tensor-parallel
-regions*, attention and MLP. A region starts with column-parallel linears (each rank computes its
-slice of the output features: its heads, its slice of the MLP width) and ends with a
-row-parallel linear (each rank multiplies its slice of the input features and the partial outputs
-are summed). Two conjugate autograd functions mark the edges of a region:
-
-    copy_to_tp       (Megatron's f)  forward: identity      backward: all-reduce
-    reduce_from_tp   (Megatron's g)  forward: all-reduce    backward: identity
-
-so per block and microbatch there are 2 all-reduces of b·s·h in forward and 2 in backward.
-
-Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198) also shards the residual
-stream, and with it the LayerNorms, along the sequence between regions. f and g become
-
-    gather_from_sp          forward: all-gather (seq)       backward: reduce-scatter (seq)
-    reduce_scatter_to_sp    forward: reduce-scatter (seq)   backward: all-gather (seq)
-
-the same bytes in twice the ops. Activations are (batch, seq, hidden): sequence is dim 1.
+"""Tensor-parallel layers and the transform that shards the one GPT in place.
 
 `parallelize_tp` turns the one GPT of parallel/model.py into this rank's shard in place, cutting
 every shard from the full single-process initialization, so any tp degree starts from the same
@@ -25,8 +6,7 @@ numbers. It reuses the model's own Block, attention, MLP and Head code: only the
 LayerNorms in front of each region (which now also open the region) and the embedding are
 replaced. Parameter names are unchanged, so a gathered shard is the single-process state dict.
 
-Every collective is tagged `tp/<part>/<fwd|bwd>` (e.g. `tp/blocks.3.attn/bwd`), so the Megatron
-count per layer and direction can be read off summary.json's `comm.by_tag_op`.
+The regions they open and close are in parallel/tp/regions.py.
 """
 
 from __future__ import annotations
@@ -37,109 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .comm import Communicator
-from .model import GPT
-
-SEQ_DIM = 1  # activations are (batch, seq, hidden)
-
-
-# -- collectives along any dim (the log's all-gather and reduce-scatter work on dim 0) ----------
-def all_gather_along(comm: Communicator, shard: torch.Tensor, dim: int, tag: str) -> torch.Tensor:
-    moved = shard.movedim(dim, 0).contiguous()
-    full = torch.empty((moved.shape[0] * comm.size, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    comm.all_gather_into(full, moved, tag=tag)
-    return full.movedim(0, dim).contiguous()
+from parallel.dist.comm import Communicator
+from parallel.model import GPT
+from parallel.tp.regions import SEQ_DIM, all_gather_along, enter_region, exit_region
 
 
-def reduce_scatter_along(comm: Communicator, full: torch.Tensor, dim: int, tag: str) -> torch.Tensor:
-    moved = full.movedim(dim, 0).contiguous()
-    shard = torch.empty((moved.shape[0] // comm.size, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
-    comm.reduce_scatter(shard, moved, tag=tag)
-    return shard.movedim(0, dim).contiguous()
-
-
-def _summed(comm: Communicator, x: torch.Tensor, tag: str) -> torch.Tensor:
-    # A copy: the all-reduce works in place, and autograd's tensors must not change under it.
-    out = x.contiguous().clone()
-    comm.all_reduce(out, tag=tag)
-    return out
-
-
-# -- the four region functions ------------------------------------------------------------------
-class _CopyToTP(torch.autograd.Function):
-    """f: the region's input is replicated; each rank's backward holds only its part of its gradient."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, tag: str):
-        ctx.comm, ctx.tag = comm, tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _summed(ctx.comm, grad, f"{ctx.tag}/bwd"), None, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    """g: partial outputs summed; the gradient of a sum is the same on every rank."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, tag: str):
-        return _summed(comm, x, f"{tag}/fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    """f under sequence parallelism: the whole sequence enters the region."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, tag: str):
-        ctx.comm, ctx.tag = comm, tag
-        return all_gather_along(comm, x, SEQ_DIM, f"{tag}/fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_along(ctx.comm, grad, SEQ_DIM, f"{ctx.tag}/bwd"), None, None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    """g under sequence parallelism: sum partial outputs, keep this rank's piece of the sequence."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Communicator, tag: str):
-        ctx.comm, ctx.tag = comm, tag
-        return reduce_scatter_along(comm, x, SEQ_DIM, f"{tag}/fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_along(ctx.comm, grad, SEQ_DIM, f"{ctx.tag}/bwd"), None, None
-
-
-def sum_sequence_partial_grads(params: list[nn.Parameter], comm: Communicator) -> None:
-    """Sequence parallelism leaves each tp rank with the gradient of its piece of the sequence for
-    the replicated parameters that act on sequence-sharded activations (norms, row-parallel biases,
-    positions): add them up over tp, in one all-reduce of all of them flattened."""
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    comm.all_reduce(flat, tag="tp/sp_grads")
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-        offset += p.numel()
-
-
-def enter_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
-    return (_GatherFromSP if sequence_parallel else _CopyToTP).apply(x, comm, tag)
-
-
-def exit_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
-    return (_ReduceScatterToSP if sequence_parallel else _ReduceFromTP).apply(x, comm, tag)
-
-
-# -- layers -------------------------------------------------------------------------------------
 def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     n = t.shape[0] // size
     return t[rank * n:(rank + 1) * n].detach().clone()
@@ -250,18 +132,64 @@ class ParallelEmbedding(nn.Module):
 
 
 # -- the transform ------------------------------------------------------------------------------
+GATHER_TAG = "tooling/gather_params"
+
+
 @dataclass
 class TPShards:
-    """What `parallelize_tp` did, by parameter name.
+    """What `parallelize_tp` did, by parameter name, and how to go between pieces and wholes.
 
     split_dim: sharded parameters and the dim they are cut along (gather along it to get the full
     tensor). sequence_partial: replicated parameters whose gradient each rank only partly holds
-    under sequence parallelism (summed over the group after backward).
+    under sequence parallelism (summed over the group after backward). With no tp group (`comm`
+    None) nothing is split and every method is the identity, so a strategy that may or may not
+    be tensor parallel (a pipeline stage) uses one code path.
     """
 
-    vocab_start: int
+    comm: Communicator | None = None
+    vocab_start: int = 0
     split_dim: dict[str, int] = field(default_factory=dict)
     sequence_partial: list[str] = field(default_factory=list)
+
+    @property
+    def rank_and_size(self) -> tuple[int, int]:
+        return (self.comm.rank, self.comm.size) if self.comm is not None else (0, 1)
+
+    def gather(self, tensors: dict[str, torch.Tensor], param_of=lambda key: key) -> dict[str, torch.Tensor]:
+        """key -> this rank's piece, to key -> the full tensor on the CPU (collective over tp);
+        `param_of(key)`: the parameter whose cut the tensor shares (the key itself, or for an Adam
+        moment `name/exp_avg` -> `name`)."""
+        out = {}
+        for key, t in tensors.items():
+            dim = self.split_dim.get(param_of(key))
+            if dim is not None and self.comm is not None:
+                t = all_gather_along(self.comm, t.detach(), dim, GATHER_TAG)
+            out[key] = t.detach().cpu().clone()
+        return out
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full tensor: equal consecutive pieces along the split dim."""
+        dim = self.split_dim.get(name)
+        rank, size = self.rank_and_size
+        if dim is None or size == 1:
+            return full
+        n = full.shape[dim] // size
+        return full.narrow(dim, rank * n, n)
+
+    def full_numel(self, name: str, piece: torch.Tensor) -> int:
+        return piece.numel() * (self.rank_and_size[1] if name in self.split_dim else 1)
+
+    def replica_spread(self, grads: dict[str, torch.Tensor]) -> dict[str, float]:
+        """For each replicated parameter, the largest difference of its gradient across tp ranks
+        (collective): zero, or the replicas would drift apart."""
+        spread = {}
+        if self.comm is None:
+            return spread
+        for name, g in grads.items():
+            if name not in self.split_dim:
+                copies = all_gather_along(self.comm, g.detach().unsqueeze(0), 0, GATHER_TAG)
+                spread[name] = float((copies - copies[0]).abs().max())
+        return spread
 
 
 def parallelize_tp(model: GPT, comm: Communicator, sequence_parallel: bool = False) -> TPShards:
@@ -280,7 +208,7 @@ def parallelize_tp(model: GPT, comm: Communicator, sequence_parallel: bool = Fal
     model.head.ln_f = NormIntoTP(model.head.ln_f, comm, "tp/head", sp)
     model.head.out = ColumnParallelLinear.from_full(model.head.out, comm)  # the vocabulary split
 
-    shards = TPShards(vocab_start=model.embed.tok.vocab_start)
+    shards = TPShards(comm, vocab_start=model.embed.tok.vocab_start)
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
             shards.split_dim[f"{name}.weight"] = 0

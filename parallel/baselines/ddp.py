@@ -1,0 +1,124 @@
+"""PyTorch's DistributedDataParallel, bare and under Hugging Face accelerate: the baselines for `dp`.
+
+Their traffic goes through the same communication log: DDP lets us replace its all-reduce with a
+communication hook, so every byte it sends is counted by parallel/dist/comm.py exactly as ours are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from parallel.dist.comm import Communicator
+from parallel.strategy import Strategy
+
+
+def _counted_allreduce_hook(comm: Communicator):
+    """A DDP comm hook that sums each bucket through the communication log.
+
+    DDP's built-in hook divides by the world size (it averages); ours sums, because every
+    microbatch loss is already divided by the global token count (see strategy.py).
+    """
+
+    def hook(_state, bucket):
+        return comm.all_reduce_future(bucket.buffer(), tag=f"grads/bucket{bucket.index()}")
+
+    return hook
+
+
+class TorchDDP(Strategy):
+    name = "torch_ddp"
+    # DDP waits on the hook's futures inside its own backward: the log cannot time that wait.
+    exposed_comm_measured = False
+
+    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float):
+        ddp = DDP(
+            model,
+            process_group=dp_comm.group,
+            bucket_cap_mb=bucket_mb,
+            # The model is built identically from one seed on every rank; skipping DDP's
+            # initial parameter broadcast keeps all traffic inside the communication log.
+            # (The GPT has no buffers, so DDP has none to broadcast in forward either.)
+            init_sync=False,
+        )
+        ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
+        super().__init__(ddp, optimizer_factory(ddp.module), loss_comm=dp_comm)
+
+    def microbatch_context(self, last_microbatch: bool):
+        # DDP's own way of accumulating without communicating.
+        return contextlib.nullcontext() if last_microbatch else self.model.no_sync()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
+
+    def named_full_parameters(self):
+        return self.model.module.named_parameters()  # without DDP's "module." prefix
+
+    def full_grads(self) -> dict:
+        return {"grads": {n: p.grad.detach().cpu().clone() for n, p in self.model.module.named_parameters()},
+                "tp_replica_max_diff": {}}
+
+
+class AccelerateDDP(Strategy):
+    """Hugging Face accelerate's `Accelerator` under torchrun: what most training scripts use.
+
+    `Accelerator` reads the torchrun environment, finds the process group already initialised
+    (parallel/distributed.py made it) and `prepare` wraps the model in DDP, the optimizer in its
+    AcceleratedOptimizer. Our comm hook is registered on that DDP so every bucket is counted, and
+    gradients are summed as in TorchDDP (each microbatch loss is already divided by the global
+    token count). Accumulation uses `accelerator.no_sync`, the backward `accelerator.backward`.
+
+    Unlike TorchDDP, accelerate keeps DDP's initial parameter broadcast (init_sync): it runs once
+    in `prepare`, before the first step, so it is outside every step's traffic (and moves nothing
+    new: every rank built the same model from the same seed).
+    """
+
+    name = "accelerate_ddp"
+    exposed_comm_measured = False  # as TorchDDP: the waits happen inside DDP
+
+    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float, device: torch.device):
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
+
+        self.accelerator = Accelerator(
+            cpu=device.type == "cpu",
+            kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=bucket_mb)],
+        )
+        optimizer = optimizer_factory(model)
+        self.adamw = optimizer  # the project's AdamW, inside accelerate's AcceleratedOptimizer
+        ddp, optimizer = self.accelerator.prepare(model, optimizer)
+        if not isinstance(ddp, DDP):
+            raise RuntimeError(f"accelerate did not wrap the model in DDP (got {type(ddp).__name__}): "
+                               "launch accelerate_ddp under torchrun with at least 2 processes")
+        ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
+        super().__init__(ddp, optimizer, loss_comm=dp_comm)
+
+    def microbatch_context(self, last_microbatch: bool):
+        return contextlib.nullcontext() if last_microbatch else self.accelerator.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)  # accelerate's entry point (loss scaling, its hooks)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.accelerator.unwrap_model(self.model).state_dict().items()}
+
+    def named_full_parameters(self):
+        return self.accelerator.unwrap_model(self.model).named_parameters()  # without DDP's "module." prefix
+
+    # Checkpoints go through the project's AdamW: accelerate's wrapper has no named state of its own.
+    def full_optimizer_state(self) -> dict:
+        return self.adamw.named_state(self.named_full_parameters())
+
+    @torch.no_grad()
+    def load_full_state(self, model_state: dict, optim_state: dict) -> None:
+        named = list(self.named_full_parameters())
+        for name, p in named:
+            p.copy_(model_state[name])
+        self.adamw.load_named_state(named, optim_state)
+
+    def full_grads(self) -> dict:
+        module = self.accelerator.unwrap_model(self.model)
+        return {"grads": {n: p.grad.detach().cpu().clone() for n, p in module.named_parameters()},
+                "tp_replica_max_diff": {}}

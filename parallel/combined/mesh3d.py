@@ -1,0 +1,85 @@
+"""Any dp x tp x pp layout on one mesh: pipeline stages whose blocks are tensor-parallel, dp on top.
+
+The world is the (pp, dp, tp) device mesh of parallel/dims.py, rank = (pp·dp + dp_i)·tp + tp_i:
+tp innermost, so the ranks of one tensor-parallel group are neighbours (one node, the fast links),
+and pp outermost (the pipeline's point-to-point traffic is the lightest and may cross nodes).
+Every rank sits in three groups and each carries one kind of traffic:
+
+* tp (same stage, same dp slice): the Megatron collectives inside the stage's blocks, the
+  vocab-parallel embedding (first stage) and loss (last stage), and under sequence parallelism
+  the once-per-step sum of the sequence-sharded gradients;
+* pp (same dp slice, same tp rank): activations forward and their gradients backward. Tp rank i of
+  one stage sends to tp rank i of the next: the full b·s·h (every tp rank holds the whole residual
+  stream between regions), or under sequence parallelism only its piece of the sequence,
+  b·(s/tp)·h, which is exactly what the next stage's tp rank i needs (Megatron does the same);
+* dp (same stage, same tp rank): the gradients of this rank's shard of its stage, once per step;
+  or, with parallel.zero = 1 or 2, ZeRO over the dp group (parallel/zero.py's ZeroOptimizer on
+  the stage's local tp pieces): gradients reduce-scattered, each dp rank steps its 1/dp of the
+  stage's optimizer state (stage 2: and keeps only that share of the gradients), the updated
+  parameters all-gathered.
+
+The model is built whole from the seed, then transformed in the design's order: tensor
+parallelism first (`parallelize_tp`, which also names every tp collective after the global layer
+index), then the pipeline cut (`split_model`), then the dp gradient sync over the stage's own
+parameters. `build_mesh3d` is a recipe: it makes those parts and hands them to the schedule
+runner (parallel/pp/executor.py), which knows nothing of tp or ZeRO. With tp = 1 the recipe is
+plain pipeline parallelism (`parallel=pp`); with pp = 1 it is tp with dp (or ZeRO) on one stage.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from parallel.dp.sync import make_grad_sync
+from parallel.model import GPT, token_loss_sum
+from parallel.pp.executor import PipelineParallel, global_named_parameters
+from parallel.pp.split import split_model
+from parallel.strategy import make_optimizer
+from parallel.tp.layers import TPShards, parallelize_tp
+from parallel.tp.loss import vocab_parallel_loss_sum
+from parallel.tp.regions import sum_sequence_partial_grads
+from parallel.zero.optimizer import ZeroOptimizer
+
+
+def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
+    """dp x tp x pp (any of them 1) from the plan's layout and the run's communicators."""
+    tp_comm = ctx.comm("tp") if ctx.comm("tp") is not None and ctx.comm("tp").size > 1 else None
+    pp_comm, dp_comm = ctx.comm("pp"), ctx.comm("dp")
+    sequence_parallel = plan.sequence_parallel and tp_comm is not None
+    full_parameters = sum(p.numel() for p in model.parameters())
+    # 1. Tensor parallelism on the whole model: the shards keep the single-process names, and the
+    #    tp tags the global layer index, whichever stage a block then lands on.
+    shards = parallelize_tp(model, tp_comm, sequence_parallel) if tp_comm is not None else TPShards()
+    # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ...).
+    chunks = split_model(model, pp_comm.size, plan.virtual_stages, pp_comm.rank,
+                         list(plan.pp_layers) if plan.pp_layers else None)
+    named = global_named_parameters(chunks)
+    # 3. The dp dimension over this stage's own parameters: plain all-reduce, or ZeRO-1/2 (the
+    #    ZeroOptimizer is then the sync and the optimizer in one, its parts the stage's pieces).
+    if plan.zero:
+        sync = optimizer = ZeroOptimizer(named, dp_comm, plan.zero, plan.lr, plan.weight_decay)
+    else:
+        sync = make_grad_sync(named, dp_comm, plan.grad_sync, plan.bucket_mb)
+        optimizer = make_optimizer(nn.ModuleList(chunks), plan.lr, plan.weight_decay)
+    # This stage's share of the sequence-sharded replicated parameters (its blocks' norms and
+    # row-parallel biases; the positions on the first stage, the final norm on the last): their
+    # partial gradients are completed over tp where the dp sync says it is right.
+    mine = dict(named)
+    sequence_partial = [mine[n] for n in shards.sequence_partial if n in mine]
+    if sequence_partial:
+        sync.completions.append(lambda: sum_sequence_partial_grads(sequence_partial, tp_comm))
+
+    if tp_comm is not None:
+        # The head is vocab-parallel: the last chunk's output is this rank's slice of the logits.
+        def stage_loss(out, targets):
+            return vocab_parallel_loss_sum(out, targets, shards.vocab_start, tp_comm)
+    else:
+        stage_loss = token_loss_sum
+    return PipelineParallel(
+        chunks, pp_comm=pp_comm, dp_comm=dp_comm, schedule=plan.schedule, microbatches=plan.microbatches,
+        virtual=plan.virtual_stages, optimizer=optimizer, sync=sync, full_parameters=full_parameters,
+        d_model=model.cfg.d_model, stage_loss=stage_loss, shards=shards, tp_comm=tp_comm,
+        # Under sequence parallelism tp rank i of one stage sends only its piece of the sequence,
+        # b·(s/tp)·h, exactly what tp rank i of the next stage needs (Megatron does the same).
+        boundary_seq_parts=tp_comm.size if sequence_parallel else 1,
+    )

@@ -1,0 +1,27 @@
+"""The data-parallel strategy: the whole model on every rank, gradients summed over dp.
+
+Each rank runs its slice of the global batch; before the optimizer, the gradient sync
+(parallel/dp/sync.py, naive or bucketed) sums the gradients over the dp group, so every rank
+takes the same step.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from parallel.dist.comm import Communicator
+from parallel.dp.sync import make_grad_sync
+from parallel.optim import AdamW
+from parallel.strategy import Strategy
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def __init__(self, model: nn.Module, optimizer: AdamW, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
+        sync = make_grad_sync(list(model.named_parameters()), dp_comm, grad_sync, bucket_mb)
+        super().__init__(model, optimizer, loss_comm=dp_comm, sync=sync)
+        self.grad_sync = grad_sync
+
+    def close(self) -> None:
+        self.loss_comm.wait_all()

@@ -1,0 +1,28 @@
+"""How one optimizer step is split across ranks: everything the closed forms need besides the model.
+
+A `Layout` is the part of a run's plan that decides traffic and memory: the (dp, tp, pp) grid,
+the microbatches, sequence parallelism, the pipeline's chunks and the ZeRO stage of the dp
+dimension. theory.py's formulas take (GPTConfig, Layout); a run builds its Layout from the
+validated plan (`RunPlan.layout`), and a planner can build one for a layout it never runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.dist.dims import ParallelDims
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: ParallelDims
+    microbatches: int = 1
+    microbatch_size: int = 1  # sequences per microbatch on each dp rank
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_layers: tuple[int, ...] | None = None  # explicit blocks per virtual stage; None: an even split
+    zero: int = 0  # ZeRO stage of the dp dimension of a combined layout (zero1/2/3 carry theirs in the name)
+    dtype_bytes: int = FP32_BYTES  # of parameters, gradients and the activations that cross ranks

@@ -1,0 +1,58 @@
+"""What a run prints: one line per step, and the summary in a few lines (rank 0's console and log)."""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("parallel")
+
+
+def step_line(step: int, loss: float, seconds: float, sent_bytes: float, tokens_per_s: float | None) -> str:
+    """One step on the console; `tokens_per_s` None for a warm-up step (not timed)."""
+    timing = "warm-up" if tokens_per_s is None else f"{tokens_per_s:9.0f} tok/s"
+    return (
+        f"step {step:4d} | loss {loss:.4f} | {seconds * 1e3:8.1f} ms | {timing} | "
+        f"{sent_bytes / 1e6:8.3f} MB sent by rank 0"
+    )
+
+
+def log_summary(summary: dict) -> None:
+    comm, expected = summary["comm"], summary["expected_comm"]
+    log.info(
+        "done: %d steps | final loss %.4f | median step %.1f ms | %.0f tokens/s | peak memory %.1f MB",
+        summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
+        summary["peak_memory_bytes"] / 1e6,
+    )
+    log.info("MFU %.1f%% (%.3g FLOP/token, peak %.3g FLOP/s x %d device(s))", 100 * summary["mfu"]["mfu"],
+             summary["mfu"]["flops_per_token"], summary["mfu"]["peak_flops"], summary["mfu"]["devices"])
+    memory = summary["memory"]
+    log.info("model state per rank (params + grads + optimizer, bytes): measured %s | formula %s",
+             [r["total_bytes"] for r in memory["by_rank"]],
+             memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
+    if "pipeline" in summary:
+        pipe = summary["pipeline"]
+        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",
+                 pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"], 100 * pipe["bubble_closed_form"])
+    log.info(
+        "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
+        comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,
+        "exact match" if summary["comm_matches_theory"] else
+        "MISMATCH" if summary["precision"] == "fp32" else "differs: the closed form counts fp32 activations",
+        comm["exposed_seconds_per_step"] * 1e3,
+    )
+    for op, t in comm["by_op"].items():
+        log.info("  %-16s %4d calls  %10.3f MB payload  %10.3f MB sent", op, t["calls"], t["payload_bytes"] / 1e6, t["sent_bytes"] / 1e6)
+    for group, t in comm["by_group"].items():
+        log.info("  group %-10s %4d calls  %10.3f MB sent", group, t["calls"], t["sent_bytes"] / 1e6)
+    if any(tag.startswith("tp/") for tag in comm["by_tag_op"]):
+        # The Megatron count: collectives per layer and direction, per rank and optimizer step.
+        world = summary["world_size"]
+        # In a pipeline each part's collectives run only on the ranks of the stage holding it
+        # (world / pp of them); the sequence-sharded gradients' sum runs on every rank.
+        holders = world // summary["parallel"]["pp"]
+        log.info("tensor-parallel collectives per rank (of the stage holding the part) per step (%d microbatch(es)):",
+                 summary["parallel"]["microbatches"])
+        for tag, ops in comm["by_tag_op"].items():
+            if tag.startswith("tp/"):
+                ranks = world if tag == "tp/sp_grads" else holders
+                log.info("  %-24s %s", tag, ", ".join(f"{t['calls'] // ranks} {op}" for op, t in ops.items()))

@@ -1,0 +1,201 @@
+"""The registry's entries: every strategy of the project and PyTorch's own, in one table.
+
+Each entry says how the strategy is built from the full model, the validated plan and the run's
+communicators (parallel/dist/groups.py's DistContext), which closed forms of parallel/theory.py
+its traffic and memory must equal, and which layout rules apply (parallel/registry.py).
+"""
+
+from __future__ import annotations
+
+from parallel import theory
+from parallel.dist.dims import LayoutError
+from parallel.registry import Options, StrategySpec, register
+from parallel.strategy import SingleProcess, make_optimizer
+
+
+def _optimizer(plan):
+    return lambda module: make_optimizer(module, plan.lr, plan.weight_decay)
+
+
+# -- one process ----------------------------------------------------------------------------------
+register(StrategySpec(
+    name="single", description="one process, no communication: the reference every strategy is compared with",
+    build=lambda model, plan, ctx: SingleProcess(model, make_optimizer(model, plan.lr, plan.weight_decay)),
+    comm=theory.no_comm, model_state=theory.replicated_model_state_bytes,
+    local_parameters=theory.tp_local_parameter_count, max_world=1, dims=frozenset(),
+))
+
+
+def _to_single_in_one_process(dims, options):
+    """`parallel=dp` (or pp, 3d) in one plain process is the single-process run."""
+    return ("single", options) if dims.world_size == 1 else None
+
+
+# -- data parallel ----------------------------------------------------------------------------------
+def _build_dp(model, plan, ctx):
+    from parallel.dp.strategy import DataParallel
+
+    return DataParallel(model, make_optimizer(model, plan.lr, plan.weight_decay), ctx.comm("dp"), plan.grad_sync,
+                        plan.bucket_mb)
+
+
+register(StrategySpec(
+    name="dp", description="data parallel, hand-written: gradients all-reduced over dp (naive, or bucketed as DDP)",
+    build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
+    local_parameters=theory.tp_local_parameter_count, grad_sync=True, zero_dp=True,
+    route=lambda dims, options: _to_single_in_one_process(dims, options), counterpart="torch_ddp",
+))
+
+
+def _build_zero(stage):
+    def build(model, plan, ctx):
+        from parallel.zero.strategy import ZeroDataParallel
+
+        return ZeroDataParallel(model, ctx.comm("dp"), stage, plan.lr, plan.weight_decay)
+    return build
+
+
+def _build_zero3(model, plan, ctx):
+    from parallel.zero.zero3 import Zero3
+
+    return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay)
+
+
+for _stage, _what, _build in ((1, "optimizer state", _build_zero(1)), (2, "optimizer state and gradients", _build_zero(2)),
+                              (3, "optimizer state, gradients and parameters", _build_zero3)):
+    register(StrategySpec(
+        name=f"zero{_stage}", description=f"ZeRO stage {_stage}: {_what} sharded over dp",
+        build=_build, comm=lambda cfg, layout, stage=_stage: theory.zero_comm(cfg, layout, stage),
+        model_state=lambda cfg, layout, stage=_stage: theory.zero_model_state_bytes(cfg, layout, stage),
+        local_parameters=theory.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
+        counterpart="torch_fsdp2" if _stage == 3 else "torch_ddp",
+    ))
+
+
+# -- tensor parallel, pipeline parallel, and all of them on one mesh --------------------------------
+def _build_tp(model, plan, ctx):
+    from parallel.tp.strategy import TensorParallel
+
+    return TensorParallel(model, _optimizer(plan), ctx.comm("tp"), ctx.comm("dp"), plan.sequence_parallel,
+                          plan.grad_sync, plan.bucket_mb)
+
+
+def _build_mesh3d(model, plan, ctx):
+    from parallel.combined.mesh3d import build_mesh3d
+
+    return build_mesh3d(model, plan, ctx)
+
+
+def _tp_route(dims, options):
+    """Tensor parallelism over one rank is data parallelism (sequence parallelism over one rank cuts
+    nothing); with pipeline stages too it is the one dp x tp x pp strategy."""
+    if dims.pp > 1:
+        return "3d", options
+    if dims.tp == 1:
+        return "dp", Options(False, options.zero)
+    return None
+
+
+def _pp_route(dims, options):
+    """A pipeline of tensor-parallel stages is the one dp x tp x pp strategy."""
+    if dims.tp > 1:
+        return "3d", options
+    return _to_single_in_one_process(dims, options)
+
+
+register(StrategySpec(
+    name="tp", description="tensor parallel (Megatron), optionally with sequence parallelism; dp across tp groups",
+    build=_build_tp, comm=theory.tp_comm, local_parameters=theory.tp_local_parameter_count,
+    dims=frozenset({"dp", "tp"}), tensor_parallel=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
+    route=_tp_route, counterpart="torch_tp",
+))
+register(StrategySpec(
+    name="pp", description="pipeline parallel: GPipe, 1F1B or interleaved 1F1B, as schedules of data",
+    build=_build_mesh3d, comm=theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
+    grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp",
+))
+register(StrategySpec(
+    name="3d", description="dp x tp x pp on one mesh: tensor-parallel pipeline stages, dp or ZeRO-1/2 on top",
+    build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
+    local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "tp", "pp"}),
+    tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
+    route=lambda dims, options: _to_single_in_one_process(dims, options),
+))
+
+
+# -- PyTorch's own, as baselines ----------------------------------------------------------------------
+def _build_torch_ddp(model, plan, ctx):
+    from parallel.baselines.ddp import TorchDDP
+
+    return TorchDDP(model, _optimizer(plan), ctx.comm("dp"), plan.bucket_mb)
+
+
+def _build_accelerate_ddp(model, plan, ctx):
+    from parallel.baselines.ddp import AccelerateDDP
+
+    return AccelerateDDP(model, _optimizer(plan), ctx.comm("dp"), plan.bucket_mb, ctx.device)
+
+
+def _build_torch_fsdp2(model, plan, ctx):
+    from parallel.baselines.fsdp2 import TorchFSDP2
+
+    return TorchFSDP2(model, ctx.mesh["dp"], ctx.comm("dp"), plan.lr, plan.weight_decay)
+
+
+def _build_torch_tp(model, plan, ctx):
+    from parallel.baselines.dtensor_tp import TorchTP
+
+    return TorchTP(model, _optimizer(plan), ctx.mesh["tp"], ctx.comm("tp"), ctx.comm("dp"), ctx.log)
+
+
+def _build_torch_pp(model, plan, ctx):
+    from parallel.baselines.pipelining import TorchPipeline
+
+    return TorchPipeline(model, plan.schedule, ctx.comm("pp"), plan.microbatches, plan.virtual_stages,
+                         list(plan.pp_layers) if plan.pp_layers else None, plan.lr, plan.weight_decay, ctx.device,
+                         ctx.log)
+
+
+def _torch_tp_check(dims, options):
+    if dims.pp != 1:
+        raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
+    if dims.tp < 2:
+        raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
+
+
+def _torch_pp_check(dims, options):
+    if dims.tp != 1 or dims.dp != 1:
+        raise LayoutError(
+            f"parallel=torch_pp runs one torch.distributed.pipelining pipeline over the whole world, but "
+            f"parallel.dp={dims.dp} and parallel.tp={dims.tp}: set parallel.dp=1 parallel.tp=1"
+        )
+
+
+BASELINE = frozenset({"baseline"})
+register(StrategySpec(
+    name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp, zero1, zero2)",
+    build=_build_torch_ddp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
+    local_parameters=theory.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+    tags=BASELINE,
+))
+register(StrategySpec(
+    name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
+    build=_build_accelerate_ddp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
+    local_parameters=theory.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+    tags=BASELINE,
+))
+register(StrategySpec(
+    name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
+    build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=theory.tp_local_parameter_count,
+    min_world=2, tags=frozenset({"baseline", "sharded"}),
+))
+register(StrategySpec(
+    name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
+    build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=theory.tp_local_parameter_count,
+    dims=frozenset({"dp", "tp"}), min_world=2, tensor_parallel=True, check=_torch_tp_check, tags=BASELINE,
+))
+register(StrategySpec(
+    name="torch_pp", description="torch.distributed.pipelining's schedules on the same chunks (the baseline for pp)",
+    build=_build_torch_pp, comm=theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
+    check=_torch_pp_check, tags=BASELINE,
+))

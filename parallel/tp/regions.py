@@ -1,0 +1,132 @@
+"""Tensor parallelism (Megatron-LM), written by hand on the communication log.
+
+Shoeybi et al. 2019 (arXiv 1909.08053) split each transformer block into two *tensor-parallel
+regions*, attention and MLP. A region starts with column-parallel linears (each rank computes its
+slice of the output features: its heads, its slice of the MLP width) and ends with a
+row-parallel linear (each rank multiplies its slice of the input features and the partial outputs
+are summed). Two conjugate autograd functions mark the edges of a region:
+
+    copy_to_tp       (Megatron's f)  forward: identity      backward: all-reduce
+    reduce_from_tp   (Megatron's g)  forward: all-reduce    backward: identity
+
+so per block and microbatch there are 2 all-reduces of b·s·h in forward and 2 in backward.
+
+Sequence parallelism (Korthikanti et al. 2022, arXiv 2205.05198) also shards the residual
+stream, and with it the LayerNorms, along the sequence between regions. f and g become
+
+    gather_from_sp          forward: all-gather (seq)       backward: reduce-scatter (seq)
+    reduce_scatter_to_sp    forward: reduce-scatter (seq)   backward: all-gather (seq)
+
+the same bytes in twice the ops. Activations are (batch, seq, hidden): sequence is dim 1.
+
+Every collective is tagged `tp/<part>/<fwd|bwd>` (e.g. `tp/blocks.3.attn/bwd`), so the Megatron
+count per layer and direction can be read off summary.json's `comm.by_tag_op`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from parallel.dist.comm import Communicator
+
+SEQ_DIM = 1  # activations are (batch, seq, hidden)
+
+
+# -- collectives along any dim (the log's all-gather and reduce-scatter work on dim 0) ----------
+def all_gather_along(comm: Communicator, shard: torch.Tensor, dim: int, tag: str) -> torch.Tensor:
+    moved = shard.movedim(dim, 0).contiguous()
+    full = torch.empty((moved.shape[0] * comm.size, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    comm.all_gather_into(full, moved, tag=tag)
+    return full.movedim(0, dim).contiguous()
+
+
+def reduce_scatter_along(comm: Communicator, full: torch.Tensor, dim: int, tag: str) -> torch.Tensor:
+    moved = full.movedim(dim, 0).contiguous()
+    shard = torch.empty((moved.shape[0] // comm.size, *moved.shape[1:]), dtype=moved.dtype, device=moved.device)
+    comm.reduce_scatter(shard, moved, tag=tag)
+    return shard.movedim(0, dim).contiguous()
+
+
+def _summed(comm: Communicator, x: torch.Tensor, tag: str) -> torch.Tensor:
+    # A copy: the all-reduce works in place, and autograd's tensors must not change under it.
+    out = x.contiguous().clone()
+    comm.all_reduce(out, tag=tag)
+    return out
+
+
+# -- the four region functions ------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """f: the region's input is replicated; each rank's backward holds only its part of its gradient."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _summed(ctx.comm, grad, f"{ctx.tag}/bwd"), None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """g: partial outputs summed; the gradient of a sum is the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, tag: str):
+        return _summed(comm, x, f"{tag}/fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """f under sequence parallelism: the whole sequence enters the region."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return all_gather_along(comm, x, SEQ_DIM, f"{tag}/fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along(ctx.comm, grad, SEQ_DIM, f"{ctx.tag}/bwd"), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    """g under sequence parallelism: sum partial outputs, keep this rank's piece of the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Communicator, tag: str):
+        ctx.comm, ctx.tag = comm, tag
+        return reduce_scatter_along(comm, x, SEQ_DIM, f"{tag}/fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_along(ctx.comm, grad, SEQ_DIM, f"{ctx.tag}/bwd"), None, None
+
+
+def sum_sequence_partial_grads(params: list[nn.Parameter], comm: Communicator) -> None:
+    """Sequence parallelism leaves each tp rank with the gradient of its piece of the sequence for
+    the replicated parameters that act on sequence-sharded activations (norms, row-parallel biases,
+    positions): add them up over tp, in one all-reduce of all of them flattened."""
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    comm.all_reduce(flat, tag="tp/sp_grads")
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def enter_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
+    return (_GatherFromSP if sequence_parallel else _CopyToTP).apply(x, comm, tag)
+
+
+def exit_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
+    return (_ReduceScatterToSP if sequence_parallel else _ReduceFromTP).apply(x, comm, tag)
+
+
+# -- layers -------------------------------------------------------------------------------------

@@ -1,0 +1,36 @@
+"""ZeRO (Rajbhandari et al. 2019), stages 1, 2 and 3, written by hand on the communication log.
+
+Modules: shards.py (the flat padded parts, the shard optimizer, the reduce-scatter of
+gradients), optimizer.py (ZeroOptimizer: stages 1 and 2 as a gradient sync + optimizer over any
+dp group), strategy.py (`zero1`, `zero2`), zero3.py (`zero3`).
+
+Plain data parallelism keeps on every rank the whole model, all its gradients and all the
+optimizer state (fp32 Adam: 4 + 4 + 8 bytes per parameter). ZeRO keeps the same computation but
+lets each of the N data-parallel ranks *own* 1/N of every tensor of model state:
+
+* stage 1 (`zero1`): each rank keeps the optimizer state of its shard only. After backward (once
+  per optimizer step, after accumulating all microbatches locally) the gradients are
+  reduce-scattered, so each rank holds the summed gradient of its shard; it steps its shard; the
+  updated shards are all-gathered so every rank has the whole model again.
+* stage 2 (`zero2`): gradients are sharded as well. As backward finishes the gradients of one
+  model part, the part is reduce-scattered at once (asynchronously, while backward goes on with
+  earlier parts; one in flight at a time) and the part's full gradients are freed; each rank
+  keeps only its shard of the summed gradient. With several microbatches every microbatch's
+  backward reduce-scatters and the results add up in the shard, as DeepSpeed's stage 2 does: no
+  full gradient outlives its part's backward, at the price of one reduce-scatter per microbatch.
+* stage 3 (`zero3`): parameters are sharded too. A part's parameters exist in full only while it
+  computes: all-gathered just before its forward, freed after it; all-gathered again just before
+  its backward, freed (with its full gradients) once its gradients are reduce-scattered.
+
+The unit of sharding is a *part* of the model, the pieces model.py is made of: the embedding, each
+Block, the head (`_part_of` in dp.py names a parameter's part). Each part's parameters live in one
+flat fp32 buffer, padded with zeros to a multiple of N so it splits into N equal shards; rank r
+owns elements [r·S, (r+1)·S) of every part, S = padded / N. Padding is why the bytes moved and held
+are computed on Ψ_pad = Σ_parts ceil(Ψ_part / N)·N (theory.zero_padded_parameter_count).
+
+The optimizer sees only its shard: parallel/optim.py's AdamW over the pieces of the shard, one
+piece per parameter the shard overlaps (and one for the padding), each piece in the weight-decay
+group of its parameter (no decay on biases and LayerNorm weights, as strategy.make_optimizer).
+AdamW is elementwise, so stepping the pieces does per element the same arithmetic as stepping the
+whole parameters.
+"""

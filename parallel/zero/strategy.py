@@ -1,0 +1,35 @@
+"""`zero1` and `zero2`: the whole model on every rank, the optimizer a ZeroOptimizer over dp."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from parallel.dist.comm import Communicator
+from parallel.strategy import Strategy
+from parallel.zero.optimizer import ZeroOptimizer
+from parallel.zero.shards import gather_full
+
+
+class ZeroDataParallel(Strategy):
+    """The ZeroOptimizer is both the gradient sync and the optimizer."""
+
+    def __init__(self, model: nn.Module, dp_comm: Communicator, stage: int, lr: float, weight_decay: float):
+        self.zero = ZeroOptimizer(list(model.named_parameters()), dp_comm, stage, lr, weight_decay)
+        super().__init__(model, self.zero, loss_comm=dp_comm, sync=self.zero)
+        self.name = f"zero{stage}"
+
+    def memory_report(self) -> dict:
+        return self.zero.memory()
+
+    def full_grads(self) -> dict:
+        return {"grads": gather_full(self.zero.parts, self.zero.synced_grad_shards(), self.zero.comm, "tooling/full_grads"),
+                "tp_replica_max_diff": {}}
+
+    def full_optimizer_state(self) -> dict:
+        return self.zero.full_optimizer_state()
+
+    def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
+        self.zero.load_full_state(model_state, optim_state)
+
+    def close(self) -> None:
+        self.zero.comm.wait_all()
