@@ -3,7 +3,7 @@
 A benchmark is run under torchrun with Hydra-style overrides of the training config plus a few
 options of its own (`rounds=N steps=N ...`); it builds a validated plan exactly as
 `launch.train` does, creates the process groups, runs, tears them down and leaves through
-`exit_process` (see parallel/distributed.py for why).
+`exit_process` (see parallel/dist/groups.py for why).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from launch.config import CONFIG_DIR
 from parallel.dist.comm import CommLog
 from parallel.data import load_corpus
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
 from parallel.plan import build_plan
 
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(CONFIG_DIR)
 
 
 def split_args(argv: list[str], options: dict[str, str]) -> tuple[list[str], dict[str, str]]:

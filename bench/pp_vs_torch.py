@@ -9,7 +9,7 @@ the same seed, with the same stage split (`split_model`: rank r holds virtual st
 and the same m microbatches of the same global batches:
 
     ours_<schedule>    parallel.pp.executor.PipelineParallel (the project's action lists)
-    torch_<schedule>   parallel/native_pp.py's TorchPipeline (as train.py builds parallel=torch_pp_*):
+    torch_<schedule>   parallel/baselines/pipelining.py's TorchPipeline (as train.py builds parallel=torch_pp_*):
                        one PipelineStage per chunk of this rank (stage_index = the chunk's virtual
                        stage, num_stages = p*v, the pp group), driven by ScheduleGPipe /
                        Schedule1F1B / ScheduleInterleaved1F1B, its sends counted by native_count.py

@@ -9,9 +9,9 @@ All variants live in the same processes and take turns (round-robin with a rotat
 time is the median over its timed steps of the slowest rank; the printed ratio compares medians
 measured in this one run. Variants:
 
-    tp         parallel/tp_strategy.py's TensorParallel, built as parallel/train.py builds it
+    tp         parallel/tp/strategy.py's TensorParallel, built as parallel/train.py builds it
                (communication log on, the project default)
-    torch_tp   parallel/native_tp.py's TorchTP, as train.py builds parallel=torch_tp: GPT(cfg,
+    torch_tp   parallel/baselines/dtensor_tp.py's TorchTP, as train.py builds parallel=torch_tp: GPT(cfg,
                seed), then parallelize_module on the tp sub-mesh (ColwiseParallel for each block's
                attn.q/k/v and mlp.fc, RowwiseParallel for attn.proj and mlp.proj); the project's
                loss and optimizer; its collectives counted by native_count.py
@@ -37,7 +37,7 @@ Scope: dp = 1 only (tp = world size, set by default), no sequence parallelism, n
 Correctness check: before timing, each variant runs steps 0, 1, 2 on the same global batches from
 the same seed; their losses are printed side by side and must agree to ~1e-5 relative. The
 collectives each variant issued in step 2 (tp: its communication log; torch_tp: the counter around
-DTensor's functional collectives, parallel/native_count.py) are printed next to each other.
+DTensor's functional collectives, parallel/baselines/counting.py) are printed next to each other.
 
 Options are Hydra-style key=value overrides of the training config (model=..., train.global_batch=...,
 parallel.microbatches=...), plus rounds=N, steps=N, vocab=parallel|replicated and shared_qkv=true|false
@@ -170,7 +170,7 @@ def report(plan, times, rounds, steps, vocab, check_losses, collectives) -> None
     print(f"largest relative difference {worst:.2e}: {'OK (<= 1e-5)' if worst <= 1e-5 else 'MISMATCH (> 1e-5)'}")
 
     print(f"\ncollectives per rank in one step ({plan.microbatches} microbatch(es); forward, backward, optimizer; "
-          "tp: its communication log; torch_tp: parallel/native_count.py's counter):")
+          "tp: its communication log; torch_tp: parallel/baselines/counting.py's counter):")
     for name, by_op in collectives.items():
         detail = ", ".join(f"{t.calls} {op} ({t.payload_bytes / 1e6:.2f} MB)" for op, t in sorted(by_op.items()))
         calls, payload = sum(t.calls for t in by_op.values()), sum(t.payload_bytes for t in by_op.values())

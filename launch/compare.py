@@ -28,14 +28,13 @@ from hydra.core.hydra_config import HydraConfig
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from launch.config import CODE_ROOT, CONFIG_DIR
 from parallel.compare import plots
 from parallel.compare.report import console_table, write_csv, write_json, write_markdown
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
-from parallel.report.mfu import measure_peak_flops, usable_cores
 from parallel.plan import model_config
+from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
 from parallel.theory import parameter_count
-
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_command(strategy: str, world: int, overrides: list[str]) -> list[str]:
@@ -74,7 +73,7 @@ def error_line(stdout: str, stderr: str) -> str:
 
 def missing_preset(strategy: str) -> str | None:
     """A sweep name without a conf/parallel/ preset fails at once, without starting a run."""
-    if (PROJECT_ROOT / "conf" / "parallel" / f"{strategy}.yaml").exists():
+    if (Path(CONFIG_DIR) / "parallel" / f"{strategy}.yaml").exists():
         return None
     return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout"
 
@@ -125,9 +124,9 @@ def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, 
     (see `stop`) and nothing is left behind.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -169,7 +168,7 @@ def default_sweep_dir(world: int) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-w{world}"
 
 
-@hydra.main(config_path="../conf", config_name="compare", version_base="1.3")
+@hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     c = cfg.compare
     # Absolute: the runs start in the project root, whatever directory this was started from.
@@ -177,7 +176,8 @@ def main(cfg: DictConfig) -> None:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     strategies = list(c.strategies)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device)
+    # Measured once, in the runs' compute dtype (train.precision), and given to every run.
+    peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device, dtype=PEAK_DTYPES[cfg.train.precision])
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
     common = [*section_overrides(cfg, "model"), *section_overrides(cfg, "data"), *section_overrides(cfg, "train"),
@@ -208,7 +208,7 @@ def main(cfg: DictConfig) -> None:
             rows.append(failed_row(strategy, world, status, error, seconds))
             tail = f"{status}: {error[:120]}"
         print(progress(i + 1, len(strategies), f"{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
-    add_baseline_ratios(rows, OmegaConf.to_container(c.baselines))
+    add_baseline_ratios(rows)
 
     model = model_config(cfg.model)
     meta = {
@@ -236,6 +236,11 @@ def main(cfg: DictConfig) -> None:
     print(console_table(rows))
     ok = sum(r["status"] == "ok" for r in rows)
     print(f"\n{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, plots)")
+    if ok == 0 or ok < len(rows):
+        # Everything that ran is written above; the exit status says the sweep is not whole.
+        failed = ", ".join(r["strategy"] for r in rows if r["status"] != "ok") or "compare.strategies is empty"
+        print(f"error: {len(rows) - ok} of {len(rows)} strategies did not run: {failed}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -20,18 +20,19 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from parallel.reliability.checkpoint import CheckpointError
+from launch.config import CONFIG_DIR
 from parallel.data import DataError
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
-from parallel.reliability.faults import describe_failure
 from parallel.plan import ConfigError, build_plan
+from parallel.reliability.checkpoint import CheckpointError
+from parallel.reliability.faults import describe_failure
 from parallel.train import TrainingStopped, train
 
 CONFIG_ERRORS = (ConfigError, LayoutError, DataError, CheckpointError)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     env = LaunchEnv.from_environ()
     timeout_s = cfg.parallel.timeout_s
@@ -54,7 +55,7 @@ def main(cfg: DictConfig) -> None:
         exit_process(1)
     if env.world_size > 1:
         # The run is complete and flushed: leave without interpreter finalisation, which can
-        # abort a gloo process after its work is done (see parallel/distributed.py).
+        # abort a gloo process after its work is done (see parallel/dist/groups.py).
         exit_process(0)
 
 

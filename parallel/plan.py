@@ -57,7 +57,7 @@ class RunPlan:
     precision: str = "fp32"
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
-    # Reliability (parallel/checkpoint.py, parallel/faults.py)
+    # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     resume_from: str | None = None  # one complete checkpoint directory, resolved
@@ -148,7 +148,7 @@ def _check_numbers(cfg) -> None:
 
 
 def _check_faults(t, world_size: int) -> None:
-    """The fault-injection testing aid (parallel/faults.py): a mode, a step the run reaches, a rank that exists."""
+    """The fault-injection testing aid (parallel/reliability/faults.py): a mode, a step the run reaches, a rank that exists."""
     if t.fail_mode is None:
         return
     if t.fail_mode not in FAIL_MODES:
@@ -274,6 +274,10 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
     _check_precision(t.precision)
     _check_faults(t, env.world_size)
+    if not spec.checkpoints and (t.checkpoint_every or t.resume is not None):
+        what = f"train.checkpoint_every={t.checkpoint_every}" if t.checkpoint_every else f"train.resume={t.resume!r}"
+        raise ConfigError(f"{what}: parallel={strategy} cannot save or load checkpoints (its registry entry says "
+                          "checkpoints=False): set train.checkpoint_every=0 and train.resume=null, or use another strategy")
     resume_from, start_step = _resume_point(t, model, cfg)
     backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
     return RunPlan(

@@ -1,4 +1,4 @@
-"""Closed-form figures every run is checked against (formulas from REFERENCES.md).
+"""Closed-form figures every run is checked against (derived, with sources, in docs/theory/).
 
 Deliberately independent of the code it checks: parameter counts come from the GPT formula, not
 from summing the model's tensors, and bytes from the per-strategy formulas, not from the
@@ -150,7 +150,7 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
       head           backward: the input gradient of the vocab-parallel head     1
 
     4L + 2 tensors of b·s·h per microbatch. Without sequence parallelism each is one all-reduce
-    (2(t-1)/t of its bytes sent per rank): per layer 8·b·s·h·(t-1)/t elements (REFERENCES.md).
+    (2(t-1)/t of its bytes sent per rank): per layer 8·b·s·h·(t-1)/t elements (docs/theory/tensor-parallel.md).
     With it, each all-reduce is an all-gather plus a reduce-scatter ((t-1)/t each, the same bytes;
     the embedding and the head become a reduce-scatter forward + all-gather backward and an
     all-gather forward + reduce-scatter backward). The vocab-parallel cross-entropy adds three
@@ -238,7 +238,7 @@ def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers
 
 
 def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
-    """The parts (zero.py's unit of sharding: embedding, each Block, head) of one rank of a pipeline
+    """The parts (ZeRO's unit of sharding: embedding, each Block, head) of one rank of a pipeline
     stage, each cut over t tp ranks as in `stage_shard_parameter_count`, whose sum they are."""
     V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.d_ff
     per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+# Run as a script: this checkout's code first (not an installed copy), and bench/ for its harness.
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "bench")]
 
 from harness import plan_for, run_distributed  # noqa: E402
 from parallel.data import GlobalBatches, local_microbatches  # noqa: E402

@@ -12,6 +12,12 @@ Exit 0 when everything holds; an assertion (non-zero exit, torchrun stops the ot
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script: the project root must come first on the path (this checkout's code, not an installed one).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import torch
 
 from parallel.dist.comm import CommLog

@@ -90,3 +90,22 @@ def test_sharded_checkpoint_resumes_on_a_3d_mesh(single_run, tmp_path):
     summary = assert_ok(resumed)
     assert summary["strategy"] == "3d" and summary["first_step"] == 3
     assert max_rel_diff(summary["losses"], single_run.summary["losses"][3:]) < 1e-5
+
+
+def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
+    """Every strategy of the registry, ours and PyTorch's, saves after 3 steps; the next one in
+    the list loads that checkpoint from disk and trains steps 3..5: losses and final parameters
+    equal an uninterrupted single-process run (tests/checkpoint_every_strategy.py, one job of 4
+    processes, each layout on its own mesh)."""
+    import subprocess
+    import sys
+
+    from launcher import CPU_ONLY, PROJECT_ROOT
+    import os
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(PROJECT_ROOT / "tests" / "checkpoint_every_strategy.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **CPU_ONLY})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    resumed = [line for line in proc.stdout.splitlines() if " resumed: losses within " in line]
+    assert len(resumed) == 19 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout

@@ -18,7 +18,9 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
            "+compare.worlds.tp=3", "compare.timeout_s=200", "model=tiny", "train.steps=4", "train.warmup_steps=1",
            "data.max_bytes=1000000", f"run.dir={out}"]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500, env=os.environ.copy())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Two strategies did not run: everything is written, and the exit status says the sweep is not whole.
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: 2 of 5 strategies did not run: tp, no_such"
     for name in ("results.csv", "results.json", "report.md", "tokens_per_s.png", "bytes_per_step.png", "memory_per_rank.png"):
         assert (out / name).stat().st_size > 0, name
     for strategy in ("single", "dp", "torch_ddp"):
@@ -51,3 +53,14 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
     report = (out / "report.md").read_text()
     assert "| strategy |" in report and "no_such" in report and "tokens_per_s.png" in report
     assert "5/5" in proc.stdout and "3/5 strategies ran" in proc.stdout
+
+
+def test_compare_with_nothing_to_run_fails(tmp_path):
+    """A sweep in which no strategy ran (a misspelt name) writes what it has and exits non-zero."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "launch.compare", "compare.strategies=[dpp]", "compare.peak_flops=1e11", "model=tiny",
+           f"run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "error: 1 of 1 strategies did not run: dpp" in proc.stderr
+    assert (out / "results.csv").exists() and "0/1 strategies ran" in proc.stdout

@@ -3,7 +3,7 @@
 Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
   * per-step losses within 1e-5 relative of the single-process run, and the same final parameters;
   * the bytes the communication log recorded per step equal parallel/theory.py exactly, and the
-    closed form 2(N-1)/N * Ψ * 4 bytes per rank written out here from REFERENCES.md;
+    closed form 2(N-1)/N * Ψ * 4 bytes per rank written out here from docs/theory/data-parallel.md;
   * how the traffic was sent (one call per gradient for naive, one per bucket for bucketed);
   * that every rank saw the same data as the single run.
 """

@@ -1,8 +1,8 @@
 """A run that finished its work exits 0 on every rank, every time.
 
-REFERENCES.md reports gloo runs on torch 2.13 whose interpreter aborted at exit ("terminate
-called without an active exception", exit -6) after all their work was done, in about half of
-4-rank DDP runs. parallel/distributed.py's shutdown waits and drops every async handle, barriers,
+gloo runs on torch 2.13 have been seen to abort at exit ("terminate called without an active
+exception", exit -6) after all their work was done, in about half of 4-rank DDP runs (the
+README's "Clean exits on gloo"). parallel/dist/groups.py's shutdown waits and drops every async handle, barriers,
 and only then destroys the process groups, and the worker leaves without interpreter
 finalisation. This test repeats 4-rank runs of the bucketed dp, of DDP and of a 4-stage 1F1B
 pipeline, and requires a clean exit from every one.

@@ -1,6 +1,6 @@
 """One rank fails, the whole job ends: non-zero, in seconds, saying which rank.
 
-Each test makes one rank of a 2-rank run misbehave mid-run (parallel/faults.py, or a real SIGKILL
+Each test makes one rank of a 2-rank run misbehave mid-run (parallel/reliability/faults.py, or a real SIGKILL
 from here) and requires the torchrun job to end non-zero within 60 s with a line naming the rank.
 """
 

@@ -75,6 +75,8 @@ def test_plan_dp_under_torchrun():
     (2, ["parallel=pp_1f1b", "model=tiny", "parallel.pp_layers=[3,2]"],
      r"parallel.pp_layers=\[3, 2\] must list 2 positive layer counts .* summing to model.n_layers=4"),
     (2, ["parallel=pp_1f1b", "parallel.schedule=zb"], r"parallel.schedule='zb' is not a schedule"),
+    # One plain process runs a pipeline preset as `single`, but still refuses a schedule it does not know.
+    (1, ["parallel=pp_1f1b", "parallel.schedule=foo"], r"parallel.schedule='foo' is not a schedule"),
     (2, ["parallel=pp_interleaved", "parallel.dp=2"], r"parallel.virtual_stages=2 interleaves chunks across pipeline ranks, but parallel.pp=1"),
     (4, ["parallel=pp_1f1b", "parallel.dp=3"], r"world size 4 is not divisible by parallel.dp x parallel.tp = 3 x 1 = 3"),
     (3, ["parallel.dp=2"], r"world size 3 != parallel.dp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),

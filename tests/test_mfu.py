@@ -1,4 +1,4 @@
-"""parallel/mfu.py: the FLOPs-per-token formula, the measured peak, the ratio."""
+"""parallel/report/mfu.py: the FLOPs-per-token formula, the measured peak, the ratio."""
 
 import math
 
@@ -39,3 +39,32 @@ def test_mfu_is_model_flops_over_peak_times_devices():
     assert mfu(cfg, tokens_per_s=1000.0, peak_flops_per_device=1e12, devices=2) == flops_per_token(cfg) * 1000.0 / 2e12
     assert devices_for_peak(torch.device("cpu"), 4) == 1
     assert devices_for_peak(torch.device("cuda", 0), 4) == 4
+
+
+def test_peak_is_measured_in_the_compute_dtype():
+    """Under train.precision=bf16 the matmuls run in bf16, so the peak MFU divides by must be bf16's
+    (on a GPU about 15 times fp32's): the matmuls the measurement runs are seen in that dtype."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("mm"):
+                self.seen.add(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        with MatmulDtypes() as seen:
+            peak = measure_peak_flops(torch.device("cpu"), size=64, repeats=1, min_seconds=0.0, dtype=dtype)
+        assert seen.seen == {dtype} and peak > 0
+
+
+def test_a_bf16_run_divides_by_the_bf16_peak(tmp_path):
+    from launcher import TINY, assert_ok, run_train
+
+    args = [a for a in TINY if not a.startswith("train.peak_flops")] + ["train.precision=bf16", "train.steps=2"]
+    summary = assert_ok(run_train(1, [*args, "parallel=single"], tmp_path / "bf16"))
+    assert summary["mfu"]["peak_dtype"] == "bf16" and summary["mfu"]["peak_measured"] is True

@@ -16,7 +16,7 @@ PRESETS = {
 def test_parameter_count_matches_the_closed_form(name):
     cfg = PRESETS[name]
     V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
-    # REFERENCES.md: Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head)
+    # docs/theory/parameters.md: Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head)
     formula = V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h + V * h
     assert count_parameters(GPT(cfg)) == formula == parameter_count(cfg)
 

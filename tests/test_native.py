@@ -1,4 +1,4 @@
-"""PyTorch's own parallelism as strategies (parallel/native*.py): the same model, data, init and
+"""PyTorch's own parallelism as strategies (parallel/baselines/): the same model, data, init and
 optimizer as ours, so the same losses and final parameters as the single-process run, and their
 traffic, counted around DTensor's and pipelining's communication calls or through DDP's comm hook, equal to theory.py's figure."""
 

@@ -61,7 +61,7 @@ def test_pipeline_matches_single_and_theory(case, single_run, single_run_gb12, t
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
 
-    # Bytes: 2·m·(v·p-1)·b·s·h·4 per pipeline (REFERENCES.md), dp pipelines, plus the dp
+    # Bytes: 2·m·(v·p-1)·b·s·h·4 per pipeline (docs/theory/combined.md), dp pipelines, plus the dp
     # all-reduce of all gradients when dp > 1: 2(dp-1)/dp·Ψ·4 on each of the world's ranks... summed
     # over the stages of a pipeline that is 2(dp-1)/dp·Ψ·4 per pipeline position, dp of them.
     b = gb // (dp * m)

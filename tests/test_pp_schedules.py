@@ -1,7 +1,7 @@
 """Pipeline schedules as data, checked by the simulator over many (p, m, v).
 
 For every valid input: the lists finish without deadlock, every microbatch runs F then B exactly
-once on every virtual stage, the bubble equals REFERENCES.md's closed form, and the activations
+once on every virtual stage, the bubble equals the closed form (docs/theory/pipeline.md), and the activations
 held per rank stay within each schedule's bound.
 """
 

@@ -1,4 +1,4 @@
-"""theory.py against the formulas of REFERENCES.md, written out here a second time."""
+"""theory.py against the formulas of docs/theory/, written out here a second time."""
 
 from fractions import Fraction
 from types import SimpleNamespace
@@ -18,7 +18,7 @@ CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_ring_bytes_table(n):
     S = 1000
-    # REFERENCES.md, "bytes one rank sends in a bandwidth-optimal (ring) algorithm"
+    # docs/theory/collectives.md: bytes one rank sends in a bandwidth-optimal (ring) algorithm
     assert ring_bytes_sent("all_reduce", S, n) == Fraction(2 * (n - 1) * S, n)
     assert ring_bytes_sent("reduce_scatter", S, n) == Fraction((n - 1) * S, n)
     assert ring_bytes_sent("all_gather", S, n) == Fraction((n - 1) * S, n)
@@ -68,7 +68,7 @@ H, S, L = 64, 32, 4
 @pytest.mark.parametrize("b,m", [(1, 1), (4, 2)])
 def test_tp_traffic_is_the_megatron_count(t, b, m):
     fig = expected_comm("tp", CFG, ParallelDims.resolve(t, tp=t), microbatch_size=b, microbatches=m)
-    # REFERENCES.md: per layer and microbatch 8·b·s·h·(t-1)/t elements sent per rank (2 forward
+    # docs/theory/tensor-parallel.md: per layer and microbatch 8·b·s·h·(t-1)/t elements sent per rank (2 forward
     # + 2 backward all-reduces of b·s·h); the vocab-parallel embedding one more all-reduce of
     # b·s·h forward, the head's input gradient one backward; the loss 3 all-reduces of b·s.
     per_layer = 8 * b * S * H * Fraction(t - 1, t)
@@ -259,7 +259,7 @@ def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
 
 # -- ZeRO as the dp dimension of dp x tp x pp ----------------------------------------------------------
 def _stage_part_sizes(t, p, v=1):
-    """Per stage, the parts ZeRO shards (zero.py groups a rank's parameters by dp._part_of), counted
+    """Per stage, the parts ZeRO shards (ZeRO groups a rank's parameters by model.part_of), counted
     on the model itself after the tp cut and the pipeline split."""
     from parallel.model import part_of as _part_of
     from parallel.pp.split import split_model

@@ -5,7 +5,7 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
     (gathered from the shards) and the same data;
   * step 0's full-model gradients (gathered, after every sync) equal the single run's, and every
     replicated gradient is identical on all tp ranks (complete, not partial);
-  * the bytes per step equal parallel/theory.py exactly, and REFERENCES.md's closed form written
+  * the bytes per step equal parallel/theory.py exactly, and docs/theory/tensor-parallel.md's closed form written
     out here a second time;
   * the Megatron count per layer, read off summary.json's comm.by_tag_op and metrics.jsonl.
 """
@@ -56,7 +56,7 @@ def check_tp_traffic(s, world, t, d, sp, m):
         assert comm["by_op"][op]["payload_bytes"] == e["payload_bytes"], op
     assert set(comm["by_op"]) == set(expected["by_op"])
 
-    # REFERENCES.md written out: per layer and microbatch 8·b·s·h·(t-1)/t elements sent per rank,
+    # docs/theory/tensor-parallel.md written out: per layer and microbatch 8·b·s·h·(t-1)/t elements sent per rank,
     # plus the embedding's and the head's b·s·h (as one all-reduce each, or as its all-gather +
     # reduce-scatter), the loss's 3 all-reduces of b·s fp32 values, and once per step the
     # sequence-sharded gradients over tp and every local gradient over dp.

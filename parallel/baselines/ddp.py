@@ -65,7 +65,7 @@ class AccelerateDDP(Strategy):
     """Hugging Face accelerate's `Accelerator` under torchrun: what most training scripts use.
 
     `Accelerator` reads the torchrun environment, finds the process group already initialised
-    (parallel/distributed.py made it) and `prepare` wraps the model in DDP, the optimizer in its
+    (parallel/dist/groups.py made it) and `prepare` wraps the model in DDP, the optimizer in its
     AcceleratedOptimizer. Our comm hook is registered on that DDP so every bucket is counted, and
     gradients are summed as in TorchDDP (each microbatch loss is already divided by the global
     token count). Accumulation uses `accelerator.no_sync`, the backward `accelerator.backward`.

@@ -1,6 +1,6 @@
 """Any dp x tp x pp layout on one mesh: pipeline stages whose blocks are tensor-parallel, dp on top.
 
-The world is the (pp, dp, tp) device mesh of parallel/dims.py, rank = (pp·dp + dp_i)·tp + tp_i:
+The world is the (pp, dp, tp) device mesh of parallel/dist/dims.py, rank = (pp·dp + dp_i)·tp + tp_i:
 tp innermost, so the ranks of one tensor-parallel group are neighbours (one node, the fast links),
 and pp outermost (the pipeline's point-to-point traffic is the lightest and may cross nodes).
 Every rank sits in three groups and each carries one kind of traffic:
@@ -13,7 +13,7 @@ Every rank sits in three groups and each carries one kind of traffic:
   stream between regions), or under sequence parallelism only its piece of the sequence,
   b·(s/tp)·h, which is exactly what the next stage's tp rank i needs (Megatron does the same);
 * dp (same stage, same tp rank): the gradients of this rank's shard of its stage, once per step;
-  or, with parallel.zero = 1 or 2, ZeRO over the dp group (parallel/zero.py's ZeroOptimizer on
+  or, with parallel.zero = 1 or 2, ZeRO over the dp group (parallel/zero/optimizer.py's ZeroOptimizer on
   the stage's local tp pieces): gradients reduce-scattered, each dp rank steps its 1/dp of the
   stage's optimizer state (stage 2: and keeps only that share of the gradients), the updated
   parameters all-gathered.

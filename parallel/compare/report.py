@@ -101,7 +101,7 @@ How to read the columns:
   zero1, zero2 -> torch_ddp; zero3 -> torch_fsdp2; tp, tp_sp -> torch_tp; pp_X -> torch_pp_X).
   Above 1: ours is faster. One short run each, on a shared machine: read differences under ~10% as noise.
 - **step ms**: that median step time.
-- **MFU %**: model FLOPs per second (6N + 12·L·h·s per token, parallel/mfu.py) over the peak a
+- **MFU %**: model FLOPs per second (6N + 12·L·h·s per token, parallel/report/mfu.py) over the peak a
   matmul measured on this machine (all cores; per GPU on GPUs).
 - **MB/step**, **theory MB**: bytes all ranks sent in one step (ring convention: an all-reduce of
   S bytes over N ranks sends 2(N-1)/N·S per rank), measured by the communication log, and

@@ -7,7 +7,7 @@ status and the error, every figure None.
 from __future__ import annotations
 
 COLUMNS = (
-    "strategy", "status", "layout", "world", "tokens_per_s", "baseline", "ratio_to_baseline", "step_ms", "mfu",
+    "strategy", "runs_as", "schedule", "status", "layout", "world", "tokens_per_s", "baseline", "ratio_to_baseline", "step_ms", "mfu",
     "bytes_per_step", "bytes_per_step_theory", "matches_theory", "exposed_comm_share", "bubble_share",
     "peak_memory_mb_max", "peak_memory_mb_by_rank", "final_loss", "same_losses_as_single", "max_rel_loss_diff",
     "seconds", "error",
@@ -48,6 +48,8 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
     row = dict.fromkeys(COLUMNS)
     row.update(
         strategy=strategy,
+        runs_as=summary["strategy"],
+        schedule=summary["parallel"].get("schedule"),
         status="ok",
         layout=layout(summary),
         world=summary["world_size"],
@@ -70,14 +72,20 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
     return row
 
 
-def add_baseline_ratios(rows: list[dict], baselines: dict[str, str]) -> None:
-    """ratio_to_baseline = this row's tokens/s over its PyTorch counterpart's (> 1: ours is faster)."""
-    by_name = {r["strategy"]: r for r in rows}
-    for row in rows:
-        base = baselines.get(row["strategy"])
-        if base is None:
+def add_baseline_ratios(rows: list[dict]) -> None:
+    """ratio_to_baseline = this row's tokens/s over its PyTorch counterpart's (> 1: ours is faster).
+
+    The counterpart is the registry's (`StrategySpec.counterpart`: dp and ZeRO-1/2 against DDP,
+    zero3 against FSDP2, tp against DTensor, a pipeline schedule against torch's same schedule),
+    found among the rows that ran: the first with that strategy and the same schedule."""
+    from parallel.registry import spec_of
+
+    ran = [r for r in rows if r["status"] == "ok"]
+    for row in ran:
+        counterpart = spec_of(row["runs_as"]).counterpart
+        theirs = next((r for r in ran if r["runs_as"] == counterpart and r["schedule"] == row["schedule"]), None)
+        if theirs is None:
             continue
-        row["baseline"] = base
-        theirs = by_name.get(base)
-        if row["tokens_per_s"] and theirs and theirs["tokens_per_s"]:
+        row["baseline"] = theirs["strategy"]
+        if row["tokens_per_s"] and theirs["tokens_per_s"]:
             row["ratio_to_baseline"] = row["tokens_per_s"] / theirs["tokens_per_s"]

@@ -32,7 +32,7 @@ TOOLING_PREFIX = "tooling/"
 def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> Fraction:
     """Bytes one rank sends for `op` on `payload_bytes` in a bandwidth-optimal algorithm.
 
-    REFERENCES.md (nccl-tests PERFORMANCE.md): all-reduce 2(N-1)/N S; reduce-scatter, all-gather
+    docs/theory/collectives.md (nccl-tests PERFORMANCE.md): all-reduce 2(N-1)/N S; reduce-scatter, all-gather
     and all-to-all (N-1)/N S with S the full tensor; broadcast, reduce and p2p S. An exact
     Fraction, so that sums over many calls equal the closed form to the byte.
     """
@@ -223,7 +223,7 @@ class Handle:
         elif log.timed:
             log.add_seconds(self._op, self._comm.name, self._tag, time.perf_counter() - start)
         # Drop the work object at once: gloo work objects that outlive the process group keep
-        # tensors alive into interpreter shutdown (see parallel/distributed.py).
+        # tensors alive into interpreter shutdown (see parallel/dist/groups.py).
         self._work = None
         self._comm._pending.discard(self)
 

@@ -125,7 +125,7 @@ def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s
         return ctx
     if env.local_world_size == env.world_size:
         # One machine: talk over loopback. Hosts whose hostname resolves to an unreachable
-        # address otherwise fail gloo's "connectFullMesh" (REFERENCES.md).
+        # address otherwise fail gloo's "connectFullMesh".
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         backend=backend,
@@ -133,10 +133,19 @@ def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s
         device_id=device if backend == "nccl" else None,
     )
     ctx.backend = backend
-    ctx.mesh = build_device_mesh(dims, device.type)
-    ctx.comms["world"] = Communicator("world", dist.group.WORLD, log)
+    add_layout_groups(ctx)
+    return ctx
+
+
+def add_layout_groups(ctx: DistContext) -> DistContext:
+    """The device mesh of `ctx.dims` and one named Communicator per dimension, plus "world", on an
+    initialised default process group. Collective: every rank calls it, in the same order. (A
+    test that tries several layouts in one job calls it once per layout, on contexts that share
+    the default group.)"""
+    ctx.mesh = build_device_mesh(ctx.dims, ctx.device.type)
+    ctx.comms["world"] = Communicator("world", dist.group.WORLD, ctx.log)
     for name in ("pp", "dp", "tp"):
-        ctx.comms[name] = Communicator(name, ctx.mesh[name].get_group(), log)
+        ctx.comms[name] = Communicator(name, ctx.mesh[name].get_group(), ctx.log)
     return ctx
 
 
@@ -166,7 +175,7 @@ def exit_process(code: int) -> None:
     (pt_gloo_runloop, gloo_tcp_loop); they are joined only when the interpreter finalises and
     the last ProcessGroupGloo is collected, and a worker that frees a Python-owned tensor then can
     abort the process ("terminate called without an active exception", exit -6) after all its work
-    is done (REFERENCES.md; traced with gdb: Py_FinalizeEx -> ~ProcessGroupGloo -> thread join).
+    is done (traced with gdb: Py_FinalizeEx -> ~ProcessGroupGloo -> thread join).
     Skipping finalisation removes that window. Everything this project writes is flushed and
     closed before this is called; `os._exit` skips atexit handlers and buffered I/O, so flush first.
     """

@@ -107,7 +107,7 @@ def describe_failure(exc: BaseException, rank: int, timeout_s: float) -> str:
 
     A peer's death reaches the survivors as gloo's "Connection closed by peer" or "Connection
     reset" at once; a peer that hangs, as "Timed out" after parallel.timeout_s. The failed call is
-    named by parallel/comm.py (op, tag, group and, for a send or receive, the peer's rank).
+    named by parallel/dist/comm.py (op, tag, group and, for a send or receive, the peer's rank).
     """
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     gone = getattr(exc, "gone_peers", None)

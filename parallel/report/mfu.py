@@ -46,9 +46,16 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def measure_peak_flops(device: torch.device, size: int | None = None, repeats: int = 5, min_seconds: float = 1.0) -> float:
-    """FLOPs/s of the best of at least `repeats` square fp32 matmuls of `size` on `device`, repeated
-    for at least `min_seconds` on CPU.
+PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def measure_peak_flops(device: torch.device, size: int | None = None, repeats: int = 5, min_seconds: float = 1.0,
+                       dtype: torch.dtype = torch.float32) -> float:
+    """FLOPs/s of the best of at least `repeats` square matmuls of `size` in `dtype` on `device`,
+    repeated for at least `min_seconds` on CPU.
+
+    The dtype is the run's compute dtype (train.precision): a GPU's bf16 peak is many times its
+    fp32 one, so MFU against the other dtype's peak would be off by that factor.
 
     CPU: the whole machine (the ranks of a CPU run share it), as one thread's best rate times the
     usable cores. The best of many is the estimate because other work on a shared machine only
@@ -58,8 +65,8 @@ def measure_peak_flops(device: torch.device, size: int | None = None, repeats: i
     """
     device = torch.device(device)
     n = size or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     flops = 2 * n**3
     if device.type == "cuda":
         torch.matmul(a, b)

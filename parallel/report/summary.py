@@ -8,7 +8,7 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   precision, device   fp32 | bf16 (train.precision); cpu | cuda
   losses              per step: mean loss over every token of the global batch
   step_time_s         median over the timed steps (warm-up excluded) of the slowest rank's time
-                      (host clock on the CPU, CUDA events on a GPU: parallel/timing.py)
+                      (host clock on the CPU, CUDA events on a GPU: parallel/dist/timing.py)
   tokens_per_s        global tokens per step / step_time_s
   peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
   comm                measured strategy traffic per optimizer step, summed over ranks:
@@ -17,7 +17,7 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
   expected_comm       parallel/theory.py's closed form in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
-  mfu                 model FLOPs utilisation (parallel/mfu.py): flops_per_token, peak_flops
+  mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
   memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
-from parallel.report.mfu import devices_for_peak, flops_per_token, measure_peak_flops, mfu
+from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.theory import parameter_count
 
 SCHEMA_VERSION = 1
@@ -122,10 +122,12 @@ def mfu_block(plan, device: torch.device, tokens_per_s: float) -> dict:
 
     A quarter of a second of matmuls keeps every run cheap; launch.compare measures for longer,
     once, and passes the figure to each of its runs (train.peak_flops)."""
-    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25)
+    # The peak of the dtype the matmuls run in: autocast's bf16 under train.precision=bf16.
+    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25, dtype=PEAK_DTYPES[plan.precision])
     devices = devices_for_peak(device, plan.dims.world_size)
     return {"mfu": mfu(plan.model, tokens_per_s, peak, devices), "flops_per_token": flops_per_token(plan.model),
-            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "devices": devices}
+            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "peak_dtype": plan.precision,
+            "devices": devices}
 
 
 def _totals_dict(groups: dict[str, Totals]) -> dict:

@@ -1,0 +1,26 @@
+"""Where the Hydra configs are, in a checkout and in an installed package alike.
+
+In a checkout they are the project's top-level conf/, beside launch/. `pip install .` ships the
+same files inside the package as launch/conf/ (setup.py maps conf/ there), so an installed
+`parallel-train` or `python -m launch.train`, started from any directory, finds them too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def config_dir() -> Path:
+    for candidate in (HERE.parent / "conf", HERE / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"no Hydra configs: neither {HERE.parent / 'conf'} (a checkout) nor {HERE / 'conf'} "
+                            "(an installed package) holds config.yaml; reinstall with `pip install .`")
+
+
+CONFIG_DIR = str(config_dir())
+# The directory that holds the `launch` and `parallel` packages: subprocesses get it on their
+# PYTHONPATH, so a sweep's runs use this very code wherever they are started.
+CODE_ROOT = HERE.parent

@@ -1,0 +1,65 @@
+"""The registry: one table that the rest of the project reads, and a strategy added in one module."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, check_matches_single
+
+from parallel.registry import REGISTRY, StrategySpec, register, spec_of
+
+
+def test_every_preset_names_a_registered_strategy():
+    import yaml
+
+    presets = sorted((PROJECT_ROOT / "conf" / "parallel").glob("*.yaml"))
+    assert presets
+    names = {yaml.safe_load(p.read_text()).get("name") for p in presets} - {None}
+    assert names <= set(REGISTRY), names - set(REGISTRY)
+
+
+def test_every_strategy_has_its_theory_and_a_description():
+    for name, spec in REGISTRY.items():
+        assert spec.name == name and spec.description and callable(spec.build) and callable(spec.comm)
+
+
+def test_counterparts_are_registered_baselines():
+    for spec in REGISTRY.values():
+        if spec.counterpart is not None:
+            assert "baseline" in spec_of(spec.counterpart).tags, spec.name
+
+
+def test_a_name_is_registered_once():
+    with pytest.raises(ValueError, match="registered twice"):
+        register(StrategySpec(name="dp", description="again", build=lambda *a: None, comm=lambda *a: {}))
+
+
+def _toy(args, run_dir, nproc=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(PROJECT_ROOT / "tests" / "toy_strategy.py"), *args, f"run.dir={run_dir}"]
+    import os
+
+    return subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **CPU_ONLY})
+
+
+def test_a_toy_strategy_is_one_module_and_one_entry(single_run, tmp_path):
+    """tests/toy_strategy.py adds `dp_flat` without touching another file; launch.train runs it,
+    and it trains the single-process model while sending exactly theory's bytes."""
+    from launcher import Run
+
+    proc = _toy([*TINY, "parallel=dp", "parallel.name=dp_flat", "train.save_final=true"], tmp_path / "toy")
+    run = Run(proc.returncode, proc.stdout, proc.stderr, tmp_path / "toy")
+    summary = assert_ok(run)
+    assert summary["strategy"] == "dp_flat" and summary["comm_matches_theory"] is True
+    assert set(summary["comm"]["by_tag"]) == {"grads/flat"}
+    assert summary["memory"]["matches_formula"] is True
+    check_matches_single(run, single_run)
+
+
+def test_a_strategy_without_checkpoints_is_refused_in_one_line(tmp_path):
+    proc = _toy([*TINY, "parallel=dp", "parallel.name=dp_flat", "train.checkpoint_every=2"], tmp_path / "refused")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("error: train.checkpoint_every=2: parallel=dp_flat cannot save or load checkpoints (its registry entry says "
+            "checkpoints=False)") in proc.stderr
