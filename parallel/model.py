@@ -186,7 +186,11 @@ class MoEMLP(nn.Module):
         b, s, h = x.shape
         cfg = self.cfg
         capacity = expert_capacity(s, cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor)
-        routing = route(self.router(x), cfg.moe_top_k, capacity)
+        # The router in fp32 even under bf16 autocast (Switch §2.4, "selective precision"): its
+        # logits decide discrete choices, and bf16's 8 bits of mantissa would make near-ties common.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = self.router(x.float())
+        routing = route(logits, cfg.moe_top_k, capacity)
         self.aux_loss_sum = cfg.moe_aux_weight * routing.aux_sum
         self.routed_counts, self.kept_counts = routing.routed, routing.counts
         rows = x.reshape(b * s, h).index_select(0, routing.token)

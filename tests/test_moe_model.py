@@ -169,6 +169,17 @@ def test_dropped_tokens_leave_the_layer_as_zeros():
     assert layer.kept_counts.tolist() == [2, 1, 1] and layer.routed_counts.tolist() == [4, 1, 1]
 
 
+def test_router_runs_in_fp32_under_bf16_autocast():
+    layer = GPT(TINY_MOE, seed=0).blocks[0].mlp
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(8))
+    layer(x)
+    reference = (layer.aux_loss_sum.clone(), layer.kept_counts.clone())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16  # the experts do run in bf16
+    assert torch.equal(layer.aux_loss_sum, reference[0]) and torch.equal(layer.kept_counts, reference[1])
+
+
 def test_balancing_loss_reaches_the_router_and_what_feeds_it_never_the_experts():
     model = GPT(replace(TINY_MOE, moe_every=4), seed=0)  # one MoE block: block 0
     idx = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
