@@ -7,6 +7,10 @@ built identically on every rank from one seed, and transform it (shard, split, w
 
 The model is split into three parts so that a pipeline can cut it later without rewriting it:
 `embed` (tokens -> hidden), `blocks` (hidden -> hidden) and `head` (hidden -> logits).
+
+With `moe_experts` > 0 some blocks replace their MLP by a mixture of experts (`MoEMLP`: a router
+and `moe_experts` MLPs of the dense shape; routing in parallel/moe/routing.py, the theory in
+docs/theory/experts.md). With the default `moe_experts=0` the model is the dense GPT, unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from parallel.moe.routing import combine, expert_capacity, route
+
+# The GPTConfig fields of a mixture of experts, spelled as in conf/model/*.yaml.
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_weight")
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,12 @@ class GPTConfig:
     # Megatron pads the vocabulary so that the embedding and head split evenly across TP ranks
     # and the matmuls get friendly shapes; 256 bytes are already a multiple of 64.
     vocab_pad_multiple: int = 64
+    # Mixture of experts (0 experts: the dense model; the other moe_* fields are then ignored).
+    moe_experts: int = 0             # E: experts per MoE block
+    moe_top_k: int = 1               # k: experts each token goes to (1 <= k <= E)
+    moe_every: int = 1               # block i is an MoE block iff i % moe_every == 0 (0-based)
+    moe_capacity_factor: float = 1.25  # C = ceil(factor · s·k / E) assignments per expert per sequence
+    moe_aux_weight: float = 0.01     # α: weight of Switch's load-balancing loss (Switch uses 1e-2)
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio", "vocab_pad_multiple"):
@@ -44,6 +59,37 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
+            raise ValueError(
+                f"model.moe_experts={self.moe_experts!r} must be a non-negative integer (0: a dense model)")
+        if not self.moe_experts:
+            return
+        for name in ("moe_top_k", "moe_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model.{name}={value!r} must be a positive integer")
+        if self.moe_top_k > self.moe_experts:
+            raise ValueError(
+                f"model.moe_top_k={self.moe_top_k} is more than model.moe_experts={self.moe_experts}: a token "
+                f"chooses k distinct experts, so set model.moe_top_k <= {self.moe_experts}"
+            )
+        for name, low in (("moe_capacity_factor", "> 0"), ("moe_aux_weight", ">= 0")):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+                    or (value <= 0 if low == "> 0" else value < 0):
+                raise ValueError(f"model.{name}={value!r} must be a finite number {low}")
+
+    def is_moe_block(self, index: int) -> bool:
+        """Block `index` (0-based) is an MoE block iff the model has experts and index % moe_every == 0:
+        every block for moe_every=1, blocks 0, 2, 4, ... for 2 (Megatron-Core's moe_layer_freq)."""
+        return self.moe_experts > 0 and index % self.moe_every == 0
+
+    @property
+    def moe_blocks(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if self.is_moe_block(i))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -112,13 +158,56 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
-class Block(nn.Module):
+class MoEMLP(nn.Module):
+    """A mixture of E MLPs of the dense shape, k of which each token goes through.
+
+    y_t = Σ over t's kept assignments (t, e) of g_{t,e} · MLP_e(x_t): the router picks each token's
+    top-k experts and gate weights g (parallel/moe/routing.py: raw probability for k = 1, the k
+    probabilities renormalised for k >= 2); each expert runs on its contiguous run of rows (the
+    assignments sorted by expert); past an expert's capacity per sequence assignments are
+    dropped. A token with no kept assignment gets zeros here and keeps its residual stream.
+
+    After each forward, `aux_loss_sum` holds α · s · Σ_sequences E·Σ_e f_e·P_e (Switch's balancing
+    loss as a sum over tokens; see `training_loss_sum`), and `routed_counts` / `kept_counts` the
+    assignments per expert before and after dropping. Expert parallelism
+    (parallel/moe/expert_parallel.py) keeps the routing and overrides `run_experts` only.
+    """
+
     def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
+        self.aux_loss_sum: torch.Tensor | None = None
+        self.routed_counts: torch.Tensor | None = None
+        self.kept_counts: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        cfg = self.cfg
+        capacity = expert_capacity(s, cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor)
+        # The router in fp32 even under bf16 autocast (Switch §2.4, "selective precision"): its
+        # logits decide discrete choices, and bf16's 8 bits of mantissa would make near-ties common.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = self.router(x.float())
+        routing = route(logits, cfg.moe_top_k, capacity)
+        self.aux_loss_sum = cfg.moe_aux_weight * routing.aux_sum
+        self.routed_counts, self.kept_counts = routing.routed, routing.counts
+        rows = x.reshape(b * s, h).index_select(0, routing.token)
+        return combine(self.run_experts(rows, routing.counts), routing, b * s).view(b, s, h)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(A, h) rows sorted by expert, `counts[e]` of them for expert e -> the experts' outputs."""
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts, rows.split(counts.tolist()))])
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, moe: bool = False):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if moe else MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,7 +246,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe_block(i)) for i in range(cfg.n_layers))
         self.head = Head(cfg)
         self.reset_parameters(seed)
 
@@ -214,6 +303,29 @@ def part_of(param_name: str) -> str:
     """The part a parameter belongs to: `blocks.3.attn.q.weight` -> `blocks.3`, `embed.tok.weight` -> `embed`."""
     parts = param_name.split(".")
     return ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+
+
+def moe_aux_loss_sum(model: nn.Module) -> torch.Tensor | None:
+    """The weighted balancing loss of the last forward of every MoE block in `model` (a whole GPT,
+    a wrapped one, or a pipeline stage's chunk), as a sum over tokens; None without MoE blocks.
+
+    Read it right after the forward that produced it: the next forward overwrites it.
+    """
+    terms = [m.aux_loss_sum for m in model.modules() if isinstance(m, MoEMLP) and m.aux_loss_sum is not None]
+    return torch.stack(terms).sum() if terms else None
+
+
+def training_loss_sum(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """`token_loss_sum` plus the MoE balancing loss of the forward that produced `logits`.
+
+    Both are sums over the tokens of this microbatch: divided by the global batch's token count
+    they give mean cross-entropy + α · mean over sequences of Σ_MoE blocks aux, and they add up
+    over ranks and microbatches (docs/theory/experts.md). For a dense model it is exactly
+    `token_loss_sum`.
+    """
+    loss = token_loss_sum(logits, targets)
+    aux = moe_aux_loss_sum(model)
+    return loss if aux is None else loss + aux
 
 
 def count_parameters(model: nn.Module) -> int:

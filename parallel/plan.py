@@ -14,7 +14,7 @@ from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dp.sync import GRAD_SYNCS
 from parallel.layout import Layout
-from parallel.model import GPTConfig
+from parallel.model import MOE_FIELDS, GPTConfig
 from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.precision import PRECISIONS
@@ -101,6 +101,8 @@ def model_config(cfg) -> GPTConfig:
             mlp_ratio=cfg.mlp_ratio,
             dropout=cfg.dropout,
             vocab_pad_multiple=cfg.vocab_pad_multiple,
+            # Mixture of experts (model/tiny_moe.yaml ...): absent from a dense preset, which keeps the defaults.
+            **{k: cfg[k] for k in MOE_FIELDS if k in cfg},
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

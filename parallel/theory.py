@@ -19,16 +19,18 @@ FP32_BYTES = 4
 
 
 def parameter_count(cfg: GPTConfig) -> int:
-    """Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head), V the padded vocabulary.
+    """Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head), V the padded vocabulary,
+    plus L_moe·[(E-1)·(8h² + 5h) + h·E] with experts.
 
     Per layer: Q, K, V and output projections 4h² + 4h, MLP 8h² + 5h (fc with bias 4h, proj with
     bias h), two LayerNorms 4h. The final LayerNorm adds 2h; the untied head V·h (no bias).
+    Each of the L_moe MoE blocks holds E MLPs instead of one, and a router of h·E (no bias).
     """
     V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
     # The formula assumes the MLP is 4h wide; a different ratio changes the 12h² + 13h term.
     mlp = 2 * cfg.mlp_ratio * h * h + cfg.mlp_ratio * h + h
     per_layer = 4 * h * h + 4 * h + mlp + 4 * h
-    return V * h + s * h + L * per_layer + 2 * h + V * h
+    return V * h + s * h + L * per_layer + 2 * h + V * h + len(cfg.moe_blocks) * moe_extra_parameters(cfg)
 
 
 def tp_shard_parameter_count(cfg: GPTConfig, t: int) -> int:
@@ -39,6 +41,10 @@ def tp_shard_parameter_count(cfg: GPTConfig, t: int) -> int:
               + h²/t + h (output projection: its input columns, the full bias)
               + (f·h + f)/t (fc: columns and bias) + f·h/t + h (proj: input columns, full bias) ]
     """
+    if cfg.moe_experts:
+        if t == 1:
+            return parameter_count(cfg)
+        _refuse_moe(cfg, "tensor-parallel shard counts")
     V, h, s, L, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers, cfg.d_ff
     per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
     return V * h // t + s * h + L * per_layer + 2 * h + V * h // t
@@ -48,17 +54,20 @@ def sequence_sharded_parameter_count(cfg: GPTConfig) -> int:
     """Replicated parameters whose gradient is partial under sequence parallelism: per layer two
     LayerNorms (4h) and two row-parallel biases (2h, added after the reduce-scatter), the final
     LayerNorm (2h) and the position table (s·h, each rank adds only its piece's positions)."""
+    _refuse_moe(cfg, "sequence-parallel parameter counts")
     h, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
     return L * 6 * h + 2 * h + s * h
 
 
 def part_parameter_counts(cfg: GPTConfig) -> list[int]:
     """Parameters of each part of the GPT, in forward order: the embedding V·h + s·h, each Block
-    12h² + 13h (for an MLP 4h wide), the head 2h + V·h (final LayerNorm and the untied LM head)."""
+    12h² + 13h (for an MLP 4h wide; an MoE block (E-1)·(8h² + 5h) + h·E more), the head 2h + V·h
+    (final LayerNorm and the untied LM head)."""
     V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
     f = cfg.mlp_ratio * h
     block = 4 * h * h + 4 * h + 2 * f * h + f + h + 4 * h
-    return [V * h + s * h, *[block] * L, 2 * h + V * h]
+    blocks = [block + (moe_extra_parameters(cfg) if cfg.is_moe_block(i) else 0) for i in range(L)]
+    return [V * h + s * h, *blocks, 2 * h + V * h]
 
 
 def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
@@ -226,6 +235,7 @@ def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool
     """The parameters one rank of a pipeline stage holds, its blocks cut over t tp ranks: `layers`
     blocks as in `tp_shard_parameter_count`, plus the token rows and positions on the first stage
     and the final norm and head rows on the last. Summed over the stages it is Ψ_t."""
+    _refuse_moe(cfg, "pipeline stage counts")
     V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.d_ff
     per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
     return layers * per_layer + (V * h // t + s * h if first else 0) + (2 * h + V * h // t if last else 0)
@@ -240,6 +250,7 @@ def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers
 def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
     """The parts (ZeRO's unit of sharding: embedding, each Block, head) of one rank of a pipeline
     stage, each cut over t tp ranks as in `stage_shard_parameter_count`, whose sum they are."""
+    _refuse_moe(cfg, "pipeline stage counts")
     V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.d_ff
     per_layer = 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
     return [*([V * h // t + s * h] if first else []), *[per_layer] * layers, *([2 * h + V * h // t] if last else [])]
@@ -378,6 +389,7 @@ def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
     _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
     rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
     elements. Groups: each Block, and the root (embedding and head)."""
+    _refuse_moe(cfg, "FSDP2 group sizes")
     V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.mlp_ratio * cfg.d_model
 
     def padded(d0: int, rest: int = 1) -> int:
@@ -469,3 +481,36 @@ def tp_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
 def mesh3d_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
     """What rank 0 (the first stage's tp rank 0) holds under dp x tp x pp."""
     return mesh3d_local_parameter_count(cfg, layout.dims, layout.virtual_stages, layout.pp_layers)
+
+
+# -- mixture of experts ---------------------------------------------------------------------------
+def _refuse_moe(cfg: GPTConfig, what: str) -> None:
+    """Formulas written for the dense block only: say so rather than return a wrong count."""
+    if cfg.moe_experts:
+        raise ValueError(
+            f"theory has no {what} for a mixture-of-experts model (model.moe_experts={cfg.moe_experts}): "
+            "they are written for the dense block; use model.moe_experts=0"
+        )
+
+
+def moe_extra_parameters(cfg: GPTConfig) -> int:
+    """What an MoE block holds beyond the dense block: (E-1) more MLPs of 2f·h + f + h (f = mlp_ratio·h)
+    and the router's h·E weights (no bias, as in Switch)."""
+    h, f, E = cfg.d_model, cfg.d_ff, cfg.moe_experts
+    return (E - 1) * (2 * f * h + f + h) + h * E
+
+
+def active_parameter_count(cfg: GPTConfig) -> int:
+    """Parameters one token's forward multiplies by: Ψ less the E-k experts of each MoE block it does
+    not go to, L_moe·(E-k)·(2f·h + f + h) (Ψ for a dense model). The FLOPs per token follow it."""
+    if not cfg.moe_experts:
+        return parameter_count(cfg)
+    h, f = cfg.d_model, cfg.d_ff
+    return parameter_count(cfg) - len(cfg.moe_blocks) * (cfg.moe_experts - cfg.moe_top_k) * (2 * f * h + f + h)
+
+
+def ep_shard_parameter_count(cfg: GPTConfig, ep: int) -> int:
+    """Parameters one expert-parallel rank holds: everything but the experts whole, and E/ep of each
+    MoE block's experts: Ψ - L_moe·(E - E/ep)·(2f·h + f + h)."""
+    h, f, E = cfg.d_model, cfg.d_ff, cfg.moe_experts
+    return parameter_count(cfg) - len(cfg.moe_blocks) * (E - E // ep) * (2 * f * h + f + h)

@@ -5,7 +5,8 @@ Every call is recorded in a `CommLog` with:
   group         the name of the process group ("dp", "tp", "pp", "world")
   tag           which part of the model or algorithm sent it ("grads/bucket3", "tooling/loss")
   payload       bytes of the full (unsharded) tensor the collective is about
-  sent          bytes one rank sends under a bandwidth-optimal (ring) algorithm, NCCL's convention
+  sent          bytes one rank sends under a bandwidth-optimal (ring) algorithm, NCCL's convention;
+                for an all-to-all, exactly the bytes of the blocks it sends to the other ranks
   seconds       optional time the caller was blocked in the call (or in its wait): host wall time
                 on the CPU; on a GPU, CUDA events on the caller's stream (see `DeviceInterval`)
 
@@ -16,6 +17,7 @@ apart from the strategy's own figures.
 
 from __future__ import annotations
 
+import math
 import pickle
 import re
 import time
@@ -107,8 +109,12 @@ class CommLog:
         self._current = self.outside
         return traffic
 
-    def record(self, op: str, group: str, tag: str, payload_bytes: int, group_size: int, seconds: float = 0.0) -> Totals:
-        entry = Totals(1, payload_bytes, ring_bytes_sent(op, payload_bytes, group_size), seconds)
+    def record(self, op: str, group: str, tag: str, payload_bytes: int, group_size: int, seconds: float = 0.0,
+               sent_bytes: int | None = None) -> Totals:
+        """`sent_bytes`: what this rank really sent, where the ring formula does not give it (an
+        all-to-all with uneven splits); None: the ring formula on the payload."""
+        sent = ring_bytes_sent(op, payload_bytes, group_size) if sent_bytes is None else Fraction(sent_bytes)
+        entry = Totals(1, payload_bytes, sent, seconds)
         if self.enabled:
             self._current[(op, group, tag)].add(entry)
         return entry
@@ -245,9 +251,10 @@ class Communicator:
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool, cuda: bool = False,
-             peer: int | None = None):
+             peer: int | None = None, sent_bytes: int | None = None):
         """Call `fn`, record it; `cuda`: its tensors are on a GPU, so time it with CUDA events;
-        `peer`: the other end of a send or receive, named if the call fails."""
+        `peer`: the other end of a send or receive, named if the call fails; `sent_bytes`: see
+        `CommLog.record`."""
         timed = self.log.timed and not async_op
         interval = DeviceInterval() if timed and cuda else None
         start = time.perf_counter() if timed and not cuda else 0.0
@@ -256,7 +263,7 @@ class Communicator:
         except RuntimeError as e:
             raise _failed(self, op, tag, e, peer) from e
         seconds = time.perf_counter() - start if timed and not cuda else 0.0
-        self.log.record(op, self.name, tag, payload_bytes, self.size, seconds)
+        self.log.record(op, self.name, tag, payload_bytes, self.size, seconds, sent_bytes)
         if interval is not None:
             self.log.add_device_interval(op, self.name, tag, interval.stop())
         if async_op:
@@ -378,3 +385,28 @@ class Communicator:
 
     def barrier(self, tag: str) -> None:
         self._run("barrier", tag, 0, lambda: dist.barrier(group=self.group), False)
+
+    # -- all-to-all ---------------------------------------------------------------------------
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, tag: str,
+                          output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
+                          async_op: bool = False):
+        """Rank r sends block j of `input` (dim 0) to rank j, which stores it as block r of `output`.
+
+        Splits default to equal blocks of dim 0. Recorded as op "all_to_all" with
+          payload  bytes of this rank's whole input (the block it keeps for itself included), and
+          sent     bytes of the blocks it sends to the other ranks, exactly: S - input_split_sizes[r]
+                   rows. With even splits that is (N-1)/N·S, ring_bytes_sent's all-to-all formula;
+                   with the uneven splits a router produces no formula of S gives it.
+        """
+        payload = tensor_bytes(input)
+        if input_split_sizes is None:
+            kept = payload // self.size  # torch requires dim 0 to divide evenly
+        else:
+            row_bytes = math.prod(input.shape[1:]) * input.element_size()
+            kept = input_split_sizes[self.rank] * row_bytes
+        return self._run(
+            "all_to_all", tag, payload,
+            lambda: dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=self.group,
+                                           async_op=async_op),
+            async_op, input.is_cuda, sent_bytes=payload - kept,
+        )

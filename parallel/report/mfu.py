@@ -9,6 +9,8 @@ FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; training = forward + b
             N = all parameters but the token and position tables (lookups, not multiplies);
             the untied head is a matmul and counts. Biases and LayerNorms stay in N: a
             sub-leading term (Kaplan et al.'s non-embedding count drops them; < 1% here).
+            With experts, N counts the k experts a token goes to, not all E (the active
+            parameters; a dropped assignment still counts, as the model's nominal FLOPs).
   12·L·h·s  attention's own matmuls, which have no weights: Q·Kᵀ and (softmax)·V, each
             2·s·h FLOPs per token per layer forward (full s x s scores, as the model computes
             them, causal mask or not), times 3 for forward + backward.
@@ -26,12 +28,13 @@ import time
 import torch
 
 from parallel.model import GPTConfig
-from parallel.theory import parameter_count
+from parallel.theory import active_parameter_count
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:
-    """N: every parameter but the token and position embedding tables (theory.py's Ψ minus them)."""
-    return parameter_count(cfg) - cfg.padded_vocab_size * cfg.d_model - cfg.seq_len * cfg.d_model
+    """N: every parameter a token uses but the token and position embedding tables (theory.py's
+    active count, Ψ for a dense model, minus them)."""
+    return active_parameter_count(cfg) - cfg.padded_vocab_size * cfg.d_model - cfg.seq_len * cfg.d_model
 
 
 def flops_per_token(cfg: GPTConfig) -> int:
