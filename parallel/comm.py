@@ -378,3 +378,17 @@ class Communicator:
 
     def barrier(self, tag: str) -> None:
         self._run("barrier", tag, 0, lambda: dist.barrier(group=self.group), False)
+
+    # -- context parallelism --------------------------------------------------------------------
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, tag: str, async_op: bool = False):
+        """Cut `input` along dim 0 into `size` equal parts, send part j to rank j, and fill `output`
+        with the parts received, rank 0's first (gloo has this form, not the list form).
+
+        Payload: this rank's input S; the part addressed to itself stays home, so it sends
+        (N-1)/N·S (the all-to-all rule of `ring_bytes_sent`).
+        """
+        return self._run(
+            "all_to_all", tag, tensor_bytes(input),
+            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=async_op),
+            async_op, input.is_cuda,
+        )
