@@ -22,8 +22,15 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from parallel.comm import CommLog, Communicator
-from parallel.cp.layout import (check_divisible, layout_order, rank_chunks, rank_positions, shard_sequence,
-                                unshard_sequence, validate)
+from parallel.cp.layout import (
+    check_divisible,
+    layout_order,
+    rank_chunks,
+    rank_positions,
+    shard_sequence,
+    unshard_sequence,
+    validate,
+)
 from parallel.cp.ring import RingAttentionCore
 from parallel.cp.traffic import ring_layer_traffic, step_sent, ulysses_layer_traffic
 from parallel.cp.transform import parallelize_cp
@@ -137,7 +144,7 @@ def reports(request, spawned):
 @pytest.mark.parametrize("dtype", TOL, ids=str)
 @pytest.mark.parametrize("kind", CORES)
 def test_output_and_input_grads_equal_the_unsplit_attention(reports, kind, dtype):
-    cp, by_rank = reports
+    _, by_rank = reports
     for rank, report in enumerate(by_rank):
         r = report[kind, dtype]
         assert max(r["out"], r["dq"], r["dk"], r["dv"]) <= TOL[dtype], (rank, r)
@@ -147,7 +154,7 @@ def test_output_and_input_grads_equal_the_unsplit_attention(reports, kind, dtype
 @pytest.mark.parametrize("dtype", TOL, ids=str)
 @pytest.mark.parametrize("kind", CORES)
 def test_the_whole_model_on_cp_ranks_equals_the_single_model(reports, kind, dtype):
-    cp, by_rank = reports
+    _, by_rank = reports
     for rank, report in enumerate(by_rank):
         r = report[kind, dtype, "model"]
         assert r["loss"] <= TOL[dtype] and r["grads"] <= TOL[dtype], (rank, r)
@@ -157,7 +164,8 @@ def test_the_whole_model_on_cp_ranks_equals_the_single_model(reports, kind, dtyp
 @pytest.mark.parametrize("kind", CORES)
 def test_logged_bytes_equal_the_closed_form(reports, kind, dtype):
     cp, by_rank = reports
-    closed = (ring_layer_traffic if kind == "ring" else ulysses_layer_traffic)(B, SEQ, HEADS, HEAD_DIM, cp, DTYPES[dtype])
+    layer_traffic = ring_layer_traffic if kind == "ring" else ulysses_layer_traffic
+    closed = layer_traffic(B, SEQ, HEADS, HEAD_DIM, cp, DTYPES[dtype])
     for rank, report in enumerate(by_rank):
         r = report[kind, dtype]
         traffic = r["traffic"]

@@ -19,7 +19,8 @@ Dao 2023, arXiv 2307.08691, Algorithm 2): with P = exp(S − lse), the softmax o
 
     dV = Pᵀ·dO     dP = dO·Vᵀ     dS = P ⊙ (dP − D)     dQ = dS·K·scale     dK = dSᵀ·Q·scale
 
-and the gradients of all blocks simply add up. Everything here runs in fp32.
+and the gradients of all blocks simply add up. Everything here runs in the dtype it is given
+(ring.py gives fp32, or float64 for float64 activations).
 
 Block kinds. With the sequence cut into chunks, a query chunk a and a key chunk b under the
 causal mask are one of: FULL (a > b: every query is after every key), CAUSAL (a == b: the

@@ -56,7 +56,8 @@ def ring_layer_traffic(batch: int, seq_len: int, heads: int, head_dim: int, cp: 
     )
 
 
-def ulysses_layer_traffic(batch: int, seq_len: int, heads: int, head_dim: int, cp: int, dtype_bytes: int) -> LayerTraffic:
+def ulysses_layer_traffic(batch: int, seq_len: int, heads: int, head_dim: int, cp: int,
+                          dtype_bytes: int) -> LayerTraffic:
     units = 4 * local_kv_elements(batch, seq_len, heads, head_dim, cp) * dtype_bytes  # q, k, v and the output
     per_direction = Fraction(cp - 1, cp) * units  # 0 for a group of one, whose two calls move nothing
     return LayerTraffic(op="all_to_all", fwd_calls=2, fwd_sent=per_direction, bwd_calls=2, bwd_sent=per_direction)
