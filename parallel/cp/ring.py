@@ -40,7 +40,12 @@ SEQ = -2  # attention tensors are (batch, heads, seq, head_dim)
 
 
 def _ring_step(comm: Communicator, outgoing: torch.Tensor, tag: str):
-    """Post: send `outgoing` to the next rank, receive the same shape from the previous one."""
+    """Post: send `outgoing` to the next rank, receive the same shape from the previous one.
+
+    Two ranks' messages are matched in the order they are posted (gloo and NCCL alike), and every
+    rank posts the same sequence (in backward: the K, V block, then the gradient accumulator,
+    step after step), so a receive always gets the message meant for it.
+    """
     incoming = torch.empty_like(outgoing)
     nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     handles = comm.batch_p2p([("send", outgoing, nxt, tag), ("recv", incoming, prev, tag)])
