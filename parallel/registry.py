@@ -154,8 +154,8 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
         )
     if spec.check is not None:
         spec.check(dims, options)
-    extra = [d for d in ("dp", "tp", "pp") if getattr(dims, d) > 1 and d not in spec.dims]
-    if extra and spec.dims == {"dp"}:
+    extra = [d for d in ("dp", "tp", "pp", "cp", "ep") if getattr(dims, d) > 1 and d not in spec.dims]
+    if extra and spec.dims == {"dp"} and set(extra) <= {"tp", "pp"}:
         raise LayoutError(
             f"parallel={name} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
             "set parallel.tp=1 parallel.pp=1, or use parallel=tp for tensor parallelism"
