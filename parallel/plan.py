@@ -252,7 +252,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             f"model.vocab_size={model.vocab_size} is below 256, but the data is byte-level (token ids 0..255): "
             "use model.vocab_size=256 (or more)"
         )
-    dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp)
+    dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.get("cp", 1), ep=p.get("ep", 1))
     requested = spec_of(p.name)
     if requested.pipelined:
         # The schedule is checked whatever the layout runs as (a pipeline preset in one process

@@ -38,6 +38,8 @@ class StrategySpec:
     comm: Callable[[GPTConfig, Layout], dict]  # theory: traffic per step, all ranks, the summary's expected_comm
     model_state: Callable[[GPTConfig, Layout], dict | None] = lambda cfg, layout: None  # theory: bytes per rank
     local_parameters: Callable[[GPTConfig, Layout], int | None] = lambda cfg, layout: None  # what rank 0 holds
+    # theory: bytes saved for backward at the step's peak, per rank (a list, rank order), or None
+    activations: Callable[[GPTConfig, Layout], list[int] | None] = lambda cfg, layout: None
     # -- layout rules (checked by `check_layout`, before any process group) --
     dims: frozenset = frozenset({"dp"})  # dimensions that may exceed 1
     min_world: int = 1
@@ -152,8 +154,8 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
         )
     if spec.check is not None:
         spec.check(dims, options)
-    extra = [d for d in ("dp", "tp", "pp") if getattr(dims, d) > 1 and d not in spec.dims]
-    if extra and spec.dims == {"dp"}:
+    extra = [d for d in ("dp", "tp", "pp", "cp", "ep") if getattr(dims, d) > 1 and d not in spec.dims]
+    if extra and spec.dims == {"dp"} and set(extra) <= {"tp", "pp"}:
         raise LayoutError(
             f"parallel={name} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "
             "set parallel.tp=1 parallel.pp=1, or use parallel=tp for tensor parallelism"

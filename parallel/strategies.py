@@ -27,8 +27,9 @@ register(StrategySpec(
 
 
 def _to_single_in_one_process(dims, options):
-    """`parallel=dp` (or pp, 3d) in one plain process is the single-process run."""
-    return ("single", options) if dims.world_size == 1 else None
+    """`parallel=dp` (or pp, 3d) in one plain process is the single-process run (asking for ZeRO
+    over it is refused instead, by the ZeRO routing: there is nothing to shard over)."""
+    return ("single", options) if dims.world_size == 1 and not options.zero else None
 
 
 # -- data parallel ----------------------------------------------------------------------------------

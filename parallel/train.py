@@ -24,6 +24,7 @@ from parallel.plan import ConfigError, RunPlan
 from parallel.precision import ForwardContext
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
+from parallel.report.activations import ActivationMeter
 from parallel.report.console import log_summary, step_line
 from parallel.report.metrics import (
     MetricsWriter, close_logging, default_run_dir, peak_memory_bytes, setup_logging, write_json,
@@ -48,6 +49,7 @@ class Run:
     strategy: Strategy
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    activation_peaks: list[int] = field(default_factory=list)  # bytes saved for backward, per step
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -127,6 +129,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
+    activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
     for step in range(plan.start_step, plan.steps):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in
@@ -134,8 +137,10 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
-        local_loss = _guarded_step(run, step, microbatches, global_batch.n_tokens)
+        with activations.step():
+            local_loss = _guarded_step(run, step, microbatches, global_batch.n_tokens)
         seconds = timer.stop()
+        run.activation_peaks.append(activations.peak)
         if step == plan.start_step:
             _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
@@ -217,6 +222,7 @@ def rank_report(run: Run) -> dict:
         "step_times": run.step_times,
         "traffic": ctx.log.steps,
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
+        "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),

@@ -26,9 +26,29 @@ def test_rank_order_is_tp_innermost_then_dp_then_pp(dp, tp, pp):
     seen = set()
     for rank in range(dims.world_size):
         c = dims.coordinates(rank)
-        assert rank == (c["pp"] * dp + c["dp"]) * tp + c["tp"] == dims.rank_of(**c)
+        assert rank == (c["pp"] * dp + c["dp"]) * tp + c["tp"] == dims.rank_of(c["pp"], c["dp"], c["tp"])
         seen.add((c["pp"], c["dp"], c["tp"]))
     assert len(seen) == dims.world_size
+
+
+@pytest.mark.parametrize("dp,cp,tp,pp", [(2, 2, 2, 1), (1, 4, 1, 2), (2, 2, 1, 2)])
+def test_cp_sits_between_tp_and_dp(dp, cp, tp, pp):
+    dims = ParallelDims.resolve(dp * cp * tp * pp, dp=dp, tp=tp, pp=pp, cp=cp)
+    for rank in range(dims.world_size):
+        c = dims.coordinates(rank)
+        assert rank == ((c["pp"] * dp + c["dp"]) * cp + c["cp"]) * tp + c["tp"] == dims.rank_of(c["pp"], c["dp"], c["tp"], c["cp"])
+    # Every group of a dimension differs only in that coordinate; together they cover the world once.
+    for name in ("pp", "dp", "cp", "tp", "dp_cp"):
+        groups = dims.group_ranks(name)
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+
+
+def test_ep_is_carved_out_of_dp():
+    dims = ParallelDims.resolve(8, dp=8, ep=4)
+    assert dims.group_ranks("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(LayoutError, match=r"parallel.ep=3 does not divide parallel.dp=8"):
+        ParallelDims.resolve(8, ep=3)
 
 
 def test_world_size_must_equal_the_product():

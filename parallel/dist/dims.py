@@ -1,11 +1,17 @@
 """The parallel layout: how many ranks along each dimension, validated before any process group.
 
-Rank order puts tp innermost, then dp, then pp outermost (Megatron's order), so that the ranks of
-one tensor-parallel group are neighbours and stay inside one node:
+Rank order puts tp innermost, then cp, then dp, then pp outermost (Megatron's order), so that the
+ranks of one tensor-parallel group are neighbours and stay inside one node, and context-parallel
+neighbours (ring attention's point-to-point traffic) come next:
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-which is exactly the row-major order of a device mesh of shape (pp, dp, tp).
+which is exactly the row-major order of a device mesh of shape (pp, dp, cp, tp).
+
+Expert parallelism is not a dimension of its own: the ep ranks of an MoE layer are `ep`
+consecutive dp ranks (ep divides dp), as Megatron-Core carves expert parallelism out of data
+parallelism. A rank's expert-parallel index is dp_rank % ep, and the ranks that hold the same
+experts (and sum their gradients) share dp_rank // ep (`edp`, expert data parallel).
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from math import gcd as _gcd
 
-MESH_DIM_NAMES = ("pp", "dp", "tp")
+MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
 
 
 class LayoutError(ValueError):
@@ -26,58 +32,102 @@ def _positive_int(name: str, value) -> int:
     return value
 
 
+def _product(names: list[str], values: list[int]) -> str:
+    """`parallel.dp x parallel.tp = 2 x 2 = 4`"""
+    total = 1
+    for v in values:
+        total *= v
+    return f"{' x '.join(f'parallel.{n}' for n in names)} = {' x '.join(map(str, values))} = {total}"
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     world_size: int
     dp: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    ep: int = 1
 
     @classmethod
-    def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int | None = 1) -> "ParallelDims":
-        """Fill in dp (or pp, for the pipeline presets) from what the world leaves, then check the product."""
+    def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int | None = 1, cp: int = 1,
+                ep: int = 1) -> "ParallelDims":
+        """Fill in dp (or pp, for the pipeline presets) from what the world leaves, then check the product.
+        (cp appears in the messages only where it is used: cp = 1 reads as it always did.)"""
         world_size = _positive_int("world size", world_size)
         tp = _positive_int("parallel.tp", tp)
+        cp = _positive_int("parallel.cp", cp)
+        inner_names, inner = (["cp", "tp"], [cp, tp]) if cp > 1 else (["tp"], [tp])
+        inner_size = cp * tp
         if pp is None:
             if dp is None:
                 raise LayoutError("parallel.dp and parallel.pp are both unset: set one of them and the other is derived")
             dp = _positive_int("parallel.dp", dp)
-            if world_size % (dp * tp):
+            if world_size % (dp * inner_size):
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by parallel.dp x parallel.tp = {dp} x {tp} = {dp * tp}: "
-                    f"launch a multiple of {dp * tp} processes or change dp/tp"
+                    f"world size {world_size} is not divisible by {_product(['dp', *inner_names], [dp, *inner])}: "
+                    f"launch a multiple of {dp * inner_size} processes or change {'/'.join(['dp', *inner_names])}"
                 )
-            pp = world_size // (dp * tp)
+            pp = world_size // (dp * inner_size)
         pp = _positive_int("parallel.pp", pp)
         if dp is None:
-            if world_size % (tp * pp):
+            if world_size % (inner_size * pp):
                 raise LayoutError(
-                    f"world size {world_size} is not divisible by parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp}: "
-                    f"launch a multiple of {tp * pp} processes or change tp/pp"
+                    f"world size {world_size} is not divisible by {_product([*inner_names, 'pp'], [*inner, pp])}: "
+                    f"launch a multiple of {inner_size * pp} processes or change {'/'.join([*inner_names, 'pp'])}"
                 )
-            dp = world_size // (tp * pp)
+            dp = world_size // (inner_size * pp)
         dp = _positive_int("parallel.dp", dp)
-        if dp * tp * pp != world_size:
+        if dp * inner_size * pp != world_size:
+            n = dp * inner_size * pp
+            names = ["dp", *inner_names, "pp"] if cp > 1 else ["dp", "tp", "pp"]
+            values = [dp, *inner, pp] if cp > 1 else [dp, tp, pp]
             raise LayoutError(
-                f"world size {world_size} != parallel.dp x parallel.tp x parallel.pp = {dp} x {tp} x {pp} = {dp * tp * pp}: "
-                f"launch {dp * tp * pp} processes (torchrun --nproc-per-node {dp * tp * pp}) or leave parallel.dp unset to derive it"
+                f"world size {world_size} != {_product(names, values)}: "
+                f"launch {n} processes (torchrun --nproc-per-node {n}) or leave parallel.dp unset to derive it"
             )
-        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp)
+        ep = _positive_int("parallel.ep", ep)
+        if dp % ep:
+            raise LayoutError(
+                f"parallel.ep={ep} does not divide parallel.dp={dp}: the expert-parallel ranks are ep consecutive "
+                f"data-parallel ranks; use an ep that divides dp (e.g. parallel.ep={_gcd(ep, dp)})"
+            )
+        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.cp, self.tp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """(pp, dp, tp) position of a global rank."""
-        return {
-            "pp": rank // (self.dp * self.tp),
-            "dp": (rank // self.tp) % self.dp,
-            "tp": rank % self.tp,
-        }
+        """(pp, dp, cp, tp) position of a global rank, and its ep and edp indices within dp."""
+        tp = rank % self.tp
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.dp * self.cp * self.tp)
+        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": dp % self.ep, "edp": dp // self.ep}
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def group_ranks(self, name: str) -> list[list[int]]:
+        """Every group of dimension `name` as its global ranks: "pp", "dp", "cp", "tp" (the mesh's),
+        "ep" (ep consecutive dp ranks), "edp" (the dp ranks holding the same experts), "dp_cp" (dp
+        and cp together: the ranks that sum gradients when the sequence is split too)."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coordinates(rank)
+            if name in ("pp", "dp", "cp", "tp"):
+                key = tuple(v for k, v in c.items() if k in ("pp", "dp", "cp", "tp") and k != name)
+            elif name == "ep":
+                key = (c["pp"], c["cp"], c["tp"], c["edp"])
+            elif name == "edp":
+                key = (c["pp"], c["cp"], c["tp"], c["ep"])
+            elif name == "dp_cp":
+                key = (c["pp"], c["tp"])
+            else:
+                raise ValueError(f"no group dimension {name!r}")
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
 
     def check_batch(self, global_batch: int, microbatches: int) -> None:
         """The global batch must split evenly into dp slices and then microbatches."""
@@ -150,7 +200,7 @@ class ParallelDims:
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str):
-    """A (pp, dp, tp) DeviceMesh with named dims; each sub-group is reachable as mesh["dp"] etc.
+    """A (pp, dp, cp, tp) DeviceMesh with named dims; each sub-group is reachable as mesh["dp"] etc.
 
     Sharing one named mesh lets PyTorch's own DDP, FSDP2 and DTensor baselines run on exactly
     the groups the hand-written strategies use.

@@ -144,8 +144,15 @@ def add_layout_groups(ctx: DistContext) -> DistContext:
     the default group.)"""
     ctx.mesh = build_device_mesh(ctx.dims, ctx.device.type)
     ctx.comms["world"] = Communicator("world", dist.group.WORLD, ctx.log)
-    for name in ("pp", "dp", "tp"):
+    for name in ("pp", "dp", "cp", "tp"):
         ctx.comms[name] = Communicator(name, ctx.mesh[name].get_group(), ctx.log)
+    # Groups that are not dimensions of the mesh, made only where the layout uses them: expert
+    # parallelism (ep consecutive dp ranks, and across them the ranks holding the same experts),
+    # and dp with cp together (the gradient sum when the sequence is split too).
+    derived = [*(("ep", "edp") if ctx.dims.ep > 1 else ()), *(("dp_cp",) if ctx.dims.cp > 1 else ())]
+    for name in derived:
+        mine, _ = dist.new_subgroups_by_enumeration(ctx.dims.group_ranks(name))
+        ctx.comms[name] = Communicator(name, mine, ctx.log)
     return ctx
 
 

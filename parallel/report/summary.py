@@ -97,7 +97,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "expected_comm": expected,
         "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["sent_bytes_per_step_exact"]),
         "exposed_comm_measured": spec.exposed_comm_measured,
-        "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout)),
+        "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
+                                   spec.activations(plan.model, layout)),
     }
     summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
     if spec.pipelined and rank_reports[0]["pipeline_spans"] is not None:
@@ -197,11 +198,13 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
 MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def summarize_memory(rank_reports: list[dict], formula: dict | None) -> dict:
+def summarize_memory(rank_reports: list[dict], formula: dict | None, activation_formula: list[int] | None = None) -> dict:
     """The summary's `memory` block: per rank, the parameter, gradient and optimizer-state bytes
-    it held after the last step and its peak model-state bytes during it (tensor sizes), with
-    the allocator's peak (CUDA on GPU, RSS on CPU); beside them theory.model_state_bytes, and
-    whether every rank's three figures equal it exactly."""
+    it held after the last step, its peak model-state bytes during it (tensor sizes) and the bytes
+    saved for backward at the last step's peak (parallel/report/activations.py), with the
+    allocator's peak (CUDA on GPU, RSS on CPU); beside them the strategy's closed forms (`theory`:
+    model_state_bytes, activation_bytes per rank) and whether every rank's model state equals its
+    formula exactly. (`formula` is theory.model_state_bytes under its first name.)"""
     by_rank = []
     for r in rank_reports:
         state = r["model_state"]
@@ -210,11 +213,12 @@ def summarize_memory(rank_reports: list[dict], formula: dict | None) -> dict:
             **{k: state[k] for k in MODEL_STATE_FIELDS},
             "total_bytes": sum(state[k] for k in MODEL_STATE_FIELDS),
             "peak_model_state_bytes": state["peak_model_state_bytes"],
+            "activation_peak_bytes": r["activation_peak_bytes"],
             "peak_allocator_bytes": r["peak_memory_bytes"],
         })
     matches = None
     if formula is not None:
         matches = all(row[k] == formula[k] for row in by_rank for k in MODEL_STATE_FIELDS)
-    return {"by_rank": by_rank, "formula": formula, "matches_formula": matches}
-
-
+    return {"by_rank": by_rank, "formula": formula, "matches_formula": matches,
+            "activations_bytes_measured": [row["activation_peak_bytes"] for row in by_rank],
+            "theory": {"model_state_bytes": formula, "activation_bytes": activation_formula}}
