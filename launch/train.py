@@ -4,14 +4,15 @@
     torchrun --standalone --nproc-per-node 2 -m launch.train parallel=dp
     torchrun --standalone --nproc-per-node 4 -m launch.train parallel=dp_naive parallel.microbatches=2
 
-A configuration error is reported in one line on stderr, before any process group exists, and the
-process exits with status 2. A non-finite loss stops every rank with status 3. Any other failure
+A configuration error is reported in one line on stderr (by rank 0 only, under torchrun), before
+any process group exists, and the process exits with status 2 (torchrun itself then exits 1). A non-finite loss stops every rank with status 3. Any other failure
 of a rank (its own exception, or a peer that died or hung: gloo then raises on this rank) prints
 the traceback and one `error:` line naming the rank, and exits 1; torchrun then stops the rest.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
@@ -32,8 +33,36 @@ from parallel.train import TrainingStopped, train
 CONFIG_ERRORS = (ConfigError, LayoutError, DataError, CheckpointError)
 
 
+_saved_stderr: int | None = None  # the real stderr of a rank > 0 while Hydra parses (see `cli`)
+
+
+def cli() -> None:
+    """The entry point (`python -m launch.train`, `parallel-train`). Under torchrun every rank parses
+    the same command line, so a mistake Hydra itself reports (`model=nonexistent`) would be printed
+    once per rank: ranks other than 0 keep their stderr closed until Hydra has handed over the
+    config, and rank 0 says it once."""
+    global _saved_stderr
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.stderr.flush()
+        _saved_stderr = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    main()
+
+
+def _restore_stderr() -> None:
+    global _saved_stderr
+    if _saved_stderr is not None:
+        sys.stderr.flush()
+        os.dup2(_saved_stderr, 2)
+        os.close(_saved_stderr)
+        _saved_stderr = None
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    _restore_stderr()  # Hydra accepted the command line: from here every rank speaks for itself
     env = LaunchEnv.from_environ()
     timeout_s = cfg.parallel.timeout_s
     try:
@@ -60,4 +89,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli()

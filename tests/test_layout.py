@@ -149,6 +149,12 @@ def test_threads_share_the_cores():
     assert threads_per_rank(local_world_size=1, requested=3) == 3
 
 
+def test_giving_pp_on_a_pipeline_preset_derives_dp():
+    """A user who sets pp expects dp to be what the world leaves (the preset fixes neither)."""
+    plan = plan_for(4, "parallel=pp_1f1b", "parallel.pp=2", "model=tiny")
+    assert (plan.strategy, plan.dims.dp, plan.dims.pp) == ("pp", 2, 2)
+
+
 def test_plan_pipeline_derives_pp_from_the_world():
     plan = plan_for(4, "parallel=pp_1f1b", "model=tiny")
     assert (plan.strategy, plan.dims.pp, plan.dims.dp, plan.schedule) == ("pp", 4, 1, "1f1b")

@@ -58,6 +58,6 @@ register(StrategySpec(
 ))
 
 if __name__ == "__main__":
-    from launch.train import main
+    from launch.train import cli
 
-    main()
+    cli()

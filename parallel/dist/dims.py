@@ -52,7 +52,11 @@ class ParallelDims:
     @classmethod
     def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int | None = 1, cp: int = 1,
                 ep: int = 1) -> "ParallelDims":
-        """Fill in dp (or pp, for the pipeline presets) from what the world leaves, then check the product.
+        """Fill in dp (or pp) from what the world leaves, then check the product.
+
+        Whichever of dp and pp is given, the other is derived; with neither given (the pipeline
+        presets), dp is 1 and every other rank is a pipeline stage. So `parallel=pp_1f1b
+        parallel.pp=2` on 4 ranks is dp 2 x pp 2, and `parallel=pp_1f1b` alone is pp 4.
         (cp appears in the messages only where it is used: cp = 1 reads as it always did.)"""
         world_size = _positive_int("world size", world_size)
         tp = _positive_int("parallel.tp", tp)
@@ -60,9 +64,7 @@ class ParallelDims:
         inner_names, inner = (["cp", "tp"], [cp, tp]) if cp > 1 else (["tp"], [tp])
         inner_size = cp * tp
         if pp is None:
-            if dp is None:
-                raise LayoutError("parallel.dp and parallel.pp are both unset: set one of them and the other is derived")
-            dp = _positive_int("parallel.dp", dp)
+            dp = 1 if dp is None else _positive_int("parallel.dp", dp)
             if world_size % (dp * inner_size):
                 raise LayoutError(
                     f"world size {world_size} is not divisible by {_product(['dp', *inner_names], [dp, *inner])}: "

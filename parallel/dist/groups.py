@@ -198,12 +198,14 @@ def exit_process(code: int) -> None:
 def exit_with_error(env: LaunchEnv, message: str, code: int = 2) -> None:
     """Refuse a run in one line and exit non-zero, before any process group exists.
 
-    Every rank reaches the same verdict from the same config, but torchrun stops all workers as
-    soon as the first one exits: rank 0 says it and leaves at once, the others wait a moment so
-    they are not the first to go (which could cut rank 0 off before its line is out), then say it
-    too, in case rank 0 did not fail.
+    Every rank reaches the same verdict from the same config, so rank 0 alone says it (one line,
+    not one per rank) and leaves at once. The others leave a moment later, silently: torchrun
+    stops every worker as soon as the first one exits, and a rank that went first could cut rank
+    0 off before its line is out. (torchrun then exits 1 and prints its own report of the failed
+    workers after the line; `python -m launch.run` validates first and ends with the line, exit 2.)
     """
     if env.rank != 0:
         time.sleep(2.0)
-    print(f"error: {message}" if env.rank == 0 else f"error (rank {env.rank}): {message}", file=sys.stderr, flush=True)
+    else:
+        print(f"error: {message}", file=sys.stderr, flush=True)
     exit_process(code)

@@ -54,9 +54,17 @@ class ActivationMeter:
         self.peak = self.current
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in self.excluded or storage.nbytes() == 0 or _is_parameter(t):
+        if _is_parameter(t):
+            return t
+        # A DTensor holds its memory in its local shard; a tensor subclass with no storage of its
+        # own (and no local shard) holds none that could be counted here.
+        local = getattr(t, "_local_tensor", t)
+        try:
+            storage = local.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if key in self.excluded or storage.nbytes() == 0:
             return t
         entry = self.live.get(key)
         if entry is None:
