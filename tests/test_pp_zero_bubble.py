@@ -12,6 +12,7 @@ small cases written out. No processes: about 10 s.
 from collections import Counter
 from fractions import Fraction as Fr
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 
@@ -173,6 +174,43 @@ def test_dualpipe_v_order_on_two_ranks():
         "F0 F1 F2 F0.1 B0.1 W0.1 F1.1 F3 B1.1 W1.1 F2.1 B0 W0 B2.1 W2.1 F3.1 B1 W1 B3.1 W3.1 B2 W2 B3 W3",
         "F0 F0.1 F1 F1.1 F2 B0.1 W0.1 F2.1 B0 W0 F3 B1.1 W1.1 F3.1 B1 W1 B2.1 W2.1 B2 W2 B3.1 B3 W3.1 W3",
     ]
+
+
+def torch_orders(cls, p, m, **attrs):
+    """PyTorch 2.13's compute order per rank, from the pure per-rank planner its schedules call in
+    their constructor (private API: run on a stand-in object, no process group), in our vocabulary:
+    FULL_BACKWARD = B then W, OVERLAP_F_B = its F then its whole backward, one after the other."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    place = Placement(p, 2, "v") if cls.__name__ != "ScheduleInterleavedZeroBubble" else Placement(p)
+    ops = {T.FORWARD: [F], T.BACKWARD_INPUT: [B], T.BACKWARD_WEIGHT: [W], T.FULL_BACKWARD: [B, W]}
+    planner = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p, **attrs)
+    orders = []
+    for rank in range(p):
+        flat = []
+        for a in filter(None, cls._calculate_single_rank_operations(planner, rank)):
+            flat += a.sub_actions if a.computation_type == T.OVERLAP_F_B else [a]
+        orders.append([Action(op, a.microbatch_index, place.location(a.stage_index)[1])
+                       for a in flat for op in ops[a.computation_type]])
+    return orders
+
+
+def test_orders_are_pytorchs():
+    """zbv and dualpipev are ScheduleZBVZeroBubble's and ScheduleDualPipeV's orders, and zbh1 is
+    ScheduleInterleavedZeroBubble's with one stage per rank, wherever PyTorch accepts (p, m)."""
+    from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
+
+    def ours(schedule, p, m):
+        return [compute_only(actions) for actions in build_schedule(schedule, p, m, VIRTUAL[schedule])]
+
+    for p, m in GRID:
+        assert ours("zbv", p, m) == torch_orders(ScheduleZBVZeroBubble, p, m)
+        if m >= 2 * p:  # PyTorch refuses fewer, as we do
+            assert ours("dualpipev", p, m) == torch_orders(ScheduleDualPipeV, p, m)
+        rounds = max(1, m // p)
+        if m % rounds == 0:  # PyTorch refuses other m (e.g. odd m >= 5 at p = 2)
+            assert ours("zbh1", p, m) == torch_orders(ScheduleInterleavedZeroBubble, p, m, n_local_stages=1,
+                                                      microbatches_per_round=m // rounds)
 
 
 def test_the_turn_of_the_v_sends_nothing():
