@@ -1,90 +1,42 @@
 """Pipeline schedules as data.
 
 A schedule is a pure function `(stages, microbatches, virtual) -> one list of actions per rank`.
-Nothing here communicates or computes: the simulator (simulator.py) runs these lists with unit
+Nothing here communicates or computes: the simulator (simulator.py) runs these lists with given
 costs to prove them correct and predict the bubble, the executor runs the very same lists with
 real sends and receives, and the timeline draws them.
 
-Vocabulary
-----------
-* p pipeline ranks, m microbatches, v model chunks per rank ("virtual stages").
-* The model is cut into p·v consecutive pieces, the *virtual stages* 0 .. p·v-1. Rank r holds
-  chunks c = 0 .. v-1, chunk c being virtual stage c·p + r (Megatron's interleaved layout: each
-  rank holds v non-adjacent pieces). With v = 1, virtual stage = rank.
-* Actions, each about one microbatch `mb` on one local `chunk`:
-    F        forward                     B        backward
-    SEND_F   send the chunk's output activation to the next virtual stage
-    RECV_F   receive the chunk's input activation from the previous virtual stage
-    SEND_B   send the gradient of the chunk's input to the previous virtual stage
-    RECV_B   receive the gradient of the chunk's output from the next virtual stage
-  A RECV is placed right before the compute that consumes it and a SEND right after the compute
-  that produces it. Sends are posted without waiting (isend); a receive waits until its message
-  has arrived. Under those rules a list of actions deadlocks only if its compute order does, which
-  the simulator rules out.
+The vocabulary (F, B, W, the sends and receives) is in actions.py; which rank holds which virtual
+stage is each schedule's placement (placement.py, `schedule_placement` below). This file holds the
+schedules with one whole backward per microbatch and chunk (GPipe, 1F1B, interleaved 1F1B, all on
+the loop placement); zero_bubble.py holds those that split it (ZB-H1, ZB-V, DualPipeV).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-F, B = "F", "B"
-SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-COMPUTE = (F, B)
-COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
-
-
-@dataclass(frozen=True, order=True)
-class Action:
-    op: str
-    mb: int
-    chunk: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-class ScheduleError(ValueError):
-    """A (stages, microbatches, virtual) combination the schedule cannot run."""
+from parallel.pp.actions import # noqa: F401  (re-exported: the vocabulary is used as schedules.F, ...
+    COMM, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, ScheduleError, W, check_sizes, compute_only,
+    splits_backward, with_comm,
+)
+from parallel.pp.placement import LOOP, Placement, V
+from parallel.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
 
 
 def virtual_stage(rank: int, chunk: int, stages: int) -> int:
+    """(rank, chunk) -> virtual stage on the loop placement (all but the V-shaped schedules)."""
     return chunk * stages + rank
 
 
 def stage_location(vstage: int, stages: int) -> tuple[int, int]:
-    """Virtual stage -> (rank, chunk)."""
+    """Virtual stage -> (rank, chunk) on the loop placement."""
     return vstage % stages, vstage // stages
 
 
 def _with_comm(compute: list[Action], rank: int, stages: int, virtual: int) -> list[Action]:
-    """Insert each compute's receive before it and its send after it.
-
-    The first virtual stage has no one to receive an input from (it reads the batch) and the last
-    computes the loss itself, so those receives and sends are left out.
-    """
-    last = stages * virtual - 1
-    out: list[Action] = []
-    for a in compute:
-        vs = virtual_stage(rank, a.chunk, stages)
-        if a.op == F:
-            if vs > 0:
-                out.append(Action(RECV_F, a.mb, a.chunk))
-            out.append(a)
-            if vs < last:
-                out.append(Action(SEND_F, a.mb, a.chunk))
-        else:
-            if vs < last:
-                out.append(Action(RECV_B, a.mb, a.chunk))
-            out.append(a)
-            if vs > 0:
-                out.append(Action(SEND_B, a.mb, a.chunk))
-    return out
+    return with_comm(compute, rank, Placement(stages, virtual))
 
 
 def _check(stages: int, microbatches: int, virtual: int) -> None:
-    for name, value in (("parallel.pp", stages), ("parallel.microbatches", microbatches), ("parallel.virtual_stages", virtual)):
-        if not isinstance(value, int) or value < 1:
-            raise ScheduleError(f"{name}={value!r} must be a positive integer")
+    check_sizes(stages, microbatches, virtual)
 
 
 def gpipe(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -161,14 +113,18 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int = 2) -> list[l
     return plans
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b,
+             "zbh1": zb_h1, "zbv": zb_v, "dualpipev": dualpipe_v}
+V_SHAPED = ("zbv", "dualpipev")  # the schedules on the V placement; every other one loops
+
+
+def schedule_placement(name: str, stages: int, virtual: int = 1) -> Placement:
+    """Which rank holds which virtual stage under schedule `name` (the simulator, the executor and
+    the traffic formulas all ask this, never `vstage % p`)."""
+    return Placement(stages, virtual, V if name in V_SHAPED else LOOP)
 
 
 def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     if name not in SCHEDULES:
         raise ScheduleError(f"parallel.schedule={name!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
     return SCHEDULES[name](stages, microbatches, virtual)
-
-
-def compute_only(actions: list[Action]) -> list[Action]:
-    return [a for a in actions if a.op in COMPUTE]

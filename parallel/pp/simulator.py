@@ -6,20 +6,26 @@ proves, for the lists it is given, that
 
 * they finish: no rank waits forever for a message (a deadlock is reported with every rank's
   blocked action);
-* every microbatch runs forward then backward exactly once on every virtual stage, each receive
-  gets the message of the right microbatch from the right neighbour, and no message is left
-  unreceived;
+* every microbatch runs F, then B, then (in a schedule that splits the backward) W exactly once on
+  every virtual stage, each F after the previous stage's F and each B after the next stage's B,
+  each receive gets the message of the right microbatch from the right neighbour, and no message
+  is left unreceived;
 
-and it measures what the closed forms predict: the bubble (the share of rank-time spent idle)
-and the most activations each rank holds at once (forwards done whose backward has not run).
+and it measures what the closed forms (bubble.py) predict: the bubble (the share of rank-time
+spent idle) and the most activations each rank holds at once. A microbatch's activations on a
+chunk are held from its F until its backward is complete: until B when B is the whole backward,
+until W when the backward is split (W needs the layer inputs the forward saved).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from fractions import Fraction
 
-from parallel.pp.schedules import B, COMPUTE, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, stage_location, virtual_stage
+from parallel.pp.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, splits_backward
+from parallel.pp.placement import Placement
+from parallel.pp.schedules import build_schedule, schedule_placement
 
 
 class ScheduleInvalid(AssertionError):
@@ -32,6 +38,7 @@ class Span:
     action: Action
     start: float
     end: float
+    after: int | None = None  # index of the span this one had to wait for (None: the step's start)
 
 
 @dataclass
@@ -49,35 +56,84 @@ class SimResult:
         """Idle share of all ranks' time: 1 - busy / (p · makespan)."""
         return 1.0 - sum(self.busy) / (self.stages * self.makespan)
 
+    @property
+    def bubble_exact(self) -> Fraction:
+        """The same share as an exact fraction (exact when the costs are, e.g. Fractions or ints)."""
+        return 1 - Fraction(sum(self.busy)) / (self.stages * Fraction(self.makespan))
 
-def unit_costs(forward: float = 1.0, backward: float = 2.0, comm: float = 0.0):
-    """Costs per action for a rank's whole share of the model; a chunk costs 1/v of it."""
+    @property
+    def idle(self) -> list:
+        """Each rank's idle time within the step: makespan - busy."""
+        return [self.makespan - b for b in self.busy]
 
-    def cost(action: Action, virtual: int) -> float:
+    def critical_path(self) -> list[Span]:
+        """The chain of actions that sets the makespan, first to last: each waited for the one
+        before it, either the rank's previous action or (for a receive that waited) the send of
+        its message. Its compute times add up to the makespan when messages are free: this is how
+        the closed forms in bubble.py were read off, one chain per term."""
+        span = max(self.spans, key=lambda s: s.end)
+        chain = [span]
+        while span.after is not None:
+            span = self.spans[span.after]
+            chain.append(span)
+        return chain[::-1]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Time of one microbatch through a rank's whole share of the model; a chunk costs 1/v of it.
+
+    forward F; input_grad B, the backward's input-gradient half; weight_grad W, its weight-gradient
+    half. A schedule that does not split the backward runs both halves as one B costing B + W.
+    """
+
+    forward: float = 1.0
+    input_grad: float = 2.0
+    weight_grad: float = 0.0
+    comm: float = 0.0
+
+    def __call__(self, action: Action, virtual: int, split: bool = True) -> float:
         if action.op == F:
-            return forward / virtual
+            return self.forward / virtual
         if action.op == B:
-            return backward / virtual
-        return comm
+            return (self.input_grad if split else self.input_grad + self.weight_grad) / virtual
+        if action.op == W:
+            return self.weight_grad / virtual
+        return self.comm
 
-    return cost
+
+def unit_costs(forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -> Costs:
+    """Costs with one whole backward time (for schedules that do not split it)."""
+    return Costs(forward, backward, 0.0, comm)
 
 
-def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost=None) -> SimResult:
+def split_costs(forward: float, input_grad: float, weight_grad: float, comm: float = 0) -> Costs:
+    """F, B and W times given separately; an unsplit schedule's B then costs B + W."""
+    return Costs(forward, input_grad, weight_grad, comm)
+
+
+def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost: Costs | None = None,
+             placement: Placement | None = None) -> SimResult:
+    """Play the lists; `placement` says which rank holds which virtual stage (loop by default)."""
     cost = cost or unit_costs()
     p = len(plans)
+    placement = placement or Placement(p, virtual)
+    split = splits_backward(plans)
+    release = W if split else B  # the action after which a microbatch's activations are freed
     last_vstage = p * virtual - 1
-    clock = [0.0] * p
+    clock = [0] * p
     cursor = [0] * p
-    busy = [0.0] * p
+    busy = [0] * p
     held = [0] * p
     peak = [0] * p
     sent: dict[tuple[str, int, int], float] = {}  # (kind, mb, destination vstage) -> arrival time
+    sender: dict[tuple[str, int, int], int] = {}  # ... -> index of the send's span
+    last_span: list[int | None] = [None] * p       # each rank's latest span
     done = Counter()
     spans: list[Span] = []
 
     def message_key(rank: int, a: Action) -> tuple[str, int, int]:
-        vs = virtual_stage(rank, a.chunk, p)
+        vs = placement.vstage(rank, a.chunk)
         if a.op == SEND_F:
             return ("act", a.mb, vs + 1)
         if a.op == RECV_F:
@@ -88,23 +144,30 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
 
     def run_one(rank: int) -> bool:
         a = plans[rank][cursor[rank]]
-        vs = virtual_stage(rank, a.chunk, p)
-        start = clock[rank]
+        vs = placement.vstage(rank, a.chunk)
+        start, after = clock[rank], last_span[rank]
         if a.op in (RECV_F, RECV_B):
             key = message_key(rank, a)
             if key not in sent:
                 return False  # blocked: the message has not been sent yet
-            start = max(start, sent.pop(key))
+            arrival, sent_by = sent.pop(key), sender.pop(key)
+            if arrival > start:
+                start, after = arrival, sent_by
         elif a.op in (SEND_F, SEND_B):
             key = message_key(rank, a)
             if not 0 <= key[2] <= last_vstage:
                 raise ScheduleInvalid(f"rank {rank}: {a} sends past the ends of the pipeline")
+            if placement.rank_of(key[2]) == rank:
+                raise ScheduleInvalid(f"rank {rank}: {a} sends to a virtual stage of its own rank")
             if key in sent:
                 raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
-            sent[key] = start + cost(a, virtual)
+            sent[key] = start + cost(a, virtual, split)
+            sender[key] = len(spans)
         else:
             if a.op == B and done[(F, a.mb, vs)] != 1:
                 raise ScheduleInvalid(f"rank {rank}: {a} runs before the forward of microbatch {a.mb} on virtual stage {vs}")
+            if a.op == W and done[(B, a.mb, vs)] != 1:
+                raise ScheduleInvalid(f"rank {rank}: {a} runs before the B of microbatch {a.mb} on virtual stage {vs}")
             if a.op == F and vs > 0 and done[(F, a.mb, vs - 1)] != 1:
                 raise ScheduleInvalid(f"rank {rank}: {a} runs before its input exists")
             if a.op == B and vs < last_vstage and done[(B, a.mb, vs + 1)] != 1:
@@ -112,12 +175,13 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
             if done[(a.op, a.mb, vs)]:
                 raise ScheduleInvalid(f"rank {rank}: {a} runs twice")
             done[(a.op, a.mb, vs)] += 1
-            busy[rank] += cost(a, virtual)
-            held[rank] += 1 if a.op == F else -1
+            busy[rank] += cost(a, virtual, split)
+            held[rank] += 1 if a.op == F else -1 if a.op == release else 0
             peak[rank] = max(peak[rank], held[rank])
-        end = start + cost(a, virtual)
+        end = start + cost(a, virtual, split)
         clock[rank] = end
-        spans.append(Span(rank, a, start, end))
+        last_span[rank] = len(spans)
+        spans.append(Span(rank, a, start, end, after))
         cursor[rank] += 1
         return True
 
@@ -131,11 +195,18 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
             raise ScheduleInvalid(f"deadlock: every unfinished rank waits for a message that is never sent: {blocked}")
 
     for vs in range(p * virtual):
-        rank, chunk = stage_location(vs, p)
+        rank, chunk = placement.location(vs)
         for mb in range(microbatches):
-            for op in COMPUTE:
+            for op in (F, B, W) if split else (F, B):
                 if done[(op, mb, vs)] != 1:
                     raise ScheduleInvalid(f"microbatch {mb} ran {op} {done[(op, mb, vs)]} times on virtual stage {vs} (rank {rank}, chunk {chunk})")
     if sent:
         raise ScheduleInvalid(f"messages never received: {sorted(sent)}")
     return SimResult(p, microbatches, virtual, max(clock), busy, peak, spans)
+
+
+def simulate_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
+                      cost: Costs | None = None) -> SimResult:
+    """Build schedule `name` and play it on its own placement."""
+    plans = build_schedule(name, stages, microbatches, virtual)
+    return simulate(plans, microbatches, virtual, cost, schedule_placement(name, stages, virtual))

@@ -1,0 +1,91 @@
+"""The vocabulary of pipeline schedules: actions, and the sends and receives around them.
+
+* p pipeline ranks, m microbatches, v model chunks per rank ("virtual stages"); which rank holds
+  which virtual stage is the schedule's placement (placement.py).
+* Actions, each about one microbatch `mb` on one local `chunk`:
+    F        forward
+    B        backward. In a schedule that splits the backward (zero_bubble.py) B is only the
+             gradient with respect to the chunk's input, which the previous stage waits for; the
+             gradient with respect to the weights is the separate action
+    W        weight gradient: nobody waits for it, so a schedule may run it later to fill a bubble.
+             Without W actions B is the whole backward.
+    SEND_F   send the chunk's output activation to the next virtual stage
+    RECV_F   receive the chunk's input activation from the previous virtual stage
+    SEND_B   send the gradient of the chunk's input to the previous virtual stage
+    RECV_B   receive the gradient of the chunk's output from the next virtual stage
+  A RECV is placed right before the compute that consumes it and a SEND right after the compute
+  that produces it. Sends are posted without waiting (isend); a receive waits until its message
+  has arrived. Under those rules a list of actions deadlocks only if its compute order does, which
+  the simulator rules out. A boundary inside one rank (the V placement's turn) has no send and no
+  receive: the rank's next chunk takes the output directly, and that order is the rank's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.pp.placement import Placement
+
+F, B, W = "F", "B", "W"
+SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
+COMPUTE = (F, B, W)
+COMM = (SEND_F, RECV_F, SEND_B, RECV_B)
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    op: str
+    mb: int
+    chunk: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class ScheduleError(ValueError):
+    """A (stages, microbatches, virtual) combination the schedule cannot run."""
+
+
+def with_comm(compute: list[Action], rank: int, placement: Placement) -> list[Action]:
+    """Insert each compute's receive before it and its send after it.
+
+    The first virtual stage has no one to receive an input from (it reads the batch) and the last
+    computes the loss itself, so those receives and sends are left out; so are those of a boundary
+    inside the rank. W neither receives nor sends.
+    """
+    last = placement.vstages - 1
+    out: list[Action] = []
+    for a in compute:
+        vs = placement.vstage(rank, a.chunk)
+        gets_input, sends_output = vs > 0 and placement.crosses(vs - 1), vs < last and placement.crosses(vs)
+        if a.op == F:
+            if gets_input:
+                out.append(Action(RECV_F, a.mb, a.chunk))
+            out.append(a)
+            if sends_output:
+                out.append(Action(SEND_F, a.mb, a.chunk))
+        elif a.op == B:
+            if sends_output:
+                out.append(Action(RECV_B, a.mb, a.chunk))
+            out.append(a)
+            if gets_input:
+                out.append(Action(SEND_B, a.mb, a.chunk))
+        else:
+            out.append(a)
+    return out
+
+
+def check_sizes(stages: int, microbatches: int, virtual: int) -> None:
+    for name, value in (("parallel.pp", stages), ("parallel.microbatches", microbatches),
+                        ("parallel.virtual_stages", virtual)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name}={value!r} must be a positive integer")
+
+
+def compute_only(actions: list[Action]) -> list[Action]:
+    return [a for a in actions if a.op in COMPUTE]
+
+
+def splits_backward(plans: list[list[Action]]) -> bool:
+    """Whether the schedule runs W apart from B (then activations are held until W, not B)."""
+    return any(a.op == W for actions in plans for a in actions)
