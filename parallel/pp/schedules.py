@@ -13,7 +13,7 @@ the loop placement); zero_bubble.py holds those that split it (ZB-H1, ZB-V, Dual
 
 from __future__ import annotations
 
-from parallel.pp.actions import # noqa: F401  (re-exported: the vocabulary is used as schedules.F, ...
+from parallel.pp.actions import (  # noqa: F401  (re-exported: the vocabulary is used as schedules.F, ...)
     COMM, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, ScheduleError, W, check_sizes, compute_only,
     splits_backward, with_comm,
 )
