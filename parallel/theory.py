@@ -562,6 +562,15 @@ def ep_all_to_all_uniform_bytes(cfg: GPTConfig, layout: Layout) -> Fraction:
                                  layout.dtype_bytes, len(cfg.moe_blocks), layout.microbatches)
 
 
+def ep_all_to_all_pair_bytes_uniform(cfg: GPTConfig, layout: Layout) -> Fraction:
+    """Bytes one expert-parallel rank sends to each one of the n-1 others per step under uniform
+    routing, m · L_moe · [4·T·k/n·h·B + E/n·8]: what a planner puts on the link between two ep ranks
+    (an intra-node or an inter-node one, by where it places them); (n-1) of these make
+    `ep_all_to_all_uniform_bytes`."""
+    n = layout.dims.ep
+    return ep_all_to_all_uniform_bytes(cfg, layout) / (n - 1) if n > 1 else Fraction(0)
+
+
 def ep_all_to_all_exact(cfg: GPTConfig, layout: Layout) -> tuple[int, Fraction]:
     """(payload, sent) of every rank's all-to-alls in the step whose routing the layout holds: per ep
     group and MoE call, the five calls of parallel/moe/traffic.py on that call's counts matrix."""
