@@ -36,7 +36,7 @@ from parallel.theory import (
 )
 
 MOE = ["model=tiny_moe", "train.steps=5", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
-       "train.peak_flops=1e11", "train.save_final=true"]
+       "train.peak_flops=1e11", "train.save_final=true", "train.save_grads=true"]
 LR = 1e-3  # conf/train/default.yaml
 TINY_MOE = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4, moe_experts=4, moe_top_k=2, moe_every=2)
 SMALL_MOE = GPTConfig(seq_len=128, n_layers=8, d_model=256, n_heads=8, moe_experts=8, moe_top_k=2, moe_every=2)
@@ -92,6 +92,19 @@ def test_ep_trains_the_single_process_model(ep_run):
         beyond += int(((params[name] - p).abs() > 1e-5 * p.abs() + 1e-2 * LR).sum())
         total += p.numel()
     assert beyond <= total // 10_000, f"{beyond} of {total} elements differ by more than 1% of lr"
+
+
+def test_ep_step0_gradients_are_the_single_runs(ep_run):
+    """After every sync of step 0 (dense parts over dp, experts over edp), before Adam can amplify
+    anything: every gradient, experts gathered from their ep ranks, is the single run's."""
+    run, single = ep_run
+    grads = torch.load(run.run_dir / "grads_step0.pt")["grads"]
+    want = torch.load(single.run_dir / "grads_step0.pt")["grads"]
+    assert grads.keys() == want.keys()
+    for name, g in want.items():
+        # Relative to the tensor's scale; plus 1e-9 for the attention key biases, whose true gradient is
+        # exactly 0 (softmax ignores a constant added to a row of scores): theirs is rounding, ~1e-11.
+        assert float((grads[name] - g).abs().max()) <= 1e-5 * float(g.abs().max()) + 1e-9, name
 
 
 def test_ep_routes_and_drops_exactly_as_the_single_run(ep_run):
