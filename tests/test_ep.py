@@ -32,6 +32,7 @@ from parallel.theory import (
     ep_comm,
     ep_model_state_bytes,
     ep_shard_parameter_count,
+    fsdp2_group_padded_counts,
     parameter_count,
 )
 
@@ -193,6 +194,17 @@ def test_planner_figures_for_small_moe():
         assert state["total_bytes"] == 16 * psi and state["parameters_counted"] == psi
     assert expected_comm("ep", SMALL_MOE, ParallelDims.resolve(4, dp=4, ep=4), microbatch_size=4)["all_to_all"][
         "uniform_sent_bytes"] == 4 * 12_583_104
+
+
+def test_fsdp2_groups_hold_the_experts():
+    """FSDP2's groups of an MoE model: unpadded (one rank) they are the model's parameters exactly;
+    an MoE block's group holds its router and E MLPs, each padded by FSDP2's rule."""
+    assert sum(fsdp2_group_padded_counts(TINY_MOE, 1).values()) == parameter_count(TINY_MOE)
+    groups, n = fsdp2_group_padded_counts(TINY_MOE, 3), 3
+    dense = fsdp2_group_padded_counts(GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4), n)
+    mlp = 3 * 86 + 3 * 86 * 64 + 3 * 22 * 256 + 3 * 22  # fc (256 rows) and proj (64 rows), padded to 3 parts
+    assert groups["blocks.1"] == dense["blocks.1"]
+    assert groups["blocks.0"] == dense["blocks.0"] - mlp + 3 * 2 * 64 + 4 * mlp  # + router (4 rows -> 6), 4 MLPs
 
 
 # -- layout rules -------------------------------------------------------------------------------------
