@@ -180,7 +180,10 @@ def main(cfg: DictConfig) -> None:
     peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device, dtype=PEAK_DTYPES[cfg.train.precision])
     if device.type == "cuda":
         torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
-    common = [*section_overrides(cfg, "model"), *section_overrides(cfg, "data"), *section_overrides(cfg, "train"),
+    # The model preset first (a run's default is the dense `small`, which has no moe_* keys to set),
+    # then every resolved field of it, so that what was overridden here reaches the runs.
+    common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
+              *section_overrides(cfg, "train"),
               f"train.peak_flops={peak}", *c.overrides]
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
     print(f"compare: {len(strategies)} strategies -> {sweep_dir} | peak {peak:.3g} FLOP/s per device "

@@ -2,8 +2,9 @@
 
 A `Layout` is the part of a run's plan that decides traffic and memory: the (dp, tp, pp) grid,
 the microbatches, sequence parallelism, the pipeline's chunks and the ZeRO stage of the dp
-dimension. theory.py's formulas take (GPTConfig, Layout); a run builds its Layout from the
-validated plan (`RunPlan.layout`), and a planner can build one for a layout it never runs.
+dimension (and, for expert parallelism, the step's routing). theory.py's formulas take
+(GPTConfig, Layout); a run builds its Layout from the validated plan (`RunPlan.layout`), and a
+planner can build one for a layout it never runs.
 """
 
 from __future__ import annotations
@@ -26,3 +27,8 @@ class Layout:
     pp_layers: tuple[int, ...] | None = None  # explicit blocks per virtual stage; None: an even split
     zero: int = 0  # ZeRO stage of the dp dimension of a combined layout (zero1/2/3 carry theirs in the name)
     dtype_bytes: int = FP32_BYTES  # of parameters, gradients and the activations that cross ranks
+    # Mixture of experts: where the router sent the tokens, which sets expert parallelism's all-to-all
+    # bytes. routing[rank][call][e]: kept assignments to expert e of each MoE call (block, microbatch,
+    # in the order run) of the step, on every global rank, as measured in a run; None: a layout
+    # never run, whose all-to-alls theory figures under uniform routing (parallel/theory.py, ep).
+    routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None

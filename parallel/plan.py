@@ -8,7 +8,7 @@ breaks and a fix, and a non-zero exit: never a hang inside a collective.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
@@ -18,7 +18,7 @@ from parallel.model import MOE_FIELDS, GPTConfig
 from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.precision import PRECISIONS
-from parallel.registry import ConfigError, Options, StrategySpec, check_layout, resolve, spec_of
+from parallel.registry import ConfigError, Options, StrategySpec, check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 
@@ -182,6 +182,14 @@ def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
     return str(checkpoint), start
 
 
+def _resolve_dims(world_size: int, p) -> ParallelDims:
+    """The layout from parallel.*; `parallel.ep: null` (the ep preset) means every dp rank is an
+    expert-parallel rank: ep = dp, whatever dp the world leaves."""
+    ep = p.get("ep", 1)
+    dims = ParallelDims.resolve(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.get("cp", 1), ep=1 if ep is None else ep)
+    return replace(dims, ep=dims.dp) if ep is None else dims
+
+
 def _check_schedule_name(schedule) -> None:
     if schedule not in SCHEDULES:
         raise ConfigError(f"parallel.schedule={schedule!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
@@ -252,7 +260,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             f"model.vocab_size={model.vocab_size} is below 256, but the data is byte-level (token ids 0..255): "
             "use model.vocab_size=256 (or more)"
         )
-    dims = ParallelDims.resolve(env.world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.get("cp", 1), ep=p.get("ep", 1))
+    dims = _resolve_dims(env.world_size, p)
     requested = spec_of(p.name)
     if requested.pipelined:
         # The schedule is checked whatever the layout runs as (a pipeline preset in one process
@@ -260,6 +268,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         _check_schedule_name(p.schedule)
     strategy, options = resolve(p.name, dims, Options(bool(p.sequence_parallel), p.zero))
     spec = check_layout(strategy, dims, options)
+    check_model(strategy, model, dims)
     sequence_parallel, zero = options.sequence_parallel, options.zero
     if spec.tensor_parallel:
         dims.check_tensor_parallel(model, sequence_parallel)

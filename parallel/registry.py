@@ -48,6 +48,10 @@ class StrategySpec:
     pipelined: bool = False  # parallel.schedule, virtual_stages, pp_layers apply; the summary gets a pipeline block
     sequence_parallel: bool = False  # accepts parallel.sequence_parallel=true
     check: Callable | None = None  # (dims, options) -> None, raising LayoutError/ConfigError: rules of its own
+    check_model: Callable | None = None  # (GPTConfig, dims) -> None, raising: its rules that need the model
+    # -- mixture of experts (model.moe_experts > 0) --
+    moe: bool = False  # trains MoE models: the balancing loss in its loss, every expert's gradient summed right
+    moe_refusal: str = ""  # where moe is False: why, for the error line
     # -- what it honours and supports --
     grad_sync: bool = False  # parallel.grad_sync (naive | bucketed) and bucket_mb
     bucket_mb: bool = False  # parallel.bucket_mb alone (PyTorch's DDP)
@@ -170,6 +174,18 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
         )
     return spec
 
+
+def check_model(name: str, model: GPTConfig, dims: ParallelDims) -> None:
+    """Whether strategy `name` trains this model: a mixture of experts only where its entry says
+    `moe=True` (the refusal gives the entry's reason), then the entry's own model rules."""
+    spec = spec_of(name)
+    if model.moe_experts and not spec.moe:
+        trains = ", ".join(n for n, s in REGISTRY.items() if s.moe)
+        why = spec.moe_refusal or "its registry entry does not say it trains MoE blocks (moe=True)"
+        raise ConfigError(f"parallel={name} does not train a mixture-of-experts model (model.moe_experts="
+                          f"{model.moe_experts}): {why}; use one of {trains}, or a dense model (model.moe_experts=0)")
+    if spec.check_model is not None:
+        spec.check_model(model, dims)
 
 
 # -- theory by strategy name (tests, benches and tools that have a name, a model and a layout) ----------

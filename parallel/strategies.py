@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from parallel import theory
 from parallel.dist.dims import LayoutError
-from parallel.registry import Options, StrategySpec, register
+from parallel.registry import ConfigError, Options, StrategySpec, register
 from parallel.strategy import SingleProcess, make_optimizer
 
 
@@ -22,7 +22,7 @@ register(StrategySpec(
     name="single", description="one process, no communication: the reference every strategy is compared with",
     build=lambda model, plan, ctx: SingleProcess(model, make_optimizer(model, plan.lr, plan.weight_decay)),
     comm=theory.no_comm, model_state=theory.replicated_model_state_bytes,
-    local_parameters=theory.tp_local_parameter_count, max_world=1, dims=frozenset(),
+    local_parameters=theory.tp_local_parameter_count, max_world=1, dims=frozenset(), moe=True,
 ))
 
 
@@ -44,7 +44,7 @@ register(StrategySpec(
     name="dp", description="data parallel, hand-written: gradients all-reduced over dp (naive, or bucketed as DDP)",
     build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
     local_parameters=theory.tp_local_parameter_count, grad_sync=True, zero_dp=True,
-    route=lambda dims, options: _to_single_in_one_process(dims, options), counterpart="torch_ddp",
+    route=lambda dims, options: _to_single_in_one_process(dims, options), counterpart="torch_ddp", moe=True,
 ))
 
 
@@ -69,7 +69,7 @@ for _stage, _what, _build in ((1, "optimizer state", _build_zero(1)), (2, "optim
         build=_build, comm=lambda cfg, layout, stage=_stage: theory.zero_comm(cfg, layout, stage),
         model_state=lambda cfg, layout, stage=_stage: theory.zero_model_state_bytes(cfg, layout, stage),
         local_parameters=theory.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
-        counterpart="torch_fsdp2" if _stage == 3 else "torch_ddp",
+        counterpart="torch_fsdp2" if _stage == 3 else "torch_ddp", moe=True,
     ))
 
 
@@ -104,23 +104,29 @@ def _pp_route(dims, options):
     return _to_single_in_one_process(dims, options)
 
 
+# Why tensor and pipeline parallelism refuse a mixture of experts (docs/experts.md).
+TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
+             "MoE block's router and experts")
+PP_NO_MOE = ("a pipeline stage that holds MoE blocks must back-propagate their balancing loss beside the gradient it "
+             "receives, and the pipeline runner back-propagates the last stage's loss only")
+
 register(StrategySpec(
     name="tp", description="tensor parallel (Megatron), optionally with sequence parallelism; dp across tp groups",
     build=_build_tp, comm=theory.tp_comm, local_parameters=theory.tp_local_parameter_count,
     dims=frozenset({"dp", "tp"}), tensor_parallel=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
-    route=_tp_route, counterpart="torch_tp",
+    route=_tp_route, counterpart="torch_tp", moe_refusal=TP_NO_MOE,
 ))
 register(StrategySpec(
     name="pp", description="pipeline parallel: GPipe, 1F1B or interleaved 1F1B, as schedules of data",
     build=_build_mesh3d, comm=theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
-    grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp",
+    grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp", moe_refusal=PP_NO_MOE,
 ))
 register(StrategySpec(
     name="3d", description="dp x tp x pp on one mesh: tensor-parallel pipeline stages, dp or ZeRO-1/2 on top",
     build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
     local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "tp", "pp"}),
     tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
-    route=lambda dims, options: _to_single_in_one_process(dims, options),
+    route=lambda dims, options: _to_single_in_one_process(dims, options), moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}",
 ))
 
 
@@ -177,26 +183,71 @@ register(StrategySpec(
     name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp, zero1, zero2)",
     build=_build_torch_ddp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
     local_parameters=theory.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
-    tags=BASELINE,
+    tags=BASELINE, moe=True,
 ))
 register(StrategySpec(
     name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
     build=_build_accelerate_ddp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
     local_parameters=theory.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
-    tags=BASELINE,
+    tags=BASELINE, moe=True,
 ))
 register(StrategySpec(
     name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
     build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=theory.tp_local_parameter_count,
-    min_world=2, tags=frozenset({"baseline", "sharded"}),
+    min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True,
 ))
 register(StrategySpec(
     name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
     build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=theory.tp_local_parameter_count,
     dims=frozenset({"dp", "tp"}), min_world=2, tensor_parallel=True, check=_torch_tp_check, tags=BASELINE,
+    moe_refusal="DTensor's plan here (torchtitan's) shards the dense MLP and has no plan for an MoE block's experts",
 ))
 register(StrategySpec(
     name="torch_pp", description="torch.distributed.pipelining's schedules on the same chunks (the baseline for pp)",
     build=_build_torch_pp, comm=theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
     check=_torch_pp_check, tags=BASELINE,
+    moe_refusal="torch.distributed.pipelining back-propagates the last stage's loss only, not a stage's balancing loss",
+))
+
+
+# -- mixture of experts: expert parallelism ---------------------------------------------------------
+def _build_ep(model, plan, ctx):
+    from parallel.moe.strategy import ExpertParallel
+
+    return ExpertParallel(model, ctx.comm("dp"), ctx.comm("ep"), ctx.comm("edp"), plan.grad_sync, plan.bucket_mb,
+                          plan.lr, plan.weight_decay)
+
+
+def _ep_route(dims, options):
+    """Expert parallelism over one rank holds every expert on every rank: data parallelism."""
+    return ("dp", options) if dims.ep == 1 else None
+
+
+def _ep_check(dims, options):
+    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
+        raise LayoutError(
+            f"parallel=ep runs expert parallelism inside data parallelism only, but parallel.tp={dims.tp} "
+            f"parallel.pp={dims.pp} parallel.cp={dims.cp}: {TP_NO_MOE}, {PP_NO_MOE}, and context parallelism "
+            "would route pieces of sequences (docs/experts.md); set parallel.tp=1 parallel.pp=1 parallel.cp=1"
+        )
+
+
+def _ep_check_model(model, dims):
+    if not model.moe_experts:
+        raise ConfigError("parallel=ep shards the experts of a mixture-of-experts model, but model.moe_experts=0: "
+                          "use model=tiny_moe or model=small_moe, or parallel=dp for a dense model")
+    if model.moe_experts % dims.ep:
+        fits = max(e for e in range(1, dims.ep + 1) if model.moe_experts % e == 0 and dims.dp % e == 0)
+        raise LayoutError(
+            f"model.moe_experts={model.moe_experts} does not divide over parallel.ep={dims.ep} ranks (each holds "
+            f"E/ep whole experts): use an ep that divides {model.moe_experts} and dp={dims.dp}, e.g. parallel.ep={fits}"
+        )
+
+
+register(StrategySpec(
+    name="ep", description="expert parallelism: each MoE block's experts sharded over ep ranks, tokens carried by "
+                           "all-to-all; inside dp (dense gradients over dp, experts' over edp)",
+    build=_build_ep, comm=theory.ep_comm, model_state=theory.ep_model_state_bytes,
+    local_parameters=theory.ep_local_parameter_count, dims=frozenset({"dp", "ep"}), min_world=2, grad_sync=True,
+    check=_ep_check, check_model=_ep_check_model, route=_ep_route, moe=True,
 ))

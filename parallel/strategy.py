@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from parallel.dist.comm import Communicator
 from parallel.data import Batch
-from parallel.model import token_loss_sum
+from parallel.model import training_loss_sum
 from parallel.optim import AdamW
 
 
@@ -152,7 +152,10 @@ class Strategy:
         self.sync.finish()
 
     def forward_loss(self, mb: Batch, global_tokens: int) -> torch.Tensor:
-        return token_loss_sum(self.model(mb.inputs), mb.targets) / global_tokens
+        """This microbatch's share of the global loss: its summed token loss, plus the balancing loss
+        of its MoE blocks' routing (a sum over its tokens too; none in a dense model, where this is
+        exactly the token loss), over the global batch's token count."""
+        return training_loss_sum(self.model, self.model(mb.inputs), mb.targets) / global_tokens
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -388,19 +388,20 @@ def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
     """Elements FSDP2 all-gathers and reduce-scatters per parameter group (torch 2.13,
     _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
     rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
-    elements. Groups: each Block, and the root (embedding and head)."""
-    _refuse_moe(cfg, "FSDP2 group sizes")
+    elements. Groups: each Block, and the root (embedding and head). An MoE block holds E MLPs
+    and its router (E, h) instead of one MLP."""
     V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.mlp_ratio * cfg.d_model
 
     def padded(d0: int, rest: int = 1) -> int:
         return n * -(-d0 // n) * rest
 
-    block = (4 * padded(h)                          # ln1, ln2 weight and bias
-             + 4 * (padded(h, h) + padded(h))       # q, k, v, attention proj
-             + padded(f, h) + padded(f)             # fc
-             + padded(h, f) + padded(h))            # mlp proj
+    attention = (4 * padded(h)                      # ln1, ln2 weight and bias
+                 + 4 * (padded(h, h) + padded(h)))  # q, k, v, attention proj
+    mlp = padded(f, h) + padded(f) + padded(h, f) + padded(h)  # fc, proj
+    moe_mlp = padded(cfg.moe_experts, h) + cfg.moe_experts * mlp  # router, experts
+    blocks = {f"blocks.{i}": attention + (moe_mlp if cfg.is_moe_block(i) else mlp) for i in range(cfg.n_layers)}
     root = padded(V, h) + padded(s, h) + 2 * padded(h) + padded(V, h)
-    return {**{f"blocks.{i}": block for i in range(cfg.n_layers)}, "root": root}
+    return {**blocks, "root": root}
 
 
 def _fsdp2_comm(cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
@@ -514,3 +515,115 @@ def ep_shard_parameter_count(cfg: GPTConfig, ep: int) -> int:
     MoE block's experts: Ψ - L_moe·(E - E/ep)·(2f·h + f + h)."""
     h, f, E = cfg.d_model, cfg.d_ff, cfg.moe_experts
     return parameter_count(cfg) - len(cfg.moe_blocks) * (E - E // ep) * (2 * f * h + f + h)
+
+
+# -- expert parallelism (parallel/moe/strategy.py; docs/theory/experts.md) ----------------------------
+def expert_parameters(cfg: GPTConfig) -> int:
+    """One expert: an MLP of the dense shape, 2f·h + f + h (fc h->f and proj f->h with their biases)."""
+    h, f = cfg.d_model, cfg.d_ff
+    return 2 * f * h + f + h
+
+
+def ep_dense_parameter_count(cfg: GPTConfig) -> int:
+    """What every dp rank holds whole under expert parallelism, and sums over all dp ranks: the model
+    but its experts (the routers included), Ψ - L_moe·E·(2f·h + f + h)."""
+    return parameter_count(cfg) - len(cfg.moe_blocks) * cfg.moe_experts * expert_parameters(cfg)
+
+
+def ep_expert_parameter_count(cfg: GPTConfig, ep: int) -> int:
+    """The experts one of `ep` expert-parallel ranks holds, summed over its edp group only:
+    L_moe·(E/ep)·(2f·h + f + h)."""
+    return len(cfg.moe_blocks) * (cfg.moe_experts // ep) * expert_parameters(cfg)
+
+
+def ep_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
+    """One expert-parallel rank's model state (every rank alike): its Ψ_ep parameters in fp32, their
+    gradients, and Adam's two moments, 4Ψ_ep + 4Ψ_ep + 8Ψ_ep bytes, Ψ_ep = `ep_shard_parameter_count`."""
+    psi = ep_shard_parameter_count(cfg, layout.dims.ep)
+    B = layout.dtype_bytes
+    return _state_figures(psi * B, psi * B, 2 * psi * B, psi)
+
+
+def ep_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+    """What rank 0 holds under expert parallelism: Ψ_ep."""
+    return ep_shard_parameter_count(cfg, layout.dims.ep)
+
+
+def ep_all_to_all_uniform_bytes(cfg: GPTConfig, layout: Layout) -> Fraction:
+    """Bytes one expert-parallel rank sends per step in its all-to-alls under uniform routing with
+    nothing dropped (the planner's figure; a run's exact one follows its routing, `ep_comm`):
+
+        m · L_moe · [ 4 · (n-1)/n · T·k·h·B  +  (n-1)/n · E·8 ]      T = b·s tokens per microbatch
+    """
+    from parallel.moe.traffic import uniform_sent_per_rank
+
+    tokens = layout.microbatch_size * cfg.seq_len
+    return uniform_sent_per_rank(tokens, cfg.moe_top_k, cfg.d_model, cfg.moe_experts, layout.dims.ep,
+                                 layout.dtype_bytes, len(cfg.moe_blocks), layout.microbatches)
+
+
+def ep_all_to_all_pair_bytes_uniform(cfg: GPTConfig, layout: Layout) -> Fraction:
+    """Bytes one expert-parallel rank sends to each one of the n-1 others per step under uniform
+    routing, m · L_moe · [4·T·k/n·h·B + E/n·8]: what a planner puts on the link between two ep ranks
+    (an intra-node or an inter-node one, by where it places them); (n-1) of these make
+    `ep_all_to_all_uniform_bytes`."""
+    n = layout.dims.ep
+    return ep_all_to_all_uniform_bytes(cfg, layout) / (n - 1) if n > 1 else Fraction(0)
+
+
+def ep_all_to_all_exact(cfg: GPTConfig, layout: Layout) -> tuple[int, Fraction]:
+    """(payload, sent) of every rank's all-to-alls in the step whose routing the layout holds: per ep
+    group and MoE call, the five calls of parallel/moe/traffic.py on that call's counts matrix."""
+    from parallel.moe.traffic import layer_call_bytes
+
+    payload, sent = 0, Fraction(0)
+    for group in layout.dims.group_ranks("ep"):
+        calls = {len(layout.routing[r]) for r in group}
+        if len(calls) != 1:
+            raise ValueError(f"the ranks of ep group {group} report different numbers of MoE calls: {sorted(calls)}")
+        for call in range(calls.pop()):
+            counts = [list(layout.routing[r][call]) for r in group]
+            for rank_calls in layer_call_bytes(counts, cfg.d_model, layout.dtype_bytes):
+                payload += sum(c.payload for c in rank_calls.values())
+                sent += sum(c.sent for c in rank_calls.values())
+    return payload, sent
+
+
+def ep_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """Expert parallelism inside data parallelism (d = dp ranks, n = ep of them per expert group):
+
+      dp   every rank all-reduces the gradients of the dense parts and routers, Ψ_dense·B, over dp:
+           2(d-1)/d · Ψ_dense·B per rank
+      edp  every rank all-reduces its experts' gradients, L_moe·(E/n)·(2f·h + f + h)·B, over the d/n
+           ranks that hold the same experts: 2(d/n-1)/(d/n) of it per rank (nothing when d = n)
+      ep   per MoE block and microbatch, the counts and four row all-to-alls: exactly what the
+           routing in `layout.routing` sends (`ep_all_to_all_exact`), or, for a layout never run,
+           the uniform-routing figure of `ep_all_to_all_uniform_bytes` (an expectation)
+
+    `all_to_all` in the result says which (`routing`: "measured" or "uniform") and gives the uniform
+    figure beside the exact one, summed over all ranks.
+    """
+    dims, B = layout.dims, layout.dtype_bytes
+    d, n, ranks = dims.dp, dims.ep, dims.world_size
+    dense = ep_dense_parameter_count(cfg) * B
+    experts = ep_expert_parameter_count(cfg, n) * B
+    dp_sent = all_reduce_sent_per_rank(d, dense) * ranks
+    edp_sent = all_reduce_sent_per_rank(d // n, experts) * ranks
+    uniform = ep_all_to_all_uniform_bytes(cfg, layout) * ranks
+    tokens = layout.microbatch_size * cfg.seq_len
+    if layout.routing is None:
+        # Uniform routing: every call's input holds the counts and T·k rows (dispatch, combine, twice).
+        per_call = cfg.moe_experts * 8 + 4 * tokens * cfg.moe_top_k * cfg.d_model * B
+        a2a_payload, a2a_sent = per_call * len(cfg.moe_blocks) * layout.microbatches * ranks, uniform
+    else:
+        a2a_payload, a2a_sent = ep_all_to_all_exact(cfg, layout)
+    totals = {"all_reduce": ((dense + (experts if d > n else 0)) * ranks, dp_sent + edp_sent),
+              "all_to_all": (a2a_payload, a2a_sent)}
+    groups = {"dp": dp_sent, "edp": edp_sent, "ep": a2a_sent}
+    extra = {
+        "by_group": {g: {"sent_bytes": float(v), "sent_bytes_exact": str(v)} for g, v in groups.items() if v},
+        "all_to_all": {"routing": "uniform" if layout.routing is None else "measured",
+                       "sent_bytes": float(a2a_sent), "sent_bytes_exact": str(a2a_sent),
+                       "uniform_sent_bytes": float(uniform), "uniform_sent_bytes_exact": str(uniform)},
+    }
+    return _figure(totals, ranks, extra)

@@ -20,6 +20,7 @@ from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from parallel.dist.timing import StepTimer
 from parallel.model import GPT, count_parameters
+from parallel.moe.stats import RoutingMeter
 from parallel.plan import ConfigError, RunPlan
 from parallel.precision import ForwardContext
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
@@ -50,6 +51,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     activation_peaks: list[int] = field(default_factory=list)  # bytes saved for backward, per step
+    routing: list[list[dict]] = field(default_factory=list)  # MoE: tokens per expert of each call, per step
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -130,6 +132,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
+    routing = RoutingMeter(strategy.model)  # where MoE blocks sent this rank's tokens (nothing for a dense model)
+    run.routing = routing.steps
     for step in range(plan.start_step, plan.steps):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in
@@ -137,7 +141,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
-        with activations.step():
+        with activations.step(), routing.step():
             local_loss = _guarded_step(run, step, microbatches, global_batch.n_tokens)
         seconds = timer.stop()
         run.activation_peaks.append(activations.peak)
@@ -223,6 +227,7 @@ def rank_report(run: Run) -> dict:
         "traffic": ctx.log.steps,
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
         "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
+        "routing": run.routing,
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),

@@ -8,6 +8,11 @@ disk, train steps 3..5. Its losses and final parameters must equal an uninterrup
 single-process run within 1e-5: the saving strategy's gather and the loading one's cut both
 right, Adam's moments included (a dropped moment changes the next steps' updates).
 
+The same again for a mixture of experts (model=tiny_moe) over the strategies that train one
+(MOE_PRESETS: expert parallelism at ep = dp and inside dp, and every dense strategy whose
+registry entry says moe=True): the experts gathered from their ep ranks and cut again by the
+next layout, the routing and dropping of the resumed steps the single run's.
+
 Prints one line per preset; exits non-zero on the first difference.
 """
 
@@ -42,12 +47,18 @@ PRESETS = [
 ]
 # Eight layers, so that torch's interleaved schedule has 4 ranks x 2 chunks to cut.
 COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_bytes=1000000", "train.steps=6", "train.warmup_steps=1"]
+# A mixture of experts: every strategy whose registry entry trains one (the others refuse it).
+MOE_PRESETS = [
+    ("single", []), ("ep", []), ("ep", ["parallel.ep=2"]), ("dp", []), ("zero1", []), ("zero2", []), ("zero3", []),
+    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
+]
+MOE_COMMON = ["model=tiny_moe", *COMMON[2:]]
 SAVE_AT, STEPS = 3, 6
 
 
-def plan_for(preset: str, extra: list[str], world: int):
+def plan_for(preset: str, extra: list[str], world: int, common: list[str] = COMMON):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*COMMON, f"parallel={preset}", *extra])
+        cfg = compose(config_name="config", overrides=[*common, f"parallel={preset}", *extra])
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
     return build_plan(cfg, env, cuda_available=False)
 
@@ -83,14 +94,26 @@ def train(strategy, plan, ctx, batches, steps) -> list[float]:
 def main() -> None:
     env = LaunchEnv.from_environ()
     torch.set_num_threads(1)
-    plans = [(name, plan_for(name, extra, 1 if name == "single" else env.world_size)) for name, extra in PRESETS]
+    chains = [(COMMON, PRESETS), (MOE_COMMON, MOE_PRESETS)]
+    plans = [[(name, plan_for(name, extra, 1 if name == "single" else env.world_size, common))
+              for name, extra in presets] for common, presets in chains]
+    base = init_distributed(env, plans[0][1][1].dims, "gloo", 60.0, CommLog())
+    layouts = Layouts(env, base)
+    root = Path(sys.argv[1])
+    for chain, chain_plans in zip(("dense", "moe"), plans):
+        check_chain(chain_plans, layouts, env, root / chain)
+    if env.rank == 0:
+        print("every strategy checkpoints: ok", flush=True)
+    shutdown(base)
+    exit_process(0)
+
+
+def check_chain(plans, layouts: Layouts, env: LaunchEnv, root: Path) -> None:
+    """Each plan saves after SAVE_AT steps, the next one resumes; all against one uninterrupted run."""
     first = plans[0][1]
     corpus = load_corpus(None, first.data_max_bytes, first.model.seq_len + 1)
     batches = GlobalBatches(corpus, first.model.seq_len, first.global_batch, first.seed)
-    base = init_distributed(env, plans[1][1].dims, "gloo", 60.0, CommLog())
-    layouts = Layouts(env, base)
-    world = base.comm("world")
-    root = Path(sys.argv[1])
+    world = layouts.base.comm("world")
 
     # The uninterrupted reference: one process, six steps (every rank computes it; rank 0 checks).
     reference_plan = first
@@ -104,7 +127,7 @@ def main() -> None:
         saver = plan.spec.build(GPT(plan.model, seed=plan.seed), plan, ctx)
         train(saver, plan, ctx, batches, range(SAVE_AT))
         model_state, optim_state = saver.full_state_dict(), saver.full_optimizer_state()
-        path = root / name
+        path = root / f"{i}-{name}"
         if env.rank == 0:
             save_checkpoint(path, SAVE_AT, model_state, optim_state, checkpoint_meta(plan, SAVE_AT))
         saver.close()
@@ -119,6 +142,7 @@ def main() -> None:
         losses = train(resumed, next_plan, next_ctx, batches, range(SAVE_AT, STEPS))
         params = resumed.full_state_dict()
         resumed.close()
+        name, next_name = _label(name, plan), _label(next_name, next_plan)
         if env.rank == 0:
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses[SAVE_AT:]))
             assert diff < 1e-5, f"{name} -> {next_name}: losses {losses} vs {want_losses[SAVE_AT:]} ({diff:.2e})"
@@ -131,13 +155,15 @@ def main() -> None:
                 # the update's direction, up to lr per step (seen: 2.7% of lr on 1 of 16384 elements
                 # after tp -> tp_sp). A dropped or misplaced Adam moment moves every element by O(lr).
                 torch.testing.assert_close(params[n], want_params[n], rtol=1e-5, atol=1e-1 * lr,
-                                           msg=lambda m, n=n: f"{name} -> {next_name} {n}: {m}")
+                                           msg=lambda m, n=n, a=name, b=next_name: f"{a} -> {b} {n}: {m}")
             print(f"{name} saved at step {SAVE_AT}, {next_name} resumed: losses within {diff:.1e}", flush=True)
         world.barrier(tag="tooling/test")
-    if env.rank == 0:
-        print("every strategy checkpoints: ok", flush=True)
-    shutdown(base)
-    exit_process(0)
+
+
+def _label(name: str, plan) -> str:
+    """`ep(ep=2)` where a preset runs twice with another layout; the model's kind for MoE."""
+    label = f"{name}(ep={plan.dims.ep})" if plan.dims.ep > 1 else name
+    return f"{label} [moe]" if plan.model.moe_experts else label
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     """Every strategy of the registry, ours and PyTorch's, saves after 3 steps; the next one in
     the list loads that checkpoint from disk and trains steps 3..5: losses and final parameters
     equal an uninterrupted single-process run (tests/checkpoint_every_strategy.py, one job of 4
-    processes, each layout on its own mesh)."""
+    processes, each layout on its own mesh). Then the same for a mixture of experts over every
+    strategy that trains one, expert parallelism at ep 4 and at dp 4 x ep 2 included."""
     import subprocess
     import sys
 
@@ -108,4 +109,6 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     resumed = [line for line in proc.stdout.splitlines() if " resumed: losses within " in line]
-    assert len(resumed) == 19 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout
+    # 19 strategies on the dense model, 10 layouts on the mixture of experts (tiny_moe).
+    assert len(resumed) == 19 + 10 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout
+    assert sum("[moe] resumed" in line for line in resumed) == 10, proc.stdout

@@ -7,7 +7,8 @@ from pathlib import Path
 OURS, THEIRS = "#4C72B0", "#DD8452"
 OP_COLORS = {"all_reduce": "#4C72B0", "all_gather": "#55A868", "reduce_scatter": "#C44E52", "send": "#8172B2",
              "broadcast": "#937860", "all_to_all": "#DA8BC3"}
-GROUP_COLORS = {"dp": "#4C72B0", "tp": "#55A868", "pp": "#8172B2", "world": "#937860", "cp": "#C44E52"}
+GROUP_COLORS = {"dp": "#4C72B0", "tp": "#55A868", "pp": "#8172B2", "world": "#937860", "cp": "#C44E52",
+                "ep": "#DA8BC3", "edp": "#64B5CD"}
 
 
 def _pyplot():

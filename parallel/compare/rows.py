@@ -16,13 +16,15 @@ LOSS_RTOL = 1e-5  # the project's standard for "the same losses as the single-pr
 
 
 def layout(summary: dict) -> str:
-    """dp x tp x pp, then microbatches (and virtual stages for interleaved pipelines)."""
+    """dp x tp x pp, then microbatches (and virtual stages for interleaved pipelines, expert parallelism)."""
     p = summary["parallel"]
     text = f"{p['dp']}x{p['tp']}x{p['pp']} m{p['microbatches']}"
     if p.get("virtual_stages") and p["virtual_stages"] > 1:
         text += f" v{p['virtual_stages']}"
     if p.get("sequence_parallel"):
         text += " sp"
+    if p.get("ep", 1) > 1:
+        text += f" ep{p['ep']}"  # experts over ep of the dp ranks
     return text
 
 

@@ -79,7 +79,13 @@ def expert_parallel_apply(rows: torch.Tensor, counts: torch.Tensor, local_expert
         out = expert(torch.cat([pieces[i] for i in mine]))
         for i, piece in zip(mine, out.split([by_source[source][j] for source in range(n)])):
             outputs[i] = piece
-    return _AllToAll.apply(torch.cat(outputs), comm, f"{tag}/combine", send_splits, recv_splits)
+    # Under bf16 autocast an expert's output is bf16 while the residual stream, and so the dispatched
+    # rows, is fp32: the outputs travel in the rows' dtype (an exact cast), so that every all-to-all
+    # of the layer moves rows of one dtype (the byte count's B), and are cast back on arrival, so
+    # that the combine sees what the single-process layer's does.
+    expert_dtype = outputs[0].dtype
+    back = _AllToAll.apply(torch.cat(outputs).to(rows.dtype), comm, f"{tag}/combine", send_splits, recv_splits)
+    return back.to(expert_dtype)
 
 
 def local_expert_range(experts: int, ep: int, ep_rank: int) -> range:

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from parallel.model import MOE_FIELDS, GPTConfig
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"
 LATEST = "latest"
@@ -166,7 +168,10 @@ def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 # What must be equal for a resumed run to be the continuation of the saved one.
-MODEL_KEYS = ("vocab_size", "vocab_pad_multiple", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio")
+MODEL_KEYS = ("vocab_size", "vocab_pad_multiple", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio",
+              *MOE_FIELDS)
+# A checkpoint written before the model had experts holds a dense model: the defaults.
+_UNRECORDED = {k: getattr(GPTConfig(), k) for k in MOE_FIELDS}
 DATA_KEYS = ("seed", "global_batch", "data_path", "data_max_bytes", "seq_len")
 
 
@@ -183,7 +188,8 @@ def checkpoint_meta(plan, next_step: int) -> dict:
 
 def check_resumable(meta: dict, plan_model: dict, plan_data: dict, steps: int, warmup_steps: int, where: str) -> int:
     """The step to continue from, or a CheckpointError saying what differs and how to fix it."""
-    changed = [f"model.{k}={plan_model[k]!r} (checkpoint: {meta['model'][k]!r})" for k in MODEL_KEYS if meta["model"][k] != plan_model[k]]
+    saved = {**_UNRECORDED, **meta["model"]}
+    changed = [f"model.{k}={plan_model[k]!r} (checkpoint: {saved[k]!r})" for k in MODEL_KEYS if saved[k] != plan_model[k]]
     if changed:
         raise CheckpointError(
             f"train.resume={where!r} holds a different model: {', '.join(changed)}: "

@@ -33,6 +33,16 @@ def log_summary(summary: dict) -> None:
         pipe = summary["pipeline"]
         log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",
                  pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"], 100 * pipe["bubble_closed_form"])
+    if "moe" in summary:
+        moe = summary["moe"]
+        log.info("routing (last step): skew %.2f (busiest expert / mean), %d of %d assignments dropped | %s",
+                 moe["skew_by_step"][-1], moe["dropped_by_step"][-1],
+                 summary["tokens_per_step"] * moe["top_k"] * len(moe["moe_blocks"]), moe["plot"])
+        if moe["all_to_all"]:
+            a2a = moe["all_to_all"]
+            verdict = "= the routing's exact figure every step" if a2a["matches_exact_every_step"] else "MISMATCH"
+            log.info("all-to-all per step (all ranks): %.3f MB %s | uniform routing %.3f MB",
+                     a2a["measured_bytes_by_step"][-1] / 1e6, verdict, a2a["uniform_bytes_per_step"] / 1e6)
     log.info(
         "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
         comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,

@@ -26,6 +26,10 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   first_step          losses[i] is step first_step + i (non-zero when resumed)
   pipeline            pipelined strategies: schedule, measured / simulated / closed-form bubble,
                       executed order by rank (parallel/pp/timeline.py)
+  moe                 mixture-of-experts models: tokens per expert per step, skew, dropped
+                      assignments, routing.png; under expert parallelism the all-to-all bytes
+                      measured against the exact figure from each step's routing
+                      (parallel/moe/report.py)
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pathlib import Path
 import torch
 
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
+from parallel.moe.report import routing_block, with_measured_routing
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.theory import parameter_count
 
@@ -47,7 +52,10 @@ SCHEMA_VERSION = 1
 def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], device: torch.device,
                   run_dir: Path) -> dict:
     """The whole summary.json from the plan, the global losses and every rank's report."""
-    spec, layout = plan.spec, plan.layout
+    spec = plan.spec
+    # A mixture of experts' routing is part of the step's layout: expert parallelism's all-to-all
+    # bytes follow it (theory figures the last step's, as measured; nothing changes for a dense model).
+    layout = with_measured_routing(plan.layout, rank_reports)
     expected = spec.comm(plan.model, layout)
     timed_from = plan.warmup_steps
     # A step lasts as long as its slowest rank.
@@ -101,6 +109,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
                                    spec.activations(plan.model, layout)),
     }
     summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
+    if plan.model.moe_experts:
+        summary["moe"] = routing_block(plan, rank_reports, run_dir)
     if spec.pipelined and rank_reports[0]["pipeline_spans"] is not None:
         summary["pipeline"] = pipeline_block(plan, rank_reports, run_dir)
     return summary
