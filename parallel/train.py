@@ -36,6 +36,7 @@ from .mfu import devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from .native import AccelerateDDP, TorchDDP, TorchFSDP2
 from .native_pp import TorchPipeline
 from .native_tp import TorchTP
+from .net.probe import WireProbe
 from .plan import ConfigError, RunPlan
 from .precision import ForwardContext
 from .strategy import NonFiniteLoss, SingleProcess, Strategy, make_optimizer
@@ -185,7 +186,8 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
     metrics = MetricsWriter(run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     losses, step_times = [], []
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
-    for step in range(plan.start_step, plan.steps):
+    wire = WireProbe.from_environ(ctx, plan.start_step + plan.warmup_steps)  # emulated networks (launch.run) only
+    for step in wire.steps(range(plan.start_step, plan.steps)):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in local_microbatches(global_batch, dp_rank, plan.dims.dp, plan.microbatches)]
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
@@ -244,6 +246,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),
+        "net": wire.report(),
     }
     world = ctx.comm("world")
     reports = world.gather_object(report, 0, tag="tooling/summary") if world is not None else [report]
@@ -266,6 +269,7 @@ def _train(plan: RunPlan, resolved_config: dict, ctx: DistContext, corpus: torch
         summary["first_step"] = plan.start_step  # losses[i] is step first_step + i (non-zero when resumed)
         summary["mfu"] = _mfu_block(plan, ctx.device, summary["tokens_per_s"])
         summary["exposed_comm_measured"] = getattr(strategy, "exposed_comm_measured", True)
+        summary["net"] = wire.summary(reports, plan.warmup_steps)  # None unless launched by launch.run
         if plan.strategy in ("pp", "3d"):
             # The first pipeline (dp 0): its ranks' spans of the last step, in stage order.
             spans = [r["pipeline_spans"] for r in sorted(reports, key=lambda r: r["coords"]["pp"])
