@@ -70,6 +70,8 @@ def test_framing_of_one_transfer():
     assert predict.framing(4, 65535) == 3 * 48 + 66 * (1 + 2 + 1)
     # 1 MiB: 17 frames at a 64 KiB MTU (headers ~0.2%).
     assert predict.framing(1 << 20, 65535) == 3 * 48 + 66 * (17 + 2 + 9)
+    # On the loopback the counters see no Ethernet header: 52 bytes a frame.
+    assert predict.framing(4, 65536, predict.FRAME_HEADERS["intra"]) == 3 * 48 + 52 * (1 + 2 + 1)
 
 
 def test_loss_filter_threshold_and_tbf_arithmetic():

@@ -25,3 +25,14 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 def mtu(ifname: str, root: Path = Path("/sys/class/net")) -> int:
     return int((root / ifname / "mtu").read_text())
+
+
+def tcp_retransmits(proc: Path = Path("/proc/net")) -> dict[str, int]:
+    """The namespace's TCP segments sent again so far (/proc/net/snmp's Tcp RetransSegs) and, of
+    them, tail loss probes (/proc/net/netstat's TcpExt TCPLossProbes): bytes the log cannot predict."""
+    def table(path: Path, prefix: str) -> dict[str, int]:
+        rows = [line.split() for line in path.read_text().splitlines() if line.startswith(prefix)]
+        return dict(zip(rows[0][1:], map(int, rows[1][1:])))
+
+    return {"segments": table(proc / "snmp", "Tcp:")["RetransSegs"],
+            "loss_probes": table(proc / "netstat", "TcpExt:").get("TCPLossProbes", 0)}

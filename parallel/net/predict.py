@@ -26,9 +26,10 @@ position i of a group of n (positions in group-rank order):
 Each transfer of L bytes also puts framing on the wire (`framing`): gloo's tcp transport sends a
 48-byte header with the data, and sender and receiver each announce the transfer to the other
 with a 48-byte message; every frame carries 66 bytes of Ethernet (14), IP (20) and TCP (20 + 12 of
-timestamps) headers; the data goes in F = ceil((L + 48) / MSS) frames, the receiver acknowledges
-every second one (ceil(F/2) ACKs, RFC 5681 4.2's delayed ACK). About 400 bytes per transfer: under
-1% of a transfer above 40 KB, and most of a 4-byte one.
+timestamps) headers (52 in the loopback's counters, which leave the Ethernet header out); the data
+goes in F = ceil((L + 48) / MSS) frames, the receiver acknowledges every second one (ceil(F/2)
+ACKs, RFC 5681 4.2's delayed ACK). About 400 bytes per transfer: under 1% of a transfer above 40
+KB, and most of a 4-byte one.
 
 Elements are taken as 4 bytes (fp32: all the traffic here) to cut segments; for another dtype the
 rounding moves a few bytes per call. Calls logged under one (op, group, tag) are taken as equal in
@@ -47,8 +48,10 @@ _PEER_IN_TAG = re.compile(r"/(\d+)->(\d+)$")
 SEGMENT_BYTES = 1 << 20      # gloo's AllreduceOptions kMaxSegmentSize
 ELEMENT_BYTES = 4
 GLOO_HEADER = 48             # gloo tcp Op preamble: six 8-byte fields
-FRAME_HEADERS = 66           # Ethernet 14 + IPv4 20 + TCP 20 + timestamps option 12
-TCP_IP_HEADERS = 52          # what the MSS leaves out of the MTU
+TCP_IP_HEADERS = 52          # IPv4 20 + TCP 20 + timestamps option 12: what the MSS leaves out of the MTU
+# Header bytes a frame adds to an interface's counters: Ethernet's 14 more on a veth; the loopback
+# counts a frame after taking its Ethernet header off (loopback_xmit, after eth_type_trans).
+FRAME_HEADERS = {"inter": TCP_IP_HEADERS + 14, "intra": TCP_IP_HEADERS}
 
 
 class PredictionError(ValueError):
@@ -64,11 +67,12 @@ class Transfers:
     count: int
 
 
-def framing(nbytes: int, mtu: int) -> int:
-    """Bytes on the wire beyond the payload for one gloo transfer of `nbytes` over a link of `mtu`."""
+def framing(nbytes: int, mtu: int, frame_headers: int = FRAME_HEADERS["inter"]) -> int:
+    """Bytes on the wire beyond the payload for one gloo transfer of `nbytes` over a link of `mtu`
+    whose counters see `frame_headers` bytes of headers per frame."""
     frames = max(1, math.ceil((nbytes + GLOO_HEADER) / (mtu - TCP_IP_HEADERS)))
     acks = math.ceil(frames / 2)
-    return 3 * GLOO_HEADER + FRAME_HEADERS * (frames + 2 + acks)
+    return 3 * GLOO_HEADER + frame_headers * (frames + 2 + acks)
 
 
 def _ring_allreduce(s: int, n: int, i: int) -> list[Transfers]:
@@ -143,7 +147,7 @@ def step_bytes(traffic: Mapping, groups: Mapping[str, list[int]], rank: int, nod
         for t in transfers(op, per_call, len(members), members.index(rank), tag):
             kind = "intra" if node_of[members[t.to]] == node_of[rank] else "inter"
             out[kind]["payload"] += calls * t.count * t.nbytes
-            out[kind]["wire"] += calls * t.count * (t.nbytes + framing(t.nbytes, mtu[kind]))
+            out[kind]["wire"] += calls * t.count * (t.nbytes + framing(t.nbytes, mtu[kind], FRAME_HEADERS[kind]))
     return out
 
 

@@ -36,6 +36,8 @@ TAG = "tooling/net_counters"
 
 
 class WireProbe:
+    """One training process's view of the emulated network: its node, its groups, its node's counters."""
+
     def __init__(self, world, rank: int, node: int, groups: dict[str, list[int]], first_timed_step: int,
                  settings: dict | None, ifname: str | None):
         self.world = world
@@ -70,6 +72,7 @@ class WireProbe:
         if self.world is not None:
             self.world.barrier(tag=TAG)
         reading = {name: counters.read(name) for name in (self.ifname, "lo")}
+        reading["tcp"] = counters.tcp_retransmits()
         if self.world is not None:
             self.world.barrier(tag=TAG)
         return reading
@@ -85,12 +88,15 @@ class WireProbe:
         if self._start is not None:
             self._end = self._read()
 
-    def report(self) -> dict:
+    def report(self) -> dict | None:
         """This rank's part: its node, its groups, and its node's counters over the timed steps."""
+        if not self.active:
+            return None
         wire = None
         if self._start is not None and self._end is not None:
             wire = {"inter": counters.delta(self._start[self.ifname], self._end[self.ifname]),
-                    "intra": counters.delta(self._start["lo"], self._end["lo"])}
+                    "intra": counters.delta(self._start["lo"], self._end["lo"]),
+                    "tcp_retransmits": {k: self._end["tcp"][k] - self._start["tcp"][k] for k in self._end["tcp"]}}
         mtu = {"inter": counters.mtu(self.ifname) if self.ifname else None, "intra": counters.mtu("lo")}
         return {"node": self.node, "groups": self.groups, "wire": wire, "timed_steps": self.timed_steps, "mtu": mtu}
 
@@ -123,8 +129,12 @@ class WireProbe:
                    "wire_over_logged": _ratio(block[f"wire_{kind}_bytes_per_step"], logged[kind]["wire"])}
             for kind in ("inter", "intra")
         }
-        # The raw counters over the timed steps, per node (its lowest rank's reading).
-        block["wire_by_node"] = {str(node): net["wire"] for node, net in _per_node(nets).items()}
+        # The raw counters over the timed steps, per node (its lowest rank's reading), and the TCP
+        # segments sent again (loss, or a timeout): bytes on the wire that no log predicts.
+        per_node = _per_node(nets)
+        block["wire_by_node"] = {str(node): net["wire"] for node, net in per_node.items()}
+        block["tcp_retransmitted_segments"] = (sum(n["wire"]["tcp_retransmits"]["segments"] for n in per_node.values())
+                                               if wire else None)
         return block
 
 
