@@ -54,11 +54,11 @@ def tc(ns: str, *args: str) -> list[str]:
 
 def tbf_args(mbit: float) -> list[str]:
     """tbf at `mbit` Mbit/s: a bucket of 1 ms of traffic but at least one largest frame (what
-    passes at once, unshaped), a queue of 200 ms (at least 32 MiB) so that shaping delays traffic
-    and never drops it."""
+    passes at once, unshaped), a queue of 200 ms (32 to 256 MiB) so that shaping delays traffic
+    and does not drop it."""
     bytes_per_s = mbit * 1e6 / 8
     burst = max(FRAME, int(bytes_per_s * 0.001))
-    limit = max(32 << 20, int(bytes_per_s * 0.2))
+    limit = min(max(32 << 20, int(bytes_per_s * 0.2)), 256 << 20)
     return ["rate", f"{int(round(mbit * 1000))}kbit", "burst", str(burst), "limit", str(limit)]
 
 
