@@ -233,7 +233,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
             return 1
         if timed_out:
             print(f"error: the job ran past net.timeout_s={spec.timeout_s:g} s and was stopped", file=sys.stderr,
-              flush=True)
+                  flush=True)
             return 124
         failed = [(k, c) for k, c in enumerate(codes) if c not in (0, None)]
         if not failed and all(c == 0 for c in codes):
