@@ -10,7 +10,8 @@ result: a 200 Mbit/s link (where dp's exposed communication must be at least 80%
 the bandwidth), 1% packet loss (retransmitted: the counters then see more than the log, not checked
 against it), and a 50 ms latency spike mid-run.
 
-Cost: 8 jobs of ~10-30 s each on 2 cores (torch starts in 5 processes per 2 x 2 job).
+Cost: 8 jobs, 21-51 s each on 2 cores shared with other work (torch starts in 4 processes per
+2 x 1 job, 7 per 2 x 2 job: launcher, agents, ranks); with the other net tests 3.7 CPU-minutes.
 """
 
 import pytest

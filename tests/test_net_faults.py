@@ -7,7 +7,8 @@
   - launch.run itself SIGKILLed: its reaper deletes the network;
   - a namespace left by a launcher that no longer runs is removed at the next start.
 
-Cost: 4 jobs of ~10-25 s (the link-down one waits out a 5 s collective timeout), one namespace.
+Cost: 4 jobs of 35-55 s on a shared 2-core machine (the link-down one waits out a 5 s collective
+timeout), and one namespace made by hand.
 """
 
 import os
