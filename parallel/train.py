@@ -21,6 +21,7 @@ from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutd
 from parallel.dist.timing import StepTimer
 from parallel.model import GPT, count_parameters
 from parallel.moe.stats import RoutingMeter
+from parallel.net.probe import WireProbe
 from parallel.plan import ConfigError, RunPlan
 from parallel.precision import ForwardContext
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
@@ -52,6 +53,7 @@ class Run:
     step_times: list[float] = field(default_factory=list)
     activation_peaks: list[int] = field(default_factory=list)  # bytes saved for backward, per step
     routing: list[list[dict]] = field(default_factory=list)  # MoE: tokens per expert of each call, per step
+    wire: WireProbe | None = None  # the emulated network's link counters (launch.run), inert otherwise
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -134,7 +136,9 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
     routing = RoutingMeter(strategy.model)  # where MoE blocks sent this rank's tokens (nothing for a dense model)
     run.routing = routing.steps
-    for step in range(plan.start_step, plan.steps):
+    # The emulated network's link counters around the timed steps (launch.run only; inert otherwise).
+    run.wire = WireProbe.from_environ(ctx, plan.start_step + plan.warmup_steps)
+    for step in run.wire.steps(range(plan.start_step, plan.steps)):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in
                         local_microbatches(global_batch, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
@@ -228,6 +232,7 @@ def rank_report(run: Run) -> dict:
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
         "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
         "routing": run.routing,
+        "net": run.wire.report() if run.wire is not None else None,
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),
@@ -246,8 +251,9 @@ def report(run: Run, resolved_config: dict) -> None:
             torch.save(state, run.run_dir / "final_model.pt")
     if not ctx.is_rank0:
         return
+    net = run.wire.summary(reports, plan.warmup_steps) if run.wire is not None else None
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
-                            device=ctx.device, run_dir=run.run_dir)
+                            device=ctx.device, run_dir=run.run_dir, net=net)
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)
     log.info("wrote %s", run.run_dir / "summary.json")

@@ -13,7 +13,8 @@ project's name, the time blocked), and call the original:
                                 collective it waits for.
   PipelineP2PCounter            torch's pipeline schedules post every send and receive of a step
                                 through `schedules._batch_p2p` and wait on them through
-                                `schedules._wait_batch_p2p`: both are wrapped.
+                                `schedules._wait_batch_p2p`: both are wrapped. A send is tagged
+                                with its ends, `pipelining/send/<src>-><dst>` (group ranks).
 
 Why not a TorchDispatchMode (what torch's CommDebugMode does)? It sees every collective too, but
 it puts Python on the path of every operator of the step, DTensor's local ops included (one A/B
@@ -149,7 +150,10 @@ class PipelineP2PCounter:
             for p in p2p_ops:
                 kind = "send" if p.op is dist.isend else "recv"
                 group, size = self.groups((p.group or dist.group.WORLD).group_name)
-                self.log.record(kind, group, f"{self.prefix}/{kind}", tensor_bytes(p.tensor), size, seconds)
+                # A send's tag names its ends (group ranks), as ours do: the link it crosses (parallel/net/predict.py).
+                tag = (f"{self.prefix}/send/{dist.get_rank(p.group)}->{p.group_peer}" if kind == "send"
+                       else f"{self.prefix}/recv")
+                self.log.record(kind, group, tag, tensor_bytes(p.tensor), size, seconds)
             return works
 
         return call

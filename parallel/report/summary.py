@@ -50,7 +50,7 @@ SCHEMA_VERSION = 1
 
 
 def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], device: torch.device,
-                  run_dir: Path) -> dict:
+                  run_dir: Path, net: dict | None = None) -> dict:
     """The whole summary.json from the plan, the global losses and every rank's report."""
     spec = plan.spec
     # A mixture of experts' routing is part of the step's layout: expert parallelism's all-to-all
@@ -113,6 +113,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         summary["moe"] = routing_block(plan, rank_reports, run_dir)
     if spec.pipelined and rank_reports[0]["pipeline_spans"] is not None:
         summary["pipeline"] = pipeline_block(plan, rank_reports, run_dir)
+    # The emulated network (launch.run): wire bytes per link class against the log's prediction; null otherwise.
+    summary["net"] = net
     return summary
 
 

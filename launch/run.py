@@ -1,0 +1,299 @@
+"""One training job on emulated nodes: `python -m launch.run net=<preset> <launch.train overrides>`.
+
+    python -m launch.run net=ethernet_1g parallel=dp model=tiny train.steps=6     # 2 nodes x 1 rank, 1 Gbit/s
+    python -m launch.run net=cluster parallel=tp                                   # 2 x 2, fast intra, slow inter
+    python -m launch.run net=ethernet_1g net.inter_mbit=200 link_fault.kind=down link_fault.at_step=3
+    python -m launch.run parallel=dp                                              # net=none: plain torchrun
+
+Every override but `net.*` and `link_fault.*` goes to launch.train unchanged. net=none (the default)
+is `torchrun --standalone --nproc-per-node <net.procs_per_node>` on this machine: no privileges
+needed. Any other preset builds the network of parallel/net/ (one Linux network namespace per
+node, a bridge in a namespace of its own, shaped veth links: docs/network.md) and starts one
+torchrun agent inside each node's namespace, with c10d rendezvous on the emulated addresses.
+Whatever the tool creates is removed when it ends, however it ends.
+
+Refusals, in one line, exit 2, before anything is created: a bad net setting, a layout that does
+not fit net.nodes x net.procs_per_node, and (emulated networks) no root / CAP_NET_ADMIN or no
+`ip`/`tc`. A job past net.timeout_s is stopped (exit 124). A failed job ends with one line; when
+nodes can no longer reach each other, it names them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+# Only torch-free modules here: a bad net setting is refused before torch is even imported.
+from parallel.net.faults import FaultInjector, LinkFault, unreachable_nodes
+from parallel.net.netns import EmulatedNetwork, NetSetupError, stop_processes
+from parallel.net.probe import ENV_IFNAME, ENV_NODE, ENV_SETTINGS
+from parallel.net.shaping import dropped_frames
+from parallel.net.topology import NODE_IF, NetConfigError, NetSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+RDZV_PORT = 29400          # inside node 0's own namespace: no other process can hold it
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
+OWN_GROUPS = ("net", "link_fault")
+
+
+class Refused(Exception):
+    """A run that must not start; the message is the one line to print."""
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_on_signal(signum, _frame):
+    raise Interrupted(signum)
+
+
+# -- checks before anything is created ----------------------------------------------------------
+
+def _capabilities() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def check_privileges(spec: NetSpec) -> None:
+    """Namespaces need CAP_SYS_ADMIN (`ip netns add` mounts), links and qdiscs CAP_NET_ADMIN."""
+    missing_tools = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing_tools:
+        verb = "are" if len(missing_tools) > 1 else "is"
+        raise Refused(f"net={spec.name} needs the iproute2 tools, and {' and '.join(missing_tools)} {verb} not on PATH "
+                      "(install iproute2); net=none runs without them")
+    caps = _capabilities()  # root has every capability; a root without them (a container) can do nothing here
+    needed = ((CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"))
+    missing = [name for bit, name in needed if not caps >> bit & 1]
+    if missing:
+        raise Refused(f"net={spec.name} creates network namespaces, which needs root (CAP_NET_ADMIN and "
+                      f"CAP_SYS_ADMIN), and this process lacks {' and '.join(missing)}; "
+                      "net=none runs without privileges")
+
+
+def check_plan(cfg: DictConfig, spec: NetSpec):
+    """The training configuration, validated for the world the network gives (launch.train's own checks)."""
+    from parallel.reliability.checkpoint import CheckpointError
+    from parallel.data import DataError
+    from parallel.dist.dims import LayoutError
+    from parallel.dist.groups import LaunchEnv
+    from parallel.plan import ConfigError, build_plan
+
+    env = LaunchEnv(rank=0, world_size=spec.world_size, local_rank=0, local_world_size=spec.procs_per_node)
+    try:
+        plan = build_plan(cfg, env, cuda_available=False if spec.emulated else _cuda_available())
+    except (ConfigError, LayoutError, DataError, CheckpointError) as e:
+        raise Refused(f"{e} (net={spec.name} runs net.nodes x net.procs_per_node = {spec.nodes} x "
+                      f"{spec.procs_per_node} = {spec.world_size} processes)") from None
+    if spec.emulated and plan.backend == "nccl":
+        raise Refused(f"parallel.backend=nccl with net={spec.name}: the emulated links shape kernel TCP, which "
+                      "gloo uses and NCCL does not; use parallel.backend=gloo (or auto)")
+    return plan
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def train_overrides(cfg: DictConfig, spec: NetSpec, plan) -> tuple[list[str], Path]:
+    """The command line's overrides minus this tool's own, plus a run directory (the tool watches
+    its metrics.jsonl) and, where unset, a share of the cores: the emulated nodes share this
+    machine, so each rank gets cores / world, not cores / ranks of its node."""
+    from parallel.report.metrics import default_run_dir
+
+    overrides = [o for o in HydraConfig.get().overrides.task
+                 if not any(o.lstrip("+~").startswith((g + ".", g + "=")) for g in OWN_GROUPS)]
+    run_dir = Path(cfg.run.dir or default_run_dir(plan.strategy, spec.world_size)).absolute()
+    overrides = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]
+    if cfg.train.threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        overrides.append(f"train.threads={max(1, cores // spec.world_size)}")
+    return overrides, run_dir
+
+
+# -- running ---------------------------------------------------------------------------------
+
+def _env(spec: NetSpec, **extra: str) -> dict[str, str]:
+    pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": pythonpath, ENV_SETTINGS: json.dumps(spec.as_dict()), **extra}
+
+
+def agent_command(spec: NetSpec, node: int, addresses: list[str], rdzv_id: str, overrides: list[str]) -> list[str]:
+    """Node `node`'s torchrun agent: c10d rendezvous hosted by node 0's agent on its emulated address."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs_per_node}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={addresses[0]}:{RDZV_PORT}", f"--rdzv-id={rdzv_id}",
+        f"--local-addr={addresses[node]}", f"--rdzv-conf=is_host={1 if node == 0 else 0}",
+        # The agent polls the rendezvous every monitor interval, across the emulated link: once a
+        # second keeps that off the byte counters (0.1 s is torchrun's default).
+        "--monitor-interval=1",
+        "-m", "launch.train", *overrides,
+    ]
+
+
+def wait_for(procs: list[subprocess.Popen], deadline: float,
+             grace_s: float = 5.0) -> tuple[list[int | None], bool, float | None]:
+    """Wait for every process, or until one fails (then `grace_s` more for the others to end on
+    their own), or the deadline. Returns the exit codes (None: still running), whether the
+    deadline passed, and when the first process failed (time.monotonic(); None: none did)."""
+    failed_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if all(c is not None for c in codes):
+            return codes, False, failed_at
+        if now >= deadline:
+            return codes, True, failed_at
+        if failed_at is not None and now - failed_at >= grace_s:
+            return codes, False, failed_at
+        time.sleep(0.1)
+
+
+def run_standalone(spec: NetSpec, overrides: list[str]) -> int:
+    """net=none: exactly the torchrun command that works today."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.procs_per_node}",
+           "-m", "launch.train", *overrides]
+    proc = subprocess.Popen(cmd, env=_env(spec), start_new_session=True)
+    try:
+        codes, timed_out, _ = wait_for([proc], time.monotonic() + spec.timeout_s)
+    finally:
+        _stop(proc)
+    if timed_out:
+        print(f"error: the job ran past net.timeout_s={spec.timeout_s:g} s and was stopped", file=sys.stderr,
+              flush=True)
+        return 124
+    return codes[0] if codes[0] is not None else 1
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the agent's session (it stops its workers), SIGKILL what remains."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: LinkFault | None) -> int:
+    with EmulatedNetwork(spec) as net:
+        if net.removed_leftovers:
+            print(f"launch.run: removed {len(net.removed_leftovers)} namespace(s) left by a crashed run: "
+                  f"{', '.join(net.removed_leftovers)}", file=sys.stderr, flush=True)
+        print(f"launch.run: network {net.names.switch} + {spec.nodes} node namespaces ({spec.nodes} x "
+              f"{spec.procs_per_node} ranks), launcher pid {os.getpid()}", file=sys.stderr, flush=True)
+        addresses = [net.names.address(k) for k in range(spec.nodes)]
+        rdzv_id = f"net{os.getpid()}"
+        started = time.monotonic()
+        procs = [subprocess.Popen(net.node_command(k, agent_command(spec, k, addresses, rdzv_id, overrides)),
+                                  env=_env(spec, GLOO_SOCKET_IFNAME=NODE_IF, **{ENV_IFNAME: NODE_IF, ENV_NODE: str(k)},
+                                           CUDA_VISIBLE_DEVICES=""),
+                                  start_new_session=True)
+                 for k in range(spec.nodes)]
+        injector = FaultInjector(fault, net, run_dir / "metrics.jsonl") if fault else None
+        if injector:
+            injector.start()
+        codes, timed_out, failed_at = wait_for(procs, started + spec.timeout_s)
+        if injector:
+            injector.stop()
+        report_losses(net, fault)
+        # Stop what still runs (an agent whose peer is unreachable can wait minutes in torchrun's
+        # rendezvous shutdown), with the network still up, so the verdict can probe it.
+        stop_processes(net.names.namespaces)
+        if injector and injector.error:
+            print(f"error: link_fault could not be applied: {injector.error}", file=sys.stderr, flush=True)
+            return 1
+        if timed_out:
+            print(f"error: the job ran past net.timeout_s={spec.timeout_s:g} s and was stopped", file=sys.stderr,
+                  flush=True)
+            return 124
+        failed = [(k, c) for k, c in enumerate(codes) if c not in (0, None)]
+        if not failed and all(c == 0 for c in codes):
+            return 0
+        print(f"error: {verdict(net, spec, failed, injector, failed_at)}", file=sys.stderr, flush=True)
+        return failed[0][1] if failed else 1
+
+
+def report_losses(net: EmulatedNetwork, fault: LinkFault | None) -> None:
+    """How many frames the loss filters dropped (their retransmissions are in the byte counters)."""
+    if not net.spec.loss_pct and not (fault and fault.kind == "loss"):
+        return
+    dropped = sum(dropped_frames(net.names.switch, net.names.port(k)) for k in range(net.spec.nodes))
+    print(f"launch.run: the loss filters dropped {dropped} frames", file=sys.stderr, flush=True)
+
+
+def verdict(net: EmulatedNetwork, spec: NetSpec, failed: list[tuple[int, int]], injector,
+            failed_at: float | None) -> str:
+    """The one line that ends a failed job: which nodes are unreachable and why, when that is the cause."""
+    agents = ", ".join(f"node {k}'s agent exited {c}" for k, c in failed) or "an agent stopped"
+    cut_off = unreachable_nodes(net)
+    if not cut_off:
+        return f"the job failed ({agents}); every node still reaches every other, so the network is not the cause"
+    p = spec.procs_per_node
+    ranks = {k: f"ranks {k * p}-{k * p + p - 1}" if p > 1 else f"rank {k}" for k in cut_off}
+    peers = "; ".join(f"node {k} ({net.names.address(k)}, {ranks[k]}) is unreachable: {why}"
+                      for k, why in cut_off.items())
+    when = ""
+    if injector is not None and injector.applied_at is not None and failed_at is not None:
+        when = f" ({injector.describe()}; the first agent failed {failed_at - injector.applied_at:.1f} s later)"
+    return f"{peers}{when}; the job stopped ({agents})"
+
+
+@hydra.main(config_path="../conf", config_name="run", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    signal.signal(signal.SIGTERM, _raise_on_signal)
+    signal.signal(signal.SIGINT, _raise_on_signal)
+    try:
+        spec = NetSpec.from_config(cfg.net)
+        fault = LinkFault.from_config(cfg.link_fault, spec.nodes, cfg.train.steps)
+        if fault and not spec.emulated:
+            raise Refused("link_fault needs an emulated network (net=none has no links to break): e.g. net=ethernet_1g")
+        if spec.emulated:
+            check_privileges(spec)
+        plan = check_plan(cfg, spec)
+        overrides, run_dir = train_overrides(cfg, spec, plan)
+    except (Refused, NetConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        code = run_emulated(spec, overrides, run_dir, fault) if spec.emulated else run_standalone(spec, overrides)
+    except NetSetupError as e:
+        print(f"error: the emulated network could not be built (nothing is left behind): {e}",
+              file=sys.stderr, flush=True)
+        code = 1
+    except Interrupted as e:
+        print(f"launch.run: stopped by {e}; the job and its network are removed", file=sys.stderr, flush=True)
+        code = 128 + e.signum
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
