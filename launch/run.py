@@ -34,13 +34,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 # Only torch-free modules here: a bad net setting is refused before torch is even imported.
+from launch.config import CODE_ROOT, CONFIG_DIR
 from parallel.net.faults import FaultInjector, LinkFault, unreachable_nodes
 from parallel.net.netns import EmulatedNetwork, NetSetupError, stop_processes
 from parallel.net.probe import ENV_IFNAME, ENV_NODE, ENV_SETTINGS
 from parallel.net.shaping import dropped_frames
 from parallel.net.topology import NODE_IF, NetConfigError, NetSpec
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RDZV_PORT = 29400          # inside node 0's own namespace: no other process can hold it
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
 OWN_GROUPS = ("net", "link_fault")
@@ -133,7 +133,7 @@ def train_overrides(cfg: DictConfig, spec: NetSpec, plan) -> tuple[list[str], Pa
 # -- running ---------------------------------------------------------------------------------
 
 def _env(spec: NetSpec, **extra: str) -> dict[str, str]:
-    pythonpath = os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+    pythonpath = os.pathsep.join(filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": pythonpath, ENV_SETTINGS: json.dumps(spec.as_dict()), **extra}
 
 
@@ -267,7 +267,7 @@ def verdict(net: EmulatedNetwork, spec: NetSpec, failed: list[tuple[int, int]], 
     return f"{peers}{when}; the job stopped ({agents})"
 
 
-@hydra.main(config_path="../conf", config_name="run", version_base="1.3")
+@hydra.main(config_path=CONFIG_DIR, config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     signal.signal(signal.SIGTERM, _raise_on_signal)
     signal.signal(signal.SIGINT, _raise_on_signal)
