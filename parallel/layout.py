@@ -4,6 +4,10 @@ A `Layout` is the part of a run's plan that decides traffic and memory: the (dp,
 the microbatches, sequence parallelism, the pipeline's chunks and the ZeRO stage of the dp
 dimension. theory.py's formulas take (GPTConfig, Layout); a run builds its Layout from the
 validated plan (`RunPlan.layout`), and a planner can build one for a layout it never runs.
+
+Context parallelism (dims.cp > 1) adds which attention crosses the cp ranks (`cp_kind`: the ring or
+the all-to-all, parallel/cp/), and activation recomputation (`recompute`, parallel/recompute.py)
+changes both the bytes saved for backward and, where the recomputed forward communicates, the traffic.
 """
 
 from __future__ import annotations
@@ -26,3 +30,6 @@ class Layout:
     pp_layers: tuple[int, ...] | None = None  # explicit blocks per virtual stage; None: an even split
     zero: int = 0  # ZeRO stage of the dp dimension of a combined layout (zero1/2/3 carry theirs in the name)
     dtype_bytes: int = FP32_BYTES  # of parameters, gradients and the activations that cross ranks
+    cp_kind: str = "ring"  # attention across the cp ranks (dims.cp > 1): "ring" or "a2a" (all-to-all)
+    recompute: str = "none"  # train.recompute: none | selective (attention cores) | full (every Block)
+    precision: str = "fp32"  # train.precision: under bf16 the activations that cross ranks inside a block are bf16
