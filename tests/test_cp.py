@@ -15,7 +15,6 @@ every mode, in tests/test_recompute.py.
 from fractions import Fraction
 
 import pytest
-
 from launcher import TINY, assert_ok, check_matches_single, run_train
 
 L, S, H, HEADS = 4, 32, 64, 4  # the tiny model
@@ -82,8 +81,10 @@ def check_tp_recompute(s: dict, world: int, tp: int, recompute: str, m: int) -> 
             fwd = sum(t["calls"] for t in by[f"tp/blocks.{i}.{part}/fwd"].values())
             bwd = sum(t["calls"] for t in by[f"tp/blocks.{i}.{part}/bwd"].values())
             assert fwd == forwards * bwd, (i, part, fwd, bwd)
-    sent = sum(Fraction(t["sent_bytes"]) for tag, ops in by.items() if tag.startswith("tp/blocks.") for t in ops.values())
-    tokens = GLOBAL_BATCH // (world // (s["parallel"]["cp"] * tp)) // m * (S // s["parallel"]["cp"])
+    sent = sum(Fraction(t["sent_bytes"]) for tag, ops in by.items() if tag.startswith("tp/blocks.")
+               for t in ops.values())
+    cp = s["parallel"]["cp"]
+    tokens = GLOBAL_BATCH // (world // (cp * tp)) // m * (S // cp)
     units = 12 if recompute == "full" else 8
     assert sent == L * m * units * tokens * H * Fraction(tp - 1, tp) * 4 * world
 

@@ -16,8 +16,8 @@ from fractions import Fraction
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-
 from launcher import PROJECT_ROOT
+
 from parallel import theory
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
@@ -103,7 +103,8 @@ def test_recomputation_sends_the_cp_forward_again(cp):
     for mode, forwards in (("none", 1), ("selective", 2), ("full", 2)):
         layout = Layout(dims, microbatch_size=b, microbatches=m, recompute=mode)
         ring = theory.cp_comm(CFG, layout)
-        assert Fraction(ring["sent_bytes_per_step_exact"]) == (L * m * (forwards * ring_fwd + ring_bwd) + grads) * d * cp
+        per_rank = L * m * (forwards * ring_fwd + ring_bwd) + grads
+        assert Fraction(ring["sent_bytes_per_step_exact"]) == per_rank * d * cp
         assert Fraction(ring["by_group"]["dp_cp"]["sent_bytes_exact"]) == grads * d * cp
         ulysses = theory.cp_comm(CFG, Layout(dims, microbatch_size=b, microbatches=m, recompute=mode, cp_kind="a2a"))
         assert Fraction(ulysses["by_group"]["cp"]["sent_bytes_exact"]) == L * m * (forwards + 1) * a2a * d * cp
@@ -144,7 +145,8 @@ def _plan(world: int, *overrides):
     (1, ["parallel=single", "train.recompute=some"], ConfigError, "train.recompute='some' is not one of none, "),
     (4, ["parallel=dp", "parallel.cp=2"], LayoutError,
      "parallel=dp does not split along cp: set parallel.cp=1 (context parallelism: parallel=cp or cp_a2a)"),
-    (3, ["parallel=cp"], LayoutError, "world size 3 is not divisible by parallel.cp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),
+    (3, ["parallel=cp"], LayoutError,
+     "world size 3 is not divisible by parallel.cp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),
 ])
 def test_what_cp_or_recomputation_cannot_run_is_refused_in_one_line(world, overrides, error, message):
     with pytest.raises(error) as refused:
