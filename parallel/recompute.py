@@ -21,9 +21,9 @@ docs/theory/memory.md.
 `_Recompute` is written here rather than taken from torch.utils.checkpoint: the tensors it keeps
 are saved with `save_for_backward`, and the recomputed forward runs under whatever saved-tensor
 hooks are active, so parallel/report/activations.py's meter sees exactly what is held, the block
-recomputed inside backward included. (torch.utils.checkpoint's non-reentrant version keeps its
-inputs in its own frame and stores what it recomputes under hooks of its own: a meter on
-saved-tensor hooks sees neither.)
+recomputed inside backward included. (torch.utils.checkpoint's non-reentrant version saves its
+inputs through autograd too, but stores what it recomputes under hooks of its own: a meter on
+saved-tensor hooks misses the peak in backward.)
 """
 
 from __future__ import annotations
