@@ -55,7 +55,7 @@ from parallel.zero.optimizer import ZeroOptimizer
 def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
     """dp x cp x tp x pp (any of them 1) from the plan's layout and the run's communicators."""
     tp_comm = ctx.comm("tp") if ctx.comm("tp") is not None and ctx.comm("tp").size > 1 else None
-    cp_comm = ctx.comm("cp") if plan.dims.cp > 1 else None
+    cp_comm = ctx.comm("cp") if ctx.comm("cp") is not None and ctx.comm("cp").size > 1 else None
     # The ranks that hold the same parameters: dp, or dp and cp together when the sequence is split.
     pp_comm, dp_comm = ctx.comm("pp"), ctx.comm("dp_cp") if cp_comm is not None else ctx.comm("dp")
     sequence_parallel = plan.sequence_parallel and tp_comm is not None
