@@ -5,6 +5,10 @@ the microbatches, sequence parallelism, the pipeline's chunks and the ZeRO stage
 dimension (and, for expert parallelism, the step's routing). theory.py's formulas take
 (GPTConfig, Layout); a run builds its Layout from the validated plan (`RunPlan.layout`), and a
 planner can build one for a layout it never runs.
+
+Context parallelism (dims.cp > 1) adds which attention crosses the cp ranks (`cp_kind`: the ring or
+the all-to-all, parallel/cp/), and activation recomputation (`recompute`, parallel/recompute.py)
+changes both the bytes saved for backward and, where the recomputed forward communicates, the traffic.
 """
 
 from __future__ import annotations
@@ -32,3 +36,6 @@ class Layout:
     # in the order run) of the step, on every global rank, as measured in a run; None: a layout
     # never run, whose all-to-alls theory figures under uniform routing (parallel/theory.py, ep).
     routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    cp_kind: str = "ring"  # attention across the cp ranks (dims.cp > 1): "ring" or "a2a" (all-to-all)
+    recompute: str = "none"  # train.recompute: none | selective (attention cores) | full (every Block)
+    precision: str = "fp32"  # train.precision: under bf16 the activations that cross ranks inside a block are bf16

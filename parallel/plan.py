@@ -18,6 +18,7 @@ from parallel.model import MOE_FIELDS, GPTConfig
 from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.precision import PRECISIONS
+from parallel.recompute import MODES as RECOMPUTE_MODES
 from parallel.registry import ConfigError, Options, StrategySpec, check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
@@ -57,6 +58,8 @@ class RunPlan:
     precision: str = "fp32"
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
+    cp_kind: str = "ring"  # with parallel.cp > 1: the ring (parallel=cp) or the all-to-all (parallel=cp_a2a)
+    recompute: str = "none"  # train.recompute: none | selective | full (parallel/recompute.py)
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
@@ -87,7 +90,9 @@ class RunPlan:
     def layout(self) -> Layout:
         return Layout(dims=self.dims, microbatches=self.microbatches, microbatch_size=self.microbatch_size,
                       sequence_parallel=self.sequence_parallel, schedule=self.schedule,
-                      virtual_stages=self.virtual_stages, pp_layers=self.pp_layers, zero=self.zero)
+                      virtual_stages=self.virtual_stages, pp_layers=self.pp_layers, zero=self.zero,
+                      cp_kind=self.cp_kind, recompute=self.recompute,
+                      precision=self.precision)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -250,6 +255,31 @@ def _check_precision(precision) -> None:
         )
 
 
+def _check_context_parallel(model: GPTConfig, dims: ParallelDims, options: Options) -> None:
+    """Sequence length, heads and model kind against the cp layout (parallel/cp/strategy.py)."""
+    if dims.cp == 1:
+        return
+    from parallel.cp.strategy import check_context_parallel
+
+    try:
+        check_context_parallel(model, dims.cp, dims.tp, options.cp_kind, options.sequence_parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"train.recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}: none keeps every "
+                          "activation, selective recomputes the attention cores, full recomputes every block")
+    if recompute != "none" and not spec.recompute:
+        raise ConfigError(
+            f"train.recompute={recompute} is this project's transform of its own blocks (parallel/recompute.py), "
+            f"but parallel={strategy} does not take it (its registry entry says recompute=False: PyTorch's own "
+            "strategies, and zero3, whose hooks gather each block's parameters once per forward); "
+            "set train.recompute=none"
+        )
+
+
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     """Validate the whole configuration against the launch environment."""
     p, t = cfg.parallel, cfg.train
@@ -272,6 +302,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     sequence_parallel, zero = options.sequence_parallel, options.zero
     if spec.tensor_parallel:
         dims.check_tensor_parallel(model, sequence_parallel)
+    _check_context_parallel(model, dims, options)
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:
         _check_pipeline(model, dims, p)
@@ -284,6 +315,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     if p.grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
     _check_precision(t.precision)
+    recompute = t.get("recompute", "none")
+    _check_recompute(recompute, strategy, spec)
     _check_faults(t, env.world_size)
     if not spec.checkpoints and (t.checkpoint_every or t.resume is not None):
         what = f"train.checkpoint_every={t.checkpoint_every}" if t.checkpoint_every else f"train.resume={t.resume!r}"
@@ -322,6 +355,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         precision=t.precision,
         device_type=choose_device_type(p.backend, backend, cuda_available),
         zero=zero,  # of a combined layout's dp dimension; on a pure dp layout the stage is in the strategy's name
+        cp_kind=options.cp_kind,
+        recompute=recompute,
         checkpoint_every=t.checkpoint_every,
         checkpoint_dir=t.checkpoint_dir,
         resume_from=resume_from,

@@ -18,7 +18,7 @@ and a preset conf/parallel/my_dp.yaml with `name: my_dp` (tests/test_registry.py
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from parallel.dist.dims import LayoutError, ParallelDims
@@ -56,6 +56,8 @@ class StrategySpec:
     grad_sync: bool = False  # parallel.grad_sync (naive | bucketed) and bucket_mb
     bucket_mb: bool = False  # parallel.bucket_mb alone (PyTorch's DDP)
     zero_dp: bool = False  # parallel.zero sets the ZeRO stage of its dp dimension
+    recompute: bool = False  # train.recompute (selective | full) applies: parallel/recompute.py's transform
+    cp_kind: str | None = None  # context parallelism: the attention it asks for ("ring" | "a2a"), carried by routes
     checkpoints: bool = True  # train.checkpoint_every / train.resume
     exposed_comm_measured: bool = True  # false where it waits inside PyTorch, out of the log's sight
     counterpart: str | None = None  # PyTorch's implementation of the same idea, for the comparison's ratio
@@ -86,12 +88,15 @@ class Options:
 
     sequence_parallel: bool = False
     zero: int = 0
+    cp_kind: str = "ring"  # the attention across cp ranks; the requested spec's `cp_kind` sets it
 
 
 def resolve(name: str, dims: ParallelDims, options: Options) -> tuple[str, Options]:
     """The strategy that runs a requested name on this layout, by each spec's `route`, then the
     ZeRO stage of the dp dimension. Returns (name, options as they apply to it)."""
     spec = spec_of(name)
+    if spec.cp_kind is not None:  # `cp_a2a` asks for the all-to-all wherever its layout is routed
+        options = replace(options, cp_kind=spec.cp_kind)
     seen = {name}
     while spec.route is not None:
         routed = spec.route(dims, options)
@@ -121,8 +126,10 @@ def _route_zero(name: str, dims: ParallelDims, options: Options) -> tuple[str, O
     spec = spec_of(name)
     if not spec.zero_dp:
         why = "is a ZeRO stage already" if name.startswith("zero") else "has no such dp sync"
-        raise ConfigError(f"parallel.zero={zero} sets the ZeRO stage of the dp dimension of parallel=dp, tp, pp or 3d, "
-                          f"but parallel={name} {why}: set parallel.zero=0")
+        raise ConfigError(f"parallel.zero={zero} sets the ZeRO stage of the dp dimension of parallel=dp, tp, pp, cp or "
+                          f"3d, but parallel={name} {why}: set parallel.zero=0")
+    if dims.cp > 1:
+        return _route_zero_with_cp(name, dims, options)
     if dims.dp < 2:
         raise LayoutError(
             f"parallel.zero={zero} shards over the data-parallel ranks, but parallel.dp={dims.dp} "
@@ -130,7 +137,7 @@ def _route_zero(name: str, dims: ParallelDims, options: Options) -> tuple[str, O
             "use at least 2 dp ranks, or parallel.zero=0"
         )
     if dims.tp == 1 and dims.pp == 1:
-        return f"zero{zero}", Options(options.sequence_parallel, 0)  # the stage is in the strategy's name
+        return f"zero{zero}", replace(options, zero=0)  # the stage is in the strategy's name
     if zero == 3:
         raise ConfigError(
             f"parallel.zero=3 does not compose with parallel.tp={dims.tp} parallel.pp={dims.pp} here: ZeRO-3 all-gathers "
@@ -140,6 +147,18 @@ def _route_zero(name: str, dims: ParallelDims, options: Options) -> tuple[str, O
             "pp strategies read; use parallel.zero=1 or 2, or parallel=zero3 with parallel.tp=1 parallel.pp=1"
         )
     return "3d", options
+
+
+def _route_zero_with_cp(name: str, dims: ParallelDims, options: Options) -> tuple[str, Options]:
+    """Under context parallelism every parameter is replicated over dp x cp, so ZeRO-1/2 shards over
+    those dp·cp ranks (the "dp_cp" group), inside the strategy that runs the layout (cp, cp_a2a or 3d)."""
+    if options.zero == 3:
+        raise ConfigError(
+            f"parallel.zero=3 does not compose with parallel.cp={dims.cp}: ZeRO-3 is a strategy of its own "
+            "(parallel=zero3, parameters gathered and freed by hooks around each part of the whole model), not a "
+            "dp sync that the cp strategy or the 3d recipe can plug in; use parallel.zero=1 or 2"
+        )
+    return name, options
 
 
 def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpec:
@@ -165,8 +184,9 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
             "set parallel.tp=1 parallel.pp=1, or use parallel=tp for tensor parallelism"
         )
     if extra:
+        hint = " (context parallelism: parallel=cp or cp_a2a)" if "cp" in extra else ""
         raise LayoutError(f"parallel={name} does not split along {', '.join(extra)}: set "
-                          + " ".join(f"parallel.{d}=1" for d in extra))
+                          + " ".join(f"parallel.{d}=1" for d in extra) + hint)
     if options.sequence_parallel and (not spec.sequence_parallel or dims.tp == 1):
         raise ConfigError(
             f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={name} with parallel.tp={dims.tp}: "

@@ -23,6 +23,7 @@ register(StrategySpec(
     build=lambda model, plan, ctx: SingleProcess(model, make_optimizer(model, plan.lr, plan.weight_decay)),
     comm=theory.no_comm, model_state=theory.replicated_model_state_bytes,
     local_parameters=theory.tp_local_parameter_count, max_world=1, dims=frozenset(), moe=True,
+    activations=theory.activation_bytes, recompute=True,
 ))
 
 
@@ -45,6 +46,7 @@ register(StrategySpec(
     build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
     local_parameters=theory.tp_local_parameter_count, grad_sync=True, zero_dp=True,
     route=lambda dims, options: _to_single_in_one_process(dims, options), counterpart="torch_ddp", moe=True,
+    activations=theory.activation_bytes, recompute=True,
 ))
 
 
@@ -70,6 +72,9 @@ for _stage, _what, _build in ((1, "optimizer state", _build_zero(1)), (2, "optim
         model_state=lambda cfg, layout, stage=_stage: theory.zero_model_state_bytes(cfg, layout, stage),
         local_parameters=theory.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
         counterpart="torch_fsdp2" if _stage == 3 else "torch_ddp", moe=True,
+        # ZeRO-1/2 run the whole model's forward as dp does (recomputation and the activation formula
+        # apply); zero3's hooks gather each part's parameters around one forward per backward.
+        activations=theory.activation_bytes if _stage < 3 else (lambda cfg, layout: None), recompute=_stage < 3,
     ))
 
 
@@ -89,8 +94,8 @@ def _build_mesh3d(model, plan, ctx):
 
 def _tp_route(dims, options):
     """Tensor parallelism over one rank is data parallelism (sequence parallelism over one rank cuts
-    nothing); with pipeline stages too it is the one dp x tp x pp strategy."""
-    if dims.pp > 1:
+    nothing); with pipeline stages or context parallelism too it is the one dp x cp x tp x pp strategy."""
+    if dims.pp > 1 or dims.cp > 1:
         return "3d", options
     if dims.tp == 1:
         return "dp", Options(False, options.zero)
@@ -98,8 +103,8 @@ def _tp_route(dims, options):
 
 
 def _pp_route(dims, options):
-    """A pipeline of tensor-parallel stages is the one dp x tp x pp strategy."""
-    if dims.tp > 1:
+    """A pipeline of tensor-parallel (or context-parallel) stages is the one dp x cp x tp x pp strategy."""
+    if dims.tp > 1 or dims.cp > 1:
         return "3d", options
     return _to_single_in_one_process(dims, options)
 
@@ -114,18 +119,19 @@ register(StrategySpec(
     name="tp", description="tensor parallel (Megatron), optionally with sequence parallelism; dp across tp groups",
     build=_build_tp, comm=theory.tp_comm, local_parameters=theory.tp_local_parameter_count,
     dims=frozenset({"dp", "tp"}), tensor_parallel=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
-    route=_tp_route, counterpart="torch_tp", moe_refusal=TP_NO_MOE,
+    route=_tp_route, counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True,
 ))
 register(StrategySpec(
     name="pp", description="pipeline parallel: GPipe, 1F1B or interleaved 1F1B, as schedules of data",
     build=_build_mesh3d, comm=theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
-    grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp", moe_refusal=PP_NO_MOE,
+    grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
 ))
 register(StrategySpec(
-    name="3d", description="dp x tp x pp on one mesh: tensor-parallel pipeline stages, dp or ZeRO-1/2 on top",
+    name="3d", description="dp x cp x tp x pp on one mesh: tensor-parallel pipeline stages, context-parallel "
+    "attention, dp or ZeRO-1/2 on top",
     build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
-    local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "tp", "pp"}),
-    tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
+    local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
+    tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True, recompute=True,
     route=lambda dims, options: _to_single_in_one_process(dims, options), moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}",
 ))
 
@@ -251,3 +257,32 @@ register(StrategySpec(
     local_parameters=theory.ep_local_parameter_count, dims=frozenset({"dp", "ep"}), min_world=2, grad_sync=True,
     check=_ep_check, check_model=_ep_check_model, route=_ep_route, moe=True,
 ))
+
+
+# -- context parallelism: the sequence split over cp ranks (parallel/cp/) ----------------------------
+def _build_cp(model, plan, ctx):
+    from parallel.cp.strategy import ContextParallel
+
+    return ContextParallel(model, ctx.comm("cp"), ctx.comm("dp_cp"), plan.cp_kind, grad_sync=plan.grad_sync,
+                           bucket_mb=plan.bucket_mb, zero=plan.zero, lr=plan.lr, weight_decay=plan.weight_decay)
+
+
+def _cp_route(dims, options):
+    """With tensor or pipeline parallelism too, the one dp x cp x tp x pp recipe runs it (the cp kind
+    travels in the options); over one cp rank there is no sequence to split: data parallelism."""
+    if dims.tp > 1 or dims.pp > 1:
+        return "3d", options
+    if dims.cp == 1:
+        return "dp", options
+    return None
+
+
+for _name, _kind, _what in (("cp", "ring", "ring attention: K, V blocks passed around the cp ring"),
+                            ("cp_a2a", "a2a", "all-to-all (Ulysses): tokens traded for heads around attention")):
+    register(StrategySpec(
+        name=_name, description=f"context parallel, {_what}; gradients summed over dp x cp",
+        build=_build_cp, comm=theory.cp_comm, model_state=theory.cp_model_state_bytes,
+        local_parameters=theory.tp_local_parameter_count, activations=theory.activation_bytes,
+        dims=frozenset({"dp", "cp"}), min_world=2, grad_sync=True, zero_dp=True, recompute=True, cp_kind=_kind,
+        route=_cp_route,
+    ))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from parallel.cp.traffic import local_kv_elements, ring_layer_traffic, ulysses_layer_traffic
 from parallel.dist.dims import ParallelDims
 from parallel.layout import Layout
 from parallel.model import GPTConfig
@@ -145,7 +146,8 @@ def pipeline_p2p_bytes(model_cfg: GPTConfig, microbatch_size: int, microbatches:
     return 2 * microbatches * (virtual * stages - 1) * activation
 
 
-def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parallel: bool, B: int) -> dict:
+def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parallel: bool, B: int,
+             recompute: str = "none") -> dict:
     """Tensor parallelism (with sequence parallelism, and data parallelism across tp groups).
 
     Per microbatch, every activation collective moves one tensor of b·s·h elements (the full
@@ -166,10 +168,15 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
     all-reduces of b·s fp32 values (row max, sum of exponentials, target logit). Once per step,
     sequence parallelism all-reduces the gradients of the sequence-sharded replicated parameters
     over tp, and data parallelism all-reduces every local gradient (Ψ_t of them) over dp.
+
+    Under full recomputation (train.recompute=full) each block's forward runs again in backward,
+    its two forward collectives with it: 6 tensors per layer instead of 4, 12·b·s·h·(t-1)/t
+    elements sent per rank per layer instead of 8 (`tp_tensors_per_layer`). Selective
+    recomputation re-runs only the attention core, which under tensor parallelism sends nothing.
     """
     t, d = dims.tp, dims.dp
     activation = b * cfg.seq_len * cfg.d_model * B
-    activations = (4 * cfg.n_layers + 2) * m * activation  # all such tensors of one step
+    activations = (tp_tensors_per_layer(recompute) * cfg.n_layers + 2) * m * activation  # all such tensors of one step
     loss = 3 * m * b * cfg.seq_len * FP32_BYTES
     by_op: dict[str, tuple[int, Fraction]] = {}
     tp_reduced = loss  # bytes all-reduced over tp
@@ -180,6 +187,9 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
     else:
         tp_reduced += activations
         per_layer = {"all_reduce": 2}
+    counts = {"fwd": per_layer, "bwd": per_layer}
+    if recompute == "full":  # the forward's collectives once more, in backward (tagged `tp/<part>/fwd` too)
+        counts["recompute"] = per_layer
     tp_sent = all_reduce_sent_per_rank(t, tp_reduced) + 2 * by_op.get("all_gather", (0, Fraction(0)))[1]
     dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
     dp_sent = all_reduce_sent_per_rank(d, dp_grads)
@@ -190,7 +200,7 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
         "by_group": {g: {"sent_bytes": float(v * ranks), "sent_bytes_exact": str(v * ranks)}
                      for g, v in (("tp", tp_sent), ("dp", dp_sent)) if v},
         # The Megatron count a run's comm.by_tag_op shows for every block, per rank.
-        "per_layer_per_microbatch": {"fwd": per_layer, "bwd": per_layer},
+        "per_layer_per_microbatch": counts,
         "activation_bytes": activation,
     }
     return _figure(totals, ranks, extra)
@@ -258,18 +268,20 @@ def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bo
 
 def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None) -> int:
     """Ψ_pad of one rank of stage `pp_rank` under ZeRO over dp: each of its local parts padded to a
-    multiple of d = dims.dp (what its reduce-scatters, all-gathers and shards are made of)."""
+    multiple of d = dims.dp (what its reduce-scatters, all-gathers and shards are made of); under
+    context parallelism the parameters are replicated over dp x cp and ZeRO shards over d·cp ranks."""
     layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
     parts = stage_part_counts(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
-    return sum(-(-count // dims.dp) * dims.dp for count in parts)
+    n = replica_group_size(dims)
+    return sum(-(-count // n) * n for count in parts)
 
 
 def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
                              pp_layers=None, dtype_bytes: int = FP32_BYTES) -> dict:
     """What one rank of stage `pp_rank` holds under dp x tp x pp: plain dp the stage's tp shard Ψ_r
     in full (4 + 4 + 8 bytes per parameter); ZeRO-1 over dp 1/d of its Adam state, ZeRO-2 also 1/d
-    of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`)."""
-    d = dims.dp
+    of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`); d·cp under context parallelism."""
+    d = replica_group_size(dims)
     if zero:
         psi = stage_zero_padded_count(cfg, dims, pp_rank, virtual, pp_layers)
         params, grads, state = psi * dtype_bytes, psi * dtype_bytes // (d if zero >= 2 else 1), 2 * psi * dtype_bytes // d
@@ -288,7 +300,7 @@ def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: in
 
 
 def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: int, pp_layers,
-                 sequence_parallel: bool, B: int, zero: int = 0) -> dict:
+                 sequence_parallel: bool, B: int, zero: int = 0, layout: Layout | None = None) -> dict:
     """dp x tp x pp: every rank's traffic, stage by stage, then summed over the d·t ranks of each.
 
     A rank of stage r holding L_r blocks (over all its chunks) sends per step, with t = tp, d = dp:
@@ -310,29 +322,40 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
     Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
     partition the layers); pp adds 2·m·(v·p-1)·b·s·h·B per pipeline (/t under sequence parallelism),
     d·t pipelines.
+
+    With context parallelism (c = cp > 1; `layout` gives its kind and the recomputation) every rank
+    holds s/c tokens of each sequence: every tp collective, the loss's and the pipeline boundary
+    move b·(s/c)·h (the sequence-sharded parameters are still whole: s·h positions); the dp sum is
+    over the d·c ranks that replicate the stage's parameters (group "dp_cp"); and each of the
+    stage's blocks adds its attention's cp traffic (`cp_attention_traffic`, heads a/t). Under full
+    recomputation each block's tp tensors are 6 per microbatch instead of 4 (`tp_tensors_per_layer`).
     """
-    t, d, p = dims.tp, dims.dp, dims.pp
-    s, h = cfg.seq_len, cfg.d_model
+    layout = layout if layout is not None else Layout(dims=dims)
+    t, c, p = dims.tp, dims.cp, dims.pp
+    d = replica_group_size(dims)  # the dp sum: over dp, or dp x cp
+    s, h = cfg.seq_len // c, cfg.d_model  # the tokens of a sequence this rank holds
     activation = b * s * h * B
     boundary = b * (s // t if sequence_parallel else s) * h * B
     layers = stage_layers(cfg, dims, virtual, pp_layers)
-    ops = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+    per_layer = tp_tensors_per_layer(layout.recompute)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "all_to_all")
     totals = {op: [0, Fraction(0)] for op in ops}
-    groups = {g: Fraction(0) for g in ("tp", "pp", "dp")}
+    dp_group = "dp_cp" if c > 1 else "dp"
+    groups = {g: Fraction(0) for g in ("tp", "cp", "pp", dp_group)}
     per_rank_by_stage = []
     for r in range(p):
         first, last = r == 0, r == p - 1
         ar_payload, ag_payload, p2p_payload = 0, 0, 0  # this rank's per step
         if t > 1:
-            acts = (4 * layers[r] + first + last) * m * activation
+            acts = (per_layer * layers[r] + first + last) * m * activation
             loss = 3 * m * b * s * FP32_BYTES if last else 0
             if sequence_parallel:
                 ag_payload = acts
-                ar_payload = loss + (6 * h * layers[r] + s * h * first + 2 * h * last) * B
+                ar_payload = loss + (6 * h * layers[r] + cfg.seq_len * h * first + 2 * h * last) * B
             else:
                 ar_payload = acts + loss
         tp_sent = all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
-        sends = sum(m * ((c * p + r < p * virtual - 1) + (c * p + r > 0)) for c in range(virtual))
+        sends = sum(m * ((k * p + r < p * virtual - 1) + (k * p + r > 0)) for k in range(virtual))
         p2p_payload = sends * boundary
         dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 and not zero else 0
         dp_sent = all_reduce_sent_per_rank(d, dp_payload)
@@ -342,6 +365,11 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
             zero_gather, zero_scatter = padded, (m if zero == 2 else 1) * padded
             dp_sent = gather_or_scatter_sent_per_rank(d, zero_gather + zero_scatter)
         ranks = d * t  # the ranks of this stage, all alike
+        cp_ops = cp_attention_traffic(cfg, layout, layers[r])
+        cp_sent = sum((sent for _, sent in cp_ops.values()), Fraction(0))
+        for op, (payload, sent) in cp_ops.items():
+            totals[op][0] += payload * ranks
+            totals[op][1] += sent * ranks
         for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload)
                                    + all_reduce_sent_per_rank(d, dp_payload)),
                                   ("all_gather", ag_payload + zero_gather, gather_or_scatter_sent_per_rank(t, ag_payload)
@@ -351,9 +379,9 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
                                   ("send", p2p_payload, Fraction(p2p_payload)), ("recv", p2p_payload, Fraction(0))):
             totals[op][0] += payload * ranks
             totals[op][1] += sent * ranks
-        for g, v in (("tp", tp_sent), ("pp", Fraction(p2p_payload)), ("dp", dp_sent)):
+        for g, v in (("tp", tp_sent), ("cp", cp_sent), ("pp", Fraction(p2p_payload)), (dp_group, dp_sent)):
             groups[g] += v * ranks
-        per_rank_by_stage.append(tp_sent + p2p_payload + dp_sent)
+        per_rank_by_stage.append(tp_sent + cp_sent + p2p_payload + dp_sent)
     extra = {
         "by_group": {g: {"sent_bytes": float(v), "sent_bytes_exact": str(v)} for g, v in groups.items() if v},
         # What each rank of stage r sends per step (the stages differ: embedding, head, loss).
@@ -450,7 +478,7 @@ def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
 def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """tp and tp_sp (with dp across tp groups): see `_tp_comm`."""
     return _tp_comm(cfg, layout.dims, layout.microbatch_size, layout.microbatches, layout.sequence_parallel,
-                    layout.dtype_bytes)
+                    layout.dtype_bytes, layout.recompute)
 
 
 def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
@@ -461,7 +489,7 @@ def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
 def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """dp x tp x pp with a plain or ZeRO dp dimension: see `_mesh3d_comm`."""
     return _mesh3d_comm(cfg, layout.dims, layout.microbatch_size, layout.microbatches, layout.virtual_stages,
-                        layout.pp_layers, layout.sequence_parallel, layout.dtype_bytes, layout.zero)
+                        layout.pp_layers, layout.sequence_parallel, layout.dtype_bytes, layout.zero, layout)
 
 
 def zero_comm(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
@@ -627,3 +655,165 @@ def ep_comm(cfg: GPTConfig, layout: Layout) -> dict:
                        "uniform_sent_bytes": float(uniform), "uniform_sent_bytes_exact": str(uniform)},
     }
     return _figure(totals, ranks, extra)
+
+
+# -- context parallelism and activation recomputation (docs/theory/context.md, docs/theory/memory.md) --
+ID_BYTES = 8  # token ids, targets and positions are int64
+
+
+def replica_group_size(dims: ParallelDims) -> int:
+    """The ranks that hold the same parameters and sum their gradients: dp, times cp when the
+    sequence is split too (context parallelism replicates every weight over its cp ranks)."""
+    return dims.dp * dims.cp
+
+
+def tp_tensors_per_layer(recompute: str) -> int:
+    """Activation tensors of b·s·h one block's tensor-parallel regions move per microbatch: 2 in
+    forward (attention and MLP outputs summed), 2 in backward (their input gradients summed), and
+    under full recomputation the forward's 2 again in backward: 4, or 6 (selective: 4, the core
+    it re-runs has no tp collective)."""
+    return 6 if recompute == "full" else 4
+
+
+def activation_dtype_bytes(layout: Layout) -> int:
+    """Bytes of the activations inside a block (q, k, v, attention outputs): 2 under bf16 autocast."""
+    return 2 if layout.precision == "bf16" else layout.dtype_bytes
+
+
+def cp_attention_traffic(cfg: GPTConfig, layout: Layout, layers: int) -> dict[str, tuple[int, Fraction]]:
+    """What one rank's attention sends across its cp group per step, over `layers` blocks:
+    {op: (payload bytes, sent bytes)}, empty without context parallelism.
+
+    Per layer and microbatch (parallel/cp/traffic.py, docs/theory/context.md §2-3), with
+    U = b·(a/t)·(s/cp)·d the elements of one of this rank's Q, K or V (a/t heads under tp):
+
+      ring   forward (cp−1)·2U·B, backward (cp−1)·2U·(B + max(B, 4)): `send` calls (their `recv`
+             twins carry the same payload and send nothing)
+      a2a    forward and backward (cp−1)/cp·4U·B each: `all_to_all` calls, payload 4U·B each way
+
+    Recomputation (selective or full) runs the core's forward once more inside backward, its
+    sends with it: the forward's bytes count twice.
+    """
+    dims = layout.dims
+    if dims.cp == 1:
+        return {}
+    b, m, B = layout.microbatch_size, layout.microbatches, activation_dtype_bytes(layout)
+    heads, forwards = cfg.n_heads // dims.tp, 2 if layout.recompute != "none" else 1
+    traffic = (ring_layer_traffic if layout.cp_kind == "ring" else ulysses_layer_traffic)(
+        b, cfg.seq_len, heads, cfg.head_dim, dims.cp, B)
+    sent = layers * m * (forwards * traffic.fwd_sent + traffic.bwd_sent)
+    if traffic.op == "send":
+        return {"send": (int(sent), sent), "recv": (int(sent), Fraction(0))}
+    per_direction = 4 * local_kv_elements(b, cfg.seq_len, heads, cfg.head_dim, dims.cp) * B
+    return {"all_to_all": (layers * m * (forwards + 1) * per_direction, sent)}
+
+
+def cp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """cp and cp_a2a (dp x cp, one stage, no tp): per step, every rank sends
+
+      cp      its attention's bytes over all L layers (`cp_attention_traffic`), and
+      dp_cp   its gradients summed over the n = dp·cp ranks that replicate every parameter:
+              one all-reduce, 2(n−1)/n·Ψ·B; or ZeRO over those n ranks on Ψ_pad(n)·B bytes
+              (G reduce-scattered once per step, or per microbatch under ZeRO-2, P all-gathered):
+              (n−1)/n·(G + P) or (n−1)/n·(m·G + P), as `_zero_comm` with N = n.
+    """
+    dims, B, m = layout.dims, layout.dtype_bytes, layout.microbatches
+    n, ranks = replica_group_size(dims), dims.world_size
+    attention = cp_attention_traffic(cfg, layout, cfg.n_layers)
+    if layout.zero:
+        size = zero_padded_parameter_count(cfg, n) * B
+        grads = {"all_gather": size, "reduce_scatter": (m if layout.zero == 2 else 1) * size}
+        grad_ops = {op: (payload, gather_or_scatter_sent_per_rank(n, payload)) for op, payload in grads.items()}
+    else:
+        grads_bytes = parameter_count(cfg) * B
+        grad_ops = {"all_reduce": (grads_bytes, all_reduce_sent_per_rank(n, grads_bytes))}
+    per_rank = {**attention, **grad_ops}
+    totals = {op: (payload * ranks, sent * ranks) for op, (payload, sent) in per_rank.items()}
+    groups = {"cp": sum((sent for _, sent in attention.values()), Fraction(0)),
+              "dp_cp": sum((sent for _, sent in grad_ops.values()), Fraction(0))}
+    extra = {"by_group": {g: {"sent_bytes": float(v * ranks), "sent_bytes_exact": str(v * ranks)}
+                          for g, v in groups.items() if v}}
+    return _figure(totals, ranks, extra)
+
+
+def cp_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
+    """Every rank holds the whole model (16Ψ bytes in fp32 with Adam); with ZeRO-1/2 over the
+    dp·cp ranks, `zero_model_state_bytes` with N = dp·cp."""
+    if not layout.zero:
+        return replicated_model_state_bytes(cfg, layout)
+    n = replica_group_size(layout.dims)
+    return zero_model_state_bytes(cfg, Layout(dims=ParallelDims(world_size=n, dp=n), dtype_bytes=layout.dtype_bytes),
+                                  layout.zero)
+
+
+def _attention_saved(cfg: GPTConfig, tokens: int, seq_len: int, kind: str) -> dict[str, int]:
+    """Bytes one attention (fp32) saves for backward on `tokens` = T = b·(s/cp) tokens of a rank:
+
+      qkv          what holds q, k, v: views of the three projections' outputs (sdpa, ring), or the
+                   gathered q, k, v of the all-to-all (a2a: the projections' outputs are not kept), 3·T·h
+      proj_input   the output projection's input, T·h: the core's output buffer itself (sdpa and
+                   ring lay it out (b, s, a, d), so merging the heads is a view), or its copy (a2a)
+      core_only    what only the core saves: the lse, T·a (sdpa, ring); the inner SDPA's output
+                   and lse, T·(h + a), and the two int64 index tensors (2·s) that put the gathered
+                   sequence in position order and back (a2a)
+      recomputed   what the core saves when it runs again in backward under selective
+                   recomputation: a new output and lse, T·(h + a), plus the gathered q, k, v (a2a)
+    """
+    h, a, B = cfg.d_model, cfg.n_heads, FP32_BYTES
+    out_lse = tokens * (h + a) * B
+    if kind == "a2a":
+        core_only = out_lse + 2 * seq_len * ID_BYTES
+        return {"qkv": 3 * tokens * h * B, "proj_input": tokens * h * B, "core_only": core_only,
+                "recomputed": core_only + 3 * tokens * h * B}
+    return {"qkv": 3 * tokens * h * B, "proj_input": tokens * h * B, "core_only": tokens * a * B, "recomputed": out_lse}
+
+
+def activation_terms(cfg: GPTConfig, layout: Layout) -> dict | None:
+    """The bytes saved for backward per rank, term by term, at the step's peak (docs/theory/memory.md).
+
+    For this GPT's ops in fp32 without dropout, T = b·(s/cp) tokens of one microbatch on a rank,
+    h, f = mlp_ratio·h, a heads, V the padded vocabulary, G = dp·m·b sequences in the global batch:
+
+      embedding   the token ids (a view of the step's global batch: its storage, G·s int64; under
+                  cp the rank's own copy, b·(s/cp)) and the positions (s/cp int64)
+      each block  LayerNorms 2·(input + output + mean + rstd) = T·(4h + 4), q, k, v and the
+                  attention core (`_attention_saved`), fc output and GELU output 2·T·f
+      head        final LayerNorm T·(2h + 2), log-softmax T·V, the targets (as the ids), nll's
+                  total weight (4 bytes)
+
+    Peak per mode, L blocks: none E + L·layer + H; selective: each block's core keeps only its
+    inputs (the larger of the forward's end and the last core's recomputation in backward); full:
+    E + L·T·h + max(H, layer − T·h): only each block's input is kept, and after the head's backward
+    the last block is recomputed whole (its input already counted). None where the model or layout
+    is outside what is derived (dropout, experts, bf16, tensor or pipeline parallelism).
+    """
+    dims = layout.dims
+    if cfg.dropout or cfg.moe_experts or layout.precision != "fp32" or dims.tp > 1 or dims.pp > 1:
+        return None
+    h, f, V, B, L = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size, FP32_BYTES, cfg.n_layers
+    b, cp = layout.microbatch_size, dims.cp
+    s = cfg.seq_len // cp
+    tokens = b * s
+    ids = b * s * ID_BYTES if cp > 1 else dims.dp * layout.microbatches * b * cfg.seq_len * ID_BYTES
+    attention = _attention_saved(cfg, tokens, cfg.seq_len, layout.cp_kind if cp > 1 else "sdpa")
+    norms, mlp, block_input = tokens * (4 * h + 4) * B, 2 * tokens * f * B, tokens * h * B
+    layer = norms + attention["qkv"] + attention["proj_input"] + attention["core_only"] + mlp
+    embedding = ids + s * ID_BYTES
+    head = tokens * (2 * h + 2 + V) * B + ids + FP32_BYTES
+    if layout.recompute == "none":
+        peak = embedding + L * layer + head
+    elif layout.recompute == "selective":
+        kept = layer - attention["core_only"]
+        # In backward, the last block's core runs again while its first norm and q, k, v are still held.
+        last_core = (L - 1) * kept + tokens * (2 * h + 2) * B + attention["qkv"] + attention["recomputed"]
+        peak = embedding + max(L * kept + head, last_core)
+    else:
+        peak = embedding + L * block_input + max(head, layer - block_input)
+    return {"embedding": embedding, "layer": layer, "head": head, "peak": peak}
+
+
+def activation_bytes(cfg: GPTConfig, layout: Layout) -> list[int] | None:
+    """The registry's `activations` formula for single, dp, zero1/2, cp and cp_a2a: every rank
+    holds the same, `activation_terms(...)["peak"]`."""
+    terms = activation_terms(cfg, layout)
+    return None if terms is None else [terms["peak"]] * layout.dims.world_size

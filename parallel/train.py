@@ -24,6 +24,7 @@ from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.plan import ConfigError, RunPlan
 from parallel.precision import ForwardContext
+from parallel.recompute import apply_recompute
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.report.activations import ActivationMeter
@@ -87,8 +88,8 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     setup_logging(run_dir, ctx.rank)
     ctx.peers = peer_table(ctx.comm("world"))
     log.info(
-        "run %s | strategy %s | world %d = dp %d x tp %d x pp %d | backend %s | device %s | precision %s | rank %d pid %d",
-        run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.tp, plan.dims.pp,
+        "run %s | strategy %s | world %d = dp %d x cp %d x tp %d x pp %d | backend %s | device %s | precision %s | rank %d pid %d",
+        run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.cp, plan.dims.tp, plan.dims.pp,
         plan.backend or "none", ctx.device, plan.precision, ctx.rank, os.getpid(),
     )
     # Where this process runs (torchrun's GROUP_RANK is the node's rank): the per-rank logs show the layout.
@@ -102,6 +103,8 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     # The one model, built from the seed on every rank, then transformed by the strategy.
     model = GPT(plan.model, seed=plan.seed).to(ctx.device)
     strategy = plan.spec.build(model, plan, ctx)
+    # Recomputation wraps the blocks as the strategy left them (shards, cp cores, pipeline chunks).
+    apply_recompute(model, plan.recompute)
     strategy.forward_context = ForwardContext(plan.precision, ctx.device)
     strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
     if plan.resume_from:

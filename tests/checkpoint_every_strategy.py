@@ -42,7 +42,8 @@ from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, sa
 PRESETS = [
     ("single", []), ("dp", []), ("dp_naive", []), ("zero1", []), ("zero2", []), ("zero3", []),
     ("tp", []), ("tp_sp", []), ("pp_gpipe", []), ("pp_1f1b", ["parallel.dp=2"]), ("pp_interleaved", ["parallel.dp=2"]),
-    ("3d", ["parallel.microbatches=2"]), ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
+    ("3d", ["parallel.microbatches=2"]), ("cp", []), ("cp_a2a", ["parallel.cp=4", "parallel.zero=1"]),
+    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
     ("torch_tp", []), ("torch_pp_gpipe", []), ("torch_pp_1f1b", []), ("torch_pp_interleaved", []),
 ]
 # Eight layers, so that torch's interleaved schedule has 4 ranks x 2 chunks to cut.

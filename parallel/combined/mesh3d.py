@@ -1,4 +1,4 @@
-"""Any dp x tp x pp layout on one mesh: pipeline stages whose blocks are tensor-parallel, dp on top.
+"""Any dp x cp x tp x pp layout on one mesh: pipeline stages whose blocks are tensor-parallel, dp on top.
 
 The world is the (pp, dp, tp) device mesh of parallel/dist/dims.py, rank = (pp·dp + dp_i)·tp + tp_i:
 tp innermost, so the ranks of one tensor-parallel group are neighbours (one node, the fast links),
@@ -18,18 +18,29 @@ Every rank sits in three groups and each carries one kind of traffic:
   stage's optimizer state (stage 2: and keeps only that share of the gradients), the updated
   parameters all-gathered.
 
+* cp (same stage, same dp slice, same tp rank; only with parallel.cp > 1): each rank holds two
+  chunks of every sequence (parallel/cp/layout.py), and its attention cores (over this tp rank's
+  heads) pass K, V around the ring or trade tokens for heads by all-to-all. Every parameter is then
+  replicated over dp and cp: the gradient sum (or ZeRO) is over the "dp_cp" group instead of dp,
+  and a stage boundary carries b·(s/cp)·h (b·(s/cp/tp)·h under sequence parallelism).
+
 The model is built whole from the seed, then transformed in the design's order: tensor
 parallelism first (`parallelize_tp`, which also names every tp collective after the global layer
-index), then the pipeline cut (`split_model`), then the dp gradient sync over the stage's own
-parameters. `build_mesh3d` is a recipe: it makes those parts and hands them to the schedule
-runner (parallel/pp/executor.py), which knows nothing of tp or ZeRO. With tp = 1 the recipe is
-plain pipeline parallelism (`parallel=pp`); with pp = 1 it is tp with dp (or ZeRO) on one stage.
+index), then context parallelism (`parallelize_cp`: global positions in the embedding, a cp core
+in every block, over the heads tp left this rank), then the pipeline cut (`split_model`), then the
+dp gradient sync over the stage's own parameters. `build_mesh3d` is a recipe: it makes those parts
+and hands them to the schedule runner (parallel/pp/executor.py), which knows nothing of tp, cp or
+ZeRO (under cp, `ContextParallelPipeline` only cuts each microbatch to this rank's tokens first).
+With tp = 1 the recipe is plain pipeline parallelism (`parallel=pp`); with pp = 1 it is tp with dp
+(or ZeRO) on one stage.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
+from parallel.cp.strategy import ContextParallelPipeline
+from parallel.cp.transform import parallelize_cp
 from parallel.dp.sync import make_grad_sync
 from parallel.model import GPT, token_loss_sum
 from parallel.pp.executor import PipelineParallel, global_named_parameters
@@ -42,14 +53,18 @@ from parallel.zero.optimizer import ZeroOptimizer
 
 
 def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
-    """dp x tp x pp (any of them 1) from the plan's layout and the run's communicators."""
+    """dp x cp x tp x pp (any of them 1) from the plan's layout and the run's communicators."""
     tp_comm = ctx.comm("tp") if ctx.comm("tp") is not None and ctx.comm("tp").size > 1 else None
-    pp_comm, dp_comm = ctx.comm("pp"), ctx.comm("dp")
+    cp_comm = ctx.comm("cp") if ctx.comm("cp") is not None and ctx.comm("cp").size > 1 else None
+    # The ranks that hold the same parameters: dp, or dp and cp together when the sequence is split.
+    pp_comm, dp_comm = ctx.comm("pp"), ctx.comm("dp_cp") if cp_comm is not None else ctx.comm("dp")
     sequence_parallel = plan.sequence_parallel and tp_comm is not None
     full_parameters = sum(p.numel() for p in model.parameters())
     # 1. Tensor parallelism on the whole model: the shards keep the single-process names, and the
     #    tp tags the global layer index, whichever stage a block then lands on.
     shards = parallelize_tp(model, tp_comm, sequence_parallel) if tp_comm is not None else TPShards()
+    if cp_comm is not None:  # 1b. context parallelism on the tp shard: positions and attention cores
+        parallelize_cp(model, cp_comm, plan.cp_kind)
     # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ...).
     chunks = split_model(model, pp_comm.size, plan.virtual_stages, pp_comm.rank,
                          list(plan.pp_layers) if plan.pp_layers else None)
@@ -75,8 +90,9 @@ def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
             return vocab_parallel_loss_sum(out, targets, shards.vocab_start, tp_comm)
     else:
         stage_loss = token_loss_sum
-    return PipelineParallel(
-        chunks, pp_comm=pp_comm, dp_comm=dp_comm, schedule=plan.schedule, microbatches=plan.microbatches,
+    runner = dict(cp_comm=cp_comm) if cp_comm is not None else {}
+    return (ContextParallelPipeline if cp_comm is not None else PipelineParallel)(
+        chunks, **runner, pp_comm=pp_comm, dp_comm=dp_comm, schedule=plan.schedule, microbatches=plan.microbatches,
         virtual=plan.virtual_stages, optimizer=optimizer, sync=sync, full_parameters=full_parameters,
         d_model=model.cfg.d_model, stage_loss=stage_loss, shards=shards, tp_comm=tp_comm,
         # Under sequence parallelism tp rank i of one stage sends only its piece of the sequence,

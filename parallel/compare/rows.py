@@ -16,9 +16,14 @@ LOSS_RTOL = 1e-5  # the project's standard for "the same losses as the single-pr
 
 
 def layout(summary: dict) -> str:
-    """dp x tp x pp, then microbatches (and virtual stages for interleaved pipelines, expert parallelism)."""
+    """dp x tp x pp, then microbatches (and virtual stages for interleaved pipelines, expert parallelism,
+    context parallelism's degree and kind, recomputation)."""
     p = summary["parallel"]
     text = f"{p['dp']}x{p['tp']}x{p['pp']} m{p['microbatches']}"
+    if p.get("cp", 1) > 1:
+        text += f" cp{p['cp']} {p['cp_kind']}"
+    if p.get("recompute", "none") != "none":
+        text += f" rc-{p['recompute']}"
     if p.get("virtual_stages") and p["virtual_stages"] > 1:
         text += f" v{p['virtual_stages']}"
     if p.get("sequence_parallel"):

@@ -6,6 +6,7 @@
   ulysses.py    all-to-all: sequence-sharded -> head-sharded around an unchanged attention core
   transform.py  the model's embedding and attention cores replaced for one rank
   traffic.py    the bytes each sends, per layer and microbatch, as closed forms
+  strategy.py   the strategies cp and cp_a2a (dp x cp), and the batch cut in front of a pipeline
 
 Derivations and sources: docs/theory/context.md.
 """

@@ -57,6 +57,13 @@ def _wait(handles) -> None:
         handle.wait()
 
 
+def _heads_inner(out: torch.Tensor) -> torch.Tensor:
+    """(b, a, n, d) laid out in memory as (b, n, a, d), as PyTorch's SDPA lays out its output: the
+    block then merges the heads back into (b, n, a·d) as a view, so in fp32 the tensor saved here
+    for backward is the very one the output projection saves (one b·n·h buffer per layer, not two)."""
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _pairs(rank: int, source: int, cp: int):
     """(local query chunk, source key chunk, causal?) for each pair the causal mask does not empty."""
     for qi, query_chunk in enumerate(rank_chunks(rank, cp)):
@@ -89,7 +96,7 @@ class _RingAttention(torch.autograd.Function):
                 if step < cp - 1:
                     _wait(handles)
                     kv = incoming
-            out, lse = torch.cat(outs, dim=SEQ), torch.cat(lses, dim=-1)
+            out, lse = _heads_inner(torch.cat(outs, dim=SEQ)), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.tag = comm, tag
         return out.to(q.dtype)

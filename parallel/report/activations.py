@@ -11,9 +11,15 @@ implementations, recomputation that saves less), on every rank.
 What counts: distinct storages (two saved views of one tensor count once), not parameters (a
 linear layer saves its weight, which is model state, not activation memory: an nn.Parameter, a
 view of one, or a tensor on the storage of a parameter given at construction, such as a DTensor's
-local shard, is left out), nothing that has no storage. Tensors saved inside
-a region that recomputes itself (torch.utils.checkpoint) are held by that region's own hooks, not
-by autograd, and are not counted: they are not held.
+local shard, is left out), nothing that has no storage.
+
+Recomputation: this project's (parallel/recompute.py, train.recompute) keeps a region's inputs
+with `save_for_backward` and runs the region again in backward under the same hooks, so the meter
+sees all of it: the kept inputs, and the recomputed region's tensors while its backward runs
+(docs/theory/memory.md derives both). torch.utils.checkpoint's non-reentrant regions would be
+half out of sight: their inputs are saved through autograd (counted), but what they recompute in
+backward is packed by hooks of their own into the checkpoint's frame, so the peak that full
+recomputation reaches in backward would be missed.
 
 The figure is bytes, per rank, at the step's peak (`peak`), reset at every step.
 """

@@ -81,6 +81,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "virtual_stages": plan.virtual_stages if spec.pipelined else None,
             "backend": plan.backend,
             "zero": plan.zero,
+            "cp_kind": plan.cp_kind if plan.dims.cp > 1 else None,
+            "recompute": plan.recompute,
         },
         "model": {
             "parameters": rank_reports[0]["parameters"], "params_formula": parameter_count(plan.model),
@@ -231,6 +233,9 @@ def summarize_memory(rank_reports: list[dict], formula: dict | None, activation_
     matches = None
     if formula is not None:
         matches = all(row[k] == formula[k] for row in by_rank for k in MODEL_STATE_FIELDS)
+    measured = [row["activation_peak_bytes"] for row in by_rank]
     return {"by_rank": by_rank, "formula": formula, "matches_formula": matches,
-            "activations_bytes_measured": [row["activation_peak_bytes"] for row in by_rank],
+            "activations_bytes_measured": measured,
+            # Every rank's bytes saved for backward equal the registry's formula exactly (None: no formula).
+            "activations_match_theory": None if activation_formula is None else measured == activation_formula,
             "theory": {"model_state_bytes": formula, "activation_bytes": activation_formula}}
