@@ -18,18 +18,20 @@ import torch
 from parallel.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
-from parallel.dist.timing import StepTimer
+from parallel.dist.timing import StepClock, StepTimer
 from parallel.model import GPT, count_parameters
 from parallel.plan import ConfigError, RunPlan
 from parallel.precision import ForwardContext
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.report.activations import ActivationMeter
+from parallel.report.breakdown import rank_step_breakdown
 from parallel.report.console import log_summary, step_line
 from parallel.report.metrics import (
     MetricsWriter, close_logging, default_run_dir, peak_memory_bytes, setup_logging, write_json,
 )
 from parallel.report.summary import build_summary
+from parallel.report.trace import write_run_trace
 from parallel.strategy import NonFiniteLoss, Strategy
 
 log = logging.getLogger("parallel")
@@ -50,6 +52,8 @@ class Run:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     activation_peaks: list[int] = field(default_factory=list)  # bytes saved for backward, per step
+    breakdowns: list = field(default_factory=list)  # per step, where the time went (report/breakdown.py)
+    trace: dict | None = None  # the last step's phases and communication spans (report/trace.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -108,6 +112,10 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              strategy.full_parameter_count(), count_parameters(strategy.model), plan.tokens_per_step,
              plan.microbatches, plan.microbatch_size)
+    steps_run = plan.steps - plan.start_step
+    log.info("timing: %d warm-up step(s) not timed%s, %d timed", plan.warmup_steps,
+             f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
+             steps_run - plan.warmup_steps)
     return Run(plan, ctx, run_dir, strategy)
 
 
@@ -129,6 +137,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
+    clock = ctx.log.clock = StepClock(ctx.device)  # stamps of the step's phases and calls, on the timer's axis
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
     for step in range(plan.start_step, plan.steps):
         global_batch = batches(step)
@@ -137,14 +146,20 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
+        clock.begin_step()
+        strategy.phases.begin_step(clock)
         with activations.step():
             local_loss = _guarded_step(run, step, microbatches, global_batch.n_tokens)
+        strategy.phases.stop()
         seconds = timer.stop()
         run.activation_peaks.append(activations.peak)
         if step == plan.start_step:
             _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
         traffic = ctx.log.end_step()
+        phases = strategy.phases.resolve()
+        run.breakdowns.append(rank_step_breakdown(phases, ctx.log.last_spans, seconds))
+        run.trace = {"step": step, "origin_wall": clock.origin_wall, "phases": phases, "spans": ctx.log.last_spans}
         if plan.save_grads and step == 0:
             # The optimizer step leaves .grad alone: these are the synced gradients it used.
             grads = strategy.full_grads()
@@ -223,6 +238,9 @@ def rank_report(run: Run) -> dict:
         "traffic": ctx.log.steps,
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
         "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
+        "time_breakdown": run.breakdowns,
+        "breakdown_note": strategy.breakdown_note,
+        "trace": run.trace,
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),
@@ -243,6 +261,7 @@ def report(run: Run, resolved_config: dict) -> None:
         return
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
                             device=ctx.device, run_dir=run.run_dir)
+    summary["trace"] = write_run_trace(run.run_dir, reports, summary, draw=plan.timeline)
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)
     log.info("wrote %s", run.run_dir / "summary.json")

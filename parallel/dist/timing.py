@@ -37,3 +37,50 @@ class StepTimer:
             self._end_event.synchronize()
             return self._start_event.elapsed_time(self._end_event) / 1e3  # elapsed_time is in ms
         return time.perf_counter() - self._start_time
+
+
+class StepClock:
+    """Timestamps within one step, on the same axis as the step's own time: the breakdown and the
+    trace place every phase and every communication call of a step on it.
+
+    `now()` is a stamp: the host's perf_counter on the CPU; on a GPU a CUDA event recorded on the
+    current stream, so that a phase lasts as long as the stream spent on it (as `StepTimer` does
+    for the whole step). `seconds(stamp)` is the time from the step's origin to the stamp: for an
+    event, read once it has completed (after the step). A float stamp taken on a GPU (PyTorch's
+    own collectives, timed by the baselines' counters on the host) is placed by host time from the
+    origin: approximate, since the host runs ahead of the stream.
+
+    `origin_wall` is the wall-clock time of the origin: it places the steps of different ranks of
+    one machine on one axis (ranks on different machines are as aligned as their clocks).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.origin_wall = 0.0
+        self._origin_host = 0.0
+        self._origin_event = None
+
+    def begin_step(self) -> None:
+        self.origin_wall = time.time()
+        self._origin_host = time.perf_counter()
+        if self.cuda:
+            self._origin_event = self.now()
+
+    def now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, stamp) -> float:
+        if isinstance(stamp, float):
+            return stamp - self._origin_host
+        stamp.synchronize()
+        return self._origin_event.elapsed_time(stamp) / 1e3
+
+
+def default_warmup_steps(steps_run: int) -> int:
+    """`train.warmup_steps=null`: min(3, steps_run // 2) untimed steps (allocator, caches, lazy
+    init), so that at least half of the steps a run takes are timed, and a run of one step is."""
+    return min(3, steps_run // 2)
