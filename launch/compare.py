@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.config import CODE_ROOT, CONFIG_DIR

@@ -18,7 +18,7 @@ import torch
 from parallel.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
-from parallel.dist.timing import StepClock, StepTimer
+from parallel.dist.timing import StepTimer
 from parallel.model import GPT, count_parameters
 from parallel.plan import ConfigError, RunPlan
 from parallel.precision import ForwardContext
@@ -137,7 +137,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
-    clock = ctx.log.clock = StepClock(ctx.device)  # stamps of the step's phases and calls, on the timer's axis
+    clock = ctx.log.clock = timer.clock  # it stamps the step's phases and calls too, on the step's own axis
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
     for step in range(plan.start_step, plan.steps):
         global_batch = batches(step)
@@ -146,12 +146,12 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
-        clock.begin_step()
         strategy.phases.begin_step(clock)
         with activations.step():
             local_loss = _guarded_step(run, step, microbatches, global_batch.n_tokens)
-        strategy.phases.stop()
+        strategy.phases("other", "training loop")
         seconds = timer.stop()
+        strategy.phases.stop()
         run.activation_peaks.append(activations.peak)
         if step == plan.start_step:
             _check_forward_context(plan, strategy)

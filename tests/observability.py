@@ -1,8 +1,10 @@
 """Checks of a run's time breakdown and trace, shared by the strategy tests (whose runs they reuse).
 
-check_time_breakdown: summary.json's five parts are non-negative and add up to the breakdown
-step's time within 5%; that step is the median timed step; every rank is there with its
-coordinates; a rank's own parts add up to its step less what the loop did around train_step.
+check_time_breakdown: summary.json's five parts are non-negative (no call counted twice, none
+outside the phase that made it) and add up to the breakdown step's time (within 5%, the brief's
+bound; the phases are stamped by the step's own clock, so it is exact but for float rounding);
+that step is the median timed step; every rank is there with its coordinates, its own parts
+adding up to the slowest rank's step (its own, plus its wait for the slowest).
 check_trace: trace.json is Chrome trace JSON (what Perfetto opens) with one process per rank named
 by its global rank and coordinates, and the bytes on each rank's communication spans equal what
 the communication log recorded for that rank in the last step, call for call.
@@ -34,11 +36,10 @@ def check_time_breakdown(s: dict) -> dict:
         assert step == s["step_time_s"]
     assert [r["rank"] for r in by_rank] == list(range(s["world_size"]))
     assert all("coords" in r and "pp" in r["coords"] for r in by_rank)
+    assert sum(parts.values()) == pytest.approx(step, rel=1e-9)
     for r in by_rank:
         assert all(r[c] >= 0 for c in CATEGORIES), r
-        # Each rank: its phases (less the loop's few µs around train_step) plus its wait for the slowest rank.
-        assert sum(r[c] for c in CATEGORIES) == pytest.approx(step - r["unattributed_s"], rel=1e-9)
-        assert 0 <= r["unattributed_s"] <= TOLERANCE * step
+        assert r["step_s"] <= step and sum(r[c] for c in CATEGORIES) == pytest.approx(step, rel=1e-9)
     compute = detail["compute_s"]
     assert set(compute) >= {"forward", "backward", "recompute"}
     return parts

@@ -151,7 +151,8 @@ def _aligned(rows: list[dict], columns: list) -> str:
             text = f"{line[0]:<{widths[0]}}  {line[1]}"
             out.append(text if len(text) <= CONSOLE_WIDTH else text[:CONSOLE_WIDTH - 3] + "...")
             continue
-        cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(line[2:], widths[2:])]
+        cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+        cells += [c.rjust(w) for c, w in zip(line[2:], widths[2:])]
         out.append(" ".join(cells))
     rule = "-" * len(out[0])
     return "\n".join([out[0], rule, *out[1:]])

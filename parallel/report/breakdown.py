@@ -12,16 +12,16 @@ on its own:
     optimizer     the optimizer phase, less communication inside it (ZeRO's all-gather is comm)
     other         zeroing, sync bookkeeping, posting p2p, the finite check's own work, less comm
 
-Per rank and step the five add up to the time the phases cover: the step timer's time less
-`unattributed_s`, the training loop's own few microseconds around the strategy's `train_step`.
-A span is placed by its start; on one thread a call lies inside the phase that made it.
+The phases are stamped by the clock that times the step (dist/timing.py), from its start to its
+end, so per rank and step the five add up to the step's measured time. A span is placed by its
+start; on one thread a call lies inside the phase that made it, so no part comes out negative
+unless a call were counted twice (the tests check both).
 
 For the run (`summarize_breakdown`, summary.json): one step, the timed step whose slowest-rank
 time is the median (the lower of the two middle ones for an even count), so that the breakdown
 adds up to a step time the summary lists. Per rank its five at that step, `other` also holding
 the time the rank waited for the slowest one after finishing its own step (a step lasts as long as
-its slowest rank); `time_breakdown_s` is their mean over ranks. They sum to that step's time less
-the mean `unattributed_s`.
+its slowest rank); `time_breakdown_s` is their mean over ranks. They sum to that step's time.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def summarize_breakdown(rank_steps: list[list[dict | None]], step_times: list[fl
         other = {**b["other"], WAITING_FOR_SLOWEST: max(0.0, slowest - b["step_s"])}
         b = {**b, "other": other}
         details.append(b)
-        by_rank.append({"rank": rank, **five(b), "step_s": b["step_s"], "unattributed_s": b["step_s"] - b["phases_s"]})
+        by_rank.append({"rank": rank, **five(b), "step_s": b["step_s"]})
     mean = {c: statistics.fmean(r[c] for r in by_rank) for c in CATEGORIES}
     return {
         "time_breakdown_s": mean,
@@ -110,7 +110,6 @@ def summarize_breakdown(rank_steps: list[list[dict | None]], step_times: list[fl
             "step": first_step + index,
             "step_time_s": slowest,
             "sum_s": sum(mean.values()),
-            "unattributed_s": statistics.fmean(r["unattributed_s"] for r in by_rank),
             "compute_s": _mean_of([d["compute"] for d in details]),
             "exposed_comm_s": _mean_of([d["exposed_comm"] for d in details]),
             "bubble_s": mean["bubble"],
