@@ -2,14 +2,22 @@
 
     python -m launch.compare                                             # the whole sweep, world 4, model=small
     python -m launch.compare compare.world=2 'compare.strategies=[single,dp,tp,pp_1f1b]' model=tiny train.steps=4
-    python -m launch.compare compare.timeout_s=60 'compare.overrides=[parallel.microbatches=4]' '+compare.worlds.tp=2'
+    python -m launch.compare compare.timeout_s=60 'compare.overrides=["parallel.microbatches=4"]' '+compare.worlds.tp=2'
+    python -m launch.compare compare.rounds=3 'compare.strategies=[dp,torch_ddp]'   # median and min-max of 3 rounds
 
 Not run under torchrun itself: for each strategy (a preset of conf/parallel/) it starts one
 `python -m torch.distributed.run --standalone` (plain python for `single`) with a timeout, passing
 the model, data and train settings and `run.dir=<sweep dir>/<strategy>`, then reads that run's
 summary.json. A strategy that fails or times out gets a row with its error; the sweep goes on.
+With `compare.rounds=N` the sweep runs N times, its order rotated each round (run dirs
+<sweep dir>/round<k>/<strategy>), and each row holds the median and min-max over the rounds
+(parallel/compare/rounds.py).
 The report (results.csv, results.json, report.md, PNG plots) goes to `run.dir`
-(default runs/<time>-compare-w<world>), and the table to the console.
+(default runs/<time>-compare-w<world>), and the short table (120 columns) to the console.
+
+Each element of `compare.overrides` is a `key=value` override and must be quoted inside the list:
+Hydra reads an unquoted `=` there as a syntax error, so an unquoted one is refused here first,
+with the quoted form to use.
 """
 
 from __future__ import annotations
@@ -24,13 +32,14 @@ import time
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.config import CODE_ROOT, CONFIG_DIR
 from parallel.compare import plots
 from parallel.compare.report import console_table, write_csv, write_json, write_markdown
+from parallel.compare.rounds import aggregate_rounds, rotated
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
 from parallel.plan import model_config
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
@@ -168,9 +177,58 @@ def default_sweep_dir(world: int) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-w{world}"
 
 
+def unquoted_overrides(argv: list[str]) -> str | None:
+    """The error for a `compare.overrides=[key=value, ...]` whose elements are not quoted (Hydra's
+    grammar reads `=` inside a list as a syntax error: "no viable alternative at input"), or None."""
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") != "compare.overrides" or not value.startswith("["):
+            continue
+        elements, depth, quote, current = [], 0, None, ""
+        for ch in value[1:-1] if value.endswith("]") else value[1:]:
+            if quote:
+                quote = None if ch == quote else quote
+            elif ch in "'\"":
+                quote = ch
+            elif ch in "[{(":
+                depth += 1
+            elif ch in "]})":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                elements.append(current.strip())
+                current = ""
+                continue
+            current += ch
+        elements.append(current.strip())
+        bare = [e for e in elements if "=" in e and e[:1] not in "'\""]
+        if bare:
+            quoted = ",".join(f'"{e}"' if e in bare else e for e in elements)
+            return (f"{arg}: Hydra cannot read an unquoted key=value inside a list; quote each override: "
+                    f"'compare.overrides=[{quoted}]'")
+    return None
+
+
+def warmup_of(summaries: list[dict], cfg_warmup) -> str:
+    """The warm-up steps the runs used (each run resolves train.warmup_steps=null itself)."""
+    used = "/".join(map(str, sorted({s["warmup_steps"] for s in summaries}))) or str(cfg_warmup)
+    return f"{used} warm-up" + (" (train.warmup_steps=null: min(3, half of the steps))" if cfg_warmup is None else "")
+
+
+def capacity(device: torch.device) -> tuple[int, str]:
+    """What the ranks of one run share on this machine: its usable cores, or its GPUs."""
+    if device.type == "cuda":
+        return torch.cuda.device_count(), "GPUs"
+    return usable_cores(), "cores"
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def sweep(cfg: DictConfig) -> None:
     c = cfg.compare
+    rounds = c.get("rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        print(f"error: compare.rounds={rounds!r} must be a positive integer (1: one sweep)", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
     # Absolute: the runs start in the project root, whatever directory this was started from.
     sweep_dir = (Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(c.world)).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -186,64 +244,99 @@ def main(cfg: DictConfig) -> None:
               *section_overrides(cfg, "train"),
               f"train.peak_flops={peak}", *c.overrides]
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
-    print(f"compare: {len(strategies)} strategies -> {sweep_dir} | peak {peak:.3g} FLOP/s per device "
-          f"({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
+    print(f"compare: {len(strategies)} strategies{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "
+          f"peak {peak:.3g} FLOP/s per device ({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
+    cores, unit = capacity(device)
 
-    reference = load_reference(c.reference) if c.reference else None
-    rows, summaries = [], {}
-    for i, strategy in enumerate(strategies):
-        world = int(c.worlds.get(strategy, c.world))
-        run_dir = sweep_dir / strategy
-        print(progress(i, len(strategies), f"running {strategy} (world {world})"), flush=True)
-        missing = missing_preset(strategy)
-        if missing:
-            status, error, seconds = "failed", missing, 0.0
-        else:
-            status, error, seconds = run_one(run_command(strategy, world, [*common, f"run.dir={run_dir}"]), run_dir, c.timeout_s)
-        if status == "ok":
-            summary = json.loads((run_dir / "summary.json").read_text())
-            if strategy == "single" and reference is None:
-                reference = summary["losses"]
-            summaries[strategy] = summary
-            rows.append(row_from_summary(strategy, summary, reference, seconds))
-            tail = f"{summary['tokens_per_s']:.0f} tokens/s"
-        else:
-            rows.append(failed_row(strategy, world, status, error, seconds))
-            tail = f"{status}: {error[:120]}"
-        print(progress(i + 1, len(strategies), f"{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
-    add_baseline_ratios(rows)
+    # Every run of every round; rows are made at the end, once `single`'s losses (the reference) are known.
+    runs, orders, total = [], [], rounds * len(strategies)
+    for k in range(rounds):
+        orders.append(rotated(strategies, k))
+        for strategy in orders[-1]:
+            world = int(c.worlds.get(strategy, c.world))
+            run_dir = sweep_dir / strategy if rounds == 1 else sweep_dir / f"round{k}" / strategy
+            label = f"round {k}: " if rounds > 1 else ""
+            print(progress(len(runs), total, f"{label}running {strategy} (world {world})"), flush=True)
+            missing = missing_preset(strategy)
+            if missing:
+                status, error, seconds = "failed", missing, 0.0
+            else:
+                status, error, seconds = run_one(run_command(strategy, world, [*common, f"run.dir={run_dir}"]), run_dir,
+                                                 c.timeout_s)
+            summary = json.loads((run_dir / "summary.json").read_text()) if status == "ok" else None
+            runs.append({"round": k, "strategy": strategy, "world": world, "run_dir": run_dir, "status": status,
+                         "error": error, "seconds": seconds, "summary": summary})
+            tail = f"{summary['tokens_per_s']:.0f} tokens/s" if summary else f"{status}: {error[:120]}"
+            print(progress(len(runs), total, f"{label}{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
+
+    reference = load_reference(c.reference) if c.reference else next(
+        (r["summary"]["losses"] for r in runs if r["strategy"] == "single" and r["summary"]), None)
+    per_round = []
+    for k in range(rounds):
+        mine = {r["strategy"]: r for r in runs if r["round"] == k}
+        rows_k = []
+        for strategy in strategies:
+            r = mine[strategy]
+            row = (row_from_summary(strategy, r["summary"], reference, r["seconds"], cores) if r["summary"] else
+                   failed_row(strategy, r["world"], r["status"], r["error"], r["seconds"]))
+            row["round"] = k
+            rows_k.append(row)
+        add_baseline_ratios(rows_k)  # pairs from the same round
+        per_round.append(rows_k)
+    rows = aggregate_rounds(per_round, strategies)
+    # Each row's other figures (and plots, timelines) come from its median round's run.
+    chosen = {row["strategy"]: next(r for r in runs if r["strategy"] == row["strategy"] and r["round"] == row["round"])
+              for row in rows}
+    summaries = {name: r["summary"] for name, r in chosen.items() if r["summary"]}
 
     model = model_config(cfg.model)
     meta = {
         "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
-        "steps": cfg.train.steps, "warmup_steps": cfg.train.warmup_steps, "global_batch": cfg.train.global_batch,
-        "seq_len": model.seq_len, "world": c.world, "peak_flops": peak, "peak_source": "given" if c.peak_flops else "measured",
-        "torch": torch.__version__, "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
+        "steps": cfg.train.steps, "warmup_steps": warmup_of(list(summaries.values()), cfg.train.warmup_steps),
+        "global_batch": cfg.train.global_batch, "seq_len": model.seq_len, "world": c.world, "peak_flops": peak,
+        "peak_source": "given" if c.peak_flops else "measured", "torch": torch.__version__,
+        "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
+        "capacity": cores, "capacity_unit": unit, "rounds": rounds, "orders": orders,
         "reference": c.reference or ("single" if "single" in summaries else None),
     }
-    write_json(sweep_dir / "results.json", meta, rows)
+    write_json(sweep_dir / "results.json", meta, rows, per_round if rounds > 1 else None)
     write_csv(sweep_dir / "results.csv", rows)
-    figures = {"Throughput": "tokens_per_s.png", "Bytes per step, by op and by group (theory marked)": "bytes_per_step.png",
-               "Peak memory per rank": "memory_per_rank.png"}
-    plots.tokens_per_s(rows, sweep_dir / figures["Throughput"])
-    plots.bytes_per_step(rows, summaries, sweep_dir / figures["Bytes per step, by op and by group (theory marked)"])
-    plots.memory_per_rank(rows, sweep_dir / figures["Peak memory per rank"])
+    if rounds > 1:
+        write_csv(sweep_dir / "rounds.csv", [row for rows_k in per_round for row in rows_k])
+    figures = {"Throughput": "tokens_per_s.png", "Where each step's time goes": "time_breakdown.png",
+               "Bytes per step, by op and by group (theory marked)": "bytes_per_step.png",
+               "Memory per rank: model state and activations, and peak process memory": "memory_per_rank.png"}
+    names = iter(figures.values())
+    plots.tokens_per_s(rows, sweep_dir / next(names))
+    plots.time_breakdown(rows, sweep_dir / next(names))
+    plots.bytes_per_step(rows, summaries, sweep_dir / next(names))
+    plots.memory_per_rank(rows, summaries, sweep_dir / next(names))
     timelines = {}
-    for strategy in summaries:
-        source = sweep_dir / strategy / "timeline.png"
-        if source.exists():
+    for strategy, r in chosen.items():
+        source = r["run_dir"] / "timeline.png"
+        if r["summary"] and source.exists():
             timelines[strategy] = f"timeline_{strategy}.png"
             shutil.copyfile(source, sweep_dir / timelines[strategy])
-    write_markdown(sweep_dir / "report.md", meta, rows, figures, timelines)
+    write_markdown(sweep_dir / "report.md", meta, rows, figures, timelines, summaries)
     print()
     print(console_table(rows))
     ok = sum(r["status"] == "ok" for r in rows)
-    print(f"\n{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, plots)")
+    print(f"\n{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, plots; "
+          "the full table is in report.md)")
     if ok == 0 or ok < len(rows):
         # Everything that ran is written above; the exit status says the sweep is not whole.
         failed = ", ".join(r["strategy"] for r in rows if r["status"] != "ok") or "compare.strategies is empty"
         print(f"error: {len(rows) - ok} of {len(rows)} strategies did not run: {failed}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def main() -> None:
+    """Refuse an unquoted compare.overrides element in one line (before Hydra's own parse error), then sweep."""
+    error = unquoted_overrides(sys.argv[1:])
+    if error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sweep()
 
 
 if __name__ == "__main__":

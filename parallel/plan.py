@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
+from parallel.dist.timing import default_warmup_steps
 from parallel.dp.sync import GRAD_SYNCS
 from parallel.layout import Layout
 from parallel.model import MOE_FIELDS, GPTConfig
@@ -69,6 +70,8 @@ class RunPlan:
     fail_mode: str | None = None
     fail_at_step: int | None = None
     fail_rank: int = 0
+    warmup_default: bool = False  # train.warmup_steps was null: default_warmup_steps of the steps run
+    timeline: bool = True  # run.timeline: draw timeline.png beside trace.json
 
     @property
     def local_batch(self) -> int:
@@ -113,13 +116,15 @@ def model_config(cfg) -> GPTConfig:
         raise ConfigError(str(e)) from None
 
 
-def _check_steps(steps: int, warmup_steps: int) -> None:
-    if not isinstance(steps, int) or steps < 1:
+def _check_steps(steps: int, warmup_steps: int | None) -> None:
+    """`warmup_steps` None (the default) is resolved once the first step is known (resume)."""
+    if not _is_int(steps) or steps < 1:
         raise ConfigError(f"train.steps={steps!r} must be a positive integer")
-    if not isinstance(warmup_steps, int) or not 0 <= warmup_steps < steps:
+    if warmup_steps is not None and (not _is_int(warmup_steps) or not 0 <= warmup_steps < steps):
         raise ConfigError(
             f"train.warmup_steps={warmup_steps!r} must be at least 0 and below train.steps={steps}, "
-            "so that some steps are timed: lower it or raise train.steps"
+            "so that some steps are timed: lower it, raise train.steps, or leave it null (the default: "
+            "min(3, half of the steps))"
         )
 
 
@@ -149,7 +154,8 @@ def _check_numbers(cfg) -> None:
     if t.threads is not None and (not _is_int(t.threads) or t.threads < 1):
         raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, or null to share the cores among the ranks")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final), ("train.save_grads", t.save_grads),
-                        ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log), ("comm.time", cfg.comm.time)]:
+                        ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log),
+                        ("comm.time", cfg.comm.time), ("run.timeline", cfg.run.get("timeline", True))]:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")
 
@@ -323,6 +329,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         raise ConfigError(f"{what}: parallel={strategy} cannot save or load checkpoints (its registry entry says "
                           "checkpoints=False): set train.checkpoint_every=0 and train.resume=null, or use another strategy")
     resume_from, start_step = _resume_point(t, model, cfg)
+    warmup_steps = default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps
     backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
     return RunPlan(
         strategy=strategy,
@@ -335,7 +342,9 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         backend=backend,
         timeout_s=float(p.timeout_s),
         steps=t.steps,
-        warmup_steps=t.warmup_steps,
+        warmup_steps=warmup_steps,
+        warmup_default=t.warmup_steps is None,
+        timeline=bool(cfg.run.get("timeline", True)),
         global_batch=t.global_batch,
         lr=float(t.lr),
         weight_decay=float(t.weight_decay),

@@ -27,6 +27,7 @@ from parallel.dist.comm import Communicator
 from parallel.data import Batch
 from parallel.model import training_loss_sum
 from parallel.optim import AdamW
+from parallel.report.phases import PhaseLog
 
 
 def storage_bytes(tensors) -> int:
@@ -124,6 +125,8 @@ class Strategy:
     finite_comm: Communicator | None = None
     check_finite: bool = True
     finite_checks: int = 0  # how many steps were guarded; train.py checks every step was
+    # What this strategy's time breakdown cannot split, and why (summary.json's time_breakdown.notes).
+    breakdown_note: str | None = None
 
     def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None,
                  sync: GradSync | None = None):
@@ -136,6 +139,8 @@ class Strategy:
         # The context every forward pass runs in: nothing for fp32, autocast for bf16
         # (parallel/precision.py; the training loop sets it from train.precision).
         self.forward_context = contextlib.nullcontext
+        # Where the step is: forward, backward, sync, optimizer, ... (parallel/report/phases.py).
+        self.phases = PhaseLog()
 
     # The gradient-sync protocol: the three moments of a step where gradients are handled ----------
     def zero_grad(self) -> None:
@@ -163,16 +168,24 @@ class Strategy:
     # The step ---------------------------------------------------------------------------------
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
         """Run one optimizer step; return this rank's share of the global mean loss (detached)."""
+        phase = self.phases
+        phase("other", "zero_grad")
         self.zero_grad()
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         for i, mb in enumerate(microbatches):
+            phase("sync", f"before microbatch {i}")
             with self.microbatch_context(last_microbatch=i == len(microbatches) - 1):
+                phase("forward", f"F{i}")
                 with self.forward_context():
                     loss = self.forward_loss(mb, global_tokens)
+                phase("backward", f"B{i}")
                 self.backward(loss)
             local_loss += loss.detach()
+        phase("sync", "gradient sync")
         self.after_backward()
+        phase("other", "finite check")
         self.guard_finite(local_loss)
+        phase("optimizer", "optimizer step")
         self.optimizer.step()
         return local_loss
 

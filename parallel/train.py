@@ -28,6 +28,7 @@ from parallel.recompute import apply_recompute
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.report.activations import ActivationMeter
+from parallel.report.breakdown import rank_step_breakdown
 from parallel.report.console import log_summary, step_line
 from parallel.report.metrics import (
     MetricsWriter, close_logging, default_run_dir, peak_memory_bytes, setup_logging, write_json,
@@ -55,6 +56,8 @@ class Run:
     activation_peaks: list[int] = field(default_factory=list)  # bytes saved for backward, per step
     routing: list[list[dict]] = field(default_factory=list)  # MoE: tokens per expert of each call, per step
     wire: WireProbe | None = None  # the emulated network's link counters (launch.run), inert otherwise
+    breakdowns: list = field(default_factory=list)  # per step, where the time went (report/breakdown.py)
+    trace: dict | None = None  # the last step's phases and communication spans (report/trace.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -115,6 +118,10 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              strategy.full_parameter_count(), count_parameters(strategy.model), plan.tokens_per_step,
              plan.microbatches, plan.microbatch_size)
+    steps_run = plan.steps - plan.start_step
+    log.info("timing: %d warm-up step(s) not timed%s, %d timed", plan.warmup_steps,
+             f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
+             steps_run - plan.warmup_steps)
     return Run(plan, ctx, run_dir, strategy)
 
 
@@ -136,6 +143,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
+    clock = ctx.log.clock = timer.clock  # it stamps the step's phases and calls too, on the step's own axis
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
     routing = RoutingMeter(strategy.model)  # where MoE blocks sent this rank's tokens (nothing for a dense model)
     run.routing = routing.steps
@@ -148,14 +156,20 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
+        strategy.phases.begin_step(clock)
         with activations.step(), routing.step():
             local_loss = _guarded_step(run, step, microbatches, global_batch.n_tokens)
+        strategy.phases("other", "training loop")
         seconds = timer.stop()
+        strategy.phases.stop()
         run.activation_peaks.append(activations.peak)
         if step == plan.start_step:
             _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
         traffic = ctx.log.end_step()
+        phases = strategy.phases.resolve()
+        run.breakdowns.append(rank_step_breakdown(phases, ctx.log.last_spans, seconds))
+        run.trace = {"step": step, "origin_wall": clock.origin_wall, "phases": phases, "spans": ctx.log.last_spans}
         if plan.save_grads and step == 0:
             # The optimizer step leaves .grad alone: these are the synced gradients it used.
             grads = strategy.full_grads()
@@ -236,6 +250,9 @@ def rank_report(run: Run) -> dict:
         "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
         "routing": run.routing,
         "net": run.wire.report() if run.wire is not None else None,
+        "time_breakdown": run.breakdowns,
+        "breakdown_note": strategy.breakdown_note,
+        "trace": run.trace,
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),

@@ -26,9 +26,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # The settings every correctness test shares: the tiny model, a few steps, a small batch.
 # MFU's peak is given rather than measured (a quarter second of matmuls per run; test_mfu.py and the
-# compare test measure it).
+# compare test measure it). trace.json is written by every run; timeline.png (a second of matplotlib)
+# is drawn only where a test looks at it (run.timeline=true).
 TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
-        "train.peak_flops=1e11"]
+        "train.peak_flops=1e11", "run.timeline=false"]
 
 
 @dataclass

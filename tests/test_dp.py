@@ -13,6 +13,7 @@ from fractions import Fraction
 import pytest
 
 from launcher import TINY, assert_ok, check_matches_single, run_train
+from observability import check_time_breakdown, check_trace
 
 # 0.1 MiB buckets cut the tiny model (0.94 MB of gradients) into several buckets, so the
 # bucket hooks, their ordering and the overlap are really exercised.
@@ -57,6 +58,12 @@ def test_dp_matches_single_and_theory(preset, world, microbatches, single_run, t
     assert s["parallel"]["grad_sync"] == ("naive" if preset == "dp_naive" else "bucketed")
     check_matches_single(run, single_run)
     check_dp_traffic(s, world)
+    # Where the time went: the gradient all-reduces over dp are exposed communication (waited for
+    # after backward: naive, or the buckets backward did not hide), no bubble; the trace has every call.
+    parts = check_time_breakdown(s)
+    assert parts["compute"] > 0 and parts["optimizer"] > 0 and parts["bubble"] == 0
+    assert "all_reduce dp" in s["time_breakdown"]["exposed_comm_s"]
+    check_trace(run.run_dir, s)
     calls = s["comm"]["calls_per_step"]
     if preset == "dp_naive":
         assert calls == N_PARAM_TENSORS_TINY * world  # one all-reduce per gradient, per rank
@@ -76,6 +83,12 @@ def test_torch_ddp_baseline_matches_single_and_theory(single_run, tmp_path):
     assert s["strategy"] == "torch_ddp"
     check_matches_single(run, single_run)
     check_dp_traffic(s, 2)
+    # DDP waits for its all-reduces inside backward: the breakdown still adds up, says why its dp
+    # wait is compute, and the trace still holds every bucket's bytes (on the hook's posts).
+    parts = check_time_breakdown(s)
+    assert parts["compute"] > 0 and "all_reduce dp" not in s["time_breakdown"]["exposed_comm_s"]
+    assert any("DDP waits" in note for note in s["time_breakdown"]["notes"])
+    check_trace(run.run_dir, s)
 
 
 def test_same_config_twice_gives_identical_numbers(tmp_path):
@@ -104,3 +117,7 @@ def test_single_summary_schema(single_run):
     assert s["config"]["model"]["d_model"] == 64  # the resolved config, not the preset name
     # Losses go down on real text (a smoke check that training trains).
     assert s["losses"][-1] < s["losses"][0]
+    # One process: no communication to wait for, and a trace of one rank.
+    parts = check_time_breakdown(s)
+    assert parts["exposed_comm"] == parts["bubble"] == 0 and parts["compute"] > 0
+    check_trace(single_run.run_dir, s)

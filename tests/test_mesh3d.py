@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from launcher import TINY, assert_ok, check_matches_single, max_rel_diff, run_train
+from observability import check_time_breakdown, check_trace
 from parallel.dist.dims import ParallelDims
 from parallel.combined.mesh3d import build_mesh3d
 from parallel.model import GPT, GPTConfig
@@ -40,8 +41,9 @@ CASES = [
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,sp,m,v,schedule", CASES, ids=[c[0] for c in CASES])
 def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, v, schedule, single_run, tmp_path):
-    run = run_train(world, [*TINY, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run",
-                    timeout=400)
+    timeline = ["run.timeline=true"] if layout == (2, 2, 2) else []  # one picture of all 8 ranks
+    run = run_train(world, [*TINY, *overrides, *timeline, "train.save_final=true", "train.save_grads=true"],
+                    tmp_path / "run", timeout=400)
     s = assert_ok(run)
     d, t, p = layout
     par = s["parallel"]
@@ -83,6 +85,17 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
     executed = s["pipeline"]["executed_by_rank"]
     for rank in range(world):
         assert executed[rank] == [str(a) for a in plans[dims.coordinates(rank)["pp"]]], f"rank {rank}"
+
+    # Every rank's time, and every rank in the trace under its global rank and (pp, dp, tp), with its
+    # tp and dp collectives and pp sends; the picture of all of them where asked for.
+    parts = check_time_breakdown(s)
+    exposed = s["time_breakdown"]["exposed_comm_s"]
+    assert exposed.get("all_reduce tp", 0) > 0 and (d == 1 or "all_reduce dp" in exposed)
+    assert (parts["bubble"] > 0) is (p > 1)
+    trace = check_trace(run.run_dir, s)
+    groups = {e["args"]["group"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] in (1, 2)}
+    assert {"tp", *(["dp"] if d > 1 else []), *(["pp"] if p > 1 else [])} <= groups
+    assert (run.run_dir / "timeline.png").exists() is bool(timeline)
 
 
 # -- ZeRO-1/2 as the dp dimension (parallel.zero) ------------------------------------------------------

@@ -7,7 +7,8 @@ Each case trains the tiny model (4 layers) for 6 steps under torchrun on gloo an
     global token count, not the microbatch's: otherwise they would be m times too large);
   * the bytes per step equal parallel/theory.py exactly and 2·m·(v·p-1)·b·s·h·4 written out here;
   * the order each rank executed is exactly its schedule's list;
-  * the run drew its timeline and reported the bubble beside the simulator's and the closed form.
+  * the run reported the bubble beside the simulator's and the closed form, and its time breakdown
+    (waiting for the neighbour stage is the bubble) and trace.json of every rank add up.
 """
 
 from fractions import Fraction
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from launcher import TINY, assert_ok, check_matches_single, run_train
+from observability import check_time_breakdown, check_trace
 from parallel.pp.schedules import build_schedule
 
 S, H = 32, 64  # the tiny model's sequence length and width
@@ -88,4 +90,8 @@ def test_pipeline_matches_single_and_theory(case, single_run, single_run_gb12, t
     pipe = s["pipeline"]
     assert pipe["bubble_closed_form"] == pytest.approx((pp - 1) / (v * m + pp - 1))
     assert 0.0 <= pipe["bubble_simulated"] < 1.0 and 0.0 <= pipe["bubble_measured"] < 1.0
-    assert (run.run_dir / "trace.json").exists() and (run.run_dir / "timeline.png").exists()
+    # A later stage waits for the first microbatch's activations: pipeline p2p waits are the bubble.
+    parts = check_time_breakdown(s)
+    assert parts["bubble"] > 0 and parts["compute"] > 0
+    assert not any(k.startswith(("send pp", "recv pp")) for k in s["time_breakdown"]["exposed_comm_s"])
+    check_trace(run.run_dir, s)

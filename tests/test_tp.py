@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from launcher import TINY, assert_ok, check_matches_single, run_train
+from observability import check_time_breakdown, check_trace
 
 L, H, S = 4, 64, 32  # the tiny model: layers, width, sequence length (conf/model/tiny.yaml)
 GLOBAL_BATCH = 16
@@ -114,3 +115,7 @@ def test_tp_matches_single_and_theory(case_id, world, overrides, t, d, sp, m, si
     check_grads_match_single(run, single_run)
     check_tp_traffic(s, world, t, d, sp, m)
     check_megatron_counts(run, world, sp, m)
+    # The Megatron all-reduces block forward and backward: exposed communication over tp.
+    assert check_time_breakdown(s)["compute"] > 0
+    assert s["time_breakdown"]["exposed_comm_s"].get("all_reduce tp", 0) > 0
+    check_trace(run.run_dir, s)

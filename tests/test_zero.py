@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from launcher import TINY, assert_ok, check_matches_single, run_train
+from observability import check_time_breakdown, check_trace
 from parallel.model import GPT, GPTConfig
 from parallel.strategy import make_optimizer
 from parallel.zero.shards import ShardAdamW, group_into_parts
@@ -85,6 +86,11 @@ def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatche
         check_matches_single(run, single_run)
     check_zero_traffic(s, stage, world, microbatches)
     check_zero_memory(s, stage, world)
+    if stage == 2:
+        # The parameter all-gather after the optimizer step is communication, not optimizer time.
+        parts = check_time_breakdown(s)
+        assert parts["optimizer"] > 0 and s["time_breakdown"]["exposed_comm_s"].get("all_gather dp", 0) > 0
+        check_trace(run.run_dir, s)
 
 
 def test_torch_fsdp2_matches_single_and_theory(single_run, tmp_path):

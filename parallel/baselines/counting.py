@@ -97,8 +97,10 @@ class FunctionalCollectiveCounter:
             payload = tensor_bytes(tensor) * (size if rule == "gathered" else 1)
             start = time.perf_counter()
             out = original(tensor, *args)
+            end = time.perf_counter()
             tag = f"{self.prefix}/{op}"
-            self.log.record(op, group, tag, payload, size, time.perf_counter() - start if self.log.timed else 0.0)
+            entry = self.log.record(op, group, tag, payload, size, end - start if self.log.timed else 0.0)
+            self.log.span("call", op, group, tag, start, end, entry)
             self._awaiting[id(out)] = (op, group, tag)
             return out
 
@@ -108,9 +110,11 @@ class FunctionalCollectiveCounter:
         def call(tensor):
             start = time.perf_counter()
             out = original(tensor)
+            end = time.perf_counter()
             key = self._awaiting.pop(id(tensor), None)
             if key is not None and self.log.timed:
-                self.log.add_seconds(*key, time.perf_counter() - start)
+                self.log.add_seconds(*key, end - start)
+                self.log.span("wait", *key, start, end)
             return out
 
         return call
@@ -146,14 +150,17 @@ class PipelineP2PCounter:
         def call(p2p_ops, *args, **kwargs):
             start = time.perf_counter()
             works = original(p2p_ops, *args, **kwargs)
-            seconds = (time.perf_counter() - start) / max(len(p2p_ops), 1) if self.log.timed else 0.0
-            for p in p2p_ops:
+            share = (time.perf_counter() - start) / max(len(p2p_ops), 1)
+            seconds = share if self.log.timed else 0.0
+            for i, p in enumerate(p2p_ops):
                 kind = "send" if p.op is dist.isend else "recv"
                 group, size = self.groups((p.group or dist.group.WORLD).group_name)
                 # A send's tag names its ends (group ranks), as ours do: the link it crosses (parallel/net/predict.py).
                 tag = (f"{self.prefix}/send/{dist.get_rank(p.group)}->{p.group_peer}" if kind == "send"
                        else f"{self.prefix}/recv")
-                self.log.record(kind, group, tag, tensor_bytes(p.tensor), size, seconds)
+                entry = self.log.record(kind, group, tag, tensor_bytes(p.tensor), size, seconds)
+                # Each op its equal share of the batch's posting time, one after the other.
+                self.log.span("call", kind, group, tag, start + i * share, start + (i + 1) * share, entry)
             return works
 
         return call
@@ -162,11 +169,13 @@ class PipelineP2PCounter:
         def call(works, *args, **kwargs):
             start = time.perf_counter()
             out = original(works, *args, **kwargs)
+            end = time.perf_counter()
             if self.log.timed and self.groups.by_name:
                 group = next(iter(self.groups.by_name.values()))[0]
                 # Which op a finished batch was cannot be told from its Work objects: waiting is
                 # charged to the receives, which are what a pipeline stage waits for.
-                self.log.add_seconds("recv", group, f"{self.prefix}/recv", time.perf_counter() - start)
+                self.log.add_seconds("recv", group, f"{self.prefix}/recv", end - start)
+                self.log.span("wait", "recv", group, f"{self.prefix}/recv", start, end)
             return out
 
         return call

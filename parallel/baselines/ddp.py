@@ -15,6 +15,12 @@ from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
 
 
+# What the time breakdown of a DDP run cannot split (parallel/report/breakdown.py).
+DDP_NOTE = ("DDP waits for its bucket all-reduces inside backward (its C++ reducer's final callback), out of the "
+            "communication log's sight: that wait is counted as backward compute, so exposed comm shows only the "
+            "finite check; compare DDP's compute + exposed comm with dp's")
+
+
 def _counted_allreduce_hook(comm: Communicator):
     """A DDP comm hook that sums each bucket through the communication log.
 
@@ -32,6 +38,7 @@ class TorchDDP(Strategy):
     name = "torch_ddp"
     # DDP waits on the hook's futures inside its own backward: the log cannot time that wait.
     exposed_comm_measured = False
+    breakdown_note = DDP_NOTE
 
     def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float):
         ddp = DDP(
@@ -77,6 +84,7 @@ class AccelerateDDP(Strategy):
 
     name = "accelerate_ddp"
     exposed_comm_measured = False  # as TorchDDP: the waits happen inside DDP
+    breakdown_note = DDP_NOTE
 
     def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float, device: torch.device):
         from accelerate import Accelerator

@@ -79,17 +79,24 @@ class TorchTP(Strategy):
         self.counter = (lambda: FunctionalCollectiveCounter(log, [tp_comm], "dtensor")) if log is not None else contextlib.nullcontext
 
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
+        phase = self.phases
+        phase("other", "zero_grad")
         self.zero_grad()
         local_loss = torch.zeros((), device=microbatches[0].inputs.device)
         with self.counter():
-            for mb in microbatches:
+            for i, mb in enumerate(microbatches):
+                phase("forward", f"F{i}")
                 with self.forward_context():
                     loss = self.forward_loss(mb, global_tokens)
+                phase("backward", f"B{i}")
                 loss.backward()
                 local_loss += loss.detach()
+            phase("sync", "gradient placements")
             self._grads_to_parameter_placements()
         self.after_backward()
+        phase("other", "finite check")
         self.guard_finite(local_loss)
+        phase("optimizer", "optimizer step")
         with self.counter():  # elementwise on same-placement DTensors: no collective expected, but counted if any
             self.optimizer.step()
         return local_loss

@@ -38,6 +38,9 @@ def torch_schedule_class(schedule: str):
 
 class TorchPipeline(Strategy):
     name = "torch_pp"
+    breakdown_note = ("torch's pipeline schedule runs every forward, backward and p2p of a step inside one step() "
+                      "call: compute is that call's time less the waits at its p2p wrappers (the bubble), with "
+                      "forward and backward not split")
 
     def __init__(self, model: GPT, schedule: str, pp_comm: Communicator, microbatches: int, virtual: int,
                  pp_layers, lr: float, weight_decay: float, device: torch.device, log: CommLog | None = None):
@@ -64,6 +67,7 @@ class TorchPipeline(Strategy):
 
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
         """Torch splits the local batch back into the same microbatches (equal chunks along dim 0)."""
+        self.phases("other", "zero_grad")
         self.zero_grad()
         self.global_tokens = global_tokens
         inputs = torch.cat([mb.inputs for mb in microbatches])
@@ -73,10 +77,13 @@ class TorchPipeline(Strategy):
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
         # forward_context (autocast for bf16) covers torch's whole schedule: its forwards and
         # backwards are interleaved inside step().
+        self.phases("compute", "torch schedule step")
         with self.counter(), self.forward_context():
             self.schedule.step(*args, return_outputs=False, **kwargs)
+        self.phases("other", "finite check")
         local_loss = torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=inputs.device)
         self.guard_finite(local_loss)
+        self.phases("optimizer", "optimizer step")
         self.optimizer.step()
         return local_loss
 

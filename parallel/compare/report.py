@@ -1,4 +1,8 @@
-"""The comparison's files: results.json, results.csv, report.md, and the console table."""
+"""The comparison's files: results.json, results.csv (rounds.csv), report.md, and the console table.
+
+The console table is the short one, at most CONSOLE_WIDTH (120) columns; report.md and results.csv
+hold every column.
+"""
 
 from __future__ import annotations
 
@@ -6,74 +10,163 @@ import csv
 import json
 from pathlib import Path
 
-from parallel.compare.rows import COLUMNS, LOSS_RTOL
+from parallel.compare.rows import COLUMNS, LOSS_RTOL, NOISY_SPREAD
+from parallel.compare.verdict import caveats, opening
 
-# (header, row key, format) of the table shown on the console and in report.md.
+CONSOLE_WIDTH = 120
+
+
+def _yes(value) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
+
+
+def _tokens(row: dict) -> str:
+    text = f"{row['tokens_per_s']:.0f}"
+    if row.get("tokens_per_s_lo") is None:
+        return text
+    return f"{text} ({row['tokens_per_s_lo']:.0f}-{row['tokens_per_s_hi']:.0f})"
+
+
+def _ratio(row: dict) -> str:
+    if row.get("ratio_to_baseline") is None:
+        return "-"
+    text = f"{row['ratio_to_baseline']:.2f}"
+    return text if row.get("ratio_lo") is None else f"{text} ({row['ratio_lo']:.2f}-{row['ratio_hi']:.2f})"
+
+
+def _tokens_short(row: dict) -> str:
+    """The console's: the median and, with rounds, ± half the min-max range in % of it."""
+    text = f"{row['tokens_per_s']:.0f}"
+    if row.get("tokens_per_s_lo") is None:
+        return text
+    return f"{text} ±{(row['tokens_per_s_hi'] - row['tokens_per_s_lo']) / 2 / row['tokens_per_s']:.0%}"
+
+
+def _ratio_short(row: dict) -> str:
+    if row.get("ratio_to_baseline") is None:
+        return "-"
+    text = f"{row['ratio_to_baseline']:.2f}"
+    return text if row.get("ratio_lo") is None else f"{text} ±{(row['ratio_hi'] - row['ratio_lo']) / 2:.2f}"
+
+
+def _spread(row: dict) -> str:
+    """The timed steps' spread; a '!' where it is above NOISY_SPREAD."""
+    if row.get("spread") is None:
+        return "-"
+    return f"{row['spread']:.0%}" + ("!" if row["noisy"] else "")
+
+
+def _share(value) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _num(fmt: str, scale: float = 1.0):
+    return lambda value: "-" if value is None else fmt.format(value * scale)
+
+
+# (header, row key, cell) of report.md's table: every figure of a row but the breakdown (its own table).
 TABLE = (
-    ("strategy", "strategy", "{}"),
-    ("layout dp x tp x pp", "layout", "{}"),
-    ("tokens/s", "tokens_per_s", "{:.0f}"),
-    ("vs torch", "ratio_to_baseline", "{:.2f}"),
-    ("step ms", "step_ms", "{:.1f}"),
-    ("MFU %", "mfu", "{:.1%}"),
-    ("MB/step", "bytes_per_step", "{:.3f}"),
-    ("theory MB", "bytes_per_step_theory", "{:.3f}"),
-    ("= theory", "matches_theory", "{}"),
-    ("exposed comm", "exposed_comm_share", "{:.0%}"),
-    ("bubble", "bubble_share", "{:.0%}"),
-    ("peak MB/rank", "peak_memory_mb_max", "{:.0f}"),
-    ("final loss", "final_loss", "{:.4f}"),
-    ("same as single", "same_losses_as_single", "{}"),
-    ("max rel diff", "max_rel_loss_diff", "{:.1e}"),
+    ("strategy", "strategy", str),
+    ("layout dp x tp x pp", "layout", str),
+    ("tokens/s", None, _tokens),
+    ("vs torch", None, _ratio),
+    ("step ms", "step_ms", _num("{:.1f}")),
+    ("min-max ms", None, lambda r: f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"),
+    ("spread", None, _spread),
+    ("MFU %", "mfu", _num("{:.1f}", 100)),
+    ("MB/step", "bytes_per_step", _num("{:.3f}", 1e-6)),
+    ("theory MB", "bytes_per_step_theory", _num("{:.3f}", 1e-6)),
+    ("= theory", "matches_theory", _yes),
+    ("exposed comm", "exposed_comm_share", _share),
+    ("bubble", "bubble_share", _share),
+    ("peak MB/rank", "peak_memory_mb_max", _num("{:.0f}")),
+    ("final loss", "final_loss", _num("{:.4f}")),
+    ("same as single", "same_losses_as_single", _yes),
+    ("max rel diff", "max_rel_loss_diff", _num("{:.1e}")),
+)
+# The console's: what fits in 120 columns (intervals as ±; if a row is still too wide, the columns
+# of CONSOLE_DROP go first, and the table says so).
+CONSOLE = (
+    ("strategy", "strategy", str),
+    ("layout", "layout", str),
+    ("tokens/s", None, _tokens_short),
+    ("vs torch", None, _ratio_short),
+    ("step ms", "step_ms", _num("{:.1f}")),
+    ("spread", None, _spread),
+    ("MFU%", "mfu", _num("{:.1f}", 100)),
+    ("MB/step", "bytes_per_step", _num("{:.3f}", 1e-6)),
+    ("=theory", "matches_theory", _yes),
+    ("comm", "exposed_comm_share", _share),
+    ("bubble", "bubble_share", _share),
+    ("peak MB", "peak_memory_mb_max", _num("{:.0f}")),
+    ("=single", "same_losses_as_single", _yes),
+)
+BREAKDOWN = (
+    ("strategy", "strategy", str),
+    ("step ms", "step_ms", _num("{:.1f}")),
+    ("compute", "compute_ms", _num("{:.1f}")),
+    ("exposed comm", "exposed_comm_ms", _num("{:.1f}")),
+    ("bubble", "bubble_ms", _num("{:.1f}")),
+    ("optimizer", "optimizer_ms", _num("{:.1f}")),
+    ("other", "other_ms", _num("{:.1f}")),
 )
 
 
-def cell(row: dict, key: str, fmt: str) -> str:
-    value = row.get(key)
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "NO"
-    if key in ("mfu",):
-        return f"{100 * value:.1f}"
-    if key in ("bytes_per_step", "bytes_per_step_theory"):
-        return f"{value / 1e6:.3f}"
-    return fmt.format(value)
-
-
-def table_lines(rows: list[dict]) -> list[list[str]]:
-    lines = [[h for h, _, _ in TABLE]]
+def table_lines(rows: list[dict], columns=TABLE) -> list[list[str]]:
+    lines = [[h for h, _, _ in columns]]
     for row in rows:
         if row["status"] != "ok":
             lines.append([row["strategy"], f"{row['status']}: {row['error']}"])
         else:
-            lines.append([cell(row, key, fmt) for _, key, fmt in TABLE])
+            lines.append([cell(row[key] if key else row) for _, key, cell in columns])
     return lines
 
 
+CONSOLE_DROP = ("peak MB", "MFU%", "bubble", "=theory", "comm", "spread")
+
+
 def console_table(rows: list[dict]) -> str:
-    """Plain aligned text: numbers right-aligned; a failed row prints its error across the line."""
-    lines = table_lines(rows)
-    widths = [max(len(line[i]) for line in lines if len(line) == len(TABLE)) for i in range(len(TABLE))]
+    """Plain aligned text, at most CONSOLE_WIDTH wide: numbers right-aligned; a failed row prints its
+    error across the line (cut at the width: the whole error is in results.csv)."""
+    columns, dropped = list(CONSOLE), []
+    text = _aligned(rows, columns)
+    for header in CONSOLE_DROP:
+        if max(len(line) for line in text.splitlines()) <= CONSOLE_WIDTH:
+            break
+        columns = [c for c in columns if c[0] != header]
+        dropped.append(header)
+        text = _aligned(rows, columns)
+    if dropped:
+        text += f"\n(left out to fit {CONSOLE_WIDTH} columns: {', '.join(dropped)}; every column is in report.md)"
+    return text
+
+
+def _aligned(rows: list[dict], columns: list) -> str:
+    lines = table_lines(rows, columns)
+    n = len(columns)
+    widths = [max(len(line[i]) for line in lines if len(line) == n) for i in range(n)]
     out = []
     for line in lines:
-        if len(line) != len(TABLE):
-            out.append(f"{line[0]:<{widths[0]}}  {line[1]}")
+        if len(line) != n:
+            text = f"{line[0]:<{widths[0]}}  {line[1]}"
+            out.append(text if len(text) <= CONSOLE_WIDTH else text[:CONSOLE_WIDTH - 3] + "...")
             continue
-        cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])] + [c.rjust(w) for c, w in zip(line[2:], widths[2:])]
-        out.append("  ".join(cells))
+        cells = [line[0].ljust(widths[0]), line[1].ljust(widths[1])]
+        cells += [c.rjust(w) for c, w in zip(line[2:], widths[2:])]
+        out.append(" ".join(cells))
     rule = "-" * len(out[0])
     return "\n".join([out[0], rule, *out[1:]])
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = table_lines(rows)
+def markdown_table(rows: list[dict], columns=TABLE) -> str:
+    lines = table_lines(rows, columns)
+    n = len(columns)
     head = "| " + " | ".join(lines[0]) + " |"
-    align = "| " + " | ".join("---" if i < 2 else "---:" for i in range(len(TABLE))) + " |"
+    align = "| " + " | ".join("---" if i < 2 else "---:" for i in range(n)) + " |"
     body = []
     for line in lines[1:]:
-        if len(line) != len(TABLE):
-            line = [line[0], line[1].replace("|", "\\|")[:300]] + [""] * (len(TABLE) - 2)
+        if len(line) != n:
+            line = [line[0], line[1].replace("|", "\\|")[:300]] + [""] * (n - 2)
         body.append("| " + " | ".join(line) + " |")
     return "\n".join([head, align, *body])
 
@@ -86,53 +179,78 @@ def write_csv(path: Path, rows: list[dict]) -> None:
             writer.writerow({k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in row.items()})
 
 
-def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+def write_json(path: Path, meta: dict, rows: list[dict], rounds: list[list[dict]] | None = None) -> None:
+    content = {"meta": meta, "rows": rows}
+    if rounds is not None:
+        content["rounds"] = rounds
+    path.write_text(json.dumps(content, indent=2) + "\n")
 
 
 HOW_TO_READ = f"""\
-How to read the columns:
+How to read the columns (MB: 10^6 bytes, for traffic and memory alike):
 
 - **layout**: dp x tp x pp ranks, `m` microbatches per step (per pipeline or per dp rank), `v` virtual
   stages per pipeline rank, `sp` sequence parallelism.
 - **tokens/s**: global tokens per optimizer step / the median step time (warm-up steps excluded; a
-  step lasts as long as its slowest rank).
-- **vs torch**: this row's tokens/s over its PyTorch counterpart's in the same sweep (dp, dp_naive,
-  zero1, zero2 -> torch_ddp; zero3 -> torch_fsdp2; tp, tp_sp -> torch_tp; pp_X -> torch_pp_X).
-  Above 1: ours is faster. One short run each, on a shared machine: read differences under ~10% as noise.
-- **step ms**: that median step time.
+  step lasts as long as its slowest rank). With `compare.rounds=N`: the median over the rounds, and
+  in brackets the slowest and fastest round (min-max).
+- **vs torch**: this row's tokens/s over its PyTorch counterpart's (dp, dp_naive, zero1, zero2 ->
+  torch_ddp; zero3 -> torch_fsdp2; tp, tp_sp -> torch_tp; pp_X -> torch_pp_X). Above 1: ours is
+  faster. With rounds: the median of the per-round ratios (each pair from the same round) and their
+  min-max. One run each is one sample: trust a difference only beyond the spread.
+- **step ms**, **min-max ms**, **spread**: the median timed step, the fastest and slowest timed step
+  (over every round), and (slowest - fastest) / median; `!` marks a spread above {NOISY_SPREAD:.0%}
+  (`noisy` in results.csv): such a row's figure can move that much on a rerun.
 - **MFU %**: model FLOPs per second (6N + 12·L·h·s per token, parallel/report/mfu.py) over the peak a
   matmul measured on this machine (all cores; per GPU on GPUs).
 - **MB/step**, **theory MB**: bytes all ranks sent in one step (ring convention: an all-reduce of
   S bytes over N ranks sends 2(N-1)/N·S per rank), measured by the communication log, and
   parallel/theory.py's closed form; **= theory**: equal to the byte.
 - **exposed comm**: share of the step a rank spent blocked in communication (not hidden behind
-  compute), mean over ranks; `-` where PyTorch waits internally, out of the log's sight
-  (DDP's comm hook futures, torch pipelining's own waits).
-- **bubble**: share of the pipeline's rank x time in which no rank computed (measured from the
+  compute), mean over ranks, from the communication log; `-` where PyTorch waits internally, out of
+  the log's sight (DDP's comm hook futures).
+- **bubble**: share of one pipeline's rank x time in which no rank computed (measured from the
   ranks' timelines; our pipelines only).
 - **peak MB/rank**: the largest rank's peak memory (RSS on CPU, which includes the Python and
-  torch runtime, ~300 MB; allocator peak on GPU); every rank's in results.csv.
+  torch runtime, ~300 MB; allocator peak on GPU); every rank's in results.csv, and the model state
+  and activations per rank in the memory plot.
 - **final loss**, **same as single**: the last step's loss; whether every step's loss equals the
   single-process run's within {LOSS_RTOL:g} relative, and the largest relative difference.
+
+Where the time goes (the breakdown table and plot, summary.json's `time_breakdown_s`): the median
+timed step of each run split into compute (forward, backward), exposed communication, pipeline
+bubble (waiting for a neighbour stage's p2p), optimizer and other, mean over ranks
+(docs/observability.md).
 """
 
 
-def write_markdown(path: Path, meta: dict, rows: list[dict], plots: dict[str, str], timelines: dict[str, str]) -> None:
+def write_markdown(path: Path, meta: dict, rows: list[dict], plots: dict[str, str], timelines: dict[str, str],
+                   summaries: dict[str, dict]) -> None:
+    rounds = meta.get("rounds", 1)
     parts = [
         "# Comparison of every strategy with PyTorch's own\n",
+        " ".join(opening(rows, summaries, meta)) + "\n",
+        *([" ".join(caveats(rows, meta)) + "\n"] if caveats(rows, meta) else []),
         f"Command: `{meta['command']}`\n",
         f"Model `{meta['model']}` ({meta['parameters']} parameters), {meta['steps']} steps "
-        f"({meta['warmup_steps']} warm-up), global batch {meta['global_batch']} sequences of {meta['seq_len']} tokens; "
+        f"({meta['warmup_steps']}), global batch {meta['global_batch']} sequences of {meta['seq_len']} tokens; "
         f"world {meta['world']}; peak {meta['peak_flops']:.3g} FLOP/s per device ({meta['peak_source']}); "
-        f"torch {meta['torch']}; {meta['device']}.\n",
+        f"torch {meta['torch']}; {meta['device']}"
+        + (f"; {rounds} rounds, orders {' | '.join(', '.join(o) for o in meta['orders'])}" if rounds > 1 else "")
+        + ".\n",
         markdown_table(rows) + "\n",
         HOW_TO_READ,
+        "## Where the time goes (ms per step, mean over ranks)\n",
+        markdown_table([r for r in rows if r["status"] == "ok"], BREAKDOWN) + "\n",
     ]
+    notes = {note for s in summaries.values() for note in (s.get("time_breakdown") or {}).get("notes", [])}
+    parts += [f"- {note}" for note in sorted(notes)]
+    if notes:
+        parts.append("")
     for title, name in plots.items():
         parts.append(f"## {title}\n\n![{title}]({name})\n")
     if timelines:
-        parts.append("## Pipeline timelines (last step)\n")
+        parts.append("## Timelines (every rank, last step)\n")
         for strategy, name in timelines.items():
             parts.append(f"### {strategy}\n\n![{strategy}]({name})\n")
     path.write_text("\n".join(parts))

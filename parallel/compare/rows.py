@@ -2,17 +2,32 @@
 
 A row is a flat dict (one CSV line). A strategy that failed or timed out still has a row: its
 status and the error, every figure None.
+
+Bytes are decimal everywhere in the comparison: MB = 10^6 bytes, traffic and memory alike.
+
+Noise: `step_ms_min` and `step_ms_max` are the fastest and slowest timed step, `spread` their
+difference over the median step, and `noisy` is true when the spread exceeds NOISY_SPREAD (25%):
+then the row's tokens/s can move by that much from one run to the next, and differences smaller
+than that between rows say nothing. With one timed step there is no spread (None).
 """
 
 from __future__ import annotations
 
 COLUMNS = (
-    "strategy", "runs_as", "schedule", "status", "layout", "world", "tokens_per_s", "baseline", "ratio_to_baseline", "step_ms", "mfu",
+    "strategy", "runs_as", "schedule", "status", "layout", "world",
+    "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi",
+    "baseline", "ratio_to_baseline", "ratio_lo", "ratio_hi", "step_ms", "step_ms_min", "step_ms_max", "spread", "noisy",
+    "round", "rounds_ok", "oversubscribed", "tokens_per_step", "mfu",
+    "compute_ms", "exposed_comm_ms", "bubble_ms", "optimizer_ms", "other_ms",
     "bytes_per_step", "bytes_per_step_theory", "matches_theory", "exposed_comm_share", "bubble_share",
     "peak_memory_mb_max", "peak_memory_mb_by_rank", "final_loss", "same_losses_as_single", "max_rel_loss_diff",
     "seconds", "error",
 )
 LOSS_RTOL = 1e-5  # the project's standard for "the same losses as the single-process run"
+NOISY_SPREAD = 0.25  # (slowest - fastest timed step) / median step above this: the row is flagged noisy
+MB = 1e6  # decimal megabytes, for traffic and memory alike
+BREAKDOWN_COLUMNS = {"compute": "compute_ms", "exposed_comm": "exposed_comm_ms", "bubble": "bubble_ms",
+                     "optimizer": "optimizer_ms", "other": "other_ms"}
 
 
 def layout(summary: dict) -> str:
@@ -45,12 +60,25 @@ def failed_row(strategy: str, world: int, status: str, error: str, seconds: floa
     return row
 
 
-def row_from_summary(strategy: str, summary: dict, reference_losses: list[float] | None, seconds: float) -> dict:
+def step_spread(summary: dict) -> dict:
+    """The timed steps' fastest and slowest (ms), their spread over the median, and the noisy flag."""
+    timed = summary["step_times_s"][summary["warmup_steps"]:]
+    fastest, slowest, median = min(timed) * 1e3, max(timed) * 1e3, summary["step_time_s"] * 1e3
+    spread = (slowest - fastest) / median if len(timed) > 1 else None
+    return {"step_ms_min": fastest, "step_ms_max": slowest, "spread": spread,
+            "noisy": None if spread is None else spread > NOISY_SPREAD}
+
+
+def row_from_summary(strategy: str, summary: dict, reference_losses: list[float] | None, seconds: float,
+                     cores: int | None = None) -> dict:
+    """`cores`: what this machine gives the ranks (CPU cores, or GPUs); a row with more ranks than
+    that is `oversubscribed` (ranks take turns on a core: their time includes waiting for one)."""
     comm, expected = summary["comm"], summary["expected_comm"]
     step = summary["step_time_s"]
     exposed = comm["exposed_seconds_per_step"] / step if summary.get("exposed_comm_measured", True) else None
     pipeline = summary.get("pipeline")
-    memory = [m / 2**20 for m in summary["memory_by_rank"]]
+    memory = [m / MB for m in summary["memory_by_rank"]]
+    breakdown = summary.get("time_breakdown_s") or {}
     diff = max_rel_diff(summary["losses"], reference_losses) if reference_losses is not None else None
     row = dict.fromkeys(COLUMNS)
     row.update(
@@ -61,7 +89,13 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
         layout=layout(summary),
         world=summary["world_size"],
         tokens_per_s=summary["tokens_per_s"],
+        tokens_per_step=summary["tokens_per_step"],
         step_ms=step * 1e3,
+        **step_spread(summary),
+        round=0,
+        rounds_ok=1,
+        oversubscribed=None if cores is None else summary["world_size"] > cores,
+        **{column: breakdown[part] * 1e3 if part in breakdown else None for part, column in BREAKDOWN_COLUMNS.items()},
         mfu=summary.get("mfu", {}).get("mfu"),
         bytes_per_step=comm["sent_bytes_per_step"],
         bytes_per_step_theory=expected["sent_bytes_per_step"],

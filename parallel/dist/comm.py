@@ -10,6 +10,12 @@ Every call is recorded in a `CommLog` with:
   seconds       optional time the caller was blocked in the call (or in its wait): host wall time
                 on the CPU; on a GPU, CUDA events on the caller's stream (see `DeviceInterval`)
 
+While a training step runs with a clock (parallel/dist/timing.py's StepClock, set by the training
+loop), the log also keeps that step's calls as spans: when each call (or the post of an async one,
+or the wait for it) started and ended, with its bytes. They are what the step's time breakdown
+subtracts from its phases and what trace.json draws (parallel/report/breakdown.py, trace.py); only
+the last step's are kept, so the cost is one tuple per call.
+
 Bytes come from shapes and dtypes, so counting never synchronises a device. Traffic that the tools
 add themselves (gathering metrics, reducing the loss for the log) is tagged `tooling/...` and kept
 apart from the strategy's own figures.
@@ -98,16 +104,46 @@ class CommLog:
         self._current: StepTraffic = self.outside
         # GPU calls whose time is known only once their events complete: (record, interval).
         self._unresolved: list[tuple[Totals, "DeviceInterval"]] = []
+        # The step's spans: (kind, op, group, tag, payload, sent, start stamp, end stamp), kind
+        # "call" (blocking), "post" (an async call returning at once) or "wait" (for an async call).
+        self.clock = None  # a StepClock, set by the training loop; None: no spans
+        self._spans: list[tuple] = []
+        self._in_step = False
+        self.last_spans: list[dict] = []  # the last finished step's, resolved (seconds from its origin)
+
+    @property
+    def spanning(self) -> bool:
+        """Whether calls made now are kept as spans (timed, inside a step, with a clock)."""
+        return self._in_step and self.timed and self.clock is not None
 
     def begin_step(self) -> None:
         self._current = defaultdict(Totals)
+        self._spans = []
+        self._in_step = True
 
     def end_step(self) -> StepTraffic:
         self.resolve_device_times()
+        self.last_spans = self.resolve_spans()
+        self._in_step = False
         traffic = dict(self._current)
         self.steps.append(traffic)
         self._current = self.outside
         return traffic
+
+    def span(self, kind: str, op: str, group: str, tag: str, start, end, entry: Totals | None = None) -> None:
+        """Keep one call's span in this step (start, end: StepClock stamps; `entry`: the call's
+        record, whose bytes the span carries; none for a wait, whose call carried them)."""
+        if self.spanning:
+            payload, sent = (entry.payload_bytes, entry.sent_bytes) if entry is not None else (0, 0)
+            self._spans.append((kind, op, group, tag, payload, sent, start, end))
+
+    def resolve_spans(self) -> list[dict]:
+        if self.clock is None:
+            return []
+        seconds = self.clock.seconds
+        return [{"kind": kind, "op": op, "group": group, "tag": tag, "payload_bytes": payload,
+                 "sent_bytes": float(sent), "start": seconds(start), "end": seconds(end), "blocked": kind != "post"}
+                for kind, op, group, tag, payload, sent, start, end in self._spans]
 
     def record(self, op: str, group: str, tag: str, payload_bytes: int, group_size: int, seconds: float = 0.0,
                sent_bytes: int | None = None) -> Totals:
@@ -152,6 +188,10 @@ class DeviceInterval:
     def stop(self) -> "DeviceInterval":
         self._end.record()
         return self
+
+    def stamps(self) -> tuple:
+        """The two events, as StepClock stamps of the call's span."""
+        return self._start, self._end
 
     def seconds(self) -> float:
         self._end.synchronize()
@@ -226,8 +266,11 @@ class Handle:
             raise _failed(self._comm, self._op, self._tag, e, self._peer) from e
         if interval is not None:
             log.add_device_interval(self._op, self._comm.name, self._tag, interval.stop())
+            log.span("wait", self._op, self._comm.name, self._tag, *interval.stamps())
         elif log.timed:
-            log.add_seconds(self._op, self._comm.name, self._tag, time.perf_counter() - start)
+            end = time.perf_counter()
+            log.add_seconds(self._op, self._comm.name, self._tag, end - start)
+            log.span("wait", self._op, self._comm.name, self._tag, start, end)
         # Drop the work object at once: gloo work objects that outlive the process group keep
         # tensors alive into interpreter shutdown (see parallel/dist/groups.py).
         self._work = None
@@ -256,16 +299,23 @@ class Communicator:
         `peer`: the other end of a send or receive, named if the call fails; `sent_bytes`: see
         `CommLog.record`."""
         timed = self.log.timed and not async_op
-        interval = DeviceInterval() if timed and cuda else None
-        start = time.perf_counter() if timed and not cuda else 0.0
+        spanning = self.log.spanning  # an async post is not timed, but drawn in the step's trace
+        clocked = timed or spanning
+        interval = DeviceInterval() if clocked and cuda else None
+        start = time.perf_counter() if clocked and not cuda else 0.0
         try:
             work = fn()
         except RuntimeError as e:
             raise _failed(self, op, tag, e, peer) from e
-        seconds = time.perf_counter() - start if timed and not cuda else 0.0
-        self.log.record(op, self.name, tag, payload_bytes, self.size, seconds, sent_bytes)
+        end = time.perf_counter() if clocked and not cuda else 0.0
+        entry = self.log.record(op, self.name, tag, payload_bytes, self.size, end - start if timed else 0.0, sent_bytes)
         if interval is not None:
-            self.log.add_device_interval(op, self.name, tag, interval.stop())
+            interval.stop()
+            if timed:
+                self.log.add_device_interval(op, self.name, tag, interval)
+        if spanning:
+            stamps = interval.stamps() if interval is not None else (start, end)
+            self.log.span("post" if async_op else "call", op, self.name, tag, *stamps, entry)
         if async_op:
             handle = Handle(work, self, op, tag, cuda, peer)
             self._pending.add(handle)
@@ -296,8 +346,11 @@ class Communicator:
 
     def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
         """An async sum whose result is a Future of the tensor (what DDP communication hooks return)."""
+        start = time.perf_counter()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
+        entry = self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
+        # Host time even on a GPU: DDP calls this hook from its reducer, and waits for it there.
+        self.log.span("post", "all_reduce", self.name, tag, start, time.perf_counter(), entry)
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, tag: str, async_op: bool = False):
@@ -345,12 +398,16 @@ class Communicator:
             dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, group=self.group, group_peer=peer)
             for kind, tensor, peer, _ in ops
         ]
+        clock = self.log.clock if self.log.spanning else None
+        start = clock.now() if clock is not None else None
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:
             raise _failed(self, "batch_p2p", ops[0][3], e, ops[0][2]) from e
+        end = clock.now() if clock is not None else None
         for kind, tensor, _, tag in ops:
-            self.log.record(kind, self.name, tag, tensor_bytes(tensor), self.size)
+            entry = self.log.record(kind, self.name, tag, tensor_bytes(tensor), self.size)
+            self.log.span("post", kind, self.name, tag, start, end, entry)
         # One work per op on gloo; NCCL may coalesce the batch into one. Waiting time is charged
         # to the op a work belongs to (the first op's, when coalesced).
         labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3], None)] * len(works)

@@ -6,6 +6,9 @@ CUDA events is recorded on the current stream around the step, and the elapsed t
 is read once the end event has completed: the time the GPU spent on the step, from the first
 kernel to the last (collectives included, since every collective's completion is ordered back
 onto the current stream before the step's end event).
+
+The same clock stamps the step's phases and communication calls (StepClock), so that the time
+breakdown (parallel/report/breakdown.py) divides exactly the time measured.
 """
 
 from __future__ import annotations
@@ -15,25 +18,69 @@ import time
 import torch
 
 
-class StepTimer:
-    """`start()`, run the step, `stop()` -> seconds. Nothing CUDA-related runs on the CPU path."""
+class StepClock:
+    """The step's time, and timestamps within it on the same axis: the breakdown and the trace
+    place every phase and every communication call of a step on it.
+
+    `begin_step()` stamps the step's origin, `end_step()` its end and returns the seconds between
+    (the step's time). `now()` is a stamp: the host's perf_counter on the CPU; on a GPU a CUDA
+    event recorded on the current stream, so that a phase lasts as long as the stream spent on it.
+    `seconds(stamp)` is the time from the origin to the stamp: for an event, read once it has
+    completed. A float stamp taken on a GPU (PyTorch's own collectives, timed by the baselines'
+    counters on the host) is placed by host time from the origin: approximate, since the host runs
+    ahead of the stream. Nothing CUDA-related runs on the CPU path.
+
+    `origin_wall` is the wall-clock time of the origin: it places the steps of different ranks of
+    one machine on one axis (ranks on different machines are as aligned as their clocks).
+    """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._start_time = 0.0
+        self.origin_wall = 0.0
+        self.origin = None  # the step's first stamp
+        self.end = None  # its last, once the step is over
+        self._origin_host = 0.0
+
+    def begin_step(self) -> None:
+        self.origin_wall = time.time()
+        self._origin_host = time.perf_counter()
+        self.origin = self.now() if self.cuda else self._origin_host
+        self.end = None
+
+    def end_step(self) -> float:
+        """Stamp the step's end; its seconds (on a GPU this waits for the stream to get there)."""
+        self.end = self.now()
+        return self.seconds(self.end)
+
+    def now(self):
         if self.cuda:
-            self._start_event = torch.cuda.Event(enable_timing=True)
-            self._end_event = torch.cuda.Event(enable_timing=True)
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, stamp) -> float:
+        if isinstance(stamp, float):
+            return stamp - self._origin_host
+        stamp.synchronize()
+        return self.origin.elapsed_time(stamp) / 1e3  # elapsed_time is in ms
+
+
+class StepTimer:
+    """`start()`, run the step, `stop()` -> seconds; `clock` stamps the step's phases and calls on
+    the step's own axis, so that they tile exactly the time measured."""
+
+    def __init__(self, device: torch.device):
+        self.clock = StepClock(device)
 
     def start(self) -> None:
-        if self.cuda:
-            self._start_event.record()
-        else:
-            self._start_time = time.perf_counter()
+        self.clock.begin_step()
 
     def stop(self) -> float:
-        if self.cuda:
-            self._end_event.record()
-            self._end_event.synchronize()
-            return self._start_event.elapsed_time(self._end_event) / 1e3  # elapsed_time is in ms
-        return time.perf_counter() - self._start_time
+        return self.clock.end_step()
+
+
+def default_warmup_steps(steps_run: int) -> int:
+    """`train.warmup_steps=null`: min(3, steps_run // 2) untimed steps (allocator, caches, lazy
+    init), so that at least half of the steps a run takes are timed, and a run of one step is."""
+    return min(3, steps_run // 2)

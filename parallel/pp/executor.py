@@ -83,6 +83,7 @@ class PipelineParallel(Strategy):
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
+        self.phases("other", "zero_grad")
         self.zero_grad()
         self.executed, self.spans = [], []
         device = microbatches[0].inputs.device
@@ -99,12 +100,14 @@ class PipelineParallel(Strategy):
                 j = i
                 while j < len(self.actions) and self.actions[j].op in COMM:
                     j += 1
+                self.phases("p2p", " ".join(str(a) for a in self.actions[i:j]))
                 sends += self._exchange(self.actions[i:j], inputs, outputs, out_grads, act_shape, device)
                 self.executed += self.actions[i:j]
                 i = j
                 continue
             key, vs = (a.mb, a.chunk), self._vstage(a)
             chunk = self.chunks[a.chunk]
+            self.phases("forward" if a.op == F else "backward", str(a))
             start = time.time()
             if a.op == F:
                 x = microbatches[a.mb].inputs if vs == 0 else inputs[key]
@@ -125,13 +128,17 @@ class PipelineParallel(Strategy):
             self._span(a, "forward" if a.op == F else "backward", start, time.time())
             self.executed.append(a)
             i += 1
+        self.phases("p2p", "wait sends")
         start = time.time()
         for handle in sends:
             handle.wait()
         if sends:
             self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start, "end": time.time()})
+        self.phases("sync", "gradient sync")
         self.after_backward()
+        self.phases("other", "finite check")
         self.guard_finite(local_loss)  # only the last stage has a loss; the flag reaches every stage
+        self.phases("optimizer", "optimizer step")
         self.optimizer.step()
         return local_loss
 

@@ -1,15 +1,17 @@
-"""What every pipeline rank did when: the measured bubble, trace.json and timeline.png.
+"""What every pipeline rank did when: the measured bubble beside the simulator's and the closed form.
 
 Each rank records one span per action of the last step (wall-clock `time.time()`, so the ranks of
-one machine share a clock). Rank 0 merges them into a Chrome trace (open it in Perfetto or
-chrome://tracing) and a Gantt chart, and measures the bubble the same way the simulator predicts
-it: the share of p × (step window) in which a rank ran neither a forward nor a backward.
+one machine share a clock). Rank 0 measures the bubble of one pipeline the same way the simulator
+predicts it: the share of p × (step window) in which a rank ran neither a forward nor a backward.
+The measured figure counts every such moment: posting and waiting for sends and receives, and on a
+machine with fewer cores than ranks, the time a rank waited for a core; the simulator runs the
+schedule alone, every forward and backward at this run's mean time, communication free. A
+measured bubble far above the simulated one is that difference, not the schedule.
+
+The colours are shared with the run's timeline of every rank (parallel/report/trace.py).
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 from parallel.pp.schedules import build_schedule
 from parallel.pp.simulator import simulate, unit_costs
@@ -40,59 +42,16 @@ def simulated_bubble(rank_spans: list[list[dict]], schedule: str, stages: int, m
             "forward_s": forward / virtual, "backward_s": backward / virtual}
 
 
-def chrome_trace(rank_spans: list[list[dict]]) -> dict:
-    origin = min(s["start"] for spans in rank_spans for s in spans)
-    events = []
-    for rank, spans in enumerate(rank_spans):
-        events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": f"pp rank {rank}"}})
-        for s in spans:
-            events.append({
-                "name": s["name"], "cat": s["kind"], "ph": "X", "pid": 0, "tid": rank,
-                "ts": (s["start"] - origin) * 1e6, "dur": max(s["end"] - s["start"], 0.0) * 1e6,
-                "args": {"microbatch": s["mb"], "chunk": s["chunk"]},
-            })
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-
-def draw_timeline(rank_spans: list[list[dict]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    origin = min(s["start"] for spans in rank_spans for s in spans)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(rank_spans) + 1.5))
-    for rank, spans in enumerate(rank_spans):
-        for s in spans:
-            left, width = (s["start"] - origin) * 1e3, (s["end"] - s["start"]) * 1e3
-            ax.barh(rank, width, left=left, height=0.8, color=COLORS[s["kind"]], edgecolor="white", linewidth=0.3)
-            if s["kind"] in COMPUTE_KINDS and width > 0:
-                ax.text(left + width / 2, rank, s["name"], ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(len(rank_spans)), [f"rank {r}" for r in range(len(rank_spans))])
-    ax.invert_yaxis()
-    ax.set_xlabel("ms since the step began (orange: waiting for a neighbour, the bubble)")
-    ax.set_title(title)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper right", fontsize=7, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def write_pipeline_report(run_dir: Path, rank_spans: list[list[dict]], schedule: str, stages: int, microbatches: int,
-                          virtual: int) -> dict:
-    """trace.json, timeline.png and the bubble figures for summary.json."""
-    (run_dir / "trace.json").write_text(json.dumps(chrome_trace(rank_spans)))
+def pipeline_report(rank_spans: list[list[dict]], schedule: str, stages: int, microbatches: int, virtual: int) -> dict:
+    """The bubble figures for summary.json: measured on this run's spans, simulated with its mean
+    forward and backward times, and the closed form (p-1)/(v·m+p-1). The run's trace.json and
+    timeline.png, of every rank, are drawn by parallel/report/trace.py."""
     bubble = measured_bubble(rank_spans)
     sim = simulated_bubble(rank_spans, schedule, stages, microbatches, virtual)
     closed = (stages - 1) / (virtual * microbatches + stages - 1)
-    draw_timeline(rank_spans, run_dir / "timeline.png",
-                  f"{schedule}: p={stages} m={microbatches} v={virtual} | bubble measured {bubble:.1%}, "
-                  f"simulated {sim['bubble']:.1%}, closed form {closed:.1%}")
     return {
         "schedule": schedule, "stages": stages, "microbatches": microbatches, "virtual_stages": virtual,
         "bubble_measured": bubble, "bubble_simulated": sim["bubble"], "bubble_closed_form": closed,
         "peak_activations_simulated": sim["peak_activations"],
         "mean_forward_s": sim["forward_s"], "mean_backward_s": sim["backward_s"],
-        "trace": "trace.json", "timeline": "timeline.png",
     }

@@ -186,7 +186,8 @@ def checkpoint_meta(plan, next_step: int) -> dict:
     }
 
 
-def check_resumable(meta: dict, plan_model: dict, plan_data: dict, steps: int, warmup_steps: int, where: str) -> int:
+def check_resumable(meta: dict, plan_model: dict, plan_data: dict, steps: int, warmup_steps: int | None,
+                    where: str) -> int:
     """The step to continue from, or a CheckpointError saying what differs and how to fix it."""
     saved = {**_UNRECORDED, **meta["model"]}
     changed = [f"model.{k}={plan_model[k]!r} (checkpoint: {saved[k]!r})" for k in MODEL_KEYS if saved[k] != plan_model[k]]
@@ -204,9 +205,17 @@ def check_resumable(meta: dict, plan_model: dict, plan_data: dict, steps: int, w
             "continue the saved run's order; set them back, or start a fresh run without train.resume"
         )
     start = int(meta["next_step"])
+    if warmup_steps is None:  # the default: min(3, half of the steps this run takes), at least one timed
+        if start >= steps:
+            raise CheckpointError(
+                f"train.resume={where!r} continues at step {start}, but train.steps={steps}: there is no step left "
+                f"to run: raise train.steps above {start}"
+            )
+        return start
     if start + warmup_steps >= steps:
         raise CheckpointError(
             f"train.resume={where!r} continues at step {start}, and train.steps={steps} with "
-            f"train.warmup_steps={warmup_steps} leaves no timed step: raise train.steps above {start + warmup_steps}"
+            f"train.warmup_steps={warmup_steps} leaves no timed step: raise train.steps above {start + warmup_steps}, "
+            "or leave train.warmup_steps null (the default adapts to the steps left)"
         )
     return start

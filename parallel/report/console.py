@@ -31,7 +31,8 @@ def log_summary(summary: dict) -> None:
              memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
     if "pipeline" in summary:
         pipe = summary["pipeline"]
-        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",
+        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% (measured: every moment "
+                 "a stage did not compute, p2p and waiting for a core included; simulated: the schedule alone)",
                  pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"], 100 * pipe["bubble_closed_form"])
     if "moe" in summary:
         moe = summary["moe"]
@@ -43,6 +44,7 @@ def log_summary(summary: dict) -> None:
             verdict = "= the routing's exact figure every step" if a2a["matches_exact_every_step"] else "MISMATCH"
             log.info("all-to-all per step (all ranks): %.3f MB %s | uniform routing %.3f MB",
                      a2a["measured_bytes_by_step"][-1] / 1e6, verdict, a2a["uniform_bytes_per_step"] / 1e6)
+    breakdown_line(summary)
     log.info(
         "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
         comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,
@@ -66,3 +68,20 @@ def log_summary(summary: dict) -> None:
             if tag.startswith("tp/"):
                 ranks = world if tag == "tp/sp_grads" else holders
                 log.info("  %-24s %s", tag, ", ".join(f"{t['calls'] // ranks} {op}" for op, t in ops.items()))
+
+
+def breakdown_line(summary: dict) -> None:
+    """Where the median step's time went (parallel/report/breakdown.py), and the trace files."""
+    parts = summary.get("time_breakdown_s")
+    if parts:
+        detail = summary["time_breakdown"]
+        step = detail["step_time_s"]
+        shares = " | ".join(f"{name.replace('_', ' ')} {seconds * 1e3:.1f} ms ({seconds / step:.0%})"
+                            for name, seconds in parts.items())
+        log.info("step %d (median, %.1f ms): %s", detail["step"], step * 1e3, shares)
+        for note in detail["notes"]:
+            log.info("  note: %s", note)
+    trace = summary.get("trace")
+    if trace:
+        log.info("last step's timeline of every rank: %s%s (open trace.json in https://ui.perfetto.dev)",
+                 trace["trace"], f", {trace['timeline']}" if trace["timeline"] else "")

@@ -30,6 +30,13 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       assignments, routing.png; under expert parallelism the all-to-all bytes
                       measured against the exact figure from each step's routing
                       (parallel/moe/report.py)
+  time_breakdown_s    where a step's time goes: {compute, exposed_comm, bubble, optimizer, other}
+                      in seconds, mean over ranks of the median timed step (parallel/report/breakdown.py);
+                      time_breakdown: that step, its detail (compute by phase, exposed comm by op
+                      and group, other by phase) and notes on what could not be split;
+                      time_breakdown_by_rank: the five per rank, with its coordinates
+  trace               trace.json (every rank's last step, Perfetto) and timeline.png: the files and
+                      their step (added by parallel/train.py; parallel/report/trace.py)
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ import torch
 
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.moe.report import routing_block, with_measured_routing
+from parallel.report.breakdown import breakdown_notes, summarize_breakdown
+from parallel.report.trace import write_run_trace
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.theory import parameter_count
 
@@ -113,21 +122,28 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
     if plan.model.moe_experts:
         summary["moe"] = routing_block(plan, rank_reports, run_dir)
+    rank_steps = [r["time_breakdown"] for r in rank_reports]
+    notes = breakdown_notes([r["breakdown_note"] for r in rank_reports], plan.comm_log and plan.comm_time, rank_steps)
+    summary.update(summarize_breakdown(rank_steps, step_times, timed_from, plan.start_step, notes))
+    for row, r in zip(summary["time_breakdown_by_rank"] or [], rank_reports):
+        row["coords"] = r["coords"]
     if spec.pipelined and rank_reports[0]["pipeline_spans"] is not None:
         summary["pipeline"] = pipeline_block(plan, rank_reports, run_dir)
     # The emulated network (launch.run): wire bytes per link class against the log's prediction; null otherwise.
     summary["net"] = net
+    # The last step of every rank as trace.json (and timeline.png): drawn from the summary's own figures.
+    summary["trace"] = write_run_trace(run_dir, rank_reports, summary, draw=plan.timeline)
     return summary
 
 
 def pipeline_block(plan, rank_reports: list[dict], run_dir: Path) -> dict:
     """The first pipeline's (dp 0, tp 0) ranks' spans of the last step, in stage order: the measured,
-    simulated and closed-form bubble, trace.json and timeline.png (parallel/pp/timeline.py)."""
-    from parallel.pp.timeline import write_pipeline_report
+    simulated and closed-form bubble (parallel/pp/timeline.py)."""
+    from parallel.pp.timeline import pipeline_report
 
     spans = [r["pipeline_spans"] for r in sorted(rank_reports, key=lambda r: r["coords"]["pp"])
              if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
-    block = write_pipeline_report(run_dir, spans, plan.schedule, plan.dims.pp, plan.microbatches, plan.virtual_stages)
+    block = pipeline_report(spans, plan.schedule, plan.dims.pp, plan.microbatches, plan.virtual_stages)
     block["executed_by_rank"] = [r["pipeline_executed"] for r in rank_reports]
     return block
 

@@ -1,0 +1,73 @@
+"""`compare.rounds=N`: the sweep repeated N times, its order rotated each round, one row per strategy.
+
+Round k runs the strategies in the given order rotated by k (round 0 as given, round 1 from the
+second strategy on, ...), so that no strategy is always the first on a cold machine or always the
+one after the same neighbour; every run of every round is its own torchrun launch.
+
+A strategy's row over its rounds:
+
+    tokens_per_s, step_ms, and every other figure (bytes, memory, losses, time breakdown)
+                                    the median round's run, by tokens/s (the lower middle for an
+                                    even count; `round` says which), so that a row's figures are
+                                    one run's and add up (its breakdown sums to its step)
+    tokens_per_s_lo, tokens_per_s_hi  the slowest and the fastest round: the interval is min-max
+                                    over rounds (with 3 rounds a percentile interval would be
+                                    these same two numbers; with one round there is none)
+    ratio_to_baseline, ratio_lo, ratio_hi
+                                    per round ours / the counterpart's in that same round (two runs
+                                    minutes apart), then the median and min-max of those ratios
+    step_ms_min, step_ms_max        over every timed step of every round, and spread / noisy
+                                    from them (spread: their difference over the median round's step)
+    rounds_ok                       how many rounds ran it; a strategy that failed in some rounds
+                                    keeps the first error
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from parallel.compare.rows import NOISY_SPREAD
+
+
+def rotated(strategies: list[str], k: int) -> list[str]:
+    """The order of round k: the strategies rotated left by k."""
+    if not strategies:
+        return []
+    k %= len(strategies)
+    return strategies[k:] + strategies[:k]
+
+
+def _interval(values: list[float]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max); no interval from fewer than two values."""
+    if not values:
+        return None, None, None
+    if len(values) == 1:
+        return values[0], None, None
+    return statistics.median(values), min(values), max(values)
+
+
+def aggregate_rounds(rounds: list[list[dict]], strategies: list[str]) -> list[dict]:
+    """One row per strategy (in `strategies` order) from every round's rows (ratios already set)."""
+    rows = []
+    for name in strategies:
+        runs = [row for round_rows in rounds for row in round_rows if row["strategy"] == name]
+        ok = [r for r in runs if r["status"] == "ok"]
+        if not ok:
+            rows.append({**runs[0], "rounds_ok": 0})
+            continue
+        by_speed = sorted(ok, key=lambda r: r["tokens_per_s"])
+        row = dict(by_speed[(len(by_speed) - 1) // 2])  # the median run (the lower middle for an even count)
+        _, row["tokens_per_s_lo"], row["tokens_per_s_hi"] = _interval([r["tokens_per_s"] for r in ok])
+        ratios = [r["ratio_to_baseline"] for r in ok if r["ratio_to_baseline"] is not None]
+        row["ratio_to_baseline"], row["ratio_lo"], row["ratio_hi"] = _interval(ratios)
+        row["step_ms_min"] = min(r["step_ms_min"] for r in ok)
+        row["step_ms_max"] = max(r["step_ms_max"] for r in ok)
+        timed_steps = len(ok) > 1 or row["spread"] is not None
+        row["spread"] = (row["step_ms_max"] - row["step_ms_min"]) / row["step_ms"] if timed_steps else None
+        row["noisy"] = None if row["spread"] is None else row["spread"] > NOISY_SPREAD
+        row["rounds_ok"] = len(ok)
+        failed = [r for r in runs if r["status"] != "ok"]
+        if failed:
+            row["error"] = f"{failed[0]['status']} in {len(failed)} of {len(runs)} rounds: {failed[0]['error']}"
+        rows.append(row)
+    return rows

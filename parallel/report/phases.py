@@ -1,0 +1,66 @@
+"""Which part of its step a rank is in: phases that tile the step, marked by the strategy.
+
+A strategy's `train_step` calls `self.phases(name, label)` where one part of the step ends and the
+next begins. Each mark is one StepClock stamp (parallel/dist/timing.py: a host clock read on the
+CPU, a CUDA event on a GPU), the clock that times the step, so the marks tile exactly the step's
+measured time: a phase lasts from its mark to the next one, the last to the step's end. What each
+name counts as in the step's breakdown (report/breakdown.py):
+
+    forward, backward, recompute   compute: the model's own arithmetic
+    compute                        compute a strategy cannot split further (torch's pipeline schedule)
+    optimizer                      the optimizer's step
+    sync, p2p, other               the rest: gradient-sync bookkeeping, posting pipeline sends and
+                                   receives, zeroing gradients, the finite check
+    unmarked                       before the strategy's first mark: the training loop's own work
+                                   (all of a step whose strategy marks nothing)
+
+The communication a phase waited for is not taken out here: the breakdown subtracts the
+communication log's spans from the phase they fall in. Recomputation inside backward is its own
+phase where the code that recomputes marks it (`phases("recompute")`, then the phase it
+interrupted); otherwise it is counted as backward, where it runs.
+
+Outside the training loop (a strategy built by a test or a bench) there is no clock and a mark
+costs one attribute test.
+"""
+
+from __future__ import annotations
+
+CATEGORY_OF_PHASE = {
+    "forward": "compute", "backward": "compute", "recompute": "compute", "compute": "compute",
+    "optimizer": "optimizer", "sync": "other", "p2p": "other", "other": "other", "unmarked": "other",
+}
+
+
+class PhaseLog:
+    """One rank's phase marks for the current step; `resolve()` turns them into spans."""
+
+    def __init__(self):
+        self.clock = None  # set for the duration of a step by the training loop
+        self._marks: list[tuple[str, str, object]] = []
+        self._resolver = None
+
+    def begin_step(self, clock) -> None:
+        """The step began at the clock's origin: until the strategy's first mark it is "unmarked"."""
+        self.clock = clock
+        self._marks = [("unmarked", "", clock.origin)]
+
+    def __call__(self, phase: str, label: str = "") -> None:
+        if self.clock is None:
+            return
+        if phase not in CATEGORY_OF_PHASE:
+            raise ValueError(f"phase {phase!r} is none of {', '.join(CATEGORY_OF_PHASE)}")
+        self._marks.append((phase, label, self.clock.now()))
+
+    def stop(self) -> None:
+        """The step is over (it ends at the clock's end): later marks are ignored."""
+        self._resolver, self.clock = self.clock, None
+
+    def resolve(self) -> list[dict]:
+        """[{phase, label, start, end}] in seconds from the step's origin, in order, the last one
+        ending at the step's end; phases of zero length (two marks in a row) are left out."""
+        if self._resolver is None:
+            return []
+        seconds = self._resolver.seconds
+        times = [seconds(stamp) for _, _, stamp in self._marks] + [seconds(self._resolver.end)]
+        return [{"phase": phase, "label": label, "start": times[i], "end": times[i + 1]}
+                for i, (phase, label, _) in enumerate(self._marks) if times[i + 1] > times[i]]

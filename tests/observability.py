@@ -1,0 +1,76 @@
+"""Checks of a run's time breakdown and trace, shared by the strategy tests (whose runs they reuse).
+
+check_time_breakdown: summary.json's five parts are non-negative (no call counted twice, none
+outside the phase that made it) and add up to the breakdown step's time (within 5%, the brief's
+bound; the phases are stamped by the step's own clock, so it is exact but for float rounding);
+that step is the median timed step; every rank is there with its coordinates, its own parts
+adding up to the slowest rank's step (its own, plus its wait for the slowest).
+check_trace: trace.json is Chrome trace JSON (what Perfetto opens) with one process per rank named
+by its global rank and coordinates, and the bytes on each rank's communication spans equal what
+the communication log recorded for that rank in the last step, call for call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parallel.report.breakdown import CATEGORIES
+
+TOLERANCE = 0.05
+
+
+def check_time_breakdown(s: dict) -> dict:
+    parts, detail, by_rank = s["time_breakdown_s"], s["time_breakdown"], s["time_breakdown_by_rank"]
+    assert list(parts) == list(CATEGORIES)
+    assert all(v >= 0 for v in parts.values()), parts
+    step = detail["step_time_s"]
+    assert abs(sum(parts.values()) - step) <= TOLERANCE * step, (parts, step)
+    assert sum(parts.values()) == pytest.approx(detail["sum_s"])
+    # The breakdown is of the median timed step: with an odd number of timed steps, the summary's step time.
+    timed = s["step_times_s"][s["warmup_steps"]:]
+    assert step in timed and sorted(timed)[(len(timed) - 1) // 2] == step
+    if len(timed) % 2:
+        assert step == s["step_time_s"]
+    assert [r["rank"] for r in by_rank] == list(range(s["world_size"]))
+    assert all("coords" in r and "pp" in r["coords"] for r in by_rank)
+    assert sum(parts.values()) == pytest.approx(step, rel=1e-9)
+    for r in by_rank:
+        assert all(r[c] >= 0 for c in CATEGORIES), r
+        assert r["step_s"] <= step and sum(r[c] for c in CATEGORIES) == pytest.approx(step, rel=1e-9)
+    compute = detail["compute_s"]
+    assert set(compute) >= {"forward", "backward", "recompute"}
+    return parts
+
+
+def check_trace(run_dir: Path, s: dict) -> dict:
+    trace = json.loads((run_dir / "trace.json").read_text())
+    events = trace["traceEvents"]
+    world = s["world_size"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names) == list(range(world))
+    coords = {r["rank"]: r["coords"] for r in s["time_breakdown_by_rank"]}
+    for rank, name in names.items():
+        assert name.startswith(f"rank {rank} (")
+        for dim in ("pp", "dp", "tp"):
+            if s["parallel"][dim] > 1:
+                assert f"{dim} {coords[rank][dim]}" in name, name
+    spans = [e for e in events if e["ph"] == "X"]
+    for e in spans:
+        assert isinstance(e["name"], str) and e["ts"] >= 0 and e["dur"] >= 0
+        assert e["pid"] in names and e["tid"] in (0, 1, 2)
+    assert {e["pid"] for e in spans if e["tid"] == 0} == set(range(world)), "every rank has its phases"
+    comm = [e for e in spans if e["tid"] in (1, 2)]
+    strategy_comm = [e for e in comm if not e["args"]["tag"].startswith("tooling/")]
+    # The bytes on the spans of each rank are the bytes the log recorded for it in the last step.
+    for rank in range(world):
+        sent = sum(e["args"]["sent_bytes"] for e in strategy_comm if e["pid"] == rank)
+        assert sent == pytest.approx(s["comm"]["by_rank"][rank], rel=1e-12, abs=1e-6), rank
+    calls = [e for e in strategy_comm if e["args"]["kind"] != "wait"]
+    assert len(calls) == s["comm"]["calls_per_step"]
+    assert sum(e["args"]["payload_bytes"] for e in calls) == s["comm"]["payload_bytes_per_step"]
+    assert all(e["args"]["payload_bytes"] == 0 for e in comm if e["args"]["kind"] == "wait")
+    assert s["trace"]["trace"] == "trace.json" and s["trace"]["step"] == s["first_step"] + len(s["losses"]) - 1
+    return trace
