@@ -7,7 +7,7 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   parallel            the layout (dp, tp, pp, microbatches, ...) and strategy options
   precision, device   fp32 | bf16 (train.precision); cpu | cuda
   losses              per step: mean loss over every token of the global batch
-  step_time_s         median over the timed steps (warm-up excluded) of the slowest rank's time
+  step_time_s         the (lower) median over the timed steps (warm-up excluded) of the slowest rank's time
                       (host clock on the CPU, CUDA events on a GPU: parallel/dist/timing.py)
   tokens_per_s        global tokens per step / step_time_s
   peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
@@ -69,7 +69,9 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     timed_from = plan.warmup_steps
     # A step lasts as long as its slowest rank.
     step_times = [max(r["step_times"][i] for r in rank_reports) for i in range(len(losses))]
-    step_time = statistics.median(step_times[timed_from:])
+    # The lower median: one real step (with an even count the mean of two would be a step that never
+    # ran), the same one whose time the breakdown splits (parallel/report/breakdown.py).
+    step_time = statistics.median_low(step_times[timed_from:])
     comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
     memory = [r["peak_memory_bytes"] for r in rank_reports]
     summary = {
