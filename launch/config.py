@@ -24,3 +24,19 @@ CONFIG_DIR = str(config_dir())
 # The directory that holds the `launch` and `parallel` packages: subprocesses get it on their
 # PYTHONPATH, so a sweep's runs use this very code wherever they are started.
 CODE_ROOT = HERE.parent
+
+
+def unknown_preset(argv: list[str]) -> str | None:
+    """The first `group=name` on the command line that names no preset of conf/<group>/, as one
+    line with the choices, or None. Checked before Hydra, whose own report of the same mistake is
+    a multi-line traceback-like message (and under torchrun, one per rank)."""
+    root = Path(CONFIG_DIR)
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        group = key.lstrip("+~")
+        if not sep or "." in group or not (root / group).is_dir():
+            continue
+        if not (root / group / f"{value}.yaml").is_file():
+            choices = sorted(p.stem for p in (root / group).glob("*.yaml"))
+            return f"{group}={value} is not a preset of conf/{group}/: choose one of {', '.join(choices)}"
+    return None

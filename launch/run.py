@@ -34,7 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 # Only torch-free modules here: a bad net setting is refused before torch is even imported.
-from launch.config import CODE_ROOT, CONFIG_DIR
+from launch.config import CODE_ROOT, CONFIG_DIR, unknown_preset
 from parallel.net.faults import FaultInjector, LinkFault, unreachable_nodes
 from parallel.net.netns import EmulatedNetwork, NetSetupError, stop_processes
 from parallel.net.probe import ENV_IFNAME, ENV_NODE, ENV_SETTINGS
@@ -295,5 +295,15 @@ def main(cfg: DictConfig) -> None:
     sys.exit(code)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The entry point: a preset that does not exist is refused in the project's one line, exit 2,
+    before Hydra (and before any network or process exists)."""
+    unknown = unknown_preset(sys.argv[1:])
+    if unknown:
+        print(f"error: {unknown}", file=sys.stderr, flush=True)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -21,7 +21,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from launch.config import CONFIG_DIR
+from launch.config import CONFIG_DIR, unknown_preset
 from parallel.data import DataError
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
@@ -42,6 +42,9 @@ def cli() -> None:
     once per rank: ranks other than 0 keep their stderr closed until Hydra has handed over the
     config, and rank 0 says it once."""
     global _saved_stderr
+    unknown = unknown_preset(sys.argv[1:])
+    if unknown:
+        exit_with_error(LaunchEnv.from_environ(), unknown)
     if int(os.environ.get("RANK", "0")) != 0:
         sys.stderr.flush()
         _saved_stderr = os.dup(2)

@@ -37,6 +37,25 @@ def test_bad_data_in_one_process_exits_nonzero_with_one_line(tmp_path):
 
 def test_unknown_preset_is_refused_by_name(tmp_path):
     run = run_train(1, ["parallel=zero9"], tmp_path / "run", timeout=90)
-    assert run.returncode != 0
-    assert "Could not find 'parallel/zero9'" in run.stderr
-    assert "Available options in 'parallel'" in run.stderr
+    assert run.returncode == 2
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("error: parallel=zero9 is not a preset of conf/parallel/: choose one of 3d, ")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.dp=3"], "error: world size 2 != parallel.dp x parallel.tp x parallel.pp = 3 x 1 x 1 = 3"),
+    (["model=nonexistent"], "error: model=nonexistent is not a preset of conf/model/"),
+])
+def test_the_launcher_validates_first_and_ends_with_the_line(overrides, message):
+    """`python -m launch.run` checks the whole plan for its world before starting torchrun: a bad
+    configuration ends with the project's one line, last, and exit status 2 (torchrun's own
+    report of failed workers never comes)."""
+    import subprocess
+    import sys
+
+    from launcher import PROJECT_ROOT
+
+    proc = subprocess.run([sys.executable, "-m", "launch.run", "net.procs_per_node=2", *overrides], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(message), proc.stderr[-2000:]
