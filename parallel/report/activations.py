@@ -54,7 +54,9 @@ class ActivationMeter:
         self.peak = self.current
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
+        # A DTensor (PyTorch's tensor parallelism) is a wrapper with no storage of its own: the
+        # bytes it holds are its local shard's.
+        storage = getattr(t, "_local_tensor", t).untyped_storage()
         key = storage.data_ptr()
         if key in self.excluded or storage.nbytes() == 0 or _is_parameter(t):
             return t
