@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from parallel import theory
 from parallel.dist.dims import LayoutError
-from parallel.registry import Options, StrategySpec, register
+from parallel.registry import REGISTRY, Options, StrategySpec, register
 from parallel.strategy import SingleProcess, make_optimizer
 
 
@@ -200,3 +200,20 @@ register(StrategySpec(
     build=_build_torch_pp, comm=theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
     check=_torch_pp_check, tags=BASELINE,
 ))
+
+
+# -- activation memory: the bytes each rank saves for backward (parallel/planner/memory.py) ----------
+# Measured on every run (parallel/report/activations.py) and checked against this formula by
+# tests/test_planner_memory.py. PyTorch's DTensor TP and pipelining save other tensors (the
+# gathered logits; the first stage's extra microbatch state), so torch_tp and torch_pp have none.
+def _with_activations(name: str) -> None:
+    from dataclasses import replace
+
+    from parallel.planner.memory import registry_activations
+
+    REGISTRY[name] = replace(REGISTRY[name], activations=registry_activations)
+
+
+for _name in ("single", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d",
+              "torch_ddp", "accelerate_ddp", "torch_fsdp2"):
+    _with_activations(_name)
