@@ -93,7 +93,16 @@ def main_plan(cfg: DictConfig) -> Path:
     if p.validate:
         settings = run_settings([f"model={model_name}", *_model_field_overrides(cfg)], p.steps, p.warmup_steps,
                                 cluster.peak_flops)
-        if p.calibrate:
+        recalibrate = None
+        if p.calibrate == "each":
+            def recalibrate(row: dict, name: str) -> dict:
+                efficiency, single = calibrate(settings, global_batch, world, run_dir, p.timeout_s, f"{name}-single")
+                again, _ = plan_rows(shape, base, presets, replace(cluster, efficiency=efficiency), world,
+                                     global_batch, space, layouts)
+                fresh = next(r for r in again if r["run_overrides"] == row["run_overrides"])
+                return {**fresh, "rank": row["rank"], "calibration": {"efficiency": efficiency,
+                                                                      "step_time_s": single["step_time_s"]}}
+        elif p.calibrate:
             efficiency, single = calibrate(settings, global_batch, world, run_dir, p.timeout_s)
             calibration = {"efficiency": efficiency, "step_time_s": single["step_time_s"], "from": "parallel=single"}
             print(f"calibration: parallel=single reaches {efficiency:.1%} of its cores' peak; predicting with it",
@@ -102,10 +111,12 @@ def main_plan(cfg: DictConfig) -> Path:
             rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts)
         validation = choose(rows, p.validate_top, layouts)
         net_preset = choices.get("net")
-        validate_rows(validation, settings, world, run_dir, net, net_preset, p.timeout_s)
+        validate_rows(validation, settings, world, run_dir, net, net_preset, p.timeout_s, recalibrate=recalibrate)
     meta = _meta(cfg, model_name, shape, cluster, world, global_batch, found, space, time.perf_counter() - started)
     if validation is not None:
-        meta["validation"] = {"calibration": calibration, "net": net or cfg.cluster.get("net"),
+        own_net = cfg.cluster.get("net")
+        meta["validation"] = {"calibration": calibration, "command_net": choices.get("net") or "none",
+                              "net": net or (OmegaConf.to_container(own_net) if own_net is not None else None),
                               **order_agreement(validation)}
     shown = rows[: p.top]
     plots.memory_plot(shown, cluster.usable_bytes, cluster.memory_bytes, run_dir / "memory_per_device.png")
@@ -121,6 +132,9 @@ def main_plan(cfg: DictConfig) -> Path:
 
         print("\nvalidation (predicted against measured, net=" + str(choices.get("net") or "none") + "):")
         print(markdown_validation(validation))
+        order = meta["validation"]
+        print(f"fastest first, predicted: {order['predicted_order']}; measured: {order['measured_order']} "
+              f"({'the same' if order['same'] else 'not the same'})")
     print(f"\nplan.json, report.md, memory_per_device.png, step_time.png in {run_dir}")
     return run_dir
 

@@ -144,6 +144,11 @@ def test_enumeration_adds_the_kv_heads_rule_and_routes_through_the_registry(base
     strategies = {(c.plan.strategy, c.layout.dims.tp > 1, c.layout.dims.pp > 1, c.zero) for c in found.candidates}
     assert ("zero3", False, False, 3) in strategies and ("3d", True, True, 0) in strategies
     assert all(c.plan.strategy in REGISTRY for c in found.candidates)
+    # The ZeRO stage a row reports is the one that runs: in the name for zero<k>, else parallel.zero.
+    for c in found.candidates:
+        assert c.zero == (int(c.plan.strategy[-1]) if c.plan.strategy in ("zero1", "zero2", "zero3") else c.plan.zero)
+    combined = [c for c in found.candidates if c.layout.dims.dp > 1 and c.layout.dims.pp > 1]
+    assert {c.zero for c in combined} == {0, 2} and {c.plan.strategy for c in combined if c.zero} == {"3d"}
 
 
 def test_a_strategy_registered_without_an_activation_formula_gets_rows_saying_so(base):
@@ -263,6 +268,21 @@ def test_time_model_by_hand(base):
     assert gloo.exposed_comm > t.exposed_comm and gloo.bubble == pytest.approx(t.bubble)
 
 
+def test_this_machine_takes_the_emulated_networks_settings():
+    """Issue 13's net.* settings: 2 nodes of 2 ranks behind 200 Mbit/s links with 1 ms latency; the
+    machine's memory and peak shared by every rank; a world the network does not have is refused."""
+    preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
+              "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100}
+    net = {"nodes": 2, "procs_per_node": 2, "inter_mbit": 200, "intra_mbit": None, "latency_ms": 1, "loss_pct": 0}
+    c = cluster_from_config(preset, net, world=4)
+    assert (c.nodes, c.gpus_per_node, c.node_link_shared, c.shared_compute) == (2, 2, True, True)
+    assert c.inter_bytes_per_s == 200e6 / 8 and c.intra_bytes_per_s == 1e9
+    assert c.inter_latency_s == pytest.approx(100e-6 + 1e-3) and c.memory_bytes == pytest.approx(23.4 * 2**30 / 4)
+    assert c.flops_per_rank(4) == pytest.approx(0.3e12 * preset["efficiency"] / 4) and c.peak_for_mfu(4) == 0.3e12
+    with pytest.raises(ClusterError, match="plan.world=8 but the network has net.nodes x net.procs_per_node = 2 x 2"):
+        cluster_from_config(preset, net, world=8)
+
+
 # -- the command line -------------------------------------------------------------------------------------
 def _plan(args: list[str], tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=PROJECT_ROOT, capture_output=True,
@@ -272,7 +292,7 @@ def _plan(args: list[str], tmp_path) -> subprocess.CompletedProcess:
 def test_launch_plan_writes_the_ranked_plan(tmp_path):
     out = tmp_path / "plan"
     proc = _plan(["model=tiny", "plan.world=4", "plan.peak_tflops=0.3", "plan.layouts=[dp,tp,pp_1f1b,zero3,3d]",
-                  f"run.dir={out}"], tmp_path)
+                  "cluster.loopback_gbytes_per_s=1.0", "cluster.loopback_latency_us=100", f"run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tiny on 4 x this_machine" in proc.stdout and "MFU %" in proc.stdout
     plan = json.loads((out / "plan.json").read_text())

@@ -108,11 +108,21 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
 
 def _emulated(c: dict, common: dict, net: dict, world: int | None) -> Cluster:
     """This machine's ranks on emulated nodes (issue 13's net.* settings). Loopback (net=none, or an
-    unshaped link) runs at the measured loopback rate, shared by the node's ranks; a shaped link at its
-    rate. A node has one link to the others, shared by the transfers that leave the node at once."""
+    unshaped link) runs at the rate one rank reaches with this many ranks on the cores (measured by
+    parallel/planner/loopback.py where the preset leaves it null); a shaped link at its rate. A node
+    has one link to the others, shared by the transfers that leave the node at once."""
     nodes = int(net.get("nodes") or 1)
     per_node = int(net.get("procs_per_node") or 0) or (world // nodes if world else 1)
-    loopback = float(c["loopback_gbytes_per_s"]) * 1e9 / per_node
+    if world and nodes * per_node != world:
+        raise ClusterError(f"plan.world={world} but the network has net.nodes x net.procs_per_node = {nodes} x "
+                           f"{per_node} = {nodes * per_node} ranks: set plan.world={nodes * per_node}")
+    if c.get("loopback_gbytes_per_s") is None or c.get("loopback_latency_us") is None:
+        from parallel.planner.loopback import measure
+
+        measured = measure(world or per_node * nodes)
+        c = {**c, "loopback_gbytes_per_s": measured["bytes_per_s"] / 1e9,
+             "loopback_latency_us": measured["latency_s"] * 1e6}
+    loopback = float(c["loopback_gbytes_per_s"]) * 1e9  # per rank, with this many ranks on the cores
     inter_mbit, intra_mbit = net.get("inter_mbit"), net.get("intra_mbit")
     latency = float(net.get("latency_ms") or 0) * 1e-3
     if world:

@@ -21,6 +21,7 @@ have: grouped-query attention splits K and V heads whole, so tp must divide the 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -100,16 +101,18 @@ def balanced_layers(n_layers: int, pieces: int) -> list[int] | None:
 
 
 def zero_stage(strategy: str, plan: RunPlan) -> int:
-    """The ZeRO stage of the dp dimension: the layout's, or the one whose routing (registry.resolve
-    of a pure-dp request) names this strategy."""
+    """The ZeRO stage of the dp dimension: the layout's (a combined layout keeps it in parallel.zero),
+    or the one that the registry's routing of a pure-dp request carries in this strategy's name
+    (dp with parallel.zero=2 runs as zero2, its options then saying zero=0)."""
     if plan.zero:
         return plan.zero
     for stage in (1, 2, 3):
         try:
-            if resolve("dp", plan.dims, Options(False, stage))[0] == strategy:
-                return stage
+            name, options = resolve("dp", plan.dims, Options(False, stage))
         except (ConfigError, LayoutError):
             continue
+        if name == strategy and options.zero == 0:
+            return stage
     return 0
 
 
@@ -168,8 +171,36 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
     return None
 
 
+@contextmanager
+def schedules_built_once():
+    """build_plan checks a pipeline by building its schedule (parallel.plan.build_schedule); the
+    search asks that of the same (schedule, p, m, v) for every ZeRO stage and option, thousands of
+    times for a large world. For the length of the search plan.py's name is bound to the same
+    function answering from a cache of its own results (fresh lists each time; a refusal is raised
+    again each time, with its message)."""
+    import parallel.plan as plan_module
+
+    original = plan_module.build_schedule
+
+    @lru_cache(maxsize=128)
+    def built(name: str, p: int, m: int, v: int) -> tuple:
+        return tuple(tuple(actions) for actions in original(name, p, m, v))
+
+    plan_module.build_schedule = lambda name, p, m, v=1: [list(actions) for actions in built(name, p, m, v)]
+    try:
+        yield
+    finally:
+        plan_module.build_schedule = original
+
+
 def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
                       only: list[str] | None = None) -> Enumeration:
+    with schedules_built_once():
+        return _enumerate(shape, base, world, global_batch, space, only)
+
+
+def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
+               only: list[str] | None) -> Enumeration:
     """Every layout of `world` devices that build_plan accepts for this model and global batch.
 
     `base`: the training config as a plain dict (conf/config.yaml composed), whose model section

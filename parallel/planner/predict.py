@@ -38,6 +38,8 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) ->
         return None
     if shape.trainable and precision == "fp32":
         return registered
+    if candidate.request.get("recompute", "none") != "none":
+        return None  # recomputation's formulas are the registry's, for the GPT in fp32 only
     return memory.activation_bytes_by_rank(shape, layout, plan.global_batch, ACT_BYTES[precision])
 
 

@@ -42,6 +42,8 @@ def _gb(x) -> str:
 def _s(x) -> str:
     if x is None:
         return "-"
+    if x == 0:
+        return "0"
     return f"{x:.3g}" if x >= 0.01 else f"{x * 1e3:.3g}m"
 
 
@@ -121,7 +123,11 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
     if validation:
         from parallel.planner.validate import markdown_validation
 
+        order = meta.get("validation", {})
         lines += ["## Validation: predicted against measured", "", markdown_validation(validation), ""]
+        if order:
+            lines += [f"Fastest first, predicted (by rank): {order['predicted_order']}; measured: "
+                      f"{order['measured_order']} ({'the same order' if order['same'] else 'not the same order'}).", ""]
     lines += ["## Assumptions", ""] + [f"- **{k}**: {v}" for k, v in meta["assumptions"].items()] + [""]
     if meta.get("refused"):
         lines += ["## Refused by plan.py (requests per rule)", ""]

@@ -181,7 +181,7 @@ def run_settings(model_overrides: list[str], steps: int, warmup_steps: int, peak
 
 
 def calibrate(settings: list[str], global_batch: int, world: int, run_root: Path,
-              timeout_s: float) -> tuple[float, dict]:
+              timeout_s: float, name: str = "calibration-single") -> tuple[float, dict]:
     """Efficiency from a one-process run of the model (nothing but compute in its step), run with the
     threads each rank of a `world`-rank run gets (train.py: cores // ranks, at least 1): its FLOP/s
     over the peak of those threads' cores. (Two threads on a loaded 2-core machine can run slower
@@ -191,18 +191,23 @@ def calibrate(settings: list[str], global_batch: int, world: int, run_root: Path
     cores = usable_cores()
     threads = max(1, cores // world)
     overrides = ["parallel=single", *settings, f"train.global_batch={global_batch}", f"train.threads={threads}"]
-    summary = run_layout(overrides, 1, run_root / "calibration-single", None, None, timeout_s)
+    summary = run_layout(overrides, 1, run_root / name, None, None, timeout_s)
     if "error" in summary:
         raise ValidationError(f"the calibration run (parallel=single) failed: {summary['error']}")
     return min(1.0, summary["mfu"]["mfu"] * cores / threads), summary
 
 
 def validate_rows(chosen: list[dict], settings: list[str], world: int, run_root: Path, net: dict | None,
-                  net_preset: str | None, timeout_s: float, progress=print) -> None:
-    """Run every chosen row; each gets `measured` and `errors` (or `measured_error`)."""
+                  net_preset: str | None, timeout_s: float, progress=print, recalibrate=None) -> None:
+    """Run every chosen row; each gets `measured` and `errors` (or `measured_error`). `recalibrate`
+    (plan.calibrate=each): (row, name) -> the row predicted anew from a calibration run made right
+    before this one, so that a machine whose load changes from minute to minute is measured twice
+    under the same load."""
     for i, row in enumerate(chosen, 1):
         name = f"{row['rank']:03d}-{row['layout']['preset'] or row['layout']['strategy']}"
         progress(f"validating {i}/{len(chosen)}: {name} {layout_label(row['layout'])}")
+        if recalibrate is not None:
+            row.update(recalibrate(row, name))
         summary = run_layout([*row["run_overrides"], *settings], world, run_root / name, net, net_preset, timeout_s)
         if "error" in summary:
             row["measured_error"] = summary["error"]
