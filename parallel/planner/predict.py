@@ -82,10 +82,12 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
                                  layers)
         links = bytes_by_link(traffic)
         time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
-                         ACT_BYTES[precision])
+                         ACT_BYTES[precision]) if covered else None
     except NoTrafficFormula as e:
         notes.append(f"no traffic formula: {e}")
         traffic, links, time = None, None, None
+    if not covered:
+        notes.append("mixture of experts: the planner's FLOP, memory and time counts are for dense blocks")
     tokens = plan.global_batch * shape.gpt.seq_len
     total = time.total if time else None
     return {
