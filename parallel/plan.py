@@ -99,6 +99,16 @@ class RunPlan:
 
 
 def model_config(cfg) -> GPTConfig:
+    # Presets of shapes the GPT does not have (grouped-query attention, a gated MLP: conf/model/llama3_*)
+    # are the planner's; training one would silently build a different model.
+    from parallel.planner.shape import ShapeError, untrainable_reason
+
+    try:
+        reason = untrainable_reason({k: cfg[k] for k in cfg})
+    except ShapeError as e:
+        raise ConfigError(str(e)) from None
+    if reason:
+        raise ConfigError(reason)
     try:
         return GPTConfig(
             vocab_size=cfg.vocab_size,

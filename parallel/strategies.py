@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from parallel import theory
 from parallel.dist.dims import LayoutError
-from parallel.registry import ConfigError, Options, StrategySpec, register
+from parallel.registry import REGISTRY, ConfigError, Options, StrategySpec, register
 from parallel.strategy import SingleProcess, make_optimizer
 
 
@@ -286,3 +286,20 @@ for _name, _kind, _what in (("cp", "ring", "ring attention: K, V blocks passed a
         dims=frozenset({"dp", "cp"}), min_world=2, grad_sync=True, zero_dp=True, recompute=True, cp_kind=_kind,
         route=_cp_route,
     ))
+
+
+# -- activation memory: the bytes each rank saves for backward (parallel/planner/memory.py) ----------
+# Measured on every run (parallel/report/activations.py) and checked against this formula by
+# tests/test_planner_memory.py. PyTorch's DTensor TP (its loss runs on the all-gathered logits) and
+# pipelining (its first stage holds more: +17% at 4 stages) save more than ours: they have none.
+def _with_activations(name: str) -> None:
+    from dataclasses import replace
+
+    from parallel.planner.memory import registry_activations
+
+    REGISTRY[name] = replace(REGISTRY[name], activations=registry_activations)
+
+
+for _name in ("single", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d",
+              "torch_ddp", "accelerate_ddp", "torch_fsdp2", "cp", "cp_a2a"):
+    _with_activations(_name)

@@ -1,0 +1,72 @@
+"""This machine's loopback, measured as the runs will see it: `world` gloo ranks on its cores.
+
+With net=none every rank talks to the others over loopback, and the rate a collective reaches is
+set by the cores that copy and reduce the bytes, shared with everything else running, not by a
+wire: two ranks on two cores move several times more per rank than four. So the planner measures
+it with the world size it plans for, the way the runs will use it:
+
+    rate      the bytes one rank sends in an all-reduce of 8 MiB (ring convention, 2(N-1)/N · S)
+              over the time it takes, best of 5 (the collective's own figure, as comm.py counts it)
+    latency   the time of a 4-byte all-reduce over its 2(N-1) ring steps, best of 20
+
+`python -m torch.distributed.run --standalone --nproc-per-node N -m parallel.planner.loopback`
+prints the two as JSON on rank 0; `measure(world)` runs that and reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PAYLOAD_BYTES = 8 * 2**20
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo")
+    n = dist.get_world_size()
+    torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1) // n))
+    big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
+    dist.all_reduce(big)
+    seconds = _best(lambda: dist.all_reduce(big), 5)
+    tiny = _best(lambda: dist.all_reduce(small), 20)
+    if dist.get_rank() == 0:
+        sent = 2 * (n - 1) / n * PAYLOAD_BYTES
+        print(json.dumps({"bytes_per_s": sent / seconds, "latency_s": tiny / max(1, 2 * (n - 1)), "ranks": n}))
+    dist.destroy_process_group()
+
+
+def measure(world: int, timeout_s: float = 120) -> dict:
+    """{"bytes_per_s": per rank, "latency_s": per ring step} with `world` ranks (2 for one rank: a
+    one-rank job has no links, and its rate is never used)."""
+    ranks = max(2, world)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           "-m", "parallel.planner.loopback"]
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's code, in the child processes too
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"measuring loopback with {ranks} gloo ranks failed: {proc.stderr[-500:]}")
+    return json.loads(lines[-1])
+
+
+if __name__ == "__main__":
+    main()

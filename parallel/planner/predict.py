@@ -1,0 +1,108 @@
+"""One candidate layout -> one row of the plan: memory per device, bytes per link class, step time.
+
+The row's names are the contract tools read (plan.json, issue 14):
+
+    layout                  preset (the conf/parallel preset that runs it, or null), strategy, dp, tp,
+                            pp, cp, ep, zero, sequence_parallel, microbatches, microbatch_size,
+                            schedule, virtual_stages, pp_layers, grad_sync (and recompute where it exists)
+    memory_bytes_per_device params, grads, optimizer, activations, buffers, total: the rank that holds
+                            the most (a pipeline's stages differ); null parts where no formula covers it
+    fits                    total <= the device's usable bytes (capacity - runtime, less the headroom)
+    over_bytes              how far past the usable bytes it is (negative: room left)
+    bytes_per_step          intra_node, inter_node: all ranks' bytes per optimizer step (theory.py)
+    step_time_s             compute, exposed_comm, bubble, total
+    tokens_per_s, mfu       global tokens per step / total; model FLOPs per second / peak (a fraction)
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from parallel.planner import memory
+from parallel.planner.cluster import Cluster
+from parallel.planner.enumerate import Candidate
+from parallel.planner.shape import ModelShape
+from parallel.planner.timing import step_time
+from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
+
+ACT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) -> list[int] | None:
+    """Saved bytes per rank: the registry's formula for a trainable model in fp32 (what every run is
+    checked against), else parallel/planner/memory.py's for this shape and precision, where the
+    strategy has a formula at all (its registry entry gives one for the carrier)."""
+    plan, layout = candidate.plan, candidate.layout
+    registered = plan.spec.activations(shape.gpt_config(), layout)
+    if registered is None:
+        return None
+    if shape.trainable and precision == "fp32":
+        return registered
+    if candidate.request.get("recompute", "none") != "none":
+        return None  # recomputation's formulas are the registry's, for the GPT in fp32 only
+    return memory.activation_bytes_by_rank(shape, layout, plan.global_batch, ACT_BYTES[precision])
+
+
+def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, preset: str | None) -> dict:
+    plan, layout = candidate.plan, candidate.layout
+    dims, precision = layout.dims, cluster.precision
+    if precision == "bf16":
+        from dataclasses import replace
+
+        layout = replace(layout, dtype_bytes=2)  # gradients and activations cross ranks in bf16
+    row_layout = {
+        "preset": preset, "strategy": plan.strategy, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp,
+        "ep": dims.ep, "zero": candidate.zero, "sequence_parallel": layout.sequence_parallel,
+        "microbatches": layout.microbatches, "microbatch_size": layout.microbatch_size,
+        "schedule": layout.schedule if plan.spec.pipelined and dims.pp > 1 else None,
+        "virtual_stages": layout.virtual_stages if plan.spec.pipelined and dims.pp > 1 else None,
+        "pp_layers": list(layout.pp_layers) if layout.pp_layers else None, "grad_sync": candidate.grad_sync,
+        **({"recompute": candidate.request["recompute"]} if "recompute" in candidate.request else {}),
+    }
+    notes = []
+    layers = memory.rank_layers(shape, layout)
+    activations = activation_bytes(shape, candidate, precision)
+    if activations is None:
+        notes.append(f"no activation formula for {plan.strategy} on this layout")
+    covered = not shape.gpt.moe_experts
+    per_stage = []
+    for r in range(dims.pp):
+        state = memory.model_state_bytes(shape, layout, candidate.zero, precision, r) if covered else None
+        rank = dims.rank_of(r, 0, 0)
+        acts = activations[rank] if activations is not None else None
+        buffers = memory.buffer_bytes(shape, layout, candidate.zero, precision, r)
+        parts = {"params": state and state["params"], "grads": state and state["grads"],
+                 "optimizer": state and state["optimizer"], "activations": acts, "buffers": buffers}
+        parts["total"] = sum(parts.values()) if all(v is not None for v in parts.values()) else None
+        per_stage.append(parts)
+    worst = max(per_stage, key=lambda m: -1 if m["total"] is None else m["total"])
+    fits = worst["total"] <= cluster.usable_bytes if worst["total"] is not None else None
+    try:
+        traffic = layout_traffic(plan.spec, shape, layout, candidate.zero, cluster.gpus_per_node, cluster.algorithm,
+                                 layers)
+        links = bytes_by_link(traffic)
+        time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
+                         ACT_BYTES[precision]) if covered else None
+    except NoTrafficFormula as e:
+        notes.append(f"no traffic formula: {e}")
+        traffic, links, time = None, None, None
+    if not covered:
+        notes.append("mixture of experts: the planner's FLOP, memory and time counts are for dense blocks")
+    tokens = plan.global_batch * shape.gpt.seq_len
+    total = time.total if time else None
+    return {
+        "layout": row_layout,
+        "memory_bytes_per_device": worst,
+        "memory_by_stage": per_stage,  # pp rank r: every rank of stage r holds the same
+        "fits": fits,
+        "over_bytes": worst["total"] - cluster.usable_bytes if worst["total"] is not None else None,
+        "bytes_per_step": {"intra_node": links["intra_node"], "inter_node": links["inter_node"]} if links else None,
+        "bytes_exact": str(sum((t.total for t in traffic.values()), Fraction(0))) if traffic else None,
+        "bytes_by_group": {g: float(t.total) for g, t in traffic.items()} if traffic else None,
+        "step_time_s": {"compute": time.compute, "exposed_comm": time.exposed_comm, "bubble": time.bubble,
+                        "total": total} if time else None,
+        "comm_seconds_by_group": time.comm_by_group if time else None,
+        "tokens_per_s": tokens / total if total else None,
+        "mfu": shape.flops_per_token() * tokens / total / cluster.peak_for_mfu(dims.world_size) if total else None,
+        "notes": notes,
+    }

@@ -1,0 +1,137 @@
+"""The plan's outputs: the ranked table (console and report.md), plan.json, and the plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GIB = 2**30
+
+
+def layout_label(layout: dict) -> str:
+    """`2x4x8 m16 1f1b v2 sp z1`: dp x tp x pp (x cp, ep where used), microbatches, schedule, options."""
+    dims = f"{layout['dp']}x{layout['tp']}x{layout['pp']}"
+    if layout.get("cp", 1) > 1:
+        dims += f" cp{layout['cp']}"
+    if layout.get("ep", 1) > 1:
+        dims += f" ep{layout['ep']}"
+    parts = [dims, f"m{layout['microbatches']}x{layout['microbatch_size']}"]
+    if layout["schedule"]:
+        parts.append(layout["schedule"] + (f" v{layout['virtual_stages']}" if layout["virtual_stages"] > 1 else ""))
+    if layout["sequence_parallel"]:
+        parts.append("sp")
+    if layout["zero"]:
+        parts.append(f"zero{layout['zero']}")
+    if layout.get("grad_sync") == "naive":
+        parts.append("naive")
+    if layout.get("recompute") not in (None, "none"):
+        parts.append(f"rc-{layout['recompute']}")
+    return " ".join(parts)
+
+
+def _gib(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x / GIB:.1f}" if x >= 10 * GIB else f"{x / GIB:.3g}"
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.3g}"
+
+
+def _s(x) -> str:
+    if x is None:
+        return "-"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if x >= 0.01 else f"{x * 1e3:.3g}m"
+
+
+HEADER = ["#", "preset", "layout dp x tp x pp", "mem GiB", "params/grads/optim/acts/buf GiB", "fits",
+          "intra GB", "inter GB", "step s", "compute/comm/bubble s", "tokens/s", "MFU %"]
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        mem, t = row["memory_bytes_per_device"], row["step_time_s"]
+        fits = {True: "yes", None: "?"}.get(row["fits"], f"no, +{_gib(row['over_bytes'])}")
+        out.append([
+            str(row["rank"]), row["layout"]["preset"] or row["layout"]["strategy"], layout_label(row["layout"]),
+            _gib(mem["total"]),
+            "/".join(_gib(mem[k]) for k in ("params", "grads", "optimizer", "activations", "buffers")),
+            fits,
+            _gb(row["bytes_per_step"]["intra_node"]) if row["bytes_per_step"] else "-",
+            _gb(row["bytes_per_step"]["inter_node"]) if row["bytes_per_step"] else "-",
+            _s(t["total"]) if t else "-",
+            "/".join(_s(t[k]) for k in ("compute", "exposed_comm", "bubble")) if t else "-",
+            f"{row['tokens_per_s']:.4g}" if row["tokens_per_s"] else "-",
+            f"{100 * row['mfu']:.1f}" if row["mfu"] is not None else "-",
+        ])
+    return out
+
+
+def shown(rows: list[dict], top: int) -> list[dict]:
+    """The best `top` rows, and the closest misses among those that do not fit (so a table of a
+    model that fits nowhere still says by how much)."""
+    best = rows[:top]
+    misses = [r for r in rows if r["fits"] is False and r not in best][: max(3, top // 4)]
+    return best + misses
+
+
+def console_table(rows: list[dict], top: int) -> str:
+    body = table_rows(shown(rows, top))
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(HEADER)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)
+
+
+def markdown_table(rows: list[dict], top: int) -> str:
+    body = table_rows(shown(rows, top))
+    lines = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join("---" for _ in HEADER) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def write_json(path: Path, meta: dict, rows: list[dict]) -> None:
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+
+
+def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: list[str],
+                   validation: list[dict] | None = None) -> None:
+    cluster, model = meta["cluster"], meta["model"]
+    fitting = sum(1 for r in rows if r["fits"])
+    lines = [
+        f"# Plan: {model['preset']} on {meta['world']} x {cluster['name']}",
+        "",
+        f"{model['parameters'] / 1e9:.3g}B parameters ({model['description']}); global batch {meta['global_batch']} "
+        f"sequences of {model['seq_len']} tokens ({meta['tokens_per_step']:,} tokens per step); "
+        f"{meta['precision']} training. {len(rows)} valid layouts ({fitting} fit in "
+        f"{cluster['usable_gib']:.1f} GiB usable per device), {meta['refused_total']} requests refused by "
+        "plan.py's rules.",
+        "",
+        markdown_table(rows, top),
+        "",
+        "How to read it: **mem** is the device that holds the most (a pipeline's first stage, usually), split into "
+        "parameters / gradients / optimizer state / saved activations / transient buffers; **fits** compares it "
+        "with the usable memory (capacity less the runtime, less the headroom); **intra/inter GB** are all ranks' "
+        "bytes per optimizer step on links inside a node and between nodes (theory.py's closed forms); **step s** "
+        "splits into compute, exposed communication and pipeline bubble.",
+        "",
+    ]
+    if validation:
+        from parallel.planner.validate import markdown_validation
+
+        order = meta.get("validation", {})
+        lines += ["## Validation: predicted against measured", "", markdown_validation(validation), ""]
+        if order:
+            lines += [f"Fastest first, predicted (by rank): {order['predicted_order']}; measured: "
+                      f"{order['measured_order']} ({'the same order' if order['same'] else 'not the same order'}).", ""]
+    lines += ["## Assumptions", ""] + [f"- **{k}**: {v}" for k, v in meta["assumptions"].items()] + [""]
+    if meta.get("refused"):
+        lines += ["## Refused by plan.py (requests per rule)", ""]
+        lines += [f"- {n} x {reason}" for reason, n in sorted(meta["refused"].items(), key=lambda kv: -kv[1])[:12]]
+        lines += [""]
+    lines += [f"![{p}]({p})" for p in plots]
+    path.write_text("\n".join(lines) + "\n")

@@ -1,0 +1,100 @@
+"""The whole plan: enumerate, predict each layout, rank.
+
+Ranking: layouts that fit first, fastest first (tokens per second, the same global batch for all;
+among equals, fewer microbatches, then less memory); then those whose memory no formula covers;
+then those that do not fit, closest to fitting first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.planner.cluster import Cluster
+from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
+from parallel.planner.predict import predict_row
+from parallel.planner.shape import ModelShape
+
+PRESET_FIELDS = ("name", "schedule", "virtual_stages", "sequence_parallel", "grad_sync", "zero")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A conf/parallel/ preset: its file name and the fields that tell presets of one strategy apart."""
+
+    file: str
+    name: str
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    grad_sync: str = "bucketed"
+    zero: int = 0
+
+
+def preset_for(candidate: Candidate, presets: list[Preset]) -> str | None:
+    """The conf/parallel preset whose strategy was asked for and whose options differ least from the
+    candidate's (its run command then overrides every layout field anyway); None if there is none."""
+    mine = [p for p in presets if p.name == candidate.requested]
+    if not mine:
+        return None
+    layout, pipelined = candidate.layout, candidate.plan.spec.pipelined
+
+    def mismatch(p: Preset) -> tuple:
+        return (
+            (p.schedule != layout.schedule) if pipelined else 0,
+            (p.virtual_stages != layout.virtual_stages) if pipelined else 0,
+            p.sequence_parallel != layout.sequence_parallel,
+            candidate.grad_sync is not None and p.grad_sync != candidate.grad_sync,
+            p.file != p.name,
+            p.file,
+        )
+
+    return min(mine, key=mismatch).file
+
+
+def rank_key(row: dict) -> tuple:
+    fits = row["fits"]
+    group = 0 if fits else (1 if fits is None else 2)
+    speed = -(row["tokens_per_s"] or 0.0)
+    over = row["over_bytes"] if row["over_bytes"] is not None else float("inf")
+    memory = row["memory_bytes_per_device"]["total"] or 0
+    return (group, over if group == 2 else speed, row["layout"]["microbatches"], memory)
+
+
+def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Cluster, world: int, global_batch: int,
+              space: Space, only: list[str] | None = None) -> tuple[list[dict], Enumeration]:
+    """Every valid layout's row, ranked; `only`: presets or registry names to keep."""
+    names = None
+    if only is not None:
+        by_file = {p.file: p.name for p in presets}
+        names = sorted({by_file.get(n, n) for n in only})
+    found = enumerate_layouts(shape, base, world, global_batch, space, names)
+    rows = []
+    for candidate in found.candidates:
+        preset = preset_for(candidate, presets)
+        row = predict_row(shape, candidate, cluster, preset)
+        row["run_overrides"] = run_overrides(candidate, preset)
+        if only is None or preset in only or candidate.plan.strategy in only or candidate.requested in only:
+            rows.append(row)
+    rows.sort(key=rank_key)
+    for i, row in enumerate(rows, 1):
+        row["rank"] = i
+    return rows, found
+
+
+def run_overrides(candidate: Candidate, preset: str | None) -> list[str]:
+    """The launch.train overrides that run exactly this layout."""
+    request, plan = candidate.request, candidate.plan
+    out = [f"parallel={preset or candidate.requested}"]
+    for key in ("dp", "tp", "pp", "cp", "ep"):
+        if key in request:
+            out.append(f"parallel.{key}={request[key]}")
+    out += [f"parallel.microbatches={plan.microbatches}", f"parallel.zero={request['zero']}",
+            f"parallel.sequence_parallel={str(plan.sequence_parallel).lower()}",
+            f"parallel.schedule={plan.schedule}", f"parallel.virtual_stages={plan.virtual_stages}",
+            f"parallel.grad_sync={plan.grad_sync}"]
+    if plan.pp_layers:
+        out.append(f"parallel.pp_layers=[{','.join(map(str, plan.pp_layers))}]")
+    if "recompute" in request:
+        out.append(f"train.recompute={request['recompute']}")
+    out.append(f"train.global_batch={plan.global_batch}")
+    return out

@@ -1,0 +1,180 @@
+"""Step time: compute, exposed communication and the pipeline bubble, from FLOPs, bytes and links.
+
+Every rule here is an assumption the report names (ASSUMPTIONS):
+
+compute    Forward FLOPs per microbatch on one rank of stage r: b·s·(L_r·(2·P_layer + 4·s·h)/t
+           + [last stage] 2·(V·h + norm)/t), P_layer a block's parameters (2 FLOPs per weight
+           per token) and 4·s·h the attention matmuls Q·Kᵀ and softmax·V; backward twice the
+           forward (input and weight gradients). Summed over ranks this is the MFU count 6·N +
+           12·L·h·s per token (parallel/report/mfu.py). Time = FLOPs / (peak x efficiency).
+collective latency + bytes / bandwidth on the link class it crosses (Thakur et al. 2005; NCCL's
+           bus-bandwidth convention: the bytes are theory's ring bytes per rank). Hierarchical
+           (NCCL across nodes): the in-node part at the in-node rate, then the between-node part
+           at the NIC's rate. Ring (gloo): a ring moves at its slowest edge, so a ring that spans
+           nodes sends all its bytes at the between-node rate, shared by the transfers that leave
+           a node at once where the node has one link. Latency per call: one per algorithm step
+           (2(N-1) for an all-reduce, N-1 for a gather or scatter, 1 for a send), the call count
+           being the bytes over one message (an activation of b·s·h for tp, cp and ep and the
+           pipeline, a bucket for dp).
+overlap    tp, cp and ep collectives block the forward or backward they sit in (half each).
+           The dp group's gradient reductions overlap the backward they follow: bucketed dp and
+           ZeRO-1 after the last microbatch (ZeRO-1 reduces once the schedule ends: none), ZeRO-2
+           and ZeRO-3 inside every microbatch's backward; the last bucket never overlaps. ZeRO's
+           parameter all-gathers are exposed. Pipeline sends: beside compute on a GPU (NCCL
+           streams), exposed only on the fill and drain path, 2·(v·p-1) messages; on gloo they
+           run on the sender's path, and the simulator plays them as such.
+bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's forward and
+           backward times (the slowest stage's, tp time included) and no send cost; the bubble is
+           its makespan less the compute it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from parallel.planner.cluster import Cluster
+from parallel.planner.links import GroupSpan
+from parallel.planner.shape import ModelShape
+from parallel.pp.schedules import SEND_B, SEND_F, B, F, build_schedule
+from parallel.pp.simulator import simulate
+
+ASSUMPTIONS = {
+    "compute": "forward FLOPs per token and rank = (2·block params + 4·s·h)/t per layer (+ 2·(V·h + norm)/t on the "
+               "last stage); backward = 2 x forward; time = FLOPs / (peak x efficiency)",
+    "collectives": "latency x algorithm steps + theory's ring bytes per rank / bandwidth x comm_efficiency, on the "
+                   "link class crossed; hierarchical across nodes on GPUs, a ring (slowest edge) on gloo",
+    "overlap": "tp/cp/ep collectives block compute; dp all-reduce (bucketed) and ZeRO-2/3 reduce-scatters overlap "
+               "backward, less the last bucket; ZeRO-1's reduction and every ZeRO all-gather are exposed; "
+               "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
+    "bubble": "parallel/pp/simulator.py on the schedule's lists with the slowest stage's forward and backward times",
+    "not modeled": "the optimizer step (memory-bound, < 1% of a step on the GPU presets), kernel launch and Python "
+                   "overheads, stragglers, stage imbalance beyond the slowest stage, network congestion",
+}
+BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    exposed_comm: float
+    bubble: float
+    comm_by_group: dict  # seconds per step each group's traffic takes (exposed or not)
+    forward: float  # per microbatch, the slowest stage, compute only
+    backward: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.exposed_comm + self.bubble
+
+
+def forward_flops_per_token(shape: ModelShape, t: int, layers: int, last: bool) -> float:
+    g = shape.gpt
+    per_layer = 2 * shape.layer_parameters() + 4 * g.seq_len * g.d_model
+    head = 2 * (g.padded_vocab_size * g.d_model + shape.norm_parameters) if last else 0
+    return (layers * per_layer + head) / t
+
+
+def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster, message_bytes: float,
+                       steps_per_call: int, point_to_point: bool = False) -> float:
+    """One rank's time for a group's bytes per step on its links (see the module docstring). A
+    point-to-point transfer's bytes go at the rate of the boundary they cross: the group's share of
+    crossing boundaries at the between-node rate, the rest at the in-node rate."""
+    if bytes_per_rank <= 0:
+        return 0.0
+    calls = max(1.0, bytes_per_rank / max(message_bytes, 1.0))
+    eff = cluster.comm_efficiency
+    if not span.spans_nodes:
+        return calls * steps_per_call * cluster.intra_latency_s + bytes_per_rank / (cluster.intra_bytes_per_s * eff)
+    inter_rate = cluster.inter_bytes_per_s / max(1.0, span.flows_per_node) if cluster.node_link_shared \
+        else cluster.inter_bytes_per_s
+    fraction = float(span.inter_fraction)
+    if point_to_point or cluster.algorithm == "hierarchical":
+        inter = bytes_per_rank * fraction
+        crossing = fraction if point_to_point else (span.nodes - 1) / max(span.size - 1, 1)
+        latency = steps_per_call * (cluster.intra_latency_s * (1 - crossing) + cluster.inter_latency_s * crossing)
+        intra = bytes_per_rank - inter
+        return calls * latency + intra / (cluster.intra_bytes_per_s * eff) + inter / (inter_rate * eff)
+    # A ring over nodes moves at its slowest edge: every byte at the between-node rate.
+    rate = min(inter_rate, cluster.intra_bytes_per_s) * eff
+    return calls * steps_per_call * cluster.inter_latency_s + bytes_per_rank / rate
+
+
+@lru_cache(maxsize=65536)
+def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float, send: float) -> float:
+    """The simulator's makespan for one step: each rank's forward and backward of a microbatch over
+    all its chunks cost `forward` and `backward` (a chunk 1/v of them), a send `send` on its sender."""
+
+    def cost(action, virtual):
+        if action.op == F:
+            return forward / virtual
+        if action.op == B:
+            return backward / virtual
+        return send if action.op in (SEND_F, SEND_B) else 0.0
+
+    return simulate(build_schedule(schedule, p, m, v), m, v, cost).makespan
+
+
+def _rounded(x: float) -> float:
+    """Simulation inputs to 3 significant digits, so layouts that differ below that share one run
+    (the makespan moves by less than 0.1%)."""
+    return float(f"{x:.3g}")
+
+
+def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
+              layers_by_rank: list[int], act_bytes: int) -> StepTime:
+    """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank."""
+    dims, m, b, v = layout.dims, layout.microbatches, layout.microbatch_size, layout.virtual_stages
+    p, t, world = dims.pp, dims.tp, dims.world_size
+    g = shape.gpt
+    rate = cluster.flops_per_rank(world)
+    tokens = b * g.seq_len
+    forwards = [tokens * forward_flops_per_token(shape, t, n, r == p - 1) / rate for r, n in enumerate(layers_by_rank)]
+    slowest = max(range(p), key=lambda r: forwards[r])
+    forward, backward = forwards[slowest], 2 * forwards[slowest]
+    activation = tokens * g.d_model * act_bytes
+    seconds = {}
+    for name, gt in traffic.items():
+        per_rank = gt.per_rank(world)
+        if name == "pp":
+            continue
+        if name == "dp":
+            message = BUCKET_BYTES if grad_sync == "bucketed" and not zero else \
+                (shape.layer_parameters(t) * act_bytes if zero else shape.layer_parameters(t) * act_bytes / 12)
+            steps = gt.span.size - 1 if zero else 2 * (gt.span.size - 1)
+        else:
+            message, steps = activation, 2 * (gt.span.size - 1)
+        seconds[name] = collective_seconds(per_rank, gt.span, cluster, message, steps)
+    blocking = sum(sec for name, sec in seconds.items() if name not in ("dp", "edp"))  # tp, cp, ep: inside compute
+    f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
+    pp_exposed, bubble = 0.0, 0.0
+    if p > 1:
+        boundary = activation // (t if layout.sequence_parallel else 1)
+        send = collective_seconds(boundary, traffic["pp"].span, cluster, boundary, 1, point_to_point=True) \
+            if "pp" in traffic else 0.0
+        seconds["pp"] = send * traffic["pp"].per_rank(world) / boundary if "pp" in traffic else 0.0
+        unit = f_eff
+        base = unit * pipeline_makespan(layout.schedule, p, m, v, 1.0, _rounded(b_eff / unit), 0.0)
+        bubble = max(0.0, base - m * (f_eff + b_eff))
+        if cluster.p2p_overlap:
+            pp_exposed = 2 * (v * p - 1) * send
+        else:
+            with_sends = unit * pipeline_makespan(layout.schedule, p, m, v, 1.0, _rounded(b_eff / unit),
+                                                  _rounded(send / unit))
+            pp_exposed = max(0.0, with_sends - base)
+    dp_exposed = 0.0
+    for name in ("dp", "edp"):
+        if name not in traffic:
+            continue
+        gt, sec = traffic[name], seconds[name]
+        gather = sec * float(gt.gathers / gt.total) if gt.total else 0.0
+        reduce = sec - gather
+        if grad_sync == "naive" or zero == 1:
+            dp_exposed += gather + reduce
+            continue
+        window = b_eff * (m if zero >= 2 else 1)
+        last = reduce * min(1.0, BUCKET_BYTES / max(gt.per_rank(world) - float(gt.gathers) / world, 1.0))
+        dp_exposed += gather + max(reduce - window, last)
+    compute = m * (forward + backward)
+    exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
+    return StepTime(compute, exposed, bubble, seconds, forward, backward)

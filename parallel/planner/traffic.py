@@ -1,0 +1,130 @@
+"""Bytes per step, by group and by link class, from the registry's closed forms (parallel/theory.py).
+
+The registry's `comm` gives a layout's traffic per step summed over all ranks, by op and, where
+a strategy has several groups, by group (`by_group`). Where it has no `by_group`, the group is
+read off the ops: point-to-point sends belong to the pipeline (pp), collectives to the one other
+dimension larger than 1 (dp for dp, ZeRO and FSDP; cp or ep where only they are split).
+
+The dp group's bytes are split into reductions (all-reduce, reduce-scatter: gradients) and
+all-gathers (ZeRO's parameters), because they overlap differently. Under ZeRO the dp group
+all-gathers and reduce-scatters while the tp group (sequence parallelism) all-gathers and
+reduce-scatters equal amounts, so the dp group's all-gathers less its reduce-scatters are all of
+the step's all-gathers less all of its reduce-scatters, which with their sum (by_group) fixes both.
+
+Model shapes the sandbox GPT does not have (grouped-query attention, a gated MLP, a tied head:
+parallel/planner/shape.py) run theory.py on their carrier GPT (same layers, width, heads,
+vocabulary, sequence). Tensor-parallel and pipeline bytes depend only on those (b·s·h per
+activation); the dp group's bytes are proportional to the parameters each rank syncs, so they are
+scaled by Ψ_t(shape) / Ψ_t(carrier), Ψ_t the parameters on one tp rank summed over stages. For a
+trainable preset the factor is exactly 1 and every byte is theory's. A tied head split over
+several stages adds the embedding copy's gradient all-reduce between the first and last stage
+(Megatron's embedding group), counted with the pipeline's bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from parallel import theory
+from parallel.layout import Layout
+from parallel.planner.links import GroupSpan, group_span
+from parallel.planner.shape import ModelShape
+from parallel.registry import StrategySpec
+
+P2P_OPS = ("send", "recv")
+GROUP_DIMS = ("tp", "cp", "ep", "dp", "pp")
+
+
+class NoTrafficFormula(ValueError):
+    """The registry has no closed form for this layout (or cannot say which group sends what)."""
+
+
+@dataclass(frozen=True)
+class GroupTraffic:
+    group: str
+    total: Fraction  # bytes all ranks of the job send per step over this dimension's groups (theory)
+    gathers: Fraction  # of which all-gathers (ZeRO's parameters; tp's sequence-parallel inputs)
+    span: GroupSpan
+
+    def per_rank(self, world: int) -> float:
+        return float(self.total) / world
+
+    @property
+    def inter(self) -> Fraction:
+        return self.total * self.span.inter_fraction
+
+
+def _exact(block: dict) -> Fraction:
+    return Fraction(block.get("sent_bytes_exact", block.get("sent_bytes", 0)))
+
+
+def group_totals(figure: dict, layout: Layout) -> dict[str, Fraction]:
+    """Bytes per step over each dimension's groups, all ranks (theory's `by_group`, or read off the ops)."""
+    if "by_group" in figure:
+        return {g: _exact(v) for g, v in figure["by_group"].items() if _exact(v)}
+    by_op = {op: _exact(v) for op, v in figure.get("by_op", {}).items() if _exact(v)}
+    out: dict[str, Fraction] = {}
+    p2p = sum((v for op, v in by_op.items() if op in P2P_OPS), Fraction(0))
+    if p2p:
+        out["pp"] = p2p
+    rest = sum((v for op, v in by_op.items() if op not in P2P_OPS), Fraction(0))
+    if rest:
+        split = [d for d in GROUP_DIMS if d != "pp" and getattr(layout.dims, d) > 1]
+        if "ep" in split and "dp" in split:
+            split.remove("ep")  # ep is carved out of dp: a collective over the dp ranks is dp's
+        if len(split) != 1:
+            raise NoTrafficFormula(f"theory gives {float(rest):.0f} bytes of collectives but no by_group, "
+                                   f"and the layout splits along {split or 'nothing'}")
+        out[split[0]] = rest
+    return out
+
+
+def dp_gathers(figure: dict, totals: dict[str, Fraction], zero: int) -> Fraction:
+    """The dp group's all-gathers (ZeRO's parameter gathers): 0 for a plain all-reduce."""
+    if not zero or "dp" not in totals:
+        return Fraction(0)
+    by_op = {op: _exact(v) for op, v in figure.get("by_op", {}).items()}
+    difference = by_op.get("all_gather", Fraction(0)) - by_op.get("reduce_scatter", Fraction(0))
+    return (totals["dp"] + difference) / 2
+
+
+def shape_factor(shape: ModelShape, layout: Layout, stage_layers: list[int]) -> Fraction:
+    """Ψ_t(shape) / Ψ_t(carrier): what scales the dp group's bytes for a planner-only shape."""
+    if shape.trainable:
+        return Fraction(1)
+    t, p = layout.dims.tp, layout.dims.pp
+    mine = sum(shape.stage_parameters(t, n, r == 0, r == p - 1, p) for r, n in enumerate(stage_layers))
+    carrier = theory.tp_shard_parameter_count(shape.gpt_config(), t)
+    return Fraction(mine, carrier)
+
+
+def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: int, gpus_per_node: int,
+                   algorithm: str, stage_layers: list[int]) -> dict[str, GroupTraffic]:
+    """Every group's bytes per step (all ranks), with how its groups sit on nodes."""
+    try:
+        figure = spec.comm(shape.gpt_config(), layout)
+    except ValueError as e:  # theory refuses what it has no formula for (e.g. tp of an MoE model)
+        raise NoTrafficFormula(str(e)) from None
+    totals = group_totals(figure, layout)
+    gathers = {"dp": dp_gathers(figure, totals, zero)}
+    factor = shape_factor(shape, layout, stage_layers)
+    if "dp" in totals:
+        totals["dp"] *= factor
+        gathers["dp"] *= factor
+    if shape.tied_head and layout.dims.pp > 1:
+        g = shape.gpt
+        copy = g.padded_vocab_size * g.d_model // layout.dims.tp * layout.dtype_bytes
+        pipelines = layout.dims.world_size // layout.dims.pp
+        totals["pp"] = totals.get("pp", Fraction(0)) + 2 * pipelines * copy  # all-reduce over 2: S per rank
+    dims = layout.dims
+    return {g: GroupTraffic(g, v, gathers.get(g, Fraction(0)),
+                            group_span(dims, g, gpus_per_node, algorithm, layout.virtual_stages if g == "pp" else 1))
+            for g, v in totals.items()}
+
+
+def bytes_by_link(traffic: dict[str, GroupTraffic]) -> dict[str, float]:
+    """Bytes per step over all ranks, inside nodes and between them (the two sum to theory's total)."""
+    inter = sum((t.inter for t in traffic.values()), Fraction(0))
+    total = sum((t.total for t in traffic.values()), Fraction(0))
+    return {"intra_node": float(total - inter), "inter_node": float(inter), "total": float(total)}

@@ -1,0 +1,117 @@
+"""Run under torchrun at world 4 by test_planner_memory.py: for every strategy the registry gives an
+activation formula, the bytes saved for backward, measured on every rank, against the formula.
+
+For each layout of LAYOUTS, in one job (each on its own device mesh over the same 4 processes): build
+the strategy as launch.train does, train two steps under the ActivationMeter (train.py's meter:
+saved-tensor hooks, distinct storages, parameters left out) and compare the last step's peak on
+every rank with the registry's `activations` (parallel/planner/memory.py) and the model state
+each rank holds with the planner's `model_state_bytes` for its stage (for what the planner plans:
+PyTorch's own baselines keep their model state their own way). Rank 0 prints one line per
+layout: `<label> measured=[...] formula=[...] state=[...] state_formula=[...]`, then `done`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+# Run as a script: the project root must come first on the path (this checkout's code, not an installed one).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from launch.config import CONFIG_DIR  # noqa: E402
+from parallel.data import GlobalBatches, load_corpus, local_microbatches  # noqa: E402
+from parallel.dist.comm import CommLog  # noqa: E402
+from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown  # noqa: E402
+from parallel.model import GPT  # noqa: E402
+from parallel.plan import build_plan  # noqa: E402
+from parallel.planner.enumerate import zero_stage  # noqa: E402
+from parallel.planner.memory import model_state_bytes  # noqa: E402
+from parallel.planner.shape import ModelShape  # noqa: E402
+from parallel.report.activations import ActivationMeter  # noqa: E402
+
+# (label, preset, overrides): every registry entry with a formula, pipelines and tp cut several ways.
+LAYOUTS = [
+    ("single", "single", ["parallel.microbatches=2"]),
+    ("dp m2", "dp", ["parallel.microbatches=2"]),
+    ("zero1", "zero1", []),
+    ("zero2 m2", "zero2", ["parallel.microbatches=2"]),
+    ("zero3", "zero3", []),
+    ("tp 2x2", "tp", []),
+    ("tp_sp tp4", "tp_sp", ["parallel.tp=4"]),
+    ("pp_gpipe p4", "pp_gpipe", []),
+    ("pp_1f1b dp2 p2 m4", "pp_1f1b", ["parallel.dp=2"]),
+    ("pp_interleaved p4 v2", "pp_interleaved", []),
+    ("3d tp2 pp2 sp m4", "3d", ["parallel.sequence_parallel=true"]),
+    ("3d tp2 dp2 zero1", "3d", ["parallel.pp=1", "parallel.zero=1", "parallel.microbatches=2"]),
+    ("torch_ddp", "torch_ddp", []),
+    ("accelerate_ddp", "accelerate_ddp", []),
+    ("torch_fsdp2", "torch_fsdp2", []),
+]
+COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=8", "data.max_bytes=100000", "train.steps=2",
+          "train.warmup_steps=0"]
+
+
+def plan_for(preset: str, extra: list[str], world: int):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*COMMON, f"parallel={preset}", *extra])
+    env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
+    return build_plan(cfg, env, cuda_available=False)
+
+
+def main() -> None:
+    env = LaunchEnv.from_environ()
+    torch.set_num_threads(1)
+    plans = [(label, plan_for(preset, extra, 1 if preset == "single" else env.world_size))
+             for label, preset, extra in LAYOUTS]
+    first = plans[0][1]
+    corpus = load_corpus(None, first.data_max_bytes, first.model.seq_len + 1)
+    batches = GlobalBatches(corpus, first.model.seq_len, first.global_batch, first.seed)
+    base = init_distributed(env, plans[1][1].dims, "gloo", 60.0, CommLog())
+    contexts = {base.dims: base}
+    world = base.comm("world")
+    for label, plan in plans:
+        if plan.dims.world_size == 1:  # one process: every rank runs it alone, with no group
+            ctx = DistContext(env=LaunchEnv(), dims=plan.dims, backend=None, device=base.device, log=base.log)
+        else:
+            if plan.dims not in contexts:
+                contexts[plan.dims] = add_layout_groups(DistContext(env=env, dims=plan.dims, backend="gloo",
+                                                                    device=base.device, log=base.log))
+            ctx = contexts[plan.dims]
+        strategy = plan.spec.build(GPT(plan.model, seed=plan.seed), plan, ctx)
+        meter = ActivationMeter(strategy.model.parameters())
+        for step in range(2):
+            batch = batches(step)
+            local = local_microbatches(batch, ctx.coords["dp"], plan.dims.dp, plan.microbatches)
+            with meter.step():
+                strategy.train_step(local, batch.n_tokens)
+        state = strategy.memory_report()
+        mine = {"peak": meter.peak, "state": state["param_bytes"] + state["grad_bytes"] + state["optimizer_bytes"],
+                "pp": ctx.coords["pp"]}
+        strategy.close()
+        reports = world.gather_object(mine, 0, tag="tooling/test")
+        if env.rank == 0:
+            formula = plan.spec.activations(plan.model, plan.layout)
+            shape = ModelShape(gpt=plan.model)
+            zero = zero_stage(plan.strategy, plan)
+            state_formula = []  # the planner's, for what it plans (not PyTorch's FSDP2, sharded its own way)
+            for r in reports:
+                s = model_state_bytes(shape, plan.layout, zero, "fp32", r["pp"])
+                state_formula.append(s["params"] + s["grads"] + s["optimizer"] if "baseline" not in plan.spec.tags
+                                     else None)
+            ranks = 1 if plan.dims.world_size == 1 else env.world_size
+            print(f"{label}\t" + json.dumps({
+                "measured": [r["peak"] for r in reports][:ranks], "formula": formula,
+                "state": [r["state"] for r in reports][:ranks], "state_formula": state_formula[:ranks]}), flush=True)
+        world.barrier(tag="tooling/test")
+    if env.rank == 0:
+        print("done", flush=True)
+    shutdown(base)
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""The planner (parallel/planner/, launch/plan.py) without training: its counts against theory.py,
+its enumeration against plan.py, its bytes per link class against theory's totals, its time model
+on a synthetic profile worked out by hand, and the command line.
+
+Activation memory against measured runs: test_planner_memory.py; predictions against runs:
+test_planner_validate.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from fractions import Fraction
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from launcher import CPU_ONLY, PROJECT_ROOT
+from omegaconf import OmegaConf
+
+from launch.config import CONFIG_DIR
+from parallel import theory
+from parallel.dist.dims import ParallelDims
+from parallel.dist.groups import LaunchEnv
+from parallel.layout import Layout
+from parallel.plan import ConfigError, build_plan, model_config
+from parallel.planner import memory
+from parallel.planner.cluster import Cluster, ClusterError, cluster_from_config
+from parallel.planner.enumerate import Space, _candidate, _key, _requests, enumerate_layouts, zero_stage
+from parallel.planner.links import group_span
+from parallel.planner.predict import predict_row
+from parallel.planner.shape import ModelShape
+from parallel.planner.timing import forward_flops_per_token, step_time
+from parallel.planner.traffic import bytes_by_link, layout_traffic
+from parallel.registry import REGISTRY, StrategySpec, register
+from parallel.report.mfu import flops_per_token
+
+
+def preset(name: str) -> dict:
+    return yaml.safe_load((PROJECT_ROOT / "conf" / "model" / f"{name}.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def base() -> dict:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return OmegaConf.to_container(compose(config_name="config", overrides=["model=tiny"]), resolve=True)
+
+
+# -- the model description -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["tiny", "small", "gpt2"])
+def test_trainable_shapes_count_what_theory_counts(name):
+    shape = ModelShape.from_preset(preset(name))
+    cfg = shape.gpt_config()
+    assert shape.trainable and shape.differences() == []
+    assert shape.parameter_count() == theory.parameter_count(cfg)
+    assert shape.flops_per_token() == flops_per_token(cfg)
+    for t in (1, 2, 4):
+        for layers, first, last in ((cfg.n_layers, True, True), (1, True, False), (2, False, True), (1, False, False)):
+            assert shape.stage_parameters(t, layers, first, last, 2) == \
+                theory.stage_shard_parameter_count(cfg, t, layers, first, last)
+
+
+def test_planner_shapes_count_their_published_sizes():
+    """Llama 3 8B/70B/405B (Dubey et al. 2024: 8.03B, 70.6B, 405.9B) and GPT-2 124M and 1.5B, tied."""
+    sizes = {"llama3_8b": 8.03e9, "llama3_70b": 70.55e9, "llama3_405b": 405.85e9, "gpt2_124m": 124.5e6,
+             "gpt2_1p5b": 1.558e9}
+    for name, size in sizes.items():
+        shape = ModelShape.from_preset(preset(name))
+        assert not shape.trainable and shape.differences()
+        assert abs(shape.parameter_count() - size) < 0.002 * size, (name, shape.parameter_count())
+
+
+def test_launch_train_refuses_a_planner_shape():
+    with pytest.raises(ConfigError, match="planner shape the sandbox GPT cannot train.*grouped-query"):
+        model_config(OmegaConf.create(preset("llama3_8b")))
+    assert model_config(OmegaConf.create(preset("small"))).n_layers == 8
+
+
+def test_model_state_equals_theory_for_every_stage_and_zero_stage():
+    shape = ModelShape.from_preset(preset("tiny"))
+    cfg = shape.gpt_config()
+    for dp, tp, pp in ((8, 1, 1), (4, 2, 1), (2, 2, 2), (2, 1, 4), (1, 4, 2)):
+        dims = ParallelDims(world_size=8, dp=dp, tp=tp, pp=pp)
+        for zero in ((0, 1, 2) if dp > 1 else (0,)):
+            layout = Layout(dims=dims, zero=zero)
+            for r in range(pp):
+                mine = memory.model_state_bytes(shape, layout, zero, "fp32", r)
+                want = theory.mesh3d_model_state_bytes(cfg, dims, r, zero)
+                assert (mine["params"], mine["grads"], mine["optimizer"]) == \
+                    (want["param_bytes"], want["grad_bytes"], want["optimizer_bytes"]), (dp, tp, pp, zero, r)
+    for stage in (1, 2, 3):
+        layout = Layout(dims=ParallelDims(world_size=4, dp=4))
+        mine = memory.model_state_bytes(shape, layout, stage, "fp32", 0)
+        want = theory.zero_model_state_bytes(cfg, layout, stage)
+        assert (mine["params"], mine["grads"], mine["optimizer"]) == \
+            (want["param_bytes"], want["grad_bytes"], want["optimizer_bytes"])
+
+
+# -- the enumeration ---------------------------------------------------------------------------------------
+SMALL_SPACE = Space(zero=(0, 2, 3), sequence_parallel=(False, True), schedules=("1f1b", "interleaved_1f1b"),
+                    virtual_stages=(1, 2), max_microbatches=4)
+
+
+def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
+    """Every request of the search space goes through build_plan with the DictConfig launch.train
+    composes; the layouts it accepts (deduplicated as the planner does) are exactly the planner's."""
+    shape = ModelShape.from_preset(preset("tiny"))
+    world, batch = 4, 8
+    found = enumerate_layouts(shape, base, world, batch, SMALL_SPACE)
+    env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
+    accepted, refused = set(), 0
+    for spec in [s for s in REGISTRY.values() if "baseline" not in s.tags]:
+        for request in _requests(spec, world, batch, shape.gpt.n_layers, SMALL_SPACE, False):
+            cfg = OmegaConf.create(base)
+            cfg.train.global_batch = batch
+            cfg.parallel.name, cfg.parallel.grad_sync = spec.name, "bucketed"
+            for k, v in request.items():
+                cfg.parallel[k] = v
+            try:
+                plan = build_plan(cfg, env, cuda_available=False)
+            except ValueError as e:
+                if "grad_sync" not in str(e):
+                    refused += 1
+                    continue
+                cfg.parallel.grad_sync = "naive"
+                plan = build_plan(cfg, env, cuda_available=False)
+            accepted.add(_key(_candidate(spec.name, plan, request)))
+    assert {_key(c) for c in found.candidates} == accepted
+    assert sum(found.refused.values()) == refused > 0
+    # The rules that refused them are plan.py's own, in its words.
+    assert any("does not split evenly into parallel.pp x parallel.virtual_stages" in r for r in found.refused)
+    assert any(r.startswith("parallel.zero=N does not compose with parallel.tp") for r in found.refused)
+
+
+def test_enumeration_adds_the_kv_heads_rule_and_routes_through_the_registry(base):
+    """A grouped-query shape refuses tp above its kv heads; pure-dp ZeRO-k runs as zero<k>; tp with
+    pipeline stages as 3d; every candidate has one of the registry's strategies."""
+    model = {**preset("tiny"), "n_kv_heads": 2, "gated_mlp": True}
+    found = enumerate_layouts(ModelShape.from_preset(model), base, 4, 8, SMALL_SPACE)
+    assert any("n_kv_heads=N is not divisible by parallel.tp" in r for r in found.refused)
+    assert all(c.layout.dims.tp <= 2 for c in found.candidates)
+    strategies = {(c.plan.strategy, c.layout.dims.tp > 1, c.layout.dims.pp > 1, c.zero) for c in found.candidates}
+    assert ("zero3", False, False, 3) in strategies and ("3d", True, True, 0) in strategies
+    assert all(c.plan.strategy in REGISTRY for c in found.candidates)
+    # The ZeRO stage a row reports is the one that runs: in the name for zero<k>, else parallel.zero.
+    for c in found.candidates:
+        assert c.zero == (int(c.plan.strategy[-1]) if c.plan.strategy in ("zero1", "zero2", "zero3") else c.plan.zero)
+    combined = [c for c in found.candidates if c.layout.dims.dp > 1 and c.layout.dims.pp > 1]
+    assert {c.zero for c in combined} == {0, 2} and {c.plan.strategy for c in combined if c.zero} == {"3d"}
+
+
+def test_a_strategy_registered_without_an_activation_formula_gets_rows_saying_so(base):
+    """A new registry entry enters the search with its layout rules; with no activation formula its
+    rows keep the bytes and the time but say that memory is not known (fits: null)."""
+    spec = register(StrategySpec(name="planner_toy", description="dp without an activation formula",
+                                 build=lambda model, plan, ctx: None, comm=theory.dp_comm, min_world=2))
+    try:
+        shape = ModelShape.from_preset(preset("tiny"))
+        found = enumerate_layouts(shape, base, 2, 8, SMALL_SPACE, only=["planner_toy"])
+        assert found.candidates and all(c.plan.strategy == spec.name for c in found.candidates)
+        row = predict_row(shape, found.candidates[0], synthetic_cluster(), "planner_toy")
+        assert row["fits"] is None and row["memory_bytes_per_device"]["activations"] is None
+        assert "no activation formula" in row["notes"][0] and row["bytes_per_step"] is not None
+    finally:
+        del REGISTRY["planner_toy"]
+
+
+# -- bytes by link class ---------------------------------------------------------------------------------------
+def _traffic(base, name: str, dims: ParallelDims, algorithm: str, gpus_per_node: int = 4, **options):
+    shape = ModelShape.from_preset(preset("tiny"))
+    env = LaunchEnv(rank=0, world_size=dims.world_size, local_rank=0, local_world_size=dims.world_size)
+    cfg = OmegaConf.create(base)
+    cfg.parallel.update(name=name, dp=dims.dp, tp=dims.tp, pp=dims.pp, **options)
+    plan = build_plan(cfg, env, cuda_available=False)
+    zero = zero_stage(plan.strategy, plan)
+    traffic = layout_traffic(plan.spec, shape, plan.layout, zero, gpus_per_node, algorithm,
+                             memory.rank_layers(shape, plan.layout))
+    return plan, traffic
+
+
+def test_bytes_per_link_class_split_theorys_total_exactly(base):
+    """8 ranks on 2 nodes of 4: the two classes sum to theory.py's figure to the byte, and each group
+    crosses nodes as its ranks sit (tp innermost, pp outermost)."""
+    for name, dims, options in (("dp", ParallelDims(8, 8), {}), ("zero3", ParallelDims(8, 8), {}),
+                                ("tp", ParallelDims(8, 2, 4), {}), ("3d", ParallelDims(8, 2, 2, 2), {}),
+                                ("pp", ParallelDims(8, 2, 1, 4), {"microbatches": 4}),
+                                ("3d", ParallelDims(8, 1, 4, 2), {"sequence_parallel": True, "microbatches": 4})):
+        for algorithm in ("ring", "hierarchical"):
+            plan, traffic = _traffic(base, name, dims, algorithm, **options)
+            links = bytes_by_link(traffic)
+            theory_total = Fraction(plan.spec.comm(plan.model, plan.layout)["sent_bytes_per_step_exact"])
+            exact = sum((t.total for t in traffic.values()), Fraction(0))
+            assert exact == theory_total and links["intra_node"] + links["inter_node"] == pytest.approx(float(exact))
+    # dp over 8 ranks on 2 nodes: a ring crosses on 2 of its 8 edges; hierarchically (k-1)/(N-1) = 1/7.
+    _, ring = _traffic(base, "dp", ParallelDims(8, 8), "ring")
+    _, tree = _traffic(base, "dp", ParallelDims(8, 8), "hierarchical")
+    assert ring["dp"].inter == ring["dp"].total / 4 and tree["dp"].inter == tree["dp"].total / 7
+    # tp 4 inside a node never crosses; its dp pair (rank i and i + 4) always does.
+    _, tp = _traffic(base, "tp", ParallelDims(8, 2, 4), "ring")
+    assert tp["tp"].inter == 0 and tp["dp"].inter == tp["dp"].total
+    # pp 2 x tp 4: the stages are the nodes, so every activation crosses; 4 flows leave a node each way.
+    _, p3 = _traffic(base, "3d", ParallelDims(8, 1, 4, 2), "ring", sequence_parallel=True, microbatches=4)
+    assert p3["pp"].inter == p3["pp"].total and p3["tp"].inter == 0 and p3["pp"].span.flows_per_node == 4
+    # Interleaved: virtual stages 0->1->2->3 on ranks 0,1,0,1 of two nodes: every boundary crosses.
+    span = group_span(ParallelDims(2, 1, 1, 2), "pp", 1, "ring", 2)
+    assert span.inter_fraction == 1 and span.size == 2
+
+
+# -- the time model on a synthetic profile -----------------------------------------------------------------
+def synthetic_cluster(**changes) -> Cluster:
+    """1 TFLOP/s reached in full, 1 GB/s inside a node, 0.1 GB/s between, no latency, 4 per node."""
+    fields = dict(name="synthetic", gpus_per_node=4, memory_bytes=2**30, peak_flops=1e12, efficiency=1.0,
+                  intra_bytes_per_s=1e9, inter_bytes_per_s=1e8, intra_latency_s=0.0, inter_latency_s=0.0,
+                  precision="fp32", algorithm="hierarchical", p2p_overlap=True)
+    return Cluster(**{**fields, **changes})
+
+
+def _time(base, name, dims, cluster, **options):
+    shape = ModelShape.from_preset(preset("tiny"))
+    plan, traffic = _traffic(base, name, dims, cluster.algorithm, cluster.gpus_per_node, **options)
+    zero = zero_stage(plan.strategy, plan)
+    grad_sync = plan.grad_sync if plan.spec.grad_sync and dims.dp > 1 and not zero else None
+    layers = memory.rank_layers(shape, plan.layout)
+    return shape, plan, traffic, step_time(shape, plan.layout, zero, grad_sync, cluster, traffic, layers, 4)
+
+
+def test_compute_sums_to_the_mfu_count():
+    """Forward FLOPs on every rank of every stage, times 3 (backward twice forward), are the MFU
+    convention's 6·N + 12·L·h·s per token."""
+    shape = ModelShape.from_preset(preset("tiny"))
+    for t, layers in ((1, [4]), (2, [2, 2]), (4, [1, 3])):
+        total = sum(forward_flops_per_token(shape, t, n, r == len(layers) - 1) for r, n in enumerate(layers)) * t * 3
+        assert total == pytest.approx(shape.flops_per_token(), rel=1e-3)  # norms replicated over tp: < 0.1%
+
+
+def test_time_model_by_hand(base):
+    """Each rule of the time model, checked against the number worked out by hand."""
+    cluster = synthetic_cluster()
+    s = 32  # tiny's sequence
+    # dp 4 on one node, one bucket (0.9 MB of gradients < 25 MiB): the last bucket is the whole
+    # all-reduce, so none of it hides; the step is compute + bytes / rate.
+    shape, plan, traffic, t = _time(base, "dp", ParallelDims(4, 4), cluster)
+    b = plan.microbatch_size
+    forward = b * s * forward_flops_per_token(shape, 1, 4, True) / 1e12
+    dp_seconds = 2 * 3 / 4 * theory.parameter_count(plan.model) * 4 / 1e9
+    assert t.compute == pytest.approx(3 * forward) and t.bubble == 0
+    assert t.exposed_comm == pytest.approx(dp_seconds) and t.total == pytest.approx(3 * forward + dp_seconds)
+    # ZeRO-1: the reduce-scatter waits for the schedule and the all-gather for the step: all exposed, the
+    # same bytes as dp's all-reduce.
+    _, _, _, z1 = _time(base, "zero1", ParallelDims(4, 4), cluster)
+    assert z1.exposed_comm == pytest.approx(dp_seconds)
+    # tp 4 inside a node: its collectives block forward and backward, every byte at the in-node rate.
+    shape, plan, traffic, t = _time(base, "tp", ParallelDims(4, 1, 4), cluster)
+    assert t.exposed_comm == pytest.approx(traffic["tp"].per_rank(4) / 1e9)
+    # 1F1B over 4 stages on 2 nodes of 2, m = 8: the simulator's bubble with uniform stage costs is
+    # (p-1)·(F + B) of the slowest stage; the sends hide but for those on the fill and drain path,
+    # stage 0 -> 3 and back: 2 boundaries inside a node, 1 between, each way.
+    two = synthetic_cluster(gpus_per_node=2)
+    shape, plan, traffic, t = _time(base, "pp", ParallelDims(4, 1, 1, 4), two, microbatches=8)
+    assert t.bubble == pytest.approx(3 * (t.forward + t.backward), rel=1e-3)
+    boundary = plan.microbatch_size * s * 64 * 4
+    assert t.exposed_comm == pytest.approx(2 * (2 * boundary / 1e9 + boundary / 1e8))
+    # On gloo (sends on the sender's path) the simulator plays each send: more exposed, never less.
+    _, _, _, gloo = _time(base, "pp", ParallelDims(4, 1, 1, 4), synthetic_cluster(gpus_per_node=2, p2p_overlap=False),
+                          microbatches=8)
+    assert gloo.exposed_comm > t.exposed_comm and gloo.bubble == pytest.approx(t.bubble)
+
+
+def test_this_machine_takes_the_emulated_networks_settings():
+    """Issue 13's net.* settings: 2 nodes of 2 ranks behind 200 Mbit/s links with 1 ms latency; the
+    machine's memory and peak shared by every rank; a world the network does not have is refused."""
+    preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
+              "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100}
+    net = {"nodes": 2, "procs_per_node": 2, "inter_mbit": 200, "intra_mbit": None, "latency_ms": 1, "loss_pct": 0}
+    c = cluster_from_config(preset, net, world=4)
+    assert (c.nodes, c.gpus_per_node, c.node_link_shared, c.shared_compute) == (2, 2, True, True)
+    assert c.inter_bytes_per_s == 200e6 / 8 and c.intra_bytes_per_s == 1e9
+    assert c.inter_latency_s == pytest.approx(100e-6 + 1e-3) and c.memory_bytes == pytest.approx(23.4 * 2**30 / 4)
+    assert c.flops_per_rank(4) == pytest.approx(0.3e12 * preset["efficiency"] / 4) and c.peak_for_mfu(4) == 0.3e12
+    with pytest.raises(ClusterError, match="plan.world=8 but the network has net.nodes x net.procs_per_node = 2 x 2"):
+        cluster_from_config(preset, net, world=8)
+
+
+# -- the command line -------------------------------------------------------------------------------------
+def _plan(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.plan", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **CPU_ONLY})
+
+
+def test_launch_plan_writes_the_ranked_plan(tmp_path):
+    out = tmp_path / "plan"
+    proc = _plan(["model=tiny", "plan.world=4", "plan.peak_tflops=0.3", "plan.layouts=[dp,tp,pp_1f1b,zero3,3d]",
+                  "cluster.loopback_gbytes_per_s=1.0", "cluster.loopback_latency_us=100", f"run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tiny on 4 x this_machine" in proc.stdout and "MFU %" in proc.stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert {"model", "cluster", "world", "assumptions"} <= set(plan["meta"])
+    row = plan["rows"][0]
+    assert {"preset", "dp", "tp", "pp", "zero", "sequence_parallel", "microbatches", "schedule",
+            "virtual_stages"} <= set(row["layout"])
+    assert set(row["memory_bytes_per_device"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    assert set(row["bytes_per_step"]) == {"intra_node", "inter_node"}
+    assert set(row["step_time_s"]) == {"compute", "exposed_comm", "bubble", "total"}
+    assert 0 < row["mfu"] < 1 and row["fits"] is True
+    kept = {"dp", "tp", "pp_1f1b", "zero3", "3d"}
+    assert all(r["layout"]["preset"] in kept or r["layout"]["strategy"] in kept for r in plan["rows"])
+    assert [r["rank"] for r in plan["rows"]] == list(range(1, len(plan["rows"]) + 1))
+    totals = [r["step_time_s"]["total"] for r in plan["rows"] if r["fits"]]
+    assert totals == sorted(totals)
+    for name in ("report.md", "memory_per_device.png", "step_time.png"):
+        assert (out / name).stat().st_size > 0
+
+
+def test_launch_plan_refuses_bad_input_in_one_line(tmp_path):
+    proc = _plan(["plan.world=0"], tmp_path)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == ["error: plan.world=0 must be a positive integer"], proc.stderr[-2000:]
+    with pytest.raises(ClusterError, match="efficiency=2.0 .* must be fractions in"):
+        cluster_from_config({**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "h100_sxm.yaml").read_text()),
+                             "efficiency": 2})
