@@ -111,13 +111,17 @@ def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
     found = enumerate_layouts(shape, base, world, batch, SMALL_SPACE)
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
     accepted, refused = set(), 0
+    has_recompute = "recompute" in base["train"]
     for spec in [s for s in REGISTRY.values() if "baseline" not in s.tags]:
-        for request in _requests(spec, world, batch, shape.gpt.n_layers, SMALL_SPACE, False):
+        for request in _requests(spec, world, batch, shape.gpt.n_layers, SMALL_SPACE, has_recompute):
             cfg = OmegaConf.create(base)
             cfg.train.global_batch = batch
             cfg.parallel.name, cfg.parallel.grad_sync = spec.name, "bucketed"
             for k, v in request.items():
-                cfg.parallel[k] = v
+                if k == "recompute":
+                    cfg.train.recompute = v
+                else:
+                    cfg.parallel[k] = v
             try:
                 plan = build_plan(cfg, env, cuda_available=False)
             except ValueError as e:

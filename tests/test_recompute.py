@@ -136,7 +136,7 @@ def _plan(world: int, *overrides):
     (4, ["parallel=cp_a2a", "parallel.tp=2", "model.n_heads=2", "model.d_model=64"], ConfigError,
      "parallel.cp=2 does not divide the 1 attention heads per rank"),
     (2, ["parallel=cp", "model.dropout=0.1"], ConfigError, "model.dropout=0.1 inside attention"),
-    (2, ["parallel=cp", "model=tiny_moe"], ConfigError, "model.moe_experts=4 with parallel.cp=2"),
+    (2, ["parallel=cp", "model=tiny_moe"], ConfigError, "parallel=cp does not train a mixture-of-experts model (model.moe_experts=4)"),
     (8, ["parallel=cp", "parallel.tp=4", "parallel.sequence_parallel=true", "model.seq_len=20"], ConfigError,
      "model.seq_len=20 / parallel.cp=2 = 10 tokens per cp rank do not split into parallel.tp=4"),
     (4, ["parallel=cp", "parallel.zero=3"], ConfigError, "parallel.zero=3 does not compose with parallel.cp=2"),

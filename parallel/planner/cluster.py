@@ -113,6 +113,8 @@ def _emulated(c: dict, common: dict, net: dict, world: int | None) -> Cluster:
     has one link to the others, shared by the transfers that leave the node at once."""
     nodes = int(net.get("nodes") or 1)
     per_node = int(net.get("procs_per_node") or 0) or (world // nodes if world else 1)
+    if net.get("name") == "none" and world:
+        per_node = world  # no emulation: every rank on this machine, whatever launch.run's default is
     if world and nodes * per_node != world:
         raise ClusterError(f"plan.world={world} but the network has net.nodes x net.procs_per_node = {nodes} x "
                            f"{per_node} = {nodes * per_node} ranks: set plan.world={nodes * per_node}")

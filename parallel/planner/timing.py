@@ -36,7 +36,7 @@ from functools import lru_cache
 from parallel.planner.cluster import Cluster
 from parallel.planner.links import GroupSpan
 from parallel.planner.shape import ModelShape
-from parallel.pp.schedules import SEND_B, SEND_F, B, F, build_schedule
+from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, build_schedule
 from parallel.pp.simulator import simulate
 
 ASSUMPTIONS = {
@@ -103,13 +103,18 @@ def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster,
 @lru_cache(maxsize=65536)
 def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float, send: float) -> float:
     """The simulator's makespan for one step: each rank's forward and backward of a microbatch over
-    all its chunks cost `forward` and `backward` (a chunk 1/v of them), a send `send` on its sender."""
+    all its chunks cost `forward` and `backward` (a chunk 1/v of them), a send `send` on its sender.
+    Where a schedule splits the backward (zero-bubble schedules), its input-gradient half B and its
+    weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
+    backward, of equal size (an assumption the output names)."""
 
-    def cost(action, virtual):
+    def cost(action, virtual, split=False):
         if action.op == F:
             return forward / virtual
         if action.op == B:
-            return backward / virtual
+            return (backward / 2 if split else backward) / virtual
+        if action.op == W:
+            return backward / 2 / virtual
         return send if action.op in (SEND_F, SEND_B) else 0.0
 
     return simulate(build_schedule(schedule, p, m, v), m, v, cost).makespan
