@@ -48,6 +48,9 @@ class StrategySpec:
     pipelined: bool = False  # parallel.schedule, virtual_stages, pp_layers apply; the summary gets a pipeline block
     sequence_parallel: bool = False  # accepts parallel.sequence_parallel=true
     check: Callable | None = None  # (dims, options) -> None, raising LayoutError/ConfigError: rules of its own
+    # (schedule, pp, microbatches, virtual) -> None, raising ScheduleError: a pipelined strategy's own
+    # rule on top of the schedule's (PyTorch's pipelining refuses some (p, m) that ours runs)
+    schedule_check: Callable | None = None
     # -- what it honours and supports --
     grad_sync: bool = False  # parallel.grad_sync (naive | bucketed) and bucket_mb
     bucket_mb: bool = False  # parallel.bucket_mb alone (PyTorch's DDP)

@@ -31,8 +31,10 @@ def log_summary(summary: dict) -> None:
              memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
     if "pipeline" in summary:
         pipe = summary["pipeline"]
-        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% | trace.json, timeline.png",
-                 pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"], 100 * pipe["bubble_closed_form"])
+        closed = pipe["bubble_closed_form"]  # None where bubble.py claims no closed form (ZB-V below m = 2p-1)
+        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %s | trace.json, timeline.png",
+                 pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"],
+                 "none" if closed is None else f"{100 * closed:.1f}%")
     log.info(
         "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
         comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,
