@@ -108,4 +108,4 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     resumed = [line for line in proc.stdout.splitlines() if " resumed: losses within " in line]
-    assert len(resumed) == 19 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout
+    assert len(resumed) == 25 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout

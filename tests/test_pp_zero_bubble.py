@@ -318,3 +318,70 @@ def test_simulator_holds_activations_until_w():
     assert peak("F0 B0 W0 F1 B1 W1") == 1
     assert peak("F0 F1 B0 B1 W0 W1") == 2
     assert peak("F0 B0 F1 B1 W0 W1") == 2  # B frees nothing when W follows: held until W
+
+
+def test_receives_follow_the_senders_order():
+    """Two ranks' messages are matched in posting order. On the V a rank may need a later message
+    of its neighbour first: the lists post the earlier ones with it, and the simulator refuses lists
+    that do not (here: each receive put right before its compute, as with_comm alone does)."""
+    from parallel.pp.actions import in_send_order, with_comm
+
+    place = schedule_placement("zbv", 2, 2)
+    plans = build_schedule("zbv", 2, 4, 2)
+    naive = [with_comm(compute_only(actions), r, place) for r, actions in enumerate(plans)]
+    assert naive != plans and in_send_order(naive, place) == plans
+    with pytest.raises(ScheduleInvalid, match="messages between two ranks arrive in the order sent"):
+        simulate(naive, 4, 2, placement=place)
+    # The schedules on the loop need no reordering: each pair of ranks talks one way per direction.
+    for schedule, v in [("1f1b", 1), ("zbh1", 1), ("interleaved_1f1b", 2)]:
+        lists = build_schedule(schedule, 4, 8, v)
+        assert in_send_order(lists, schedule_placement(schedule, 4, v)) == lists
+
+
+def plan_error(world: int, *overrides: str) -> str:
+    """The one-line refusal plan.py gives before any process group (empty if it accepts)."""
+    from hydra import compose, initialize_config_dir
+    from launcher import PROJECT_ROOT
+
+    from parallel.dist.dims import LayoutError
+    from parallel.dist.groups import LaunchEnv
+    from parallel.plan import ConfigError, build_plan
+
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=tiny", *overrides])
+    try:
+        build_plan(cfg, LaunchEnv(rank=0, world_size=world, local_world_size=world), cuda_available=False)
+    except (ConfigError, LayoutError) as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("world,overrides,message", [
+    (4, ["parallel=pp_dualpipev", "model.n_layers=8", "parallel.microbatches=4"],
+     "dualpipev needs at least 2 x parallel.pp = 8 microbatches"),
+    (2, ["parallel=pp_zbv", "parallel.virtual_stages=1"], "zbv runs exactly two chunks per rank in a V"),
+    (4, ["parallel=pp_zbv", "parallel.dp=2", "parallel.grad_sync=bucketed"],
+     "a rank's chunks finish their backward at different times: set parallel.grad_sync=naive"),
+    (4, ["parallel=pp_dualpipev", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4"],
+     "different times of the dualpipev schedule; use parallel.zero=1 (it reduces once after the schedule)"),
+    (2, ["parallel=torch_pp_interleaved_zb", "parallel.microbatches=5", "train.global_batch=10"],
+     "ScheduleInterleavedZeroBubble runs microbatches in 2 rounds (m // parallel.pp) and needs m to be a multiple "
+     "of that: use parallel.microbatches=4"),
+    (2, ["parallel=torch_pp_dualpipev", "parallel.microbatches=2"], "dualpipev needs at least 2 x parallel.pp = 4"),
+])
+def test_plan_refuses_what_a_schedule_cannot_run(world, overrides, message):
+    error = plan_error(world, *overrides)
+    assert message in error and "\n" not in error, error
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (4, ["parallel=pp_zbh1", "parallel.dp=2", "parallel.grad_sync=bucketed", "parallel.microbatches=2"]),
+    (4, ["parallel=pp_zbh1", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"]),
+    (4, ["parallel=pp_dualpipev", "parallel.dp=2", "parallel.zero=1", "parallel.microbatches=4"]),
+    (2, ["parallel=torch_pp_interleaved_zb", "parallel.microbatches=6", "train.global_batch=12"]),
+])
+def test_plan_accepts_what_composes_with_w(world, overrides):
+    """W accumulates each weight's gradient once per microbatch, in microbatch order on one chunk
+    (ZB-H1), so the bucketed sync and ZeRO-2, which count post-accumulate-grad hooks, compose with it;
+    ZeRO-1 reduces after the schedule, whatever it is."""
+    assert plan_error(world, *overrides) == ""
