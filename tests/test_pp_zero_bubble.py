@@ -385,3 +385,56 @@ def test_plan_accepts_what_composes_with_w(world, overrides):
     (ZB-H1), so the bucketed sync and ZeRO-2, which count post-accumulate-grad hooks, compose with it;
     ZeRO-1 reduces after the schedule, whatever it is."""
     assert plan_error(world, *overrides) == ""
+
+
+# -- theory.py on the V: what each rank holds and sends, counted on the model itself ------------------
+
+@pytest.mark.parametrize("d,t,p,m,sp,zero", [(1, 2, 2, 4, True, 0), (2, 1, 2, 4, False, 0), (1, 1, 4, 8, False, 0),
+                                           (2, 1, 2, 4, False, 1)])
+def test_3d_theory_on_the_v_written_out(d, t, p, m, sp, zero):
+    """Under the V rank 0 holds the embedding and the head (stages 0 and 2p-1): theory's per-rank
+    parameters, tp bytes and pp sends, against the chunks split_model gives each rank."""
+    from types import SimpleNamespace
+
+    from parallel.dist.dims import ParallelDims
+    from parallel.model import GPT, part_of
+    from parallel.pp.split import split_model
+    from parallel.pp.traffic import p2p_sent_by_rank
+    from parallel.registry import expected_comm
+    from parallel.theory import mesh3d_local_parameter_count, stage_ends, stage_layers
+    from parallel.tp.layers import parallelize_tp
+
+    cfg = GPTConfig(seq_len=32, n_layers=8, d_model=64, n_heads=4)
+    S, H, b = cfg.seq_len, cfg.d_model, 2
+    dims = ParallelDims.resolve(d * t * p, dp=d, tp=t, pp=p)
+    place = schedule_placement("zbv", p, 2)
+    fig = expected_comm("3d", cfg, dims, microbatch_size=b, microbatches=m, virtual=2, sequence_parallel=sp,
+                        schedule="zbv", zero=zero)
+    ends, layers = stage_ends(dims, 2, "zbv"), stage_layers(cfg, dims, 2, schedule="zbv")
+    assert ends[0] == (True, True) and all(e == (False, False) for e in ends[1:])
+    boundary = b * (S // t if sp else S) * H * 4
+    pp_sent = p2p_sent_by_rank("zbv", p, m, 2, boundary)
+    q = Fr(t - 1, t)
+    for r in range(p):
+        model = GPT(cfg, seed=0)
+        parallelize_tp(model, SimpleNamespace(rank=0, size=t))
+        chunks = split_model(model, p, 2, r, placement=place)
+        assert [c.vstage for c in chunks] == [r, 2 * p - 1 - r]
+        first, last = chunks[0].embed is not None, chunks[1].head is not None
+        assert (first, last) == ends[r] and sum(len(c.blocks) for c in chunks) == layers[r]
+        held = sum(x.numel() for c in chunks for x in c.parameters())
+        assert held == mesh3d_local_parameter_count(cfg, dims, 2, pp_rank=r, schedule="zbv")
+        acts = (4 * layers[r] + first + last) * m * b * S * H * 4
+        loss = 3 * m * b * S * 4 if last else 0
+        sp_grads = (6 * H * layers[r] + S * H * first + 2 * H * last) * 4 if sp else 0
+        tp_bytes = 2 * q * (acts + loss + sp_grads)
+        if zero:  # ZeRO-1: the parts (embedding, each block, head) padded to multiples of d, one
+            parts = Counter()  # reduce-scatter of the gradients and one all-gather of the parameters
+            for c in chunks:
+                for n, x in c.named_parameters():
+                    parts[part_of(c.global_name(n))] += x.numel()
+            dp_bytes = Fr(d - 1, d) * 2 * 4 * sum(-(-n // d) * d for n in parts.values())
+        else:
+            dp_bytes = 2 * Fr(d - 1, d) * held * 4
+        assert Fr(fig["sent_bytes_per_rank_by_stage_exact"][r]) == tp_bytes + pp_sent[r] + dp_bytes, r
+    assert Fr(fig["by_group"]["pp"]["sent_bytes_exact"]) == 2 * m * 2 * (p - 1) * boundary * d * t
