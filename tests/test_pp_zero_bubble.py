@@ -438,3 +438,29 @@ def test_3d_theory_on_the_v_written_out(d, t, p, m, sp, zero):
             dp_bytes = 2 * Fr(d - 1, d) * held * 4
         assert Fr(fig["sent_bytes_per_rank_by_stage_exact"][r]) == tp_bytes + pp_sent[r] + dp_bytes, r
     assert Fr(fig["by_group"]["pp"]["sent_bytes_exact"]) == 2 * m * 2 * (p - 1) * boundary * d * t
+
+
+def test_the_comparison_pairs_each_zero_bubble_schedule_with_pytorchs():
+    """pp's counterpart is torch_pp, matched by schedule: pp_zbh1 with torch_pp_interleaved_zb (its
+    schedule is zbh1), pp_zbv with torch_pp_zbv, pp_dualpipev with torch_pp_dualpipev."""
+    from launcher import PROJECT_ROOT
+    from omegaconf import OmegaConf
+
+    from parallel.compare.rows import add_baseline_ratios
+
+    def schedule_of(preset):
+        cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "parallel" / f"{preset}.yaml")
+        while "schedule" not in cfg:
+            cfg = OmegaConf.load(PROJECT_ROOT / "conf" / "parallel" / f"{cfg.defaults[0]}.yaml")
+        return cfg.schedule
+
+    presets = ["pp_1f1b", "pp_zbh1", "pp_zbv", "pp_dualpipev", "torch_pp_1f1b", "torch_pp_interleaved_zb",
+               "torch_pp_zbv", "torch_pp_dualpipev"]
+    rows = [{"strategy": p, "runs_as": "torch_pp" if p.startswith("torch") else "pp", "schedule": schedule_of(p),
+             "status": "ok", "tokens_per_s": 100.0 + i, "baseline": None, "ratio_to_baseline": None}
+            for i, p in enumerate(presets)]
+    add_baseline_ratios(rows)
+    assert {r["strategy"]: r["baseline"] for r in rows if r["runs_as"] == "pp"} == {
+        "pp_1f1b": "torch_pp_1f1b", "pp_zbh1": "torch_pp_interleaved_zb", "pp_zbv": "torch_pp_zbv",
+        "pp_dualpipev": "torch_pp_dualpipev"}
+    assert rows[2]["ratio_to_baseline"] == 102.0 / 106.0
