@@ -16,7 +16,7 @@ from parallel.dist.timing import default_warmup_steps
 from parallel.dp.sync import GRAD_SYNCS
 from parallel.layout import Layout
 from parallel.model import MOE_FIELDS, GPTConfig
-from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
+from parallel.pp.schedules import SCHEDULES, V_SHAPED, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.precision import PRECISIONS
 from parallel.recompute import MODES as RECOMPUTE_MODES
@@ -216,8 +216,9 @@ def _check_schedule_name(schedule) -> None:
         raise ConfigError(f"parallel.schedule={schedule!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
 
 
-def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
-    """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v)."""
+def _check_pipeline(model: GPTConfig, dims: ParallelDims, p, spec: StrategySpec) -> None:
+    """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v), and
+    so must the strategy's own runner (PyTorch's schedules refuse some that ours run)."""
     if p.virtual_stages > 1 and dims.pp < 2:
         raise LayoutError(
             f"parallel.virtual_stages={p.virtual_stages} interleaves chunks across pipeline ranks, but parallel.pp={dims.pp}: "
@@ -226,6 +227,8 @@ def _check_pipeline(model: GPTConfig, dims: ParallelDims, p) -> None:
     try:
         layer_counts(model.n_layers, dims.pp * p.virtual_stages, list(p.pp_layers) if p.pp_layers is not None else None)
         build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)
+        if spec.schedule_check is not None:
+            spec.schedule_check(p.schedule, dims.pp, p.microbatches, p.virtual_stages)
     except (ScheduleError, SplitError) as e:
         raise ConfigError(str(e)) from None
 
@@ -238,7 +241,8 @@ def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
         raise ConfigError(
             f"parallel.grad_sync=bucketed overlaps the dp all-reduce with the last microbatch's backward, but with "
             f"parallel.virtual_stages={p.virtual_stages} a rank's chunks finish their backward at different times: "
-            "set parallel.grad_sync=naive (or parallel.virtual_stages=1)"
+            + ("set parallel.grad_sync=naive" if p.schedule in V_SHAPED else
+               "set parallel.grad_sync=naive (or parallel.virtual_stages=1)")
         )
 
 
@@ -258,8 +262,8 @@ def _check_3d_zero(zero: int, sequence_parallel: bool, dims: ParallelDims, p) ->
         raise ConfigError(
             f"parallel.zero=2 with parallel.virtual_stages={p.virtual_stages}: ZeRO-2 reduces a microbatch's parts "
             "in backward order within one backward pass, but a rank's chunks run a microbatch's backward at "
-            "different times of the interleaved schedule; use parallel.zero=1 (it reduces once after the schedule) "
-            "or parallel.virtual_stages=1"
+            f"different times of the {p.schedule} schedule; use parallel.zero=1 (it reduces once after the schedule)"
+            + ("" if p.schedule in V_SHAPED else " or parallel.virtual_stages=1")
         )
 
 
@@ -321,7 +325,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     _check_context_parallel(model, dims, options)
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:
-        _check_pipeline(model, dims, p)
+        _check_pipeline(model, dims, p, spec)
     if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/combined/mesh3d.py)
         if zero:
             _check_3d_zero(zero, sequence_parallel, dims, p)  # the ZeroOptimizer replaces grad_sync

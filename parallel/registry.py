@@ -52,6 +52,9 @@ class StrategySpec:
     # -- mixture of experts (model.moe_experts > 0) --
     moe: bool = False  # trains MoE models: the balancing loss in its loss, every expert's gradient summed right
     moe_refusal: str = ""  # where moe is False: why, for the error line
+    # (schedule, pp, microbatches, virtual) -> None, raising ScheduleError: a pipelined strategy's own
+    # rule on top of the schedule's (PyTorch's pipelining refuses some (p, m) that ours runs)
+    schedule_check: Callable | None = None
     # -- what it honours and supports --
     grad_sync: bool = False  # parallel.grad_sync (naive | bucketed) and bucket_mb
     bucket_mb: bool = False  # parallel.bucket_mb alone (PyTorch's DDP)

@@ -122,7 +122,7 @@ register(StrategySpec(
     route=_tp_route, counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True,
 ))
 register(StrategySpec(
-    name="pp", description="pipeline parallel: GPipe, 1F1B or interleaved 1F1B, as schedules of data",
+    name="pp", description="pipeline parallel: GPipe, 1F1B, interleaved, ZB-H1, ZB-V or DualPipeV, schedules as data",
     build=_build_mesh3d, comm=theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
     grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
 ))
@@ -176,6 +176,12 @@ def _torch_tp_check(dims, options):
         raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
 
 
+def _torch_pp_schedule_check(schedule, stages, microbatches, virtual):
+    from parallel.baselines.pipelining import check_torch_schedule
+
+    check_torch_schedule(schedule, stages, microbatches, virtual)
+
+
 def _torch_pp_check(dims, options):
     if dims.tp != 1 or dims.dp != 1:
         raise LayoutError(
@@ -211,7 +217,7 @@ register(StrategySpec(
 register(StrategySpec(
     name="torch_pp", description="torch.distributed.pipelining's schedules on the same chunks (the baseline for pp)",
     build=_build_torch_pp, comm=theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
-    check=_torch_pp_check, tags=BASELINE,
+    check=_torch_pp_check, schedule_check=_torch_pp_schedule_check, tags=BASELINE,
     moe_refusal="torch.distributed.pipelining back-propagates the last stage's loss only, not a stage's balancing loss",
 ))
 

@@ -14,7 +14,9 @@ from parallel.cp.traffic import local_kv_elements, ring_layer_traffic, ulysses_l
 from parallel.dist.dims import ParallelDims
 from parallel.layout import Layout
 from parallel.model import GPTConfig
+from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import layer_counts
+from parallel.pp.traffic import p2p_bytes_per_step, p2p_sent_by_rank
 
 FP32_BYTES = 4
 
@@ -111,7 +113,7 @@ def mesh3d_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict
     if layout.dims.pp != 1:
         return None
     return mesh3d_model_state_bytes(cfg, layout.dims, 0, layout.zero, layout.virtual_stages, layout.pp_layers,
-                                    layout.dtype_bytes)
+                                    layout.dtype_bytes, layout.schedule)
 
 
 def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
@@ -251,10 +253,21 @@ def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool
     return layers * per_layer + (V * h // t + s * h if first else 0) + (2 * h + V * h // t if last else 0)
 
 
-def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None) -> list[int]:
-    """Blocks each pipeline rank holds: its v chunks, virtual stages r, r + p, r + 2p, ..."""
+def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+                 schedule: str = "1f1b") -> list[int]:
+    """Blocks each pipeline rank holds: its v chunks, the virtual stages the schedule's placement
+    gives it (r, r + p, r + 2p, ... on the loop; r and 2p-1-r on the V)."""
     counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
-    return [sum(counts[c * dims.pp + r] for c in range(virtual)) for r in range(dims.pp)]
+    placement = schedule_placement(schedule, dims.pp, virtual)
+    return [sum(counts[vs] for vs in placement.vstages_of(r)) for r in range(dims.pp)]
+
+
+def stage_ends(dims: ParallelDims, virtual: int = 1, schedule: str = "1f1b") -> list[tuple[bool, bool]]:
+    """Per pipeline rank: whether it holds the first virtual stage (the embedding) and the last
+    (the final norm, the head and the loss). On the loop rank 0 and rank p-1; on the V rank 0 both."""
+    placement = schedule_placement(schedule, dims.pp, virtual)
+    last = placement.vstages - 1
+    return [(0 in placement.vstages_of(r), last in placement.vstages_of(r)) for r in range(dims.pp)]
 
 
 def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
@@ -266,37 +279,38 @@ def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bo
     return [*([V * h // t + s * h] if first else []), *[per_layer] * layers, *([2 * h + V * h // t] if last else [])]
 
 
-def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None) -> int:
+def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
+                            schedule: str = "1f1b") -> int:
     """Ψ_pad of one rank of stage `pp_rank` under ZeRO over dp: each of its local parts padded to a
     multiple of d = dims.dp (what its reduce-scatters, all-gathers and shards are made of); under
     context parallelism the parameters are replicated over dp x cp and ZeRO shards over d·cp ranks."""
-    layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
-    parts = stage_part_counts(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+    layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)[pp_rank]
+    parts = stage_part_counts(cfg, dims.tp, layers, *stage_ends(dims, virtual, schedule)[pp_rank])
     n = replica_group_size(dims)
     return sum(-(-count // n) * n for count in parts)
 
 
 def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
-                             pp_layers=None, dtype_bytes: int = FP32_BYTES) -> dict:
+                             pp_layers=None, dtype_bytes: int = FP32_BYTES, schedule: str = "1f1b") -> dict:
     """What one rank of stage `pp_rank` holds under dp x tp x pp: plain dp the stage's tp shard Ψ_r
     in full (4 + 4 + 8 bytes per parameter); ZeRO-1 over dp 1/d of its Adam state, ZeRO-2 also 1/d
     of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`); d·cp under context parallelism."""
     d = replica_group_size(dims)
     if zero:
-        psi = stage_zero_padded_count(cfg, dims, pp_rank, virtual, pp_layers)
+        psi = stage_zero_padded_count(cfg, dims, pp_rank, virtual, pp_layers, schedule)
         params, grads, state = psi * dtype_bytes, psi * dtype_bytes // (d if zero >= 2 else 1), 2 * psi * dtype_bytes // d
     else:
-        layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
-        psi = stage_shard_parameter_count(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+        layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)[pp_rank]
+        psi = stage_shard_parameter_count(cfg, dims.tp, layers, *stage_ends(dims, virtual, schedule)[pp_rank])
         params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
     figures = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state}
     return {**figures, "total_bytes": sum(figures.values()), "parameters_counted": psi}
 
 
 def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
-                                 pp_rank: int = 0) -> int:
-    layers = stage_layers(cfg, dims, virtual, pp_layers)[pp_rank]
-    return stage_shard_parameter_count(cfg, dims.tp, layers, pp_rank == 0, pp_rank == dims.pp - 1)
+                                 pp_rank: int = 0, schedule: str = "1f1b") -> int:
+    layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)[pp_rank]
+    return stage_shard_parameter_count(cfg, dims.tp, layers, *stage_ends(dims, virtual, schedule)[pp_rank])
 
 
 def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: int, pp_layers,
@@ -311,17 +325,21 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
            2(t-1)/t of its bytes, or under sequence parallelism an all-gather plus a reduce-scatter,
            (t-1)/t each; then once per step the stage's sequence-sharded gradients (its blocks'
            6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced;
-      pp   one send of its boundary activation per microbatch for each chunk that is not the last
-           virtual stage, and one of the input gradient for each that is not the first: b·s·h,
-           or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the sequence);
+      pp   one send of its boundary activation per microbatch for each chunk whose next virtual
+           stage is on another rank, and one of the input gradient for each whose previous one
+           is: b·s·h, or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the
+           sequence); which stages a rank holds, and so which boundaries cross, is the schedule's
+           placement (parallel/pp/traffic.py's `p2p_sent_by_rank`);
       dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B;
            under ZeRO (zero = 1 or 2) its parts padded to multiples of d, Ψ_pad,r: the gradients
            reduce-scattered once per step (ZeRO-1) or once per microbatch (ZeRO-2), the updated
            parameters all-gathered once, (d-1)/d of each: (d-1)/d · (1 or m + 1) · Ψ_pad,r·B.
 
     Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
-    partition the layers); pp adds 2·m·(v·p-1)·b·s·h·B per pipeline (/t under sequence parallelism),
-    d·t pipelines.
+    partition the layers); pp adds 2·m·crossings·b·s·h·B per pipeline (/t under sequence
+    parallelism), d·t pipelines, crossings = v·p-1 on the loop and 2(p-1) on the V. "The first
+    stage" and "the last" are the ranks holding the first and last virtual stages: on the V both
+    are rank 0.
 
     With context parallelism (c = cp > 1; `layout` gives its kind and the recomputation) every rank
     holds s/c tokens of each sequence: every tp collective, the loss's and the pipeline boundary
@@ -336,7 +354,10 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
     s, h = cfg.seq_len // c, cfg.d_model  # the tokens of a sequence this rank holds
     activation = b * s * h * B
     boundary = b * (s // t if sequence_parallel else s) * h * B
-    layers = stage_layers(cfg, dims, virtual, pp_layers)
+    schedule = layout.schedule
+    layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)
+    ends = stage_ends(dims, virtual, schedule)
+    pp_sent = p2p_sent_by_rank(schedule, p, m, virtual, boundary)
     per_layer = tp_tensors_per_layer(layout.recompute)
     ops = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "all_to_all")
     totals = {op: [0, Fraction(0)] for op in ops}
@@ -344,8 +365,8 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
     groups = {g: Fraction(0) for g in ("tp", "cp", "pp", dp_group)}
     per_rank_by_stage = []
     for r in range(p):
-        first, last = r == 0, r == p - 1
-        ar_payload, ag_payload, p2p_payload = 0, 0, 0  # this rank's per step
+        first, last = ends[r]
+        ar_payload, ag_payload = 0, 0  # this rank's per step
         if t > 1:
             acts = (per_layer * layers[r] + first + last) * m * activation
             loss = 3 * m * b * s * FP32_BYTES if last else 0
@@ -355,13 +376,12 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
             else:
                 ar_payload = acts + loss
         tp_sent = all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
-        sends = sum(m * ((k * p + r < p * virtual - 1) + (k * p + r > 0)) for k in range(virtual))
-        p2p_payload = sends * boundary
+        p2p_payload = pp_sent[r]
         dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 and not zero else 0
         dp_sent = all_reduce_sent_per_rank(d, dp_payload)
         zero_gather = zero_scatter = 0  # ZeRO's payloads over dp
         if zero and d > 1:
-            padded = stage_zero_padded_count(cfg, dims, r, virtual, pp_layers) * B
+            padded = stage_zero_padded_count(cfg, dims, r, virtual, pp_layers, schedule) * B
             zero_gather, zero_scatter = padded, (m if zero == 2 else 1) * padded
             dp_sent = gather_or_scatter_sent_per_rank(d, zero_gather + zero_scatter)
         ranks = d * t  # the ranks of this stage, all alike
@@ -463,11 +483,14 @@ def dp_comm(cfg: GPTConfig, layout: Layout) -> dict:
 
 def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """pp and torch_pp (torch's stages send the same activations and gradients): every activation
-    and its gradient crosses each boundary once per microbatch (sends; a receive sends nothing), in
-    each of the dp pipelines; with dp > 1 each stage then all-reduces its own parameters over dp,
-    which sums to 2(dp-1)/dp · Ψ·B per pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
+    and its gradient crosses each boundary between ranks once per microbatch (sends; a receive sends
+    nothing), 2·m·crossings·b·s·h·B per pipeline with the schedule's placement's crossings (v·p-1 on
+    the loop, 2(p-1) on the V: parallel/pp/traffic.py), in each of the dp pipelines; with dp > 1
+    each stage then all-reduces its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per
+    pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
     dims, B = layout.dims, layout.dtype_bytes
-    p2p = pipeline_p2p_bytes(cfg, layout.microbatch_size, layout.microbatches, dims.pp, layout.virtual_stages, B) * dims.dp
+    boundary = layout.microbatch_size * cfg.seq_len * cfg.d_model * B
+    p2p = p2p_bytes_per_step(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages, boundary) * dims.dp
     totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))} if p2p else {}
     if dims.dp > 1:
         grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
@@ -509,7 +532,8 @@ def tp_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
 
 def mesh3d_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
     """What rank 0 (the first stage's tp rank 0) holds under dp x tp x pp."""
-    return mesh3d_local_parameter_count(cfg, layout.dims, layout.virtual_stages, layout.pp_layers)
+    return mesh3d_local_parameter_count(cfg, layout.dims, layout.virtual_stages, layout.pp_layers,
+                                        schedule=layout.schedule)
 
 
 # -- mixture of experts ---------------------------------------------------------------------------

@@ -42,9 +42,12 @@ from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, sa
 PRESETS = [
     ("single", []), ("dp", []), ("dp_naive", []), ("zero1", []), ("zero2", []), ("zero3", []),
     ("tp", []), ("tp_sp", []), ("pp_gpipe", []), ("pp_1f1b", ["parallel.dp=2"]), ("pp_interleaved", ["parallel.dp=2"]),
+    ("pp_zbh1", ["parallel.dp=2", "parallel.zero=2"]), ("pp_zbv", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("pp_dualpipev", ["parallel.dp=2", "parallel.microbatches=4"]),
     ("3d", ["parallel.microbatches=2"]), ("cp", []), ("cp_a2a", ["parallel.cp=4", "parallel.zero=1"]),
     ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
     ("torch_tp", []), ("torch_pp_gpipe", []), ("torch_pp_1f1b", []), ("torch_pp_interleaved", []),
+    ("torch_pp_zbv", []), ("torch_pp_dualpipev", []), ("torch_pp_interleaved_zb", []),
 ]
 # Eight layers, so that torch's interleaved schedule has 4 ranks x 2 chunks to cut.
 COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_bytes=1000000", "train.steps=6", "train.warmup_steps=1"]

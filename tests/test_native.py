@@ -19,6 +19,10 @@ BASELINES = {
     "torch_pp_gpipe": [],
     "torch_pp_1f1b": [],
     "torch_pp_interleaved": [],
+    # The zero-bubble ones (torch builds no V itself: the baseline hands it stages r and 2p-1-r).
+    "torch_pp_zbv": ["parallel.microbatches=4"],
+    "torch_pp_dualpipev": ["parallel.microbatches=4"],
+    "torch_pp_interleaved_zb": [],
 }
 
 

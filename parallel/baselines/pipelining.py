@@ -1,8 +1,13 @@
 """torch.distributed.pipelining on the same chunks: the baselines for our pipeline schedules.
 
 The GPT is cut into exactly the chunks `pp/split.py` gives our executor (same layers per virtual
-stage, chunk c of rank r is virtual stage c·p + r); each becomes a PipelineStage, driven by
-torch's ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B. The loss is the project's
+stage, on the schedule's own placement: chunk c of rank r is virtual stage c·p + r on the loop,
+r and 2p-1-r on the V); each becomes a PipelineStage, driven by torch's schedule of the same
+name (`TORCH_SCHEDULES`): ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and the
+zero-bubble ones, ScheduleInterleavedZeroBubble (ZB-H1 with one stage per rank: its order is
+our zbh1's), ScheduleZBVZeroBubble and ScheduleDualPipeV. The V schedules need each rank to
+hold stages r and 2p-1-r and do not check it (loop-placed stages crash one rank and hang
+another), so the stages are built on the V here. The loss is the project's
 (summed token loss / global tokens) with scale_grads=False, because that loss is already divided
 by the global token count; the optimizer is the project's AdamW over this rank's chunks.
 
@@ -20,20 +25,41 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from parallel.dist.comm import CommLog, Communicator
-from parallel.data import Batch
-from parallel.model import GPT, token_loss_sum
 from parallel.baselines.counting import PipelineP2PCounter
+from parallel.data import Batch
+from parallel.dist.comm import CommLog, Communicator
+from parallel.model import GPT, token_loss_sum
+from parallel.pp.schedules import ScheduleError, schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import Strategy, make_optimizer
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Our schedule name -> torch.distributed.pipelining's class of the same order.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+SINGLE_STAGE = ("gpipe", "1f1b")  # the classes given one stage; the others take a list, even of one
 
 
 def torch_schedule_class(schedule: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    from torch.distributed import pipelining
 
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}[schedule]
+    return getattr(pipelining, TORCH_SCHEDULES[schedule])
+
+
+def check_torch_schedule(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
+    """What torch refuses beyond our schedule's own rules (plan.py asks before any process group):
+    ScheduleInterleavedZeroBubble runs microbatches in rounds of max(1, m // p) and needs m to be a
+    multiple of the number of rounds (torch 2.13, schedules.py)."""
+    if schedule not in TORCH_SCHEDULES:
+        raise ScheduleError(f"parallel.schedule={schedule!r} has no torch.distributed.pipelining counterpart: "
+                            f"choose one of {', '.join(TORCH_SCHEDULES)}")
+    rounds = max(1, microbatches // stages)
+    if schedule == "zbh1" and microbatches % rounds:
+        fits = [n for n in range(microbatches, 0, -1) if n % max(1, n // stages) == 0][0]
+        raise ScheduleError(
+            f"parallel.microbatches={microbatches}: torch's ScheduleInterleavedZeroBubble runs microbatches in "
+            f"{rounds} rounds (m // parallel.pp) and needs m to be a multiple of that: use parallel.microbatches={fits}"
+        )
 
 
 class TorchPipeline(Strategy):
@@ -48,7 +74,7 @@ class TorchPipeline(Strategy):
 
         self._full_parameters = sum(p.numel() for p in model.parameters())
         p = pp_comm.size
-        self.chunks = split_model(model, p, virtual, pp_comm.rank, pp_layers)
+        self.chunks = split_model(model, p, virtual, pp_comm.rank, pp_layers, schedule_placement(schedule, p, virtual))
         local = nn.ModuleList(self.chunks)
         super().__init__(local, make_optimizer(local, lr, weight_decay), loss_comm=None)
         self.pp_comm = pp_comm
@@ -62,7 +88,7 @@ class TorchPipeline(Strategy):
             return token_loss_sum(logits, targets) / self.global_tokens
 
         cls = torch_schedule_class(schedule)
-        stages = self.stages if schedule == "interleaved_1f1b" else self.stages[0]
+        stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
         self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:

@@ -44,6 +44,7 @@ from parallel.cp.transform import parallelize_cp
 from parallel.dp.sync import make_grad_sync
 from parallel.model import GPT, token_loss_sum
 from parallel.pp.executor import PipelineParallel, global_named_parameters
+from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import make_optimizer
 from parallel.tp.layers import TPShards, parallelize_tp
@@ -65,9 +66,11 @@ def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
     shards = parallelize_tp(model, tp_comm, sequence_parallel) if tp_comm is not None else TPShards()
     if cp_comm is not None:  # 1b. context parallelism on the tp shard: positions and attention cores
         parallelize_cp(model, cp_comm, plan.cp_kind)
-    # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ...).
+    # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ... on the loop; r and
+    #    2p-1-r on the V of zbv and dualpipev).
     chunks = split_model(model, pp_comm.size, plan.virtual_stages, pp_comm.rank,
-                         list(plan.pp_layers) if plan.pp_layers else None)
+                         list(plan.pp_layers) if plan.pp_layers else None,
+                         schedule_placement(plan.schedule, pp_comm.size, plan.virtual_stages))
     named = global_named_parameters(chunks)
     # 3. The dp dimension over this stage's own parameters: plain all-reduce, or ZeRO-1/2 (the
     #    ZeroOptimizer is then the sync and the optimizer in one, its parts the stage's pieces).

@@ -18,6 +18,12 @@
   has arrived. Under those rules a list of actions deadlocks only if its compute order does, which
   the simulator rules out. A boundary inside one rank (the V placement's turn) has no send and no
   receive: the rank's next chunk takes the output directly, and that order is the rank's own.
+* Messages between two ranks are matched in the order they were posted (gloo and NCCL alike; no
+  tag tells two same-shaped activations apart), so each rank must post its receives from a peer
+  in the order that peer sends. With one direction per pair of ranks (the loop) that holds by
+  itself; on the V a rank both sends forward to and receives backward from each neighbour, and
+  a rank may need a later message first. `in_send_order` then posts the earlier ones too, just
+  before it (they are already on their way: waiting for them costs nothing).
 """
 
 from __future__ import annotations
@@ -72,6 +78,54 @@ def with_comm(compute: list[Action], rank: int, placement: Placement) -> list[Ac
                 out.append(Action(SEND_B, a.mb, a.chunk))
         else:
             out.append(a)
+    return out
+
+
+def message(rank: int, a: Action, placement: Placement) -> tuple[int, int, tuple[str, int, int]]:
+    """A send's or receive's (sender, receiver, what): what = (direction, microbatch, receiving vstage)."""
+    vs = placement.vstage(rank, a.chunk)
+    if a.op == SEND_F:
+        return rank, placement.rank_of(vs + 1), ("F", a.mb, vs + 1)
+    if a.op == SEND_B:
+        return rank, placement.rank_of(vs - 1), ("B", a.mb, vs - 1)
+    if a.op == RECV_F:
+        return placement.rank_of(vs - 1), rank, ("F", a.mb, vs)
+    return placement.rank_of(vs + 1), rank, ("B", a.mb, vs)  # RECV_B
+
+
+def in_send_order(plans: list[list[Action]], placement: Placement) -> list[list[Action]]:
+    """Each rank's receives from a peer, reordered to that peer's send order: where a rank first
+    needs a message that its peer sends after others it has not received yet, the receives of
+    those others are posted just before (in the same run of sends and receives)."""
+    sent = {}  # (sender, receiver) -> what, in the sender's order
+    for rank, actions in enumerate(plans):
+        for a in actions:
+            if a.op in (SEND_F, SEND_B):
+                src, dst, what = message(rank, a, placement)
+                sent.setdefault((src, dst), []).append(what)
+    receive_of = {}  # what -> the receiving action
+    for rank, actions in enumerate(plans):
+        for a in actions:
+            if a.op in (RECV_F, RECV_B):
+                receive_of[message(rank, a, placement)[2]] = a
+    out = []
+    for rank, actions in enumerate(plans):
+        posted, done = {}, set()  # peer -> receives posted from it; what has been received
+        ordered = []
+        for a in actions:
+            if a.op not in (RECV_F, RECV_B):
+                ordered.append(a)
+                continue
+            src, _, what = message(rank, a, placement)
+            if what in done:
+                continue  # posted early, with a later message
+            queue = sent[src, rank]
+            while what not in done:
+                earlier = queue[posted.get(src, 0)]
+                posted[src] = posted.get(src, 0) + 1
+                done.add(earlier)
+                ordered.append(receive_of[earlier])
+        out.append(ordered)
     return out
 
 

@@ -1,10 +1,16 @@
 """Run a pipeline schedule for real: the same action lists the simulator checks.
 
-Each rank walks its list. Forward and backward run its chunks; runs of consecutive sends and
-receives are posted together (batch_isend_irecv through the communication log), then the
-receives are waited on before the compute that needs them, and the sends are waited on at the end
-of the step. Activations cross stage boundaries as (microbatch, seq, d_model) fp32 tensors (under
-bf16 autocast too: a chunk ends with a block or the embedding, whose residual stream stays fp32).
+Each rank walks its list. Forward and backward run its chunks; in a schedule that splits the
+backward (zero_bubble.py), B computes only the chunk's input gradient and W, later, its weight
+gradients (split_backward.py). Runs of consecutive sends and receives are posted together
+(batch_isend_irecv through the communication log), then the receives are waited on before the
+compute that needs them, and the sends are waited on at the end of the step. Activations cross
+stage boundaries as (microbatch, seq, d_model) fp32 tensors (under bf16 autocast too: a chunk
+ends with a block or the embedding, whose residual stream stays fp32).
+
+Which rank holds which virtual stage is the schedule's placement (placement.py): the loop, or the
+V, where rank r holds stages r and 2p-1-r. A boundary inside one rank (the V's turn) sends
+nothing: the next chunk takes the output, and backward the input gradient, from the rank itself.
 
 The loss exists only on the last virtual stage: each microbatch's summed token loss divided by
 the global batch's token count, so the gradients equal the single-process ones (dividing by the
@@ -27,11 +33,15 @@ import torch.nn as nn
 from parallel.data import Batch
 from parallel.dist.comm import Communicator
 from parallel.model import token_loss_sum
-from parallel.pp.schedules import COMM, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, build_schedule
+from parallel.pp.actions import COMM, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, splits_backward
+from parallel.pp.schedules import build_schedule, schedule_placement
 from parallel.pp.split import PipelineChunk
+from parallel.pp.split_backward import SplitBackward
 from parallel.strategy import GradSync, Strategy, flat_moments, moment_param, nest_moments
 from parallel.tp.layers import TPShards
 from parallel.zero.shards import gather_full
+
+KIND = {F: "forward", B: "backward", W: "weight"}  # a compute action's kind in the timeline
 
 
 class PipelineParallel(Strategy):
@@ -55,7 +65,12 @@ class PipelineParallel(Strategy):
         self.shards = shards if shards is not None else TPShards()
         self.schedule = schedule
         self.microbatches = microbatches
-        self.actions: list[Action] = build_schedule(schedule, self.stages, microbatches, virtual)[self.pp_rank]
+        plans = build_schedule(schedule, self.stages, microbatches, virtual)
+        self.actions: list[Action] = plans[self.pp_rank]
+        self.placement = schedule_placement(schedule, self.stages, virtual)
+        # Whether B is only the input gradient and W the weights' (then the gradient sync's
+        # microbatch moments are around W, the action that accumulates into .grad).
+        self.split = splits_backward(plans)
         self.executed: list[Action] = []  # the order actually run in the last step (tests compare it with the schedule)
         self.spans: list[dict] = []  # the last step's timeline: one record per action
 
@@ -73,10 +88,17 @@ class PipelineParallel(Strategy):
 
     # -- helpers ----------------------------------------------------------------------------------
     def _vstage(self, a: Action) -> int:
-        return a.chunk * self.stages + self.pp_rank
+        return self.placement.vstage(self.pp_rank, a.chunk)
 
     def _peer(self, vstage: int) -> int:
-        return vstage % self.stages  # the pp-group rank that holds a virtual stage
+        return self.placement.rank_of(vstage)  # the pp-group rank that holds a virtual stage
+
+    def _local_chunk(self, vstage: int) -> int | None:
+        """This rank's chunk for a neighbouring virtual stage it holds itself (the V's turn), else None."""
+        if not 0 <= vstage <= self.last_vstage:
+            return None
+        rank, chunk = self.placement.location(vstage)
+        return chunk if rank == self.pp_rank else None
 
     def _span(self, a: Action, kind: str, start: float, end: float) -> None:
         self.spans.append({"name": str(a), "kind": kind, "mb": a.mb, "chunk": a.chunk, "start": start, "end": end})
@@ -91,6 +113,7 @@ class PipelineParallel(Strategy):
         inputs: dict[tuple[int, int], torch.Tensor] = {}    # received activations (leaves with grad)
         outputs: dict[tuple[int, int], torch.Tensor] = {}   # chunk outputs, or the loss on the last stage
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients of the outputs
+        pending: dict[tuple[int, int], SplitBackward] = {}  # B done, W not yet
         sends = []
         local_loss = torch.zeros((), device=device)
         i = 0
@@ -107,7 +130,7 @@ class PipelineParallel(Strategy):
                 continue
             key, vs = (a.mb, a.chunk), self._vstage(a)
             chunk = self.chunks[a.chunk]
-            self.phases("forward" if a.op == F else "backward", str(a))
+            self.phases(KIND[a.op], str(a))  # forward, backward, or weight (W, a split backward's second half)
             start = time.time()
             if a.op == F:
                 x = microbatches[a.mb].inputs if vs == 0 else inputs[key]
@@ -118,14 +141,25 @@ class PipelineParallel(Strategy):
                 if vs == self.last_vstage:
                     local_loss += out.detach()
                 outputs[key] = out
-            else:
-                out = outputs.pop(key)
+                following = self._local_chunk(vs + 1)
+                if following is not None:  # the next stage is this rank's own: hand the output over
+                    inputs[(a.mb, following)] = out.detach().requires_grad_(True)
+            elif a.op == B:
+                out, x = outputs.pop(key), inputs.get(key)
+                grad = None if vs == self.last_vstage else out_grads.pop(key)
+                if self.split:  # the input gradient only; W runs the rest later
+                    pending[key] = SplitBackward(out, grad, x, list(chunk.parameters()))
+                    pending[key].input_grad()
+                else:
+                    with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
+                        torch.autograd.backward(out, grad)
+                previous = self._local_chunk(vs - 1)
+                if previous is not None:  # the previous stage is this rank's own: hand the gradient back
+                    out_grads[(a.mb, previous)] = inputs.pop(key).grad
+            else:  # W
                 with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
-                    if vs == self.last_vstage:
-                        out.backward()
-                    else:
-                        torch.autograd.backward(out, out_grads.pop(key))
-            self._span(a, "forward" if a.op == F else "backward", start, time.time())
+                    pending.pop(key).weight_grad()
+            self._span(a, KIND[a.op], start, time.time())
             self.executed.append(a)
             i += 1
         self.phases("p2p", "wait sends")

@@ -8,8 +8,9 @@ proves, for the lists it is given, that
   blocked action);
 * every microbatch runs F, then B, then (in a schedule that splits the backward) W exactly once on
   every virtual stage, each F after the previous stage's F and each B after the next stage's B,
-  each receive gets the message of the right microbatch from the right neighbour, and no message
-  is left unreceived;
+  each receive gets the message of the right microbatch from the right neighbour, in the order
+  that neighbour sent them (two ranks' messages are matched in posting order, gloo and NCCL
+  alike: actions.py), and no message is left unreceived;
 
 and it measures what the closed forms (bubble.py) predict: the bubble (the share of rank-time
 spent idle) and the most activations each rank holds at once. A microbatch's activations on a
@@ -23,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from parallel.pp.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, splits_backward
+from parallel.pp.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, message, splits_backward
 from parallel.pp.placement import Placement
 from parallel.pp.schedules import build_schedule, schedule_placement
 
@@ -128,6 +129,8 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
     peak = [0] * p
     sent: dict[tuple[str, int, int], float] = {}  # (kind, mb, destination vstage) -> arrival time
     sender: dict[tuple[str, int, int], int] = {}  # ... -> index of the send's span
+    channel: dict[tuple[int, int], list] = {}      # (sender, receiver) -> what was sent, in order
+    taken = Counter()                               # (sender, receiver) -> messages received so far
     last_span: list[int | None] = [None] * p       # each rank's latest span
     done = Counter()
     spans: list[Span] = []
@@ -148,8 +151,14 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
         start, after = clock[rank], last_span[rank]
         if a.op in (RECV_F, RECV_B):
             key = message_key(rank, a)
+            src, _, what = message(rank, a, placement)
+            order = channel.get((src, rank), [])
+            if taken[src, rank] < len(order) and order[taken[src, rank]] != what:
+                raise ScheduleInvalid(f"rank {rank}: {a} waits for {what} from rank {src}, whose next message to it is "
+                                      f"{order[taken[src, rank]]}: messages between two ranks arrive in the order sent")
             if key not in sent:
                 return False  # blocked: the message has not been sent yet
+            taken[src, rank] += 1
             arrival, sent_by = sent.pop(key), sender.pop(key)
             if arrival > start:
                 start, after = arrival, sent_by
@@ -163,6 +172,8 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
                 raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
             sent[key] = start + cost(a, virtual, split)
             sender[key] = len(spans)
+            src, dst, what = message(rank, a, placement)
+            channel.setdefault((src, dst), []).append(what)
         else:
             if a.op == B and done[(F, a.mb, vs)] != 1:
                 raise ScheduleInvalid(f"rank {rank}: {a} runs before the forward of microbatch {a.mb} on virtual stage {vs}")

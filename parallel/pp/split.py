@@ -2,8 +2,9 @@
 
 The model is cut into p·v consecutive pieces ("virtual stages"): the embedding goes with the
 first, the final norm, head and loss with the last, and the transformer blocks are divided among
-them (evenly by default, or by an explicit list of layer counts). Rank r keeps the v pieces
-r, r+p, r+2p, ... (Megatron's interleaved layout; with v = 1 simply piece r).
+them (evenly by default, or by an explicit list of layer counts). Which pieces rank r keeps is
+the schedule's placement (placement.py): the loop, pieces r, r+p, r+2p, ... (Megatron's
+interleaved layout; with v = 1 simply piece r), or the V, pieces r and 2p-1-r.
 
 Each piece is cut from the full model built from the seed, so the pipeline starts from exactly
 the single-process weights, and it remembers its blocks' global indices so that its parameters
@@ -16,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from parallel.model import GPT
+from parallel.pp.placement import Placement
 
 
 class SplitError(ValueError):
@@ -67,13 +69,12 @@ class PipelineChunk(nn.Module):
         return local_name
 
 
-def split_model(model: GPT, stages: int, virtual: int, rank: int, explicit: list[int] | None = None) -> list[PipelineChunk]:
-    """The chunks rank `rank` holds, chunk c being virtual stage c·stages + rank."""
+def split_model(model: GPT, stages: int, virtual: int, rank: int, explicit: list[int] | None = None,
+                placement: Placement | None = None) -> list[PipelineChunk]:
+    """The chunks rank `rank` holds, chunk c being virtual stage `placement.vstage(rank, c)`
+    (by default the loop: c·stages + rank)."""
+    placement = placement or Placement(stages, virtual)
     counts = layer_counts(model.cfg.n_layers, stages * virtual, explicit)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     last = stages * virtual - 1
-    chunks = []
-    for c in range(virtual):
-        vs = c * stages + rank
-        chunks.append(PipelineChunk(model, vs, starts[vs], counts[vs], is_last=vs == last))
-    return chunks
+    return [PipelineChunk(model, vs, starts[vs], counts[vs], is_last=vs == last) for vs in placement.vstages_of(rank)]

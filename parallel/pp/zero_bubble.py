@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from parallel.pp.actions import Action, B, F, ScheduleError, W, check_sizes, with_comm
+from parallel.pp.actions import Action, B, F, ScheduleError, W, check_sizes, in_send_order, with_comm
 from parallel.pp.placement import LOOP, Placement, V
 
 
@@ -141,7 +141,7 @@ def zb_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]
         while o.pending:
             o.w(0)
         plans.append(with_comm([a for a in o.actions if a.mb < m], r, placement))
-    return plans
+    return in_send_order(plans, placement)
 
 
 def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]:
@@ -196,4 +196,4 @@ def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Ac
         for _ in range(r + 1):                            # 8: the W left
             o.w()
         plans.append(with_comm(o.actions, r, placement))
-    return plans
+    return in_send_order(plans, placement)

@@ -78,7 +78,11 @@ class ActivationMeter:
             self.current += entry[0]
             self.peak = max(self.peak, self.current)
         entry[1] += 1
-        return _Saved(t, self, key)
+        # Detached: a saved *output* of an op (softmax's, exp's) holds its grad_fn, the node that
+        # holds this holder: a cycle through C++ that Python's collector cannot see, which would
+        # keep the node and the tensor alive for ever when the graph is dropped without the node
+        # having run (split backward's B: parallel/pp/split_backward.py). The values are the same.
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(saved):

@@ -5,7 +5,8 @@ log keeps the step's calls as spans (dist/comm.py). Every span during which the 
 (a blocking call, or the wait for an async one) is taken out of the phase it fell in, and counted
 on its own:
 
-    compute       forward, backward (and recompute) phases, less the communication inside them
+    compute       forward, backward (a split backward's W: weight), recompute phases, less the
+                  communication inside them
     exposed_comm  blocked in communication, by "op group": what computation did not hide
     bubble        blocked in pipeline point-to-point (send or recv over "pp"): a stage waiting for
                   its neighbour's activations or gradients (or for its own sends to drain)
@@ -33,7 +34,7 @@ from collections import defaultdict
 from parallel.report.phases import CATEGORY_OF_PHASE
 
 CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "other")
-COMPUTE_PHASES = ("forward", "backward", "recompute")  # always listed, 0 where a step had none
+COMPUTE_PHASES = ("forward", "backward", "weight", "recompute")  # always listed, 0 where a step had none
 WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 
 

@@ -31,9 +31,11 @@ def log_summary(summary: dict) -> None:
              memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
     if "pipeline" in summary:
         pipe = summary["pipeline"]
-        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %.1f%% (measured: every moment "
+        closed = pipe["bubble_closed_form"]  # None where bubble.py claims no closed form (ZB-V below m = 2p-1)
+        log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %s (measured: every moment "
                  "a stage did not compute, p2p and waiting for a core included; simulated: the schedule alone)",
-                 pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"], 100 * pipe["bubble_closed_form"])
+                 pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"],
+                 "none" if closed is None else f"{100 * closed:.1f}%")
     if "moe" in summary:
         moe = summary["moe"]
         log.info("routing (last step): skew %.2f (busiest expert / mean), %d of %d assignments dropped | %s",

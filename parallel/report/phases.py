@@ -26,7 +26,7 @@ costs one attribute test.
 from __future__ import annotations
 
 CATEGORY_OF_PHASE = {
-    "forward": "compute", "backward": "compute", "recompute": "compute", "compute": "compute",
+    "forward": "compute", "backward": "compute", "weight": "compute", "recompute": "compute", "compute": "compute",
     "optimizer": "optimizer", "sync": "other", "p2p": "other", "other": "other", "unmarked": "other",
 }
 

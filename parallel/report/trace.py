@@ -27,7 +27,8 @@ from pathlib import Path
 from parallel.pp.timeline import COLORS as PIPELINE_COLORS
 
 PHASE_COLORS = {
-    "forward": PIPELINE_COLORS["forward"], "backward": PIPELINE_COLORS["backward"], "recompute": "#8172B2",
+    "forward": PIPELINE_COLORS["forward"], "backward": PIPELINE_COLORS["backward"], "weight": PIPELINE_COLORS["weight"],
+    "recompute": "#E5AE38",
     "compute": "#4C9F8F", "optimizer": "#CCB974", "sync": "#9DB4C0", "p2p": PIPELINE_COLORS["p2p"],
     "other": "#DDDDDD", "unmarked": "#EEEEEE",
 }
