@@ -44,10 +44,10 @@ class _Recompute(torch.autograd.Function):
     """y = run(*inputs), keeping only the inputs; backward runs `run` again and backpropagates through it."""
 
     @staticmethod
-    def forward(ctx, run, *inputs):
+    def forward(ctx, run, phases, *inputs):
         # A Function's forward runs with gradients off: `run` saves nothing here.
         device = inputs[0].device
-        ctx.run, ctx.device = run, device
+        ctx.run, ctx.device, ctx.phases = run, device, phases
         ctx.autocast = _autocast_state(device.type)
         # The random state, so that dropout draws the same masks the second time.
         ctx.cpu_rng = torch.get_rng_state()
@@ -60,6 +60,8 @@ class _Recompute(torch.autograd.Function):
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         enabled, dtype = ctx.autocast
         devices = [ctx.device] if ctx.cuda_rng is not None else []
+        if ctx.phases is not None:
+            ctx.phases("recompute", "recompute")  # the time breakdown's recompute, apart from backward
         with torch.random.fork_rng(devices=devices), torch.enable_grad(), \
                 torch.autocast(ctx.device.type, dtype=dtype, enabled=enabled):
             torch.set_rng_state(ctx.cpu_rng)
@@ -67,55 +69,60 @@ class _Recompute(torch.autograd.Function):
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
             outputs = ctx.run(*inputs)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        if ctx.phases is not None:
+            ctx.phases("backward", "after recompute")
         # Parameters inside the region get their gradients here, accumulated as in a plain backward
         # (their post-accumulate hooks, which the gradient syncs use, fire as usual).
         torch.autograd.backward(outputs, grads)
-        return (None, *(t.grad if t.requires_grad else None for t in inputs))
+        return (None, None, *(t.grad if t.requires_grad else None for t in inputs))
 
 
-def recompute(run, *inputs: torch.Tensor):
-    """`run(*inputs)` under recomputation (plainly when no gradient is being recorded)."""
+def recompute(run, *inputs: torch.Tensor, phases=None):
+    """`run(*inputs)` under recomputation (plainly when no gradient is being recorded). `phases`: the
+    strategy's phase log (parallel/report/phases.py), told when the second forward runs."""
     if not torch.is_grad_enabled():
         return run(*inputs)
     if not any(t.requires_grad for t in inputs):
         # The Function would then have no place in the graph, and the region's parameters no gradient.
         raise ValueError("a recomputed region needs an input that requires grad")
-    return _Recompute.apply(run, *inputs)
+    return _Recompute.apply(run, phases, *inputs)
 
 
 class RecomputedCore(nn.Module):
     """An attention core (no parameters of its own) whose forward is recomputed in backward."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, phases=None):
         super().__init__()
         self.inner = inner
+        self.phases = phases
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return recompute(self.inner, q, k, v)
+        return recompute(self.inner, q, k, v, phases=self.phases)
 
 
-def _recompute_block(block: Block) -> None:
+def _recompute_block(block: Block, phases=None) -> None:
     """Run this Block's own forward under recomputation. The forward is replaced on the instance,
     not the Block wrapped in a module: the module tree and every parameter name stay the same
     (checkpoints, gradient-sync tags and pipeline chunks refer to them)."""
     forward = block.forward  # the class's forward, bound to this block
 
     def recomputed(x: torch.Tensor) -> torch.Tensor:
-        return recompute(forward, x)
+        return recompute(forward, x, phases=phases)
 
     block.forward = recomputed
 
 
-def apply_recompute(model: nn.Module, mode: str) -> int:
+def apply_recompute(model: nn.Module, mode: str, phases=None) -> int:
     """Recompute every Block of `model` (full) or every Block's attention core (selective), in place.
+    `phases`: the strategy's phase log, so that the time breakdown shows recomputation apart.
     Returns the number of regions wrapped."""
     if mode not in MODES:
         raise ValueError(f"train.recompute={mode!r} is not one of {', '.join(MODES)}")
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     if mode == "selective":
         for block in blocks:
-            block.attn.core = RecomputedCore(block.attn.core)
+            block.attn.core = RecomputedCore(block.attn.core, phases)
     elif mode == "full":
         for block in blocks:
-            _recompute_block(block)
+            _recompute_block(block, phases)
     return 0 if mode == "none" else len(blocks)

@@ -107,7 +107,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     model = GPT(plan.model, seed=plan.seed).to(ctx.device)
     strategy = plan.spec.build(model, plan, ctx)
     # Recomputation wraps the blocks as the strategy left them (shards, cp cores, pipeline chunks).
-    apply_recompute(model, plan.recompute)
+    apply_recompute(model, plan.recompute, strategy.phases)
     strategy.forward_context = ForwardContext(plan.precision, ctx.device)
     strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
     if plan.resume_from:
