@@ -233,6 +233,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
         # Stop what still runs (an agent whose peer is unreachable can wait minutes in torchrun's
         # rendezvous shutdown), with the network still up, so the verdict can probe it.
         stop_processes(net.names.namespaces)
+        ended_at = time.monotonic()  # the job's end: nothing of it runs any more
         if injector and injector.error:
             print(f"error: link_fault could not be applied: {injector.error}", file=sys.stderr, flush=True)
             return 1
@@ -243,7 +244,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
         failed = [(k, c) for k, c in enumerate(codes) if c not in (0, None)]
         if not failed and all(c == 0 for c in codes):
             return 0
-        print(f"error: {verdict(net, spec, failed, injector, failed_at)}", file=sys.stderr, flush=True)
+        print(f"error: {verdict(net, spec, failed, injector, failed_at, ended_at)}", file=sys.stderr, flush=True)
         return failed[0][1] if failed else 1
 
 
@@ -256,7 +257,7 @@ def report_losses(net: EmulatedNetwork, fault: LinkFault | None) -> None:
 
 
 def verdict(net: EmulatedNetwork, spec: NetSpec, failed: list[tuple[int, int]], injector,
-            failed_at: float | None) -> str:
+            failed_at: float | None, ended_at: float) -> str:
     """The one line that ends a failed job: which nodes are unreachable and why, when that is the cause."""
     agents = ", ".join(f"node {k}'s agent exited {c}" for k, c in failed) or "an agent stopped"
     cut_off = unreachable_nodes(net)
@@ -267,7 +268,8 @@ def verdict(net: EmulatedNetwork, spec: NetSpec, failed: list[tuple[int, int]], 
                       for k, why in cut_off.items())
     when = ""
     if injector is not None and injector.applied_at is not None and failed_at is not None:
-        when = f" ({injector.describe()}; the first agent failed {failed_at - injector.applied_at:.1f} s later)"
+        when = (f" ({injector.describe()}; the first agent failed {failed_at - injector.applied_at:.1f} s later, "
+                f"the job ended {ended_at - injector.applied_at:.1f} s after it)")
     return f"{peers}{when}; the job stopped ({agents})"
 
 
