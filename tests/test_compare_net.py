@@ -85,10 +85,35 @@ def _refused(args: list[str]) -> str:
 def test_a_world_the_network_cannot_run_is_refused(tmp_path):
     """Before any run (no privileges needed: the check comes first)."""
     line = _refused(["net=ethernet_1g", "compare.world=4", f"run.dir={tmp_path / 'a'}"])
-    assert line == ("error: compare.world=4 does not match the network: net=ethernet_1g runs 2 nodes x 1 = 2 processes, "
-                    "and on an emulated network every run has its world; leave compare.world out (it is derived) or "
-                    "change net.nodes / net.procs_per_node")
+    assert line == ("error: compare.world=4 does not match the network: net=ethernet_1g runs 2 nodes x 1 = 2 "
+                    "processes, and on an emulated network every run has its world; leave compare.world out (it is "
+                    "derived) or change net.nodes / net.procs_per_node")
     line = _refused([f"compare.nets=[none,{SLOW}]", "+compare.worlds.tp=4", "compare.strategies=[dp,tp]",
                      f"run.dir={tmp_path / 'b'}"])
     assert line.startswith("error: compare.worlds.tp=4 does not match the network: net=slow runs 2 nodes x 1 = 2"), line
     assert not (tmp_path / "a" / "results.csv").exists() and not (tmp_path / "b" / "none").exists()
+
+
+def test_the_world_of_each_run_and_the_network_labels():
+    """In one process: how a sweep's networks are read and which world each strategy runs at."""
+    from omegaconf import OmegaConf
+
+    from launch.config import CONFIG_DIR
+    from parallel.compare.networks import explicit_keys, from_entry, strategy_world
+
+    compare = OmegaConf.create({"world": 4, "worlds": {"single": 1, "3d": 8}})
+    loopback, cluster = from_entry(CONFIG_DIR, "none", 4), from_entry(CONFIG_DIR, "cluster", 4)
+    slow = from_entry(CONFIG_DIR, {"preset": "cluster", "inter_mbit": 200, "placement": "cyclic"}, 4)
+    # net=none is today's sweep: compare.world and its exceptions.
+    assert [strategy_world(s, compare, loopback) for s in ("single", "dp", "3d")] == [1, 4, 8]
+    # On a network the network's world, but one process stays one process (no links).
+    assert [strategy_world(s, compare, cluster) for s in ("single", "dp", "3d")] == [1, 4, 4]
+    assert (slow.label, slow.world, slow.spec.node_of_rank(1), slow.dir_name) == (
+        "cluster(inter_mbit=200, placement=cyclic)", 4, 1, "cluster-inter_mbit-200-placement-cyclic")
+    overrides = slow.launch_overrides()
+    assert overrides[:2] == ["net=cluster", "net.nodes=2"] and "net.inter_mbit=200" in overrides
+    # A none entry may carry its own world; a label names an entry.
+    own = from_entry(CONFIG_DIR, {"preset": "none", "procs_per_node": 2, "label": "w2"}, 4)
+    assert (own.label, own.world, own.emulated) == ("w2", 2, False)
+    assert explicit_keys(["compare.world=2", "+compare.worlds.tp=4", "model=tiny"]) == (True, {"tp"}, False)
+    assert explicit_keys(["net=cluster", "compare.worlds={dp:2}"]) == (False, {"*"}, True)
