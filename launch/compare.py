@@ -285,10 +285,10 @@ def run_command_on(network: Network, strategy: str, world: int, overrides: list[
 
 
 def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str], peak: float,
-                  command: str, multi: bool) -> tuple[list[dict], dict[str, dict]]:
+                  command: str, multi: bool) -> tuple[list[dict], dict[str, dict], dict]:
     """Every strategy (every round) on one network: its runs under `sweep_dir`, its results, report and
-    plots there, its console table. Returns its rows (with the network columns) and the summaries
-    of each row's run."""
+    plots there, its console table. Returns its rows (with the network columns), the summaries
+    of each row's run, and the sweep's meta (results.json's)."""
     c = cfg.compare
     rounds = c.get("rounds", 1)
     strategies = list(c.strategies)
@@ -381,7 +381,7 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
     ok = sum(r["status"] == "ok" for r in rows)
     print(f"\n{label}{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, "
           "plots; the full table is in report.md)")
-    return rows, summaries
+    return rows, summaries, meta
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")
@@ -417,15 +417,15 @@ def sweep(cfg: DictConfig) -> None:
     print(f"compare: {len(strategies)} strategies{on}{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "
           f"peak {peak:.3g} FLOP/s per device ({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
 
-    results = []
+    results, meta = [], {}
     for network in networks:
         out = sweep_dir / network.dir_name if multi else sweep_dir
-        rows, summaries = sweep_network(cfg, network, out, common, peak, command, multi)
+        rows, summaries, meta = sweep_network(cfg, network, out, common, peak, command, multi)
         results.append((network, rows, summaries))
     if multi:
-        meta = json.loads((sweep_dir / networks[0].dir_name / "results.json").read_text())["meta"]
-        meta.update(sweep_dir=str(sweep_dir), networks=[n.label for n in networks], world=None, network=None,
-                    network_settings={n.label: n.spec.as_dict() for n in networks})
+        # The model, steps, peak ... are every network's; the world, order and network are each network's own.
+        meta = {**meta, "sweep_dir": str(sweep_dir), "networks": [n.label for n in networks], "world": None,
+                "orders": None, "network": None, "network_settings": {n.label: n.spec.as_dict() for n in networks}}
         write_all(sweep_dir, meta, results)
         print("\n" + "\n".join(console_lines([(n, rows) for n, rows, _ in results])))
         print(f"report across the networks: {sweep_dir / 'report.md'} (crossover.png, results.csv, results.json)")
