@@ -20,9 +20,9 @@ may carry its own world as `{preset:none,procs_per_node:2}`.
 Per network (`network_verdict`): the fastest strategy, and for each other what it waits on, from
 its time breakdown (compute, exposed communication, bubble) and the `net` block: how long the
 busiest link of each class must carry that class's bytes a step at its rate (max over nodes of
-the bytes it sent or received, x 8 / rate). Exposed communication at least half that long is put
-down to the link; shorter links leave it to the ranks waiting for one another (compute skew, the
-shared CPU).
+the bytes it sent or received, x 8 / rate). Exposed communication is put down to a link that is
+busy at least half as long (LINK_BOUND); where every link is busy for less, to the ranks waiting
+for one another (compute skew, the shared CPU).
 """
 
 from __future__ import annotations
