@@ -4,6 +4,8 @@
     python -m launch.compare compare.world=2 'compare.strategies=[single,dp,tp,pp_1f1b]' model=tiny train.steps=4
     python -m launch.compare compare.timeout_s=60 'compare.overrides=["parallel.microbatches=4"]' '+compare.worlds.tp=2'
     python -m launch.compare compare.rounds=3 'compare.strategies=[dp,torch_ddp]'   # median and min-max of 3 rounds
+    python -m launch.compare net=cluster 'compare.strategies=[dp,tp,pp_1f1b]'     # on an emulated network (root)
+    python -m launch.compare 'compare.nets=[none,ethernet_1g,cluster]'             # once per network + crossover
 
 Not run under torchrun itself: for each strategy (a preset of conf/parallel/) it starts one
 `python -m torch.distributed.run --standalone` (plain python for `single`) with a timeout, passing
@@ -14,6 +16,14 @@ With `compare.rounds=N` the sweep runs N times, its order rotated each round (ru
 (parallel/compare/rounds.py).
 The report (results.csv, results.json, report.md, PNG plots) goes to `run.dir`
 (default runs/<time>-compare-w<world>), and the short table (120 columns) to the console.
+
+On an emulated network (`net=<preset>`, docs/network.md) each run is `python -m launch.run` on the
+network's nodes, at its world (parallel/compare/networks.py says how the world is derived and
+which mismatches are refused); the rows gain the network's columns and report.md says, for the
+network, which layout is best and what the others wait on. `compare.nets=[...]` runs the whole
+sweep once per network (<sweep dir>/<network>/, each a complete report) and then writes the rows
+of all of them, crossover.png and a report across the networks (parallel/compare/crossover.py).
+net=none, the default, runs exactly as before.
 
 Each element of `compare.overrides` is a `key=value` override and must be quoted inside the list:
 Hydra reads an unquoted `=` there as a syntax error, so an unquoted one is refused here first,
@@ -37,10 +47,24 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.config import CODE_ROOT, CONFIG_DIR
+from launch.run import Refused, check_privileges
 from parallel.compare import plots
+from parallel.compare.crossover import console_lines, write_all
+from parallel.compare.networks import (
+    Network,
+    NetworkRefused,
+    check_worlds,
+    explicit_keys,
+    from_entry,
+    from_group,
+    net_columns,
+    network_verdict,
+    strategy_world,
+)
 from parallel.compare.report import console_table, write_csv, write_json, write_markdown
 from parallel.compare.rounds import aggregate_rounds, rotated
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
+from parallel.net.netns import remove_leftovers
 from parallel.plan import model_config
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
 from parallel.theory import parameter_count
@@ -173,8 +197,11 @@ def model_choice() -> str:
     return HydraConfig.get().runtime.choices.get("model", "?")
 
 
-def default_sweep_dir(world: int) -> Path:
-    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-w{world}"
+def default_sweep_dir(networks: list[Network], multi: bool) -> Path:
+    """runs/<time>-compare-w<world> (net=none), -compare-<network> or -compare-nets."""
+    network = networks[0]
+    name = "nets" if multi else (network.dir_name if network.emulated else f"w{network.world}")
+    return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-{name}"
 
 
 def unquoted_overrides(argv: list[str]) -> str | None:
@@ -221,53 +248,79 @@ def capacity(device: torch.device) -> tuple[int, str]:
     return usable_cores(), "cores"
 
 
-@hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")
-def sweep(cfg: DictConfig) -> None:
+def networks_of(cfg: DictConfig) -> list[Network]:
+    """The networks to sweep: compare.nets, or else the `net` group (net=none: today's single sweep).
+    Refuses (NetworkRefused) what cannot run, before anything does."""
+    c = cfg.compare
+    world_given, worlds_given, net_given = explicit_keys(list(HydraConfig.get().overrides.task))
+    if c.get("nets") is not None:
+        if net_given:
+            raise NetworkRefused("compare.nets lists the networks, and net= / net.* was given too: put that network "
+                                 "in the list, e.g. 'compare.nets=[none,{preset:cluster,inter_mbit:200}]'")
+        if not c.nets:
+            raise NetworkRefused("compare.nets=[] has no network: list presets of conf/net/, or leave it null")
+        networks = [from_entry(CONFIG_DIR, entry, c.world) for entry in c.nets]
+        labels = [n.label for n in networks]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise NetworkRefused(f"compare.nets lists {', '.join(twice)} twice: give one of them a label:, e.g. "
+                                 "{preset:cluster,inter_mbit:200,label:slow}")
+    else:
+        networks = [from_group(CONFIG_DIR, cfg.net, c.world)]
+    check_worlds(networks, c, list(c.strategies), world_given, worlds_given)
+    for network in (n for n in networks if n.emulated):
+        try:
+            check_privileges(network.spec)  # launch.run's: root (or the capabilities) and iproute2
+        except Refused as e:
+            raise NetworkRefused(str(e)) from None
+    return networks
+
+
+def run_command_on(network: Network, strategy: str, world: int, overrides: list[str]) -> list[str]:
+    """One run on `network`: today's command on none (and for one process anywhere: no links), else
+    launch.run on the network's nodes."""
+    if not network.emulated or world == 1:
+        return run_command(strategy, world, overrides)
+    return [sys.executable, "-m", "launch.run", *network.launch_overrides(), f"parallel={strategy}", *overrides]
+
+
+def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str], peak: float,
+                  command: str, multi: bool) -> tuple[list[dict], dict[str, dict], dict]:
+    """Every strategy (every round) on one network: its runs under `sweep_dir`, its results, report and
+    plots there, its console table. Returns its rows (with the network columns), the summaries
+    of each row's run, and the sweep's meta (results.json's)."""
     c = cfg.compare
     rounds = c.get("rounds", 1)
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
-        print(f"error: compare.rounds={rounds!r} must be a positive integer (1: one sweep)", file=sys.stderr,
-              flush=True)
-        sys.exit(2)
-    # Absolute: the runs start in the project root, whatever directory this was started from.
-    sweep_dir = (Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(c.world)).resolve()
-    sweep_dir.mkdir(parents=True, exist_ok=True)
     strategies = list(c.strategies)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    # Measured once, in the runs' compute dtype (train.precision), and given to every run.
-    peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device, dtype=PEAK_DTYPES[cfg.train.precision])
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
-    # The model preset first (a run's default is the dense `small`, which has no moe_* keys to set),
-    # then every resolved field of it, so that what was overridden here reaches the runs.
-    common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
-              *section_overrides(cfg, "train"),
-              f"train.peak_flops={peak}", *c.overrides]
-    command = "python -m launch.compare " + " ".join(sys.argv[1:])
-    print(f"compare: {len(strategies)} strategies{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "
-          f"peak {peak:.3g} FLOP/s per device ({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
     cores, unit = capacity(device)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    label = f"{network.label}: " if multi else ""
+    if multi:
+        print(f"\n== network {network.label} ({network.describe()}) -> {sweep_dir}", flush=True)
 
     # Every run of every round; rows are made at the end, once `single`'s losses (the reference) are known.
     runs, orders, total = [], [], rounds * len(strategies)
     for k in range(rounds):
         orders.append(rotated(strategies, k))
         for strategy in orders[-1]:
-            world = int(c.worlds.get(strategy, c.world))
+            world = strategy_world(strategy, c, network)
             run_dir = sweep_dir / strategy if rounds == 1 else sweep_dir / f"round{k}" / strategy
-            label = f"round {k}: " if rounds > 1 else ""
-            print(progress(len(runs), total, f"{label}running {strategy} (world {world})"), flush=True)
+            prefix = label + (f"round {k}: " if rounds > 1 else "")
+            print(progress(len(runs), total, f"{prefix}running {strategy} (world {world})"), flush=True)
             missing = missing_preset(strategy)
             if missing:
                 status, error, seconds = "failed", missing, 0.0
             else:
-                status, error, seconds = run_one(run_command(strategy, world, [*common, f"run.dir={run_dir}"]), run_dir,
-                                                 c.timeout_s)
+                cmd = run_command_on(network, strategy, world, [*common, f"run.dir={run_dir}"])
+                status, error, seconds = run_one(cmd, run_dir, c.timeout_s)
+                if network.emulated:
+                    remove_leftovers()  # a launch.run stopped past its grace period leaves its namespaces
             summary = json.loads((run_dir / "summary.json").read_text()) if status == "ok" else None
             runs.append({"round": k, "strategy": strategy, "world": world, "run_dir": run_dir, "status": status,
                          "error": error, "seconds": seconds, "summary": summary})
             tail = f"{summary['tokens_per_s']:.0f} tokens/s" if summary else f"{status}: {error[:120]}"
-            print(progress(len(runs), total, f"{label}{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
+            print(progress(len(runs), total, f"{prefix}{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
 
     reference = load_reference(c.reference) if c.reference else next(
         (r["summary"]["losses"] for r in runs if r["strategy"] == "single" and r["summary"]), None)
@@ -279,6 +332,7 @@ def sweep(cfg: DictConfig) -> None:
             r = mine[strategy]
             row = (row_from_summary(strategy, r["summary"], reference, r["seconds"], cores) if r["summary"] else
                    failed_row(strategy, r["world"], r["status"], r["error"], r["seconds"]))
+            row.update(net_columns(network, r["summary"]))
             row["round"] = k
             rows_k.append(row)
         add_baseline_ratios(rows_k)  # pairs from the same round
@@ -290,14 +344,16 @@ def sweep(cfg: DictConfig) -> None:
     summaries = {name: r["summary"] for name, r in chosen.items() if r["summary"]}
 
     model = model_config(cfg.model)
+    world = network.world
     meta = {
         "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
         "steps": cfg.train.steps, "warmup_steps": warmup_of(list(summaries.values()), cfg.train.warmup_steps),
-        "global_batch": cfg.train.global_batch, "seq_len": model.seq_len, "world": c.world, "peak_flops": peak,
+        "global_batch": cfg.train.global_batch, "seq_len": model.seq_len, "world": world, "peak_flops": peak,
         "peak_source": "given" if c.peak_flops else "measured", "torch": torch.__version__,
         "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
         "capacity": cores, "capacity_unit": unit, "rounds": rounds, "orders": orders,
         "reference": c.reference or ("single" if "single" in summaries else None),
+        "network": network.label, "network_settings": network.spec.as_dict(),
     }
     write_json(sweep_dir / "results.json", meta, rows, per_round if rounds > 1 else None)
     write_csv(sweep_dir / "results.csv", rows)
@@ -317,16 +373,69 @@ def sweep(cfg: DictConfig) -> None:
         if r["summary"] and source.exists():
             timelines[strategy] = f"timeline_{strategy}.png"
             shutil.copyfile(source, sweep_dir / timelines[strategy])
-    write_markdown(sweep_dir / "report.md", meta, rows, figures, timelines, summaries)
+    # On an emulated network the report opens with the network: the best layout and what the others wait on.
+    network_section = ["## On the network\n", *network_verdict(network, rows, summaries)] if network.emulated else None
+    write_markdown(sweep_dir / "report.md", meta, rows, figures, timelines, summaries, network_section)
     print()
     print(console_table(rows))
     ok = sum(r["status"] == "ok" for r in rows)
-    print(f"\n{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, plots; "
-          "the full table is in report.md)")
-    if ok == 0 or ok < len(rows):
+    print(f"\n{label}{ok}/{len(rows)} strategies ran | report: {sweep_dir / 'report.md'} (results.csv, results.json, "
+          "plots; the full table is in report.md)")
+    return rows, summaries, meta
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")
+def sweep(cfg: DictConfig) -> None:
+    c = cfg.compare
+    rounds = c.get("rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        print(f"error: compare.rounds={rounds!r} must be a positive integer (1: one sweep)", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
+    try:
+        networks = networks_of(cfg)
+    except NetworkRefused as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    multi = c.get("nets") is not None
+    # Absolute: the runs start in the project root, whatever directory this was started from.
+    sweep_dir = (Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(networks, multi)).resolve()
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    strategies = list(c.strategies)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    # Measured once, in the runs' compute dtype (train.precision), and given to every run.
+    peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device, dtype=PEAK_DTYPES[cfg.train.precision])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
+    # The model preset first (a run's default is the dense `small`, which has no moe_* keys to set),
+    # then every resolved field of it, so that what was overridden here reaches the runs.
+    common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
+              *section_overrides(cfg, "train"),
+              f"train.peak_flops={peak}", *c.overrides]
+    command = "python -m launch.compare " + " ".join(sys.argv[1:])
+    on = f" x {len(networks)} networks" if multi else (f" on net={networks[0].label}" if networks[0].emulated else "")
+    print(f"compare: {len(strategies)} strategies{on}{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "
+          f"peak {peak:.3g} FLOP/s per device ({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
+
+    results, meta = [], {}
+    for network in networks:
+        out = sweep_dir / network.dir_name if multi else sweep_dir
+        rows, summaries, meta = sweep_network(cfg, network, out, common, peak, command, multi)
+        results.append((network, rows, summaries))
+    if multi:
+        # The model, steps, peak ... are every network's; the world, order and network are each network's own.
+        meta = {**meta, "sweep_dir": str(sweep_dir), "networks": [n.label for n in networks], "world": None,
+                "orders": None, "network": None, "network_settings": {n.label: n.spec.as_dict() for n in networks}}
+        write_all(sweep_dir, meta, results)
+        print("\n" + "\n".join(console_lines([(n, rows) for n, rows, _ in results])))
+        print(f"report across the networks: {sweep_dir / 'report.md'} (crossover.png, results.csv, results.json)")
+    failed = [f"{r['strategy']}{f' on {n.label}' if multi else ''}" for n, rows, _ in results for r in rows
+              if r["status"] != "ok"]
+    total = sum(len(rows) for _, rows, _ in results)
+    if failed or total == 0:
         # Everything that ran is written above; the exit status says the sweep is not whole.
-        failed = ", ".join(r["strategy"] for r in rows if r["status"] != "ok") or "compare.strategies is empty"
-        print(f"error: {len(rows) - ok} of {len(rows)} strategies did not run: {failed}", file=sys.stderr, flush=True)
+        print(f"error: {len(failed)} of {total} {'runs' if multi else 'strategies'} did not run: "
+              f"{', '.join(failed) or 'compare.strategies is empty'}", file=sys.stderr, flush=True)
         sys.exit(1)
 
 

@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from launch.config import CODE_ROOT, CONFIG_DIR, unknown_preset
 from parallel.net.faults import FaultInjector, LinkFault, unreachable_nodes
 from parallel.net.netns import EmulatedNetwork, NetSetupError, stop_processes
+from parallel.net.placement import ENV_NAMESPACES
 from parallel.net.probe import ENV_IFNAME, ENV_NODE, ENV_SETTINGS
 from parallel.net.shaping import dropped_frames
 from parallel.net.topology import NODE_IF, NetConfigError, NetSpec
@@ -90,11 +91,11 @@ def check_privileges(spec: NetSpec) -> None:
 
 def check_plan(cfg: DictConfig, spec: NetSpec):
     """The training configuration, validated for the world the network gives (launch.train's own checks)."""
-    from parallel.reliability.checkpoint import CheckpointError
     from parallel.data import DataError
     from parallel.dist.dims import LayoutError
     from parallel.dist.groups import LaunchEnv
     from parallel.plan import ConfigError, build_plan
+    from parallel.reliability.checkpoint import CheckpointError
 
     env = LaunchEnv(rank=0, world_size=spec.world_size, local_rank=0, local_world_size=spec.procs_per_node)
     try:
@@ -138,7 +139,10 @@ def _env(spec: NetSpec, **extra: str) -> dict[str, str]:
 
 
 def agent_command(spec: NetSpec, node: int, addresses: list[str], rdzv_id: str, overrides: list[str]) -> list[str]:
-    """Node `node`'s torchrun agent: c10d rendezvous hosted by node 0's agent on its emulated address."""
+    """Node `node`'s torchrun agent: c10d rendezvous hosted by node 0's agent on its emulated address.
+    With net.placement=cyclic its workers start through parallel/net/placement.py, which moves each
+    to the node its rank belongs on."""
+    placed = ["parallel.net.placement"] if spec.placement != "block" else []
     return [
         sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs_per_node}",
@@ -147,7 +151,7 @@ def agent_command(spec: NetSpec, node: int, addresses: list[str], rdzv_id: str, 
         # The agent polls the rendezvous every monitor interval, across the emulated link: once a
         # second keeps that off the byte counters (0.1 s is torchrun's default).
         "--monitor-interval=1",
-        "-m", "launch.train", *overrides,
+        "-m", *placed, "launch.train", *overrides,
     ]
 
 
@@ -215,6 +219,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
         started = time.monotonic()
         procs = [subprocess.Popen(net.node_command(k, agent_command(spec, k, addresses, rdzv_id, overrides)),
                                   env=_env(spec, GLOO_SOCKET_IFNAME=NODE_IF, **{ENV_IFNAME: NODE_IF, ENV_NODE: str(k)},
+                                           **{ENV_NAMESPACES: json.dumps(net.names.namespaces[1:])},
                                            CUDA_VISIBLE_DEVICES=""),
                                   start_new_session=True)
                  for k in range(spec.nodes)]
@@ -228,6 +233,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
         # Stop what still runs (an agent whose peer is unreachable can wait minutes in torchrun's
         # rendezvous shutdown), with the network still up, so the verdict can probe it.
         stop_processes(net.names.namespaces)
+        ended_at = time.monotonic()  # the job's end: nothing of it runs any more
         if injector and injector.error:
             print(f"error: link_fault could not be applied: {injector.error}", file=sys.stderr, flush=True)
             return 1
@@ -238,7 +244,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
         failed = [(k, c) for k, c in enumerate(codes) if c not in (0, None)]
         if not failed and all(c == 0 for c in codes):
             return 0
-        print(f"error: {verdict(net, spec, failed, injector, failed_at)}", file=sys.stderr, flush=True)
+        print(f"error: {verdict(net, spec, failed, injector, failed_at, ended_at)}", file=sys.stderr, flush=True)
         return failed[0][1] if failed else 1
 
 
@@ -251,20 +257,29 @@ def report_losses(net: EmulatedNetwork, fault: LinkFault | None) -> None:
 
 
 def verdict(net: EmulatedNetwork, spec: NetSpec, failed: list[tuple[int, int]], injector,
-            failed_at: float | None) -> str:
+            failed_at: float | None, ended_at: float) -> str:
     """The one line that ends a failed job: which nodes are unreachable and why, when that is the cause."""
     agents = ", ".join(f"node {k}'s agent exited {c}" for k, c in failed) or "an agent stopped"
     cut_off = unreachable_nodes(net)
     if not cut_off:
         return f"the job failed ({agents}); every node still reaches every other, so the network is not the cause"
-    p = spec.procs_per_node
-    ranks = {k: f"ranks {k * p}-{k * p + p - 1}" if p > 1 else f"rank {k}" for k in cut_off}
+    ranks = {k: _ranks_text([r for r in range(spec.world_size) if spec.node_of_rank(r) == k]) for k in cut_off}
     peers = "; ".join(f"node {k} ({net.names.address(k)}, {ranks[k]}) is unreachable: {why}"
                       for k, why in cut_off.items())
     when = ""
     if injector is not None and injector.applied_at is not None and failed_at is not None:
-        when = f" ({injector.describe()}; the first agent failed {failed_at - injector.applied_at:.1f} s later)"
+        when = (f" ({injector.describe()}; the first agent failed {failed_at - injector.applied_at:.1f} s later, "
+                f"the job ended {ended_at - injector.applied_at:.1f} s after it)")
     return f"{peers}{when}; the job stopped ({agents})"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """"rank 1", "ranks 2-3" (consecutive, block placement) or "ranks 1, 3" (cyclic)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="run", version_base="1.3")

@@ -10,7 +10,7 @@ result: a 200 Mbit/s link (where dp's exposed communication must be at least 80%
 the bandwidth), 1% packet loss (retransmitted: the counters then see more than the log, not checked
 against it), and a 50 ms latency spike mid-run.
 
-Cost: 8 jobs, 21-51 s each on 2 cores shared with other work (torch starts in 4 processes per
+Cost: 9 jobs, 21-51 s each on 2 cores shared with other work (torch starts in 4 processes per
 2 x 1 job, 7 per 2 x 2 job: launcher, agents, ranks); with the other net tests 3.7 CPU-minutes.
 """
 
@@ -34,6 +34,9 @@ CASES = {
     "dp-2x2": [*TWO_BY_TWO, "parallel=dp"],
     # dp 2 x tp 2: each tp pair inside a node (loopback), the dp all-reduce between them.
     "tp-2x2": [*TWO_BY_TWO, "parallel=tp"],
+    # The same dp 2 x tp 2 placed cyclically (rank r on node r mod 2): each tp pair spans the nodes,
+    # each dp pair shares one; the logged bytes are tp-2x2's, the link classes swap.
+    "tp-2x2-cyclic": [*TWO_BY_TWO, "parallel=tp", "net.placement=cyclic"],
     # 4 stages, 2 per node: boundaries 0-1 and 2-3 on loopback, 1-2 across the link.
     "pp_1f1b-2x2": [*TWO_BY_TWO, "parallel=pp_1f1b"],
     "zero2-2x2": [*TWO_BY_TWO, "parallel=zero2"],
@@ -53,8 +56,10 @@ def test_emulated_nodes_match_single_and_wire_bytes_match_the_log(case, single_r
     net = summary["net"]
     nodes, per_node = net["settings"]["nodes"], net["settings"]["procs_per_node"]
     assert summary["world_size"] == nodes * per_node
-    # torchrun's rendezvous numbered the nodes as the namespaces: node k holds ranks k*P .. k*P+P-1.
-    assert net["nodes_of_ranks"] == [r // per_node for r in range(nodes * per_node)]
+    # torchrun's rendezvous numbered the nodes as the namespaces: node k holds ranks k*P .. k*P+P-1,
+    # or with cyclic placement (parallel/net/placement.py moved them) rank r is on node r mod nodes.
+    cyclic = net["settings"]["placement"] == "cyclic"
+    assert net["nodes_of_ranks"] == [r % nodes if cyclic else r // per_node for r in range(nodes * per_node)]
     assert summary["comm_matches_theory"]
     check_matches_single(run, single_run)
 

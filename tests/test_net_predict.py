@@ -100,3 +100,13 @@ def test_none_cannot_carry_link_settings():
     with pytest.raises(NetConfigError, match="net=none runs on this machine's own network"):
         NetSpec.from_config({"name": "none", "nodes": 2, "procs_per_node": 1, "inter_mbit": None, "intra_mbit": None,
                              "latency_ms": 0, "loss_pct": 0, "timeout_s": 60})
+
+
+def test_an_uneven_all_to_all_sends_what_the_log_says_it_sent():
+    # An MoE router's splits: rank 0 of 2 keeps 3 of its 4 rows' worth and sends 1 (the log's exact
+    # `sent`); with even splits, S/n to each other member.
+    assert predict.transfers("all_to_all", 4000, 2, 0, sent=1000) == [predict.Transfers(1, 1000, 1)]
+    assert predict.transfers("all_to_all", 4000, 4, 1) == [predict.Transfers(j, 1000, 1) for j in (0, 2, 3)]
+    step = {("all_to_all", "ep", "moe/dispatch"): {"calls": 2, "payload_bytes": 8000, "sent_bytes": 3000}}
+    figures = predict.step_bytes(step, {"ep": [0, 1]}, 0, {0: 0, 1: 1}, {"inter": 65535, "intra": 65536})
+    assert figures["inter"]["payload"] == 3000 and figures["intra"]["payload"] == 0

@@ -225,7 +225,8 @@ bubble (waiting for a neighbour stage's p2p), optimizer and other, mean over ran
 
 
 def write_markdown(path: Path, meta: dict, rows: list[dict], plots: dict[str, str], timelines: dict[str, str],
-                   summaries: dict[str, dict]) -> None:
+                   summaries: dict[str, dict], network_section: list[str] | None = None) -> None:
+    """`network_section`: markdown lines on the emulated network the sweep ran on (after the table)."""
     rounds = meta.get("rounds", 1)
     parts = [
         "# Comparison of every strategy with PyTorch's own\n",
@@ -239,6 +240,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], plots: dict[str, st
         + (f"; {rounds} rounds, orders {' | '.join(', '.join(o) for o in meta['orders'])}" if rounds > 1 else "")
         + ".\n",
         markdown_table(rows) + "\n",
+        *(network_section or []),
         HOW_TO_READ,
         "## Where the time goes (ms per step, mean over ranks)\n",
         markdown_table([r for r in rows if r["status"] == "ok"], BREAKDOWN) + "\n",

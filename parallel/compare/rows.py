@@ -22,7 +22,14 @@ COLUMNS = (
     "bytes_per_step", "bytes_per_step_theory", "matches_theory", "exposed_comm_share", "bubble_share",
     "peak_memory_mb_max", "peak_memory_mb_by_rank", "final_loss", "same_losses_as_single", "max_rel_loss_diff",
     "seconds", "error",
+    # The network the run was on (launch.compare net=..., compare.nets; parallel/compare/networks.py):
+    # its settings, and per link class the bytes the interface counters saw, what the log predicts,
+    # and how long the busiest link needs for them at its rate. "none": this machine's loopback.
+    "network", "nodes", "procs_per_node", "placement", "inter_mbit", "intra_mbit",
+    "inter_wire_bytes_per_step", "inter_logged_bytes_per_step", "inter_link_busy_ms",
+    "intra_wire_bytes_per_step", "intra_logged_bytes_per_step", "intra_link_busy_ms",
 )
+NET_COLUMNS = COLUMNS[COLUMNS.index("network"):]
 LOSS_RTOL = 1e-5  # the project's standard for "the same losses as the single-process run"
 NOISY_SPREAD = 0.25  # (slowest - fastest timed step) / median step above this: the row is flagged noisy
 MB = 1e6  # decimal megabytes, for traffic and memory alike

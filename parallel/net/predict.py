@@ -18,7 +18,9 @@ position i of a group of n (positions in group-rank order):
   broadcast       binomial tree from the root (gloo/broadcast.cc): virtual rank v = i - root mod n
                   sends S to v + 2^j for every j with v < 2^j and v + 2^j < n. The root is taken as
                   group rank 0 (the log does not keep it; every broadcast here is from rank 0).
-  all_to_all      S/n to each other member.
+  all_to_all      its block to each other member: with even splits S/n each; with a router's uneven
+                  splits (ep) the bytes it really sent, which the log keeps (comm.py), over its n-1
+                  peers (exact for n = 2; the log does not keep how they split among more).
   send            S to the peer: the other member of a group of two, else the peer the tag names
                   (`.../<a>-><b>`: pipeline virtual stages, owned by b mod n).
   recv, barrier   nothing (a receive's bytes are its sender's; a barrier is a few bytes).
@@ -102,8 +104,10 @@ def _binomial_children(v: int, n: int) -> list[int]:
     return children
 
 
-def transfers(op: str, payload: int, n: int, i: int, tag: str = "", root: int = 0) -> list[Transfers]:
-    """What the member at position i of a group of n sends for one call of `op` on `payload` bytes."""
+def transfers(op: str, payload: int, n: int, i: int, tag: str = "", root: int = 0,
+              sent: int | None = None) -> list[Transfers]:
+    """What the member at position i of a group of n sends for one call of `op` on `payload` bytes.
+    `sent`: the bytes the log says the call sent (used by all_to_all, whose splits can be uneven)."""
     if n == 1 or op in ("recv", "barrier"):
         return []
     if op in ("all_reduce", "reduce_scatter"):
@@ -112,7 +116,8 @@ def transfers(op: str, payload: int, n: int, i: int, tag: str = "", root: int = 
         block = payload // n
         return [Transfers((i + 1) % n, block // 2, n - 1), Transfers((i + 1) % n, block - block // 2, n - 1)]
     if op == "all_to_all":
-        return [Transfers(j, payload // n, 1) for j in range(n) if j != i]
+        block = payload // n if sent is None else sent // (n - 1)
+        return [Transfers(j, block, 1) for j in range(n) if j != i]
     if op == "broadcast":
         v = (i - root) % n
         return [Transfers((c + root) % n, payload, 1) for c in _binomial_children(v, n)]
@@ -138,13 +143,16 @@ def step_bytes(traffic: Mapping, groups: Mapping[str, list[int]], rank: int, nod
     """
     out = {kind: {"payload": 0.0, "wire": 0.0} for kind in ("inter", "intra")}
     for (op, group, tag), totals in traffic.items():
-        calls, payload = ((totals["calls"], totals["payload_bytes"]) if isinstance(totals, Mapping)
-                          else (totals.calls, totals.payload_bytes))
+        if isinstance(totals, Mapping):
+            calls, payload, sent = totals["calls"], totals["payload_bytes"], totals.get("sent_bytes")
+        else:
+            calls, payload, sent = totals.calls, totals.payload_bytes, totals.sent_bytes
         if not calls:
             continue
         members = groups[group]
         per_call = round(payload / calls)
-        for t in transfers(op, per_call, len(members), members.index(rank), tag):
+        sent_per_call = None if sent is None else round(sent / calls)
+        for t in transfers(op, per_call, len(members), members.index(rank), tag, sent=sent_per_call):
             kind = "intra" if node_of[members[t.to]] == node_of[rank] else "inter"
             out[kind]["payload"] += calls * t.count * t.nbytes
             out[kind]["wire"] += calls * t.count * (t.nbytes + framing(t.nbytes, mtu[kind], FRAME_HEADERS[kind]))

@@ -10,6 +10,12 @@ the switch namespace. Nothing is created in the host's own namespace, and the ad
 198.18.0.0/15 (RFC 2544's benchmarking range, never routed on the internet) with no default route:
 traffic can go from one emulated node to another, and nowhere else.
 
+Which node each rank runs on (`placement`): `block` (torchrun's own numbering: node k holds ranks
+k*P .. k*P+P-1, so consecutive ranks share a node and the innermost mesh dimension, tp, stays
+inside one) or `cyclic` (rank r on node r mod nodes: consecutive ranks on different nodes, so tp
+groups span nodes and the outer dimensions, dp, stay inside; parallel/net/placement.py moves each
+rank into its node's namespace). Slurm's `--distribution=block|cyclic` names the same two.
+
 `pid` is the launcher's process id: a namespace whose launcher is gone is a leftover of a crashed
 run, found and removed at the next start (netns.remove_leftovers).
 """
@@ -34,6 +40,7 @@ MAX_NODES = 100
 # Large frames make the Ethernet, IP and TCP headers (66 bytes a frame) negligible next to the
 # payload: 0.1% at 65535 bytes, against 4.5% at the usual 1500 (docs/network.md).
 MTU = 65535
+PLACEMENTS = ("block", "cyclic")
 
 
 class NetConfigError(ValueError):
@@ -59,6 +66,13 @@ def _count(name: str, value, low: int, high: int | None = None) -> int:
     return value
 
 
+def _placement(value) -> str:
+    if value not in PLACEMENTS:
+        raise NetConfigError(f"net.placement={value!r}: choose block (node k holds consecutive ranks) or cyclic "
+                             "(rank r on node r mod net.nodes)")
+    return value
+
+
 @dataclass(frozen=True)
 class NetSpec:
     """The `net` config group, validated. `name` none: plain torchrun on this machine, no namespaces."""
@@ -71,17 +85,22 @@ class NetSpec:
     latency_ms: float             # one-way node-to-node delay (half on each end of the path)
     loss_pct: float               # node-to-node packet loss, applied once on the path
     timeout_s: float              # the whole job is stopped after this long
+    placement: str = "block"      # block: rank r on node r // procs_per_node; cyclic: on node r % nodes
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    def node_of_rank(self, rank: int) -> int:
+        """The node that runs global rank `rank` under this placement."""
+        return rank % self.nodes if self.placement == "cyclic" else rank // self.procs_per_node
 
     @property
     def emulated(self) -> bool:
         return self.name != "none"
 
     @classmethod
-    def from_config(cls, net) -> "NetSpec":
+    def from_config(cls, net) -> NetSpec:
         """From the `net` DictConfig (or a dict); one NetConfigError naming the first bad value."""
         get = net.get if hasattr(net, "get") else net.__getitem__
         name = get("name")
@@ -96,6 +115,7 @@ class NetSpec:
             latency_ms=_number("net.latency_ms", get("latency_ms"), positive=False),
             loss_pct=_number("net.loss_pct", get("loss_pct"), positive=False),
             timeout_s=_number("net.timeout_s", get("timeout_s"), positive=False),
+            placement=_placement(get("placement") if "placement" in net else "block"),
         )
         if spec.loss_pct >= 100:
             raise NetConfigError(f"net.loss_pct={spec.loss_pct:g} must be below 100 (100 is a link that is down)")
@@ -122,7 +142,7 @@ class Names:
     nodes: int
 
     @classmethod
-    def for_this_process(cls, nodes: int) -> "Names":
+    def for_this_process(cls, nodes: int) -> Names:
         return cls(os.getpid(), nodes)
 
     @property
