@@ -21,24 +21,25 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from functools import partial
 
+from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
-from parallel.dist.comm import CommLog, Communicator, summarize_traffic
+from parallel.baselines.ddp import TorchDDP
 from parallel.data import GlobalBatches, local_microbatches
+from parallel.dist.comm import CommLog, Communicator, summarize_traffic
 from parallel.dist.groups import LaunchEnv
 from parallel.dp.strategy import DataParallel
 from parallel.model import GPT
-from parallel.baselines.ddp import TorchDDP
 from parallel.strategy import make_optimizer
-
-from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
 
 def main() -> None:
     env = LaunchEnv.from_environ()
     overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4"})
     plan = plan_for(env, ["model=small", "parallel=dp"], overrides)
-    run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"])))
+    run_distributed(env, plan,
+                    lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"])))
 
 
 def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
@@ -67,8 +68,9 @@ def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
             strategy = variants[name]
             for _ in range(steps):
                 glob = batches(step)
-                mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
-                seconds, _, last_traffic[name] = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
+                mbs = [mb.to(ctx.device)
+                       for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+                seconds, _, last_traffic[name] = timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
                 if r > 0 and ctx.is_rank0:
                     times[name].append(seconds)
                 step += 1

@@ -14,6 +14,7 @@ import datetime
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,10 +53,10 @@ def worker() -> None:
         n = len(members)
         shard = torch.ones(NBYTES // 4 // n)
         ops = {
-            "all_reduce": lambda: dist.all_reduce(full, group=group),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
-            "broadcast": lambda: dist.broadcast(full, group_src=0, group=group),
+            "all_reduce": partial(dist.all_reduce, full, group=group),
+            "reduce_scatter": partial(dist.reduce_scatter_tensor, shard, full, group=group),
+            "all_gather": partial(dist.all_gather_into_tensor, full, shard, group=group),
+            "broadcast": partial(dist.broadcast, full, group_src=0, group=group),
         }
         for op, call in ops.items():
             before = reading()
@@ -69,7 +70,7 @@ def worker() -> None:
             dist.all_gather_object(rows, (node_of[rank], rank, measured, mine))
             if rank == 0:
                 first = {}
-                for node, r, m, _ in rows:
+                for node, _r, m, _ in rows:
                     first.setdefault(node, m)  # one reading per node
                 wire = {k: sum(m[k] for m in first.values()) / CALLS / NBYTES for k in ("inter", "intra")}
                 pred = {k: sum(p[k]["wire"] for *_, p in rows) / CALLS / NBYTES for k in ("inter", "intra")}

@@ -37,25 +37,26 @@ from __future__ import annotations
 
 import statistics
 import sys
+from functools import partial
 
 import torch
+from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
+from parallel.baselines.pipelining import SCHEDULES as ALL_SCHEDULES
+from parallel.baselines.pipelining import TorchPipeline
 from parallel.data import GlobalBatches, local_microbatches
 from parallel.dist.groups import LaunchEnv
 from parallel.model import GPT
-from parallel.baselines.pipelining import SCHEDULES as ALL_SCHEDULES
-from parallel.baselines.pipelining import TorchPipeline
 from parallel.pp.executor import PipelineParallel
 from parallel.pp.schedules import ScheduleError, build_schedule
-
-from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 LOSS_STEPS = 3  # the first steps whose losses are compared
 
 
 def main() -> None:
     env = LaunchEnv.from_environ()
-    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": ",".join(ALL_SCHEDULES), "virtual": "2"})
+    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": ",".join(ALL_SCHEDULES),
+                                                "virtual": "2"})
     schedules = [s for s in opts["schedules"].split(",") if s]
     unknown = [s for s in schedules if s not in ALL_SCHEDULES]
     if unknown:
@@ -106,11 +107,12 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
                 glob = batches(counter[name])
                 counter[name] += 1
                 mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, m)]
-                seconds, local, _ = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
+                seconds, local, _ = timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
                 # Outside the timed region: the loss lives on the last stage only; sum it over pp.
                 # Also the global gradient norm the optimizer used (Adam would hide a 1/m scaling
                 # of the gradients from the losses; the norm shows it).
-                sq = sum(float(q.grad.double().pow(2).sum()) for c in strategy.chunks for q in c.parameters() if q.grad is not None)
+                sq = sum(float(q.grad.double().pow(2).sum())
+                         for c in strategy.chunks for q in c.parameters() if q.grad is not None)
                 pair = torch.stack([local.detach().double(), torch.tensor(sq, dtype=torch.float64)])
                 pp_comm.all_reduce(pair, tag="tooling/loss")
                 if ctx.is_rank0:
@@ -131,7 +133,8 @@ def report(plan, schedules, virtual, times, losses, norms, skipped, rounds: int,
           f"pp {plan.dims.pp} | microbatches {plan.microbatches} x {plan.microbatch_size} sequences | "
           f"global batch {plan.global_batch} | interleaved v={virtual} | torch {torch.__version__} | "
           f"{rounds} rounds x {steps} steps per variant (medians of the slowest rank)")
-    print(f"{'schedule':<17} {'ours ms':>9} {'ours tok/s':>11} {'torch ms':>9} {'torch tok/s':>12} {'ours/torch tok/s':>17}")
+    print(f"{'schedule':<17} {'ours ms':>9} {'ours tok/s':>11} {'torch ms':>9} {'torch tok/s':>12} "
+          f"{'ours/torch tok/s':>17}")
     for s in schedules:
         o, t = med.get(f"ours_{s}"), med.get(f"torch_{s}")
         cells = [f"{o * 1e3:9.1f}" if o else f"{'-':>9}", f"{tokens / o:11.0f}" if o else f"{'-':>11}",

@@ -48,18 +48,19 @@ from __future__ import annotations
 
 import statistics
 import sys
+from functools import partial
 
-from parallel.dist.comm import summarize_traffic
+from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
+
+from parallel.baselines.dtensor_tp import TorchTP
 from parallel.data import GlobalBatches, local_microbatches
+from parallel.dist.comm import summarize_traffic
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.model import GPT
-from parallel.baselines.dtensor_tp import TorchTP
 from parallel.plan import ConfigError
 from parallel.strategy import make_optimizer
 from parallel.tp.strategy import TensorParallel
-
-from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 CHECK_STEPS = 3  # steps 0..2 run by every variant on the same data, for the loss check
 COUNT_STEP = 2  # the check step whose collectives are printed
@@ -68,7 +69,8 @@ VOCAB_MODES = ("parallel", "replicated")
 
 def main() -> None:
     env = LaunchEnv.from_environ()
-    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "vocab": "parallel", "shared_qkv": "false"})
+    overrides, opts = split_args(sys.argv[1:],
+                                 {"rounds": "5", "steps": "4", "vocab": "parallel", "shared_qkv": "false"})
     vocab, shared_qkv = opts["vocab"], opts["shared_qkv"].lower() in ("1", "true", "yes")
     if vocab not in VOCAB_MODES:
         refuse(env, f"vocab={vocab!r} is not one of {', '.join(VOCAB_MODES)}")
@@ -78,8 +80,9 @@ def main() -> None:
     except (ConfigError, LayoutError, ValueError) as e:
         refuse(env, str(e))
     if plan.strategy != "tp" or plan.dims.dp != 1 or plan.dims.pp != 1 or plan.sequence_parallel or plan.dims.tp < 2:
-        refuse(env, f"this benchmark compares plain tp with dp = 1 and tp = world size >= 2, got parallel={plan.strategy} "
-                    f"dp {plan.dims.dp} x tp {plan.dims.tp} x pp {plan.dims.pp}, sequence_parallel={plan.sequence_parallel}: "
+        refuse(env, "this benchmark compares plain tp with dp = 1 and tp = world size >= 2, "
+                    f"got parallel={plan.strategy} dp {plan.dims.dp} x tp {plan.dims.tp} x pp {plan.dims.pp}, "
+                    f"sequence_parallel={plan.sequence_parallel}: "
                     "launch with torchrun --nproc-per-node 2 or 4 and leave parallel.* layout overrides out")
     run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"]),
                                                              vocab, shared_qkv))
@@ -97,19 +100,21 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
     tp_comm, dp_comm = ctx.comm("tp"), ctx.comm("dp")
     variants = {
         # As parallel/train.py's build_strategy builds parallel=tp and parallel=torch_tp.
-        "tp": TensorParallel(m1, optimizer_for, tp_comm, dp_comm, plan.sequence_parallel, plan.grad_sync, plan.bucket_mb),
+        "tp": TensorParallel(m1, optimizer_for, tp_comm, dp_comm, plan.sequence_parallel, plan.grad_sync,
+                             plan.bucket_mb),
         "torch_tp": TorchTP(m2, optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, ctx.log, vocab),
         # The same without the counter: what counting DTensor's collectives costs.
         "torch_tp_uncounted": TorchTP(m3, optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, None, vocab),
     }
     if shared_qkv:
-        variants["torch_tp_sq"] = TorchTP(fresh_model(), optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, ctx.log, vocab,
-                                          shared_qkv=True)
+        variants["torch_tp_sq"] = TorchTP(fresh_model(), optimizer_for, ctx.mesh["tp"], tp_comm, dp_comm, ctx.log,
+                                          vocab, shared_qkv=True)
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
 
     def microbatches(step):
         glob = batches(step)
-        return glob, [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+        return glob, [mb.to(ctx.device)
+                      for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
 
     # Correctness first: the same steps 0..2, same data, from the same seed, for every variant.
     check_losses: dict[str, list[float]] = {name: [] for name in variants}
@@ -132,7 +137,7 @@ def run(plan, ctx, corpus, rounds: int, steps: int, vocab: str, shared_qkv: bool
             strategy = variants[name]
             for _ in range(steps):
                 glob, mbs = microbatches(step)
-                seconds, _, _ = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
+                seconds, _, _ = timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
                 if r > 0 and ctx.is_rank0:
                     times[name].append(seconds)
                 step += 1

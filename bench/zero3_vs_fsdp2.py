@@ -17,16 +17,17 @@ from __future__ import annotations
 import statistics
 import sys
 from fractions import Fraction
-
-from parallel import theory
-from parallel.dist.comm import summarize_traffic
-from parallel.data import GlobalBatches, local_microbatches
-from parallel.dist.groups import LaunchEnv
-from parallel.model import GPT
-from parallel.baselines.fsdp2 import TorchFSDP2
-from parallel.zero.zero3 import Zero3
+from functools import partial
 
 from harness import plan_for, rotation, run_distributed, split_args, timed_step
+
+from parallel import theory
+from parallel.baselines.fsdp2 import TorchFSDP2
+from parallel.data import GlobalBatches, local_microbatches
+from parallel.dist.comm import summarize_traffic
+from parallel.dist.groups import LaunchEnv
+from parallel.model import GPT
+from parallel.zero.zero3 import Zero3
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
@@ -35,7 +36,8 @@ def main() -> None:
     env = LaunchEnv.from_environ()
     overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4"})
     plan = plan_for(env, ["model=small", "parallel=zero3"], overrides)
-    run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"])))
+    run_distributed(env, plan,
+                    lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"])))
 
 
 def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
@@ -57,8 +59,9 @@ def run(plan, ctx, corpus, rounds: int, steps: int) -> None:
             strategy = variants[name]
             for _ in range(steps):
                 glob = batches(step)
-                mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
-                seconds, _, traffic[name] = timed_step(ctx, lambda: strategy.train_step(mbs, glob.n_tokens))
+                mbs = [mb.to(ctx.device)
+                       for mb in local_microbatches(glob, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+                seconds, _, traffic[name] = timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
                 if r > 0 and ctx.is_rank0:
                     times[name].append(seconds)
                 step += 1
@@ -80,18 +83,22 @@ def report(plan, times: dict[str, list[float]], rounds: int, steps: int, per_ran
     print(f"{'variant':<12} {'step ms':>9} {'tokens/s':>10} {'sent MB/step (all ranks)':>26} {'theory':>10}")
     for name, seconds in med.items():
         sent = sum(Fraction(r["sent"][name]) for r in per_rank)
-        expected = Fraction(theory.expected_comm(name, plan.model, plan.dims, microbatches=plan.microbatches)["sent_bytes_per_step_exact"])
-        print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f} {float(sent) / 1e6:26.3f} {float(expected) / 1e6:10.3f}"
-              f"{'' if sent == expected else '  MISMATCH'}")
-    print(f"\nzero3 / torch_fsdp2 tokens/s ratio: {med['torch_fsdp2'] / med['zero3']:.3f}  (>1: hand-written zero3 is faster)")
+        expected = Fraction(theory.expected_comm(name, plan.model, plan.dims,
+                                                 microbatches=plan.microbatches)["sent_bytes_per_step_exact"])
+        print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f} {float(sent) / 1e6:26.3f} "
+              f"{float(expected) / 1e6:10.3f}{'' if sent == expected else '  MISMATCH'}")
+    print(f"\nzero3 / torch_fsdp2 tokens/s ratio: {med['torch_fsdp2'] / med['zero3']:.3f}  "
+          "(>1: hand-written zero3 is faster)")
     formula = theory.model_state_bytes("zero3", plan.model, plan.dims)
-    print(f"\nmodel state per rank, bytes (params + grads + Adam state; formula 16·Ψ_pad/N = {formula['total_bytes']:,}, "
-          f"Ψ_pad = {formula['parameters_counted']:,}, N = {n}):")
-    print(f"{'rank':>4} {'zero3':>12} {'zero3 peak':>12} {'torch_fsdp2':>12}   (zero3 params/grads/optimizer | fsdp2 params/grads/optimizer)")
+    print("\nmodel state per rank, bytes (params + grads + Adam state; "
+          f"formula 16·Ψ_pad/N = {formula['total_bytes']:,}, Ψ_pad = {formula['parameters_counted']:,}, N = {n}):")
+    print(f"{'rank':>4} {'zero3':>12} {'zero3 peak':>12} {'torch_fsdp2':>12}   "
+          "(zero3 params/grads/optimizer | fsdp2 params/grads/optimizer)")
     for rank, r in enumerate(per_rank):
         z, f = r["memory"]["zero3"], r["memory"]["torch_fsdp2"]
-        print(f"{rank:>4} {sum(z[k] for k in FIELDS):>12,} {z['peak_model_state_bytes']:>12,} {sum(f[k] for k in FIELDS):>12,}"
-              f"   {'/'.join(f'{z[k]:,}' for k in FIELDS)} | {'/'.join(f'{f[k]:,}' for k in FIELDS)}")
+        print(f"{rank:>4} {sum(z[k] for k in FIELDS):>12,} {z['peak_model_state_bytes']:>12,} "
+              f"{sum(f[k] for k in FIELDS):>12,}   "
+              f"{'/'.join(f'{z[k]:,}' for k in FIELDS)} | {'/'.join(f'{f[k]:,}' for k in FIELDS)}")
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
     torchrun --standalone --nproc-per-node 4 -m launch.train parallel=dp_naive parallel.microbatches=2
 
 A configuration error is reported in one line on stderr (by rank 0 only, under torchrun), before
-any process group exists, and the process exits with status 2 (torchrun itself then exits 1). A non-finite loss stops every rank with status 3. Any other failure
-of a rank (its own exception, or a peer that died or hung: gloo then raises on this rank) prints
-the traceback and one `error:` line naming the rank, and exits 1; torchrun then stops the rest.
+any process group exists, and the process exits with status 2 (torchrun itself then exits 1). A
+non-finite loss stops every rank with status 3. Any other failure of a rank (its own exception, or
+a peer that died or hung: gloo then raises on this rank) prints the traceback and one `error:`
+line naming the rank, and exits 1; torchrun then stops the rest.
 """
 
 from __future__ import annotations

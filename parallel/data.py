@@ -57,7 +57,8 @@ def load_corpus(path: str | None, max_bytes: int, min_bytes: int) -> torch.Tenso
     """
     root = Path(path).expanduser() if path else stdlib_source_dir()
     if not root.exists():
-        raise DataError(f"data.path={str(root)!r} does not exist: point data.path at a text file or a directory of text files")
+        raise DataError(f"data.path={str(root)!r} does not exist: "
+                        "point data.path at a text file or a directory of text files")
     files = _text_files(root)
     if not files:
         raise DataError(
@@ -99,15 +100,15 @@ class Batch:
     def n_tokens(self) -> int:
         return self.inputs.numel()
 
-    def rows(self, start: int, stop: int) -> "Batch":
+    def rows(self, start: int, stop: int) -> Batch:
         return Batch(self.inputs[start:stop], self.targets[start:stop])
 
-    def split(self, parts: int) -> list["Batch"]:
+    def split(self, parts: int) -> list[Batch]:
         """`parts` equal consecutive pieces (the caller has checked divisibility)."""
         size = self.n_sequences // parts
         return [self.rows(i * size, (i + 1) * size) for i in range(parts)]
 
-    def to(self, device: torch.device) -> "Batch":
+    def to(self, device: torch.device) -> Batch:
         return Batch(self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True))
 
     def checksum(self) -> int:

@@ -55,7 +55,8 @@ class GPTConfig:
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
-                f"pick a head count that divides the width (e.g. model.n_heads={_largest_divisor_at_most(self.d_model, self.n_heads)})"
+                "pick a head count that divides the width "
+                f"(e.g. model.n_heads={_largest_divisor_at_most(self.d_model, self.n_heads)})"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")

@@ -20,8 +20,10 @@ class AdamW:
     shared by all groups.
     """
 
-    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
-        self.param_groups = [{"params": list(g["params"]), "weight_decay": g.get("weight_decay", 0.0)} for g in param_groups]
+    def __init__(self, param_groups: list[dict], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8):
+        self.param_groups = [{"params": list(g["params"]), "weight_decay": g.get("weight_decay", 0.0)}
+                             for g in param_groups]
         self.lr = lr
         self.beta1, self.beta2 = betas
         self.eps = eps

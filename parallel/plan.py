@@ -158,12 +158,15 @@ def _check_numbers(cfg) -> None:
     if not _is_number(t.weight_decay) or t.weight_decay < 0:
         raise ConfigError(f"train.weight_decay={t.weight_decay!r} must be a number >= 0: e.g. train.weight_decay=0.1")
     for name, value, low in [("train.seed", t.seed, 0), ("data.max_bytes", cfg.data.max_bytes, 1),
-                             ("parallel.virtual_stages", p.virtual_stages, 1), ("train.checkpoint_every", t.checkpoint_every, 0)]:
+                             ("parallel.virtual_stages", p.virtual_stages, 1),
+                             ("train.checkpoint_every", t.checkpoint_every, 0)]:
         if not _is_int(value) or value < low:
             raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
     if t.threads is not None and (not _is_int(t.threads) or t.threads < 1):
-        raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, or null to share the cores among the ranks")
-    for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final), ("train.save_grads", t.save_grads),
+        raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, "
+                          "or null to share the cores among the ranks")
+    for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
+                        ("train.save_grads", t.save_grads),
                         ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log),
                         ("comm.time", cfg.comm.time), ("run.timeline", cfg.run.get("timeline", True))]:
         if not isinstance(value, bool):
@@ -171,7 +174,8 @@ def _check_numbers(cfg) -> None:
 
 
 def _check_faults(t, world_size: int) -> None:
-    """The fault-injection testing aid (parallel/reliability/faults.py): a mode, a step the run reaches, a rank that exists."""
+    """The fault-injection testing aid (parallel/reliability/faults.py): a mode, a step the run
+    reaches, a rank that exists."""
     if t.fail_mode is None:
         return
     if t.fail_mode not in FAIL_MODES:
@@ -183,11 +187,13 @@ def _check_faults(t, world_size: int) -> None:
         raise ConfigError(f"train.fail_rank={t.fail_rank!r} must be a rank of this run, 0 to {world_size - 1}")
     if t.fail_mode == "kill_during_save":
         if t.fail_rank != 0:
-            raise ConfigError("train.fail_mode=kill_during_save kills the checkpoint writer, which is rank 0: set train.fail_rank=0")
+            raise ConfigError("train.fail_mode=kill_during_save kills the checkpoint writer, which is rank 0: "
+                              "set train.fail_rank=0")
         if not t.checkpoint_every or t.fail_at_step % t.checkpoint_every or t.fail_at_step == 0:
             raise ConfigError(
-                f"train.fail_mode=kill_during_save with train.fail_at_step={t.fail_at_step}: no checkpoint is saved after "
-                f"{t.fail_at_step} steps (train.checkpoint_every={t.checkpoint_every}): use a multiple of checkpoint_every"
+                f"train.fail_mode=kill_during_save with train.fail_at_step={t.fail_at_step}: "
+                f"no checkpoint is saved after {t.fail_at_step} steps (train.checkpoint_every={t.checkpoint_every}): "
+                "use a multiple of checkpoint_every"
             )
 
 
@@ -221,7 +227,8 @@ def _check_pipeline(model: GPTConfig, dims: ParallelDims, p, spec: StrategySpec)
     so must the strategy's own runner (PyTorch's schedules refuse some that ours run)."""
     if p.virtual_stages > 1 and dims.pp < 2:
         raise LayoutError(
-            f"parallel.virtual_stages={p.virtual_stages} interleaves chunks across pipeline ranks, but parallel.pp={dims.pp}: "
+            f"parallel.virtual_stages={p.virtual_stages} interleaves chunks across pipeline ranks, "
+            f"but parallel.pp={dims.pp}: "
             "use at least 2 pipeline ranks, or parallel.virtual_stages=1"
         )
     try:
@@ -253,8 +260,9 @@ def _check_3d_zero(zero: int, sequence_parallel: bool, dims: ParallelDims, p) ->
         return
     if sequence_parallel:
         raise ConfigError(
-            "parallel.zero=2 with parallel.sequence_parallel=true: ZeRO-2 reduce-scatters each part's gradients over dp "
-            "inside backward, but under sequence parallelism the LayerNorm and bias gradients are partial sums that are "
+            "parallel.zero=2 with parallel.sequence_parallel=true: ZeRO-2 reduce-scatters each part's gradients "
+            "over dp inside backward, but under sequence parallelism the LayerNorm and bias gradients are partial "
+            "sums that are "
             "completed over tp only after backward; use parallel.zero=1 (it reduces after the tp sum) or "
             "parallel.sequence_parallel=false"
         )
@@ -341,7 +349,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     if not spec.checkpoints and (t.checkpoint_every or t.resume is not None):
         what = f"train.checkpoint_every={t.checkpoint_every}" if t.checkpoint_every else f"train.resume={t.resume!r}"
         raise ConfigError(f"{what}: parallel={strategy} cannot save or load checkpoints (its registry entry says "
-                          "checkpoints=False): set train.checkpoint_every=0 and train.resume=null, or use another strategy")
+                          "checkpoints=False): set train.checkpoint_every=0 and train.resume=null, "
+                          "or use another strategy")
     resume_from, start_step = _resume_point(t, model, cfg)
     warmup_steps = default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps
     backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
@@ -395,5 +404,6 @@ def _peak_flops(value) -> float | None:
     if value is None:
         return None
     if not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"train.peak_flops={value!r} must be a positive number of FLOP/s per device, or null to measure it")
+        raise ConfigError(f"train.peak_flops={value!r} must be a positive number of FLOP/s per device, "
+                          "or null to measure it")
     return float(value)

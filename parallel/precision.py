@@ -15,7 +15,6 @@ run in the dtype their forward op used. The losses are computed in fp32 either w
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
 
 import torch
 
@@ -29,12 +28,13 @@ class ForwardContext:
 
     def __init__(self, precision: str, device: torch.device):
         if precision not in PRECISIONS:
-            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")  # plan.py refuses it first
+            # plan.py refuses it first
+            raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         self.precision = precision
         self.device_type = device.type
         self.entered = 0
 
-    def __call__(self) -> ContextManager:
+    def __call__(self) -> contextlib.AbstractContextManager:
         self.entered += 1
         if self.precision == "bf16":
             return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)

@@ -18,8 +18,8 @@ and a preset conf/parallel/my_dp.yaml with `name: my_dp` (tests/test_registry.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.layout import Layout
@@ -143,7 +143,8 @@ def _route_zero(name: str, dims: ParallelDims, options: Options) -> tuple[str, O
         return f"zero{zero}", replace(options, zero=0)  # the stage is in the strategy's name
     if zero == 3:
         raise ConfigError(
-            f"parallel.zero=3 does not compose with parallel.tp={dims.tp} parallel.pp={dims.pp} here: ZeRO-3 all-gathers "
+            f"parallel.zero=3 does not compose with parallel.tp={dims.tp} parallel.pp={dims.pp} here: "
+            "ZeRO-3 all-gathers "
             "each part's parameters before every microbatch's forward and again before its backward (2m gathers of "
             "every stage per step under a pipeline schedule, which wants m large), reduce-scatters gradients inside "
             "backward (before sequence parallelism's tp sum of partial gradients) and frees parameters that the tp and "
@@ -192,7 +193,8 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
                           + " ".join(f"parallel.{d}=1" for d in extra) + hint)
     if options.sequence_parallel and (not spec.sequence_parallel or dims.tp == 1):
         raise ConfigError(
-            f"parallel.sequence_parallel=true needs tensor parallelism, but parallel={name} with parallel.tp={dims.tp}: "
+            f"parallel.sequence_parallel=true needs tensor parallelism, "
+            f"but parallel={name} with parallel.tp={dims.tp}: "
             "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
     return spec

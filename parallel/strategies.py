@@ -64,7 +64,8 @@ def _build_zero3(model, plan, ctx):
     return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay)
 
 
-for _stage, _what, _build in ((1, "optimizer state", _build_zero(1)), (2, "optimizer state and gradients", _build_zero(2)),
+for _stage, _what, _build in ((1, "optimizer state", _build_zero(1)),
+                              (2, "optimizer state and gradients", _build_zero(2)),
                               (3, "optimizer state, gradients and parameters", _build_zero3)):
     register(StrategySpec(
         name=f"zero{_stage}", description=f"ZeRO stage {_stage}: {_what} sharded over dp",
@@ -173,7 +174,8 @@ def _torch_tp_check(dims, options):
     if dims.pp != 1:
         raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
     if dims.tp < 2:
-        raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): DTensor over one rank splits nothing")
+        raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): "
+                          "DTensor over one rank splits nothing")
 
 
 def _torch_pp_schedule_check(schedule, stages, microbatches, virtual):

@@ -23,8 +23,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from parallel.dist.comm import Communicator
 from parallel.data import Batch
+from parallel.dist.comm import Communicator
 from parallel.model import training_loss_sum
 from parallel.optim import AdamW
 from parallel.report.phases import PhaseLog

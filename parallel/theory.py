@@ -298,7 +298,8 @@ def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, z
     d = replica_group_size(dims)
     if zero:
         psi = stage_zero_padded_count(cfg, dims, pp_rank, virtual, pp_layers, schedule)
-        params, grads, state = psi * dtype_bytes, psi * dtype_bytes // (d if zero >= 2 else 1), 2 * psi * dtype_bytes // d
+        params, grads, state = (psi * dtype_bytes, psi * dtype_bytes // (d if zero >= 2 else 1),
+                                2 * psi * dtype_bytes // d)
     else:
         layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)[pp_rank]
         psi = stage_shard_parameter_count(cfg, dims.tp, layers, *stage_ends(dims, virtual, schedule)[pp_rank])
@@ -392,9 +393,11 @@ def _mesh3d_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, virtual: in
             totals[op][1] += sent * ranks
         for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload)
                                    + all_reduce_sent_per_rank(d, dp_payload)),
-                                  ("all_gather", ag_payload + zero_gather, gather_or_scatter_sent_per_rank(t, ag_payload)
+                                  ("all_gather", ag_payload + zero_gather,
+                                   gather_or_scatter_sent_per_rank(t, ag_payload)
                                    + gather_or_scatter_sent_per_rank(d, zero_gather)),
-                                  ("reduce_scatter", ag_payload + zero_scatter, gather_or_scatter_sent_per_rank(t, ag_payload)
+                                  ("reduce_scatter", ag_payload + zero_scatter,
+                                   gather_or_scatter_sent_per_rank(t, ag_payload)
                                    + gather_or_scatter_sent_per_rank(d, zero_scatter)),
                                   ("send", p2p_payload, Fraction(p2p_payload)), ("recv", p2p_payload, Fraction(0))):
             totals[op][0] += payload * ranks
@@ -428,7 +431,8 @@ def _zero_comm(stage: int, cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -
     gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[stage]
     per_rank = {"all_gather": gathers * size, "reduce_scatter": scatters * size}
     ranks = dims.world_size
-    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
+    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks)
+              for op, payload in per_rank.items()}
     return _figure(totals, ranks, {"padded_parameters": zero_padded_parameter_count(cfg, n)})
 
 
@@ -463,7 +467,8 @@ def _fsdp2_comm(cfg: GPTConfig, dims: ParallelDims, m: int, B: int) -> dict:
     root = groups["root"] * B
     per_rank = {"all_gather": m * (2 * blocks + root), "reduce_scatter": m * (blocks + root)}
     ranks = dims.world_size
-    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks) for op, payload in per_rank.items()}
+    totals = {op: (payload * ranks, gather_or_scatter_sent_per_rank(n, payload) * ranks)
+              for op, payload in per_rank.items()}
     return _figure(totals, ranks, {"padded_parameters": sum(groups.values())})
 
 
@@ -477,7 +482,8 @@ def dp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """dp (naive, bucketed), torch_ddp, accelerate_ddp: one all-reduce of all gradients per step,
     2(N-1)/N · Ψ·B per rank, whatever the bucketing and however many microbatches are accumulated."""
     dims, grads = layout.dims, parameter_count(cfg) * layout.dtype_bytes
-    return _figure({"all_reduce": (grads * dims.world_size, all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
+    return _figure({"all_reduce": (grads * dims.world_size,
+                                   all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
                    dims.world_size)
 
 

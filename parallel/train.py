@@ -31,7 +31,12 @@ from parallel.report.activations import ActivationMeter
 from parallel.report.breakdown import rank_step_breakdown
 from parallel.report.console import log_summary, step_line
 from parallel.report.metrics import (
-    MetricsWriter, close_logging, default_run_dir, peak_memory_bytes, setup_logging, write_json,
+    MetricsWriter,
+    close_logging,
+    default_run_dir,
+    peak_memory_bytes,
+    setup_logging,
+    write_json,
 )
 from parallel.report.summary import build_summary
 from parallel.strategy import NonFiniteLoss, Strategy
@@ -91,7 +96,8 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     setup_logging(run_dir, ctx.rank)
     ctx.peers = peer_table(ctx.comm("world"))
     log.info(
-        "run %s | strategy %s | world %d = dp %d x cp %d x tp %d x pp %d | backend %s | device %s | precision %s | rank %d pid %d",
+        "run %s | strategy %s | world %d = dp %d x cp %d x tp %d x pp %d | backend %s | device %s | precision %s "
+        "| rank %d pid %d",
         run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.cp, plan.dims.tp, plan.dims.pp,
         plan.backend or "none", ctx.device, plan.precision, ctx.rank, os.getpid(),
     )
@@ -153,7 +159,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in
                         local_microbatches(global_batch, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
-        inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank, strategy.model.parameters())
+        inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank,
+                           strategy.model.parameters())
         ctx.log.begin_step()
         timer.start()
         strategy.phases.begin_step(clock)

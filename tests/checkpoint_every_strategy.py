@@ -50,7 +50,8 @@ PRESETS = [
     ("torch_pp_zbv", []), ("torch_pp_dualpipev", []), ("torch_pp_interleaved_zb", []),
 ]
 # Eight layers, so that torch's interleaved schedule has 4 ranks x 2 chunks to cut.
-COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_bytes=1000000", "train.steps=6", "train.warmup_steps=1"]
+COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_bytes=1000000", "train.steps=6",
+          "train.warmup_steps=1"]
 # A mixture of experts: every strategy whose registry entry trains one (the others refuse it).
 MOE_PRESETS = [
     ("single", []), ("ep", []), ("ep", ["parallel.ep=2"]), ("dp", []), ("zero1", []), ("zero2", []), ("zero3", []),
@@ -78,7 +79,8 @@ class Layouts:
 
     def context(self, plan) -> DistContext:
         if plan.dims.world_size == 1:  # the single-process strategy: no groups at all
-            return DistContext(env=LaunchEnv(), dims=plan.dims, backend=None, device=self.base.device, log=self.base.log)
+            return DistContext(env=LaunchEnv(), dims=plan.dims, backend=None, device=self.base.device,
+                               log=self.base.log)
         if plan.dims not in self.contexts:
             ctx = DistContext(env=self.env, dims=plan.dims, backend=self.base.backend, device=self.base.device,
                               log=self.base.log)

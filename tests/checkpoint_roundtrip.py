@@ -16,10 +16,11 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "bench")]
 
 from harness import plan_for, run_distributed  # noqa: E402
+
+from parallel.baselines.fsdp2 import TorchFSDP2  # noqa: E402
 from parallel.data import GlobalBatches, local_microbatches  # noqa: E402
 from parallel.dist.groups import LaunchEnv  # noqa: E402
 from parallel.model import GPT, token_loss_sum  # noqa: E402
-from parallel.baselines.fsdp2 import TorchFSDP2  # noqa: E402
 from parallel.strategy import make_optimizer  # noqa: E402
 from parallel.zero.strategy import ZeroDataParallel  # noqa: E402
 from parallel.zero.zero3 import Zero3  # noqa: E402
@@ -33,7 +34,8 @@ def check(plan, ctx, corpus) -> None:
 
     def local(step):
         g = batches(step)
-        return [mb.to(ctx.device) for mb in local_microbatches(g, ctx.coords["dp"], plan.dims.dp, MICROBATCHES)], g.n_tokens
+        return ([mb.to(ctx.device) for mb in local_microbatches(g, ctx.coords["dp"], plan.dims.dp, MICROBATCHES)],
+                g.n_tokens)
 
     reference = GPT(plan.model, seed=plan.seed)
     optimizer = make_optimizer(reference, plan.lr, plan.weight_decay)
@@ -58,12 +60,14 @@ def check(plan, ctx, corpus) -> None:
         for step in range(2):
             original.train_step(*local(step))
         params, optim = original.full_state_dict(), original.full_optimizer_state()
-        assert optim["step"] == 2 and params.keys() == optim["state"].keys() == dict(reference.named_parameters()).keys()
+        assert optim["step"] == 2
+        assert params.keys() == optim["state"].keys() == dict(reference.named_parameters()).keys()
         for n, p in reference.named_parameters():
-            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-2 * lr, msg=lambda m: f"{name} {n}: {m}")
+            torch.testing.assert_close(params[n], p.detach(), rtol=1e-5, atol=1e-2 * lr,
+                                       msg=lambda m, name=name, n=n: f"{name} {n}: {m}")
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(optim["state"][n][key], optimizer.state[p][key], rtol=1e-4, atol=1e-7,
-                                           msg=lambda m: f"{name} {n} {key}: {m}")
+                                           msg=lambda m, name=name, n=n, key=key: f"{name} {n} {key}: {m}")
         resumed = make()
         resumed.load_full_state(params, optim)
         batch = local(2)
@@ -78,6 +82,6 @@ def check(plan, ctx, corpus) -> None:
 
 if __name__ == "__main__":
     env = LaunchEnv.from_environ()
-    plan = plan_for(env, ["model=tiny", "parallel=zero1", "data.max_bytes=1000000", f"parallel.microbatches={MICROBATCHES}",
-                          "train.global_batch=12"], [])
+    plan = plan_for(env, ["model=tiny", "parallel=zero1", "data.max_bytes=1000000",
+                          f"parallel.microbatches={MICROBATCHES}", "train.global_batch=12"], [])
     run_distributed(env, plan, check)

@@ -42,7 +42,8 @@ class Run:
     @property
     def summary(self) -> dict:
         path = self.run_dir / "summary.json"
-        assert path.exists(), f"no summary.json (exit {self.returncode})\nstdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}"
+        assert path.exists(), (f"no summary.json (exit {self.returncode})\n"
+                               f"stdout:\n{self.stdout[-3000:]}\nstderr:\n{self.stderr[-3000:]}")
         return json.loads(path.read_text())
 
     @property
@@ -100,7 +101,8 @@ def check_matches_single(run, single_run, rtol=1e-5):
     # scores) a rounding-level difference in summation order becomes a visible fraction of lr.
     lr = run.summary["config"]["train"]["lr"]
     for name in ref_params:
-        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-2 * lr, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-5, atol=1e-2 * lr,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     assert [m["data_checksum"] for m in run.metrics()] == [m["data_checksum"] for m in single_run.metrics()]
 
 

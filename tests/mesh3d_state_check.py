@@ -18,17 +18,17 @@ from pathlib import Path
 # Run as a script: the project root must come first on the path (this checkout's code, not an installed one).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch
-
-from parallel.dist.comm import CommLog
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
-from parallel.dist.dims import ParallelDims
-from parallel.dist.groups import LaunchEnv, exit_process, init_distributed, shutdown
 from types import SimpleNamespace
 
+import torch
+
 from parallel.combined.mesh3d import build_mesh3d
-from parallel.pp.executor import PipelineParallel
+from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.dist.comm import CommLog
+from parallel.dist.dims import ParallelDims
+from parallel.dist.groups import LaunchEnv, exit_process, init_distributed, shutdown
 from parallel.model import GPT, GPTConfig
+from parallel.pp.executor import PipelineParallel
 from parallel.strategy import SingleProcess, make_optimizer
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
@@ -44,7 +44,8 @@ ATOL = {"params": 1e-2 * LR, "exp_avg": 1e-7, "exp_avg_sq": 1e-10}
 def close(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), (what, sorted(set(a) ^ set(b)))
     for name in b:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=ATOL[what], msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=ATOL[what],
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launcher import CPU_ONLY, PROJECT_ROOT, Run
+
 from parallel.net.netns import list_namespaces
 from parallel.net.topology import owner_of
 

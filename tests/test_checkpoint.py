@@ -11,7 +11,6 @@ one under tp 2.
 import json
 
 import pytest
-
 from launcher import TINY, assert_ok, max_rel_diff, run_train
 
 SAVE = ["train.checkpoint_every=3"]
@@ -46,7 +45,8 @@ def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, tmp_path):
     meta = json.loads((full.run_dir / "checkpoints" / "step_000003" / "meta.json").read_text())
     assert meta["next_step"] == 3 and meta["optimizer_step"] == 3 and meta["data"]["seed"] == 1234
     assert (full.run_dir / "checkpoints" / "latest").read_text().strip() == "step_000006"
-    resumed = run_train(nproc, [*TINY, f"parallel={preset}", f"train.resume={full.run_dir}/checkpoints/step_000003"], tmp_path / "resumed")
+    resumed = run_train(nproc, [*TINY, f"parallel={preset}", f"train.resume={full.run_dir}/checkpoints/step_000003"],
+                        tmp_path / "resumed")
     _check_continues(resumed, full, rtol=1e-6)
 
 
@@ -98,15 +98,16 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     equal an uninterrupted single-process run (tests/checkpoint_every_strategy.py, one job of 4
     processes, each layout on its own mesh). Then the same for a mixture of experts over every
     strategy that trains one, expert parallelism at ep 4 and at dp 4 x ep 2 included."""
+    import os
     import subprocess
     import sys
 
     from launcher import CPU_ONLY, PROJECT_ROOT
-    import os
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
            str(PROJECT_ROOT / "tests" / "checkpoint_every_strategy.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **CPU_ONLY})
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     resumed = [line for line in proc.stdout.splitlines() if " resumed: losses within " in line]
     # 27 strategies on the dense model, 10 layouts on the mixture of experts (tiny_moe).

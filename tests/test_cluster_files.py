@@ -15,8 +15,8 @@ import sys
 
 import yaml
 from hydra import compose, initialize_config_dir
-
 from launcher import PROJECT_ROOT, multinode_command
+
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import build_plan
 
@@ -37,7 +37,8 @@ def test_sbatch_is_valid_bash_with_directives_before_the_first_command():
 def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[01-02]" ] && printf "gpu01\\ngpu02\\n"\n')
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n'
+                                      '[ "$1 $2 $3" = "show hostnames gpu[01-02]" ] && printf "gpu01\\ngpu02\\n"\n')
     (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$SRUN_ARGS"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
@@ -74,7 +75,7 @@ def test_compose_runs_the_multinode_command_between_two_containers():
     assert cmd == multinode_command(2, 2, "node0:29400", "compose-job", overrides, python="python")
     # The rendezvous host is a service whose own host name it is (so its agent serves the store).
     assert services["node0"]["hostname"] == "node0"
-    for name, service in services.items():
+    for _name, service in services.items():
         # As in the loopback test (GLOO_SOCKET_IFNAME=lo), gloo is told its interface.
         assert service["environment"]["GLOO_SOCKET_IFNAME"] == "eth0"
         assert (PROJECT_ROOT / service["build"]["dockerfile"]).name == "Dockerfile.cpu"
@@ -111,7 +112,8 @@ def test_cpu_image_pins_the_torch_of_setup_sh():
     setup_pin = re.search(r"spec=\$\{TORCH_SPEC:-torch==([\d.]+)\}", (PROJECT_ROOT / "launch" / "setup.sh").read_text())
     assert setup_pin and args["TORCH_VERSION"] == setup_pin.group(1)
     runs = [a for op, a in instructions if op == "RUN"]
-    assert any("--index-url https://download.pytorch.org/whl/cpu" in r and '"torch==${TORCH_VERSION}"' in r for r in runs)
+    assert any("--index-url https://download.pytorch.org/whl/cpu" in r and '"torch==${TORCH_VERSION}"' in r
+               for r in runs)
     assert ("CMD", '["python", "-m", "launch.compare"]') in instructions
     _check_copies_exist(instructions)
 

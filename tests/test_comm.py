@@ -68,7 +68,8 @@ def test_each_op_moves_the_data_and_records_ring_bytes(world):
         assert t[("broadcast", "dp", "init")] == (1, 16, Fraction(16))
         assert t[("all_reduce", "dp", "tooling/loss")] == (1, 4, Fraction(2 * (n - 1), n) * 4)
         sends = Fraction(20) if rank == 0 else Fraction(0)
-        assert r["strategy_sent"] == (Fraction(2 * (n - 1), n) * 36 + Fraction(n - 1, n) * (24 * n + 8 * n) + 16 + sends)
+        assert r["strategy_sent"] == (Fraction(2 * (n - 1), n) * 36 + Fraction(n - 1, n) * (24 * n + 8 * n)
+                                      + 16 + sends)
         assert r["tooling_sent"] == Fraction(2 * (n - 1), n) * 4
     assert results[1]["traffic"][("recv", "dp", "act")] == (1, 20, Fraction(0))
 

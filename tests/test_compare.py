@@ -14,14 +14,15 @@ from parallel.compare.rows import COLUMNS
 
 def test_compare_sweep_reports_every_strategy(tmp_path):
     out = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "launch.compare", "compare.world=2", "compare.strategies=[single,dp,torch_ddp,tp,no_such]",
-           "+compare.worlds.tp=3", "compare.timeout_s=200", "model=tiny", "train.steps=4", "train.warmup_steps=1",
-           "data.max_bytes=1000000", f"run.dir={out}"]
+    cmd = [sys.executable, "-m", "launch.compare", "compare.world=2",
+           "compare.strategies=[single,dp,torch_ddp,tp,no_such]", "+compare.worlds.tp=3", "compare.timeout_s=200",
+           "model=tiny", "train.steps=4", "train.warmup_steps=1", "data.max_bytes=1000000", f"run.dir={out}"]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=500, env=os.environ.copy())
     # Two strategies did not run: everything is written, and the exit status says the sweep is not whole.
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == "error: 2 of 5 strategies did not run: tp, no_such"
-    for name in ("results.csv", "results.json", "report.md", "tokens_per_s.png", "bytes_per_step.png", "memory_per_rank.png"):
+    for name in ("results.csv", "results.json", "report.md", "tokens_per_s.png", "bytes_per_step.png",
+                 "memory_per_rank.png"):
         assert (out / name).stat().st_size > 0, name
     for strategy in ("single", "dp", "torch_ddp"):
         assert (out / strategy / "summary.json").exists()
@@ -33,7 +34,8 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
     rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
 
     # The failures are rows with their error, and did not stop the sweep.
-    assert rows["tp"]["status"] == "failed" and "world size 3 is not divisible by parallel.tp" in rows["tp"]["error"], rows["tp"]
+    assert rows["tp"]["status"] == "failed", rows["tp"]
+    assert "world size 3 is not divisible by parallel.tp" in rows["tp"]["error"], rows["tp"]
     assert rows["no_such"]["status"] == "failed" and "conf/parallel/no_such.yaml" in rows["no_such"]["error"]
     assert rows["tp"]["tokens_per_s"] is None
 

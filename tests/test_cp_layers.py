@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from parallel.dist.comm import CommLog, Communicator
 from parallel.cp.layout import (
     check_divisible,
     layout_order,
@@ -35,6 +34,7 @@ from parallel.cp.ring import RingAttentionCore
 from parallel.cp.traffic import ring_layer_traffic, step_sent, ulysses_layer_traffic
 from parallel.cp.transform import parallelize_cp
 from parallel.cp.ulysses import UlyssesAttentionCore
+from parallel.dist.comm import CommLog, Communicator
 from parallel.dist.groups import exit_process
 from parallel.model import GPT, AttentionCore, GPTConfig
 
@@ -166,7 +166,7 @@ def test_logged_bytes_equal_the_closed_form(reports, kind, dtype):
     cp, by_rank = reports
     layer_traffic = ring_layer_traffic if kind == "ring" else ulysses_layer_traffic
     closed = layer_traffic(B, SEQ, HEADS, HEAD_DIM, cp, DTYPES[dtype])
-    for rank, report in enumerate(by_rank):
+    for _rank, report in enumerate(by_rank):
         r = report[kind, dtype]
         traffic = r["traffic"]
         fwd, bwd = traffic[(closed.op, "cp", "cp/layer/fwd")], traffic[(closed.op, "cp", "cp/layer/bwd")]

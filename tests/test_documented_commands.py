@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-
 from launcher import CPU_ONLY, PROJECT_ROOT
 
 from launch.config import CONFIG_DIR, unknown_preset

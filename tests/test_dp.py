@@ -11,7 +11,6 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
 from fractions import Fraction
 
 import pytest
-
 from launcher import TINY, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
 

@@ -3,7 +3,6 @@
 import time
 
 import pytest
-
 from launcher import TINY, run_train
 
 
@@ -32,7 +31,8 @@ def test_bad_data_in_one_process_exits_nonzero_with_one_line(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     run = run_train(1, [*TINY, f"data.path={tmp_path / 'empty.txt'}"], tmp_path / "run", timeout=90)
     assert run.returncode == 2
-    assert run.stderr.strip().splitlines() == [f"error: data.path='{tmp_path / 'empty.txt'}' is empty: give a file or directory with some text in it"]
+    assert run.stderr.strip().splitlines() == [
+        f"error: data.path='{tmp_path / 'empty.txt'}' is empty: give a file or directory with some text in it"]
 
 
 def test_unknown_preset_is_refused_by_name(tmp_path):

@@ -9,7 +9,6 @@ pipeline, and requires a clean exit from every one.
 """
 
 import pytest
-
 from launcher import run_train
 
 # Every other multi-process test also requires exit 0 of every run; these repeat the three kinds

@@ -11,7 +11,6 @@ import subprocess
 import time
 
 import pytest
-
 from launcher import PROJECT_ROOT, TINY, run_train, train_command
 
 LIMIT_S = 60
@@ -30,7 +29,8 @@ def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = ()):
 
 @pytest.mark.parametrize("preset,mode,extra,own_line", [
     # The failing rank raises: it says so itself before it exits.
-    ("dp", "raise", [], "error: rank 1 failed: InjectedFailure: injected failure (train.fail_mode=raise) at step 2 on rank 1"),
+    ("dp", "raise", [],
+     "error: rank 1 failed: InjectedFailure: injected failure (train.fail_mode=raise) at step 2 on rank 1"),
     # The process vanishes without a word (os._exit(13)): torchrun's list shows its exit code.
     ("tp", "exit", [], None),
     # The rank hangs: its peer waits out parallel.timeout_s in its next receive and names the peer
@@ -38,7 +38,8 @@ def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = ()):
     ("pp_1f1b", "hang", ["parallel.timeout_s=8"], None),
 ])
 def test_one_failing_rank_ends_the_job(preset, mode, extra, own_line, tmp_path):
-    run, elapsed = _timed_run(preset, ["train.fail_mode=" + mode, "train.fail_at_step=2", "train.fail_rank=1"], tmp_path, extra)
+    run, elapsed = _timed_run(preset, ["train.fail_mode=" + mode, "train.fail_at_step=2", "train.fail_rank=1"],
+                              tmp_path, extra)
     assert run.returncode != 0
     assert elapsed < LIMIT_S, f"{preset}/{mode} took {elapsed:.0f} s to end"
     err = run.stderr
@@ -90,7 +91,8 @@ def test_sigkill_of_a_worker_ends_the_job(tmp_path):
 def test_nan_loss_stops_every_rank_before_the_optimizer(tmp_path):
     """Rank 1's weights turn NaN before step 2: rank 0's loss share is finite, but the all-reduced
     flag stops both ranks at step 2, each saying so in its log."""
-    run, elapsed = _timed_run("dp", ["train.fail_mode=nan_weights", "train.fail_at_step=2", "train.fail_rank=1"], tmp_path)
+    run, elapsed = _timed_run("dp", ["train.fail_mode=nan_weights", "train.fail_at_step=2", "train.fail_rank=1"],
+                              tmp_path)
     assert run.returncode != 0
     assert re.search(r"exitcode\s*: 3 ", run.stderr), run.stderr[-3000:]  # our status for a non-finite loss
     assert elapsed < LIMIT_S

@@ -8,10 +8,9 @@ runs on the CPU even where a GPU is visible.
 
 import pytest
 import torch
-
 from hydra import compose, initialize_config_dir
-
 from launcher import PROJECT_ROOT, TINY, assert_ok, max_rel_diff, run_train
+
 from parallel.data import Batch
 from parallel.dist.groups import LaunchEnv, choose_device_type
 from parallel.model import GPT, GPTConfig
@@ -23,7 +22,8 @@ from parallel.train import _check_forward_context
 N_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_gpu = pytest.mark.skipif(N_GPUS == 0, reason="needs a CUDA GPU; none is visible on this machine")
 TINY_GLOBAL_BATCH = int(next(o for o in TINY if o.startswith("train.global_batch=")).split("=")[1])
-needs_two_gpus = pytest.mark.skipif(N_GPUS < 2, reason=f"NCCL needs one GPU per rank: needs 2 or more, {N_GPUS} visible")
+needs_two_gpus = pytest.mark.skipif(N_GPUS < 2,
+                                    reason=f"NCCL needs one GPU per rank: needs 2 or more, {N_GPUS} visible")
 
 
 def test_device_choice():
@@ -105,7 +105,8 @@ def test_bf16_on_cuda_trains(single_run, tmp_path):
 @needs_gpu
 def test_gloo_ranks_run_on_the_cpu_of_a_gpu_machine(single_run, tmp_path):
     """What a one-GPU machine can do with several ranks: gloo, tensors on the CPU."""
-    run = run_train(2, [*TINY, "parallel=dp", "parallel.backend=gloo", "train.save_final=true"], tmp_path / "run", gpu=True)
+    run = run_train(2, [*TINY, "parallel=dp", "parallel.backend=gloo", "train.save_final=true"], tmp_path / "run",
+                    gpu=True)
     summary = assert_ok(run)
     assert (summary["parallel"]["backend"], summary["device"]) == ("gloo", "cpu")
     assert max_rel_diff(summary["losses"], single_run.summary["losses"]) < 1e-5
@@ -122,7 +123,8 @@ def test_more_nccl_ranks_than_gpus_is_refused(tmp_path):
 
 @pytest.mark.gpu
 @needs_two_gpus
-@pytest.mark.parametrize("overrides", [["parallel=dp"], ["parallel=tp", "parallel.tp=2"], ["parallel=pp_1f1b", "parallel.dp=1"]],
+@pytest.mark.parametrize("overrides",
+                         [["parallel=dp"], ["parallel=tp", "parallel.tp=2"], ["parallel=pp_1f1b", "parallel.dp=1"]],
                          ids=["dp", "tp", "pp"])
 def test_nccl_matches_single(overrides, single_run, tmp_path):
     """Every GPU a rank, NCCL chosen automatically; the losses match the CPU's single run to

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from spawn import run_ranks, write_result
 
 from parallel.dist.comm import CommLog, Communicator
@@ -30,7 +29,7 @@ from parallel.dp.sync import BucketedGradSync, NaiveGradSync
 from parallel.optim import AdamW
 from parallel.tp.layers import ColumnParallelLinear, NormIntoTP, RowParallelLinear
 from parallel.tp.loss import vocab_parallel_loss_sum
-from parallel.tp.regions import SEQ_DIM, enter_region, exit_region
+from parallel.tp.regions import SEQ_DIM
 from parallel.zero.optimizer import ZeroOptimizer
 
 B, S, H, F_ = 2, 8, 16, 32  # batch, sequence, hidden, MLP width
@@ -76,7 +75,8 @@ def check_region_linears(comm: Communicator, sequence_parallel: bool) -> dict:
         "row_weight_grad": _max(row.weight.grad, _rows(proj.weight.grad, r, t, dim=1)),
     }
     # Under SP the norm's and the row bias's gradients are partial: summed over tp they are whole.
-    for name, got, want in (("norm_weight_grad", enter.weight.grad, norm.weight.grad), ("row_bias_grad", row.bias.grad, proj.bias.grad)):
+    for name, got, want in (("norm_weight_grad", enter.weight.grad, norm.weight.grad),
+                            ("row_bias_grad", row.bias.grad, proj.bias.grad)):
         if sequence_parallel:
             got = got.clone()
             comm.all_reduce(got, tag="tooling/test")
@@ -95,7 +95,8 @@ def check_vocab_parallel_loss(comm: Communicator) -> dict:
     local = _rows(logits_full, r, t, dim=2).clone().requires_grad_(True)
     loss = vocab_parallel_loss_sum(local, targets, r * VOCAB // t, comm)
     loss.backward()
-    return {"loss": abs(float(loss) - float(ref)) / float(ref), "logits_grad": _max(local.grad, _rows(ref_logits.grad, r, t, 2))}
+    return {"loss": abs(float(loss) - float(ref)) / float(ref),
+            "logits_grad": _max(local.grad, _rows(ref_logits.grad, r, t, 2))}
 
 
 def check_dp_syncs(comm: Communicator) -> dict:
@@ -137,7 +138,7 @@ def check_zero_optimizer(comm: Communicator, stage: int) -> dict:
                    {"params": [p for p in reference.parameters() if p.dim() < 2], "weight_decay": 0.0}],
                   lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     worst = 0.0
-    for step in range(3):
+    for _step in range(3):
         xs = [torch.randn(B, H, generator=gen) for _ in range(comm.size)]  # every rank draws all ranks' data
         zero.zero_grad()
         zero.before_microbatch(True)

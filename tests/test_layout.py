@@ -2,8 +2,8 @@
 
 import pytest
 from hydra import compose, initialize_config_dir
-
 from launcher import PROJECT_ROOT
+
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, threads_per_rank
 from parallel.plan import ConfigError, build_plan
@@ -36,7 +36,8 @@ def test_cp_sits_between_tp_and_dp(dp, cp, tp, pp):
     dims = ParallelDims.resolve(dp * cp * tp * pp, dp=dp, tp=tp, pp=pp, cp=cp)
     for rank in range(dims.world_size):
         c = dims.coordinates(rank)
-        assert rank == ((c["pp"] * dp + c["dp"]) * cp + c["cp"]) * tp + c["tp"] == dims.rank_of(c["pp"], c["dp"], c["tp"], c["cp"])
+        assert rank == ((c["pp"] * dp + c["dp"]) * cp + c["cp"]) * tp + c["tp"] \
+            == dims.rank_of(c["pp"], c["dp"], c["tp"], c["cp"])
     # Every group of a dimension differs only in that coordinate; together they cover the world once.
     for name in ("pp", "dp", "cp", "tp", "dp_cp"):
         groups = dims.group_ranks(name)
@@ -59,7 +60,9 @@ def test_world_size_must_equal_the_product():
 
 
 def test_batch_must_divide_into_dp_and_microbatches():
-    with pytest.raises(LayoutError, match=r"train.global_batch=10 is not divisible by parallel.dp x parallel.microbatches = 2 x 4 = 8"):
+    with pytest.raises(LayoutError,
+                       match=r"train.global_batch=10 is not divisible by "
+                             r"parallel.dp x parallel.microbatches = 2 x 4 = 8"):
         ParallelDims.resolve(2).check_batch(10, 4)
 
 
@@ -78,7 +81,8 @@ def test_plan_dp_under_torchrun():
     (2, ["parallel=single"], r"parallel=single runs one process but the world size is 2"),
     (1, ["parallel=torch_ddp"], r"parallel=torch_ddp needs at least 2 processes"),
     (2, ["parallel.tp=2"], r"parallel=dp is data parallel only, but parallel.tp=2"),
-    (2, ["train.global_batch=7"], r"train.global_batch=7 is not divisible by parallel.dp x parallel.microbatches = 2 x 1 = 2"),
+    (2, ["train.global_batch=7"],
+     r"train.global_batch=7 is not divisible by parallel.dp x parallel.microbatches = 2 x 1 = 2"),
     (2, ["parallel.grad_sync=ring"], r"parallel.grad_sync='ring'"),
     (2, ["parallel.backend=nccl"], r"parallel.backend=nccl needs CUDA GPUs and none is visible"),
     (2, ["parallel.backend=mpi"], r"parallel.backend='mpi' is not one of auto, gloo, nccl"),
@@ -97,8 +101,10 @@ def test_plan_dp_under_torchrun():
     (2, ["parallel=pp_1f1b", "parallel.schedule=zb"], r"parallel.schedule='zb' is not a schedule"),
     # One plain process runs a pipeline preset as `single`, but still refuses a schedule it does not know.
     (1, ["parallel=pp_1f1b", "parallel.schedule=foo"], r"parallel.schedule='foo' is not a schedule"),
-    (2, ["parallel=pp_interleaved", "parallel.dp=2"], r"parallel.virtual_stages=2 interleaves chunks across pipeline ranks, but parallel.pp=1"),
-    (4, ["parallel=pp_1f1b", "parallel.dp=3"], r"world size 4 is not divisible by parallel.dp x parallel.tp = 3 x 1 = 3"),
+    (2, ["parallel=pp_interleaved", "parallel.dp=2"],
+     r"parallel.virtual_stages=2 interleaves chunks across pipeline ranks, but parallel.pp=1"),
+    (4, ["parallel=pp_1f1b", "parallel.dp=3"],
+     r"world size 4 is not divisible by parallel.dp x parallel.tp = 3 x 1 = 3"),
     (3, ["parallel.dp=2"], r"world size 3 != parallel.dp x parallel.tp x parallel.pp = 2 x 1 x 1 = 2"),
     # Tensor parallelism: the model must split evenly over tp, checked before any process group.
     (3, ["parallel=tp", "parallel.tp=3"],
@@ -106,16 +112,20 @@ def test_plan_dp_under_torchrun():
     (2, ["parallel=tp", "model.vocab_size=257", "model.vocab_pad_multiple=1"],
      r"the padded vocabulary 257 \(model.vocab_size=257 rounded up to a multiple of model.vocab_pad_multiple=1\) "
      r"is not divisible by parallel.tp=2: pad to a multiple of tp, e.g. model.vocab_pad_multiple=2"),
-    (2, ["parallel=tp_sp", "model.seq_len=33"], r"model.seq_len=33 is not divisible by parallel.tp=2, and sequence parallelism"),
+    (2, ["parallel=tp_sp", "model.seq_len=33"],
+     r"model.seq_len=33 is not divisible by parallel.tp=2, and sequence parallelism"),
     (2, ["parallel=tp", "model.dropout=0.1"], r"model.dropout=0.1 with parallel.tp=2: .* set model.dropout=0"),
-    (2, ["parallel.sequence_parallel=true"], r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=dp"),
+    (2, ["parallel.sequence_parallel=true"],
+     r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=dp"),
     (1, ["parallel=tp"], r"world size 1 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
     (3, ["parallel=tp"], r"world size 3 is not divisible by parallel.tp x parallel.pp = 2 x 1 = 2"),
     # PyTorch's baselines: refused by name before any process group, as ours are.
     (1, ["parallel=accelerate_ddp"], r"parallel=accelerate_ddp needs at least 2 processes"),
-    (4, ["parallel=torch_pp_1f1b", "parallel.dp=2"], r"parallel=torch_pp runs one torch.distributed.pipelining pipeline .* parallel.dp=2"),
+    (4, ["parallel=torch_pp_1f1b", "parallel.dp=2"],
+     r"parallel=torch_pp runs one torch.distributed.pipelining pipeline .* parallel.dp=2"),
     (2, ["parallel=torch_tp", "parallel.tp=1"], r"parallel=torch_tp needs parallel.tp >= 2 \(got 1\)"),
-    (2, ["parallel=torch_tp", "parallel.sequence_parallel=true"], r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=torch_tp"),
+    (2, ["parallel=torch_tp", "parallel.sequence_parallel=true"],
+     r"parallel.sequence_parallel=true needs tensor parallelism, but parallel=torch_tp"),
     (3, ["parallel=torch_pp_1f1b", "model=tiny", "train.global_batch=12"],
      r"model.n_layers=4 does not split evenly into parallel.pp x parallel.virtual_stages = 3 pieces"),
     (2, ["train.peak_flops=-1"], r"train.peak_flops=-1 must be a positive number"),
@@ -225,14 +235,17 @@ def test_zero_is_the_dp_dimension_of_any_layout(world, overrides, strategy, layo
 
 
 @pytest.mark.parametrize("world,overrides,message", [
-    (4, ["parallel=3d", "parallel.zero=4"], r"parallel.zero=4 is not a ZeRO stage: choose 0 \(plain dp all-reduce\), 1 or 2"),
+    (4, ["parallel=3d", "parallel.zero=4"],
+     r"parallel.zero=4 is not a ZeRO stage: choose 0 \(plain dp all-reduce\), 1 or 2"),
     (4, ["parallel=3d", "parallel.zero=1"],
      r"parallel.zero=1 shards over the data-parallel ranks, but parallel.dp=1 \(world 4 = dp 1 x tp 2 x pp 2\)"),
     (1, ["parallel=dp", "parallel.zero=1"], r"parallel.zero=1 shards over the data-parallel ranks, but parallel.dp=1"),
-    (4, ["parallel=zero1", "parallel.zero=2"], r"parallel.zero=2 sets the ZeRO stage .* but parallel=zero1 is a ZeRO stage already"),
+    (4, ["parallel=zero1", "parallel.zero=2"],
+     r"parallel.zero=2 sets the ZeRO stage .* but parallel=zero1 is a ZeRO stage already"),
     (4, ["parallel=torch_ddp", "parallel.zero=1"], r"parallel=torch_ddp has no such dp sync: set parallel.zero=0"),
     (8, ["parallel=3d", "parallel.zero=3"],
-     r"parallel.zero=3 does not compose with parallel.tp=2 parallel.pp=2 here: ZeRO-3 all-gathers each part's parameters"),
+     r"parallel.zero=3 does not compose with parallel.tp=2 parallel.pp=2 here: "
+     r"ZeRO-3 all-gathers each part's parameters"),
     (4, ["parallel=tp", "parallel.zero=3"], r"parallel.zero=3 does not compose with parallel.tp=2 parallel.pp=1"),
     (8, ["parallel=tp_sp", "parallel.pp=2", "parallel.zero=2"],
      r"parallel.zero=2 with parallel.sequence_parallel=true: .* use parallel.zero=1"),

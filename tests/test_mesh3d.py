@@ -16,15 +16,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from launcher import TINY, assert_ok, check_matches_single, max_rel_diff, run_train
 from observability import check_time_breakdown, check_trace
-from parallel.dist.dims import ParallelDims
+from test_tp import check_grads_match_single
+
 from parallel.combined.mesh3d import build_mesh3d
+from parallel.dist.dims import ParallelDims
 from parallel.model import GPT, GPTConfig
 from parallel.pp.schedules import build_schedule
 from parallel.tp.layers import parallelize_tp
-from test_tp import check_grads_match_single
 
 L = 4  # the tiny model's layers
 
@@ -48,7 +48,8 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
     d, t, p = layout
     par = s["parallel"]
     assert s["strategy"] == "3d" and (par["dp"], par["tp"], par["pp"]) == layout
-    assert (par["sequence_parallel"], par["microbatches"], par["virtual_stages"], par["schedule"]) == (sp, m, v, schedule)
+    assert (par["sequence_parallel"], par["microbatches"], par["virtual_stages"], par["schedule"]) \
+        == (sp, m, v, schedule)
     check_matches_single(run, single_run)
     check_grads_match_single(run, single_run)
 
@@ -107,12 +108,14 @@ def stage_parts(t: int, p: int, r: int) -> list[int]:
     written out: token rows V·h/t + positions s·h; per block two norms 4h, Q/K/V 3(h² + h)/t,
     output projection h²/t + h, fc (f·h + f)/t, proj f·h/t + h; final norm 2h + head rows V·h/t."""
     block = 4 * H + 3 * (H * H + H) // t + H * H // t + H + (F * H + F) // t + F * H // t + H
-    return [*([V * H // t + S * H] if r == 0 else []), *[block] * (L // p), *([2 * H + V * H // t] if r == p - 1 else [])]
+    return [*([V * H // t + S * H] if r == 0 else []), *[block] * (L // p),
+            *([2 * H + V * H // t] if r == p - 1 else [])]
 
 
 ZERO_CASES = [
     # id, world, overrides, (dp, tp, pp), zero, sequence parallel, microbatches
-    ("dp2xtp2xpp1-sp-zero1", 4, ["parallel=tp_sp", "parallel.zero=1", "parallel.microbatches=2", "train.checkpoint_every=3"],
+    ("dp2xtp2xpp1-sp-zero1", 4,
+     ["parallel=tp_sp", "parallel.zero=1", "parallel.microbatches=2", "train.checkpoint_every=3"],
      (2, 2, 1), 1, True, 2),
     ("dp2xtp1xpp2-1f1b-zero2", 4, ["parallel=pp_1f1b", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"],
      (2, 1, 2), 2, False, 2),
@@ -127,7 +130,8 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
     s = assert_ok(run)
     d, t, p = layout
     par = s["parallel"]
-    assert s["strategy"] == "3d" and (par["dp"], par["tp"], par["pp"], par["zero"], par["sequence_parallel"]) == (*layout, zero, sp)
+    assert s["strategy"] == "3d"
+    assert (par["dp"], par["tp"], par["pp"], par["zero"], par["sequence_parallel"]) == (*layout, zero, sp)
     check_matches_single(run, single_run)
     if t > 1:
         check_grads_match_single(run, single_run)  # the dp shards gathered, and every tp replica complete
@@ -135,13 +139,15 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
         mine, ref = torch.load(run.run_dir / "grads_step0.pt"), torch.load(single_run.run_dir / "grads_step0.pt")
         assert mine["grads"].keys() == ref["grads"].keys()
         for name, g in ref["grads"].items():
-            torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+            torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg, name=name: f"{name}: {msg}")
 
     comm, expected = s["comm"], s["expected_comm"]
     assert s["comm_matches_theory"] is True and comm["steady"] is True
     assert set(comm["by_op"]) == set(expected["by_op"])
     for op, e in expected["by_op"].items():
-        assert (comm["by_op"][op]["sent_bytes"], comm["by_op"][op]["payload_bytes"]) == (e["sent_bytes"], e["payload_bytes"]), op
+        assert (comm["by_op"][op]["sent_bytes"], comm["by_op"][op]["payload_bytes"]) \
+            == (e["sent_bytes"], e["payload_bytes"]), op
     for group, e in expected["by_group"].items():
         assert comm["by_group"][group]["sent_bytes"] == e["sent_bytes"], group
     dims = ParallelDims.resolve(world, dp=d, tp=t, pp=p)
@@ -158,7 +164,8 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
     by_tag = comm["by_tag"]
     assert not any(tag.startswith("grads/") for tag in by_tag)
     for r in range(p):
-        for part in (["embed"] if r == 0 else []) + [f"blocks.{i}" for i in range(r * L // p, (r + 1) * L // p)] + (["head"] if r == p - 1 else []):
+        for part in ((["embed"] if r == 0 else []) + [f"blocks.{i}" for i in range(r * L // p, (r + 1) * L // p)]
+                     + (["head"] if r == p - 1 else [])):
             assert by_tag[f"zero/grad_reduce_scatter/{part}"]["calls"] == scatters * d * t, part
             assert by_tag[f"zero/param_all_gather/{part}"]["calls"] == d * t, part
     if sp:
@@ -177,7 +184,8 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
     if "train.checkpoint_every=3" in overrides:
         # The checkpoint after step 3 holds Adam's moments gathered from the dp shards into the tp
         # pieces, then whole: one process resumed from it repeats the single run's steps 3..5.
-        resumed = assert_ok(run_train(1, [*TINY, "parallel=single", f"train.resume={run.run_dir}/checkpoints/step_000003"],
+        resumed = assert_ok(run_train(1, [*TINY, "parallel=single",
+                                          f"train.resume={run.run_dir}/checkpoints/step_000003"],
                                       tmp_path / "resumed"))
         assert resumed["first_step"] == 3
         assert max_rel_diff(resumed["losses"], single_run.summary["losses"][3:]) < 1e-5
@@ -217,7 +225,8 @@ def test_load_full_state_keeps_each_ranks_own_piece():
     assert pieces.keys() == full.keys()
     for name, parts in pieces.items():
         parts.sort(key=lambda x: x[0])
-        for k, reference in ((1, full[name]), (2, optim["state"][name]["exp_avg"]), (3, optim["state"][name]["exp_avg_sq"])):
+        for k, reference in ((1, full[name]), (2, optim["state"][name]["exp_avg"]),
+                             (3, optim["state"][name]["exp_avg_sq"])):
             if name in split_dim:
                 whole = torch.cat([x[k] for x in parts], dim=split_dim[name])
             else:
@@ -256,7 +265,8 @@ def test_zero_dp_load_full_state_cuts_the_tp_piece_then_the_dp_shard():
             plain_params = dict(plain.named_full_parameters())
             shards = []
             for dp_rank in range(2):
-                sharded = _strategy(GPT(CFG, seed=0), pp_rank, tp_rank, dp_comm=SimpleNamespace(rank=dp_rank, size=2), zero=1)
+                sharded = _strategy(GPT(CFG, seed=0), pp_rank, tp_rank, dp_comm=SimpleNamespace(rank=dp_rank, size=2),
+                                    zero=1)
                 sharded.load_full_state(full, optim)
                 assert sharded.optimizer is sharded.sync and sharded.sync.optimizer.step_count == 5
                 for name, q in sharded.named_full_parameters():

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from parallel.report.mfu import devices_for_peak, flops_per_token, matmul_parameters, measure_peak_flops, mfu
 from parallel.model import GPT, GPTConfig
+from parallel.report.mfu import devices_for_peak, flops_per_token, matmul_parameters, measure_peak_flops, mfu
 
 
 def tiny() -> GPTConfig:

@@ -12,13 +12,27 @@ import torch
 import torch.nn as nn
 import yaml
 
-from parallel.model import (MLP, GPT, MOE_FIELDS, GPTConfig, MoEMLP, count_parameters, moe_aux_loss_sum, token_loss_sum,
-                            training_loss_sum)
+from parallel.model import (
+    GPT,
+    MLP,
+    MOE_FIELDS,
+    GPTConfig,
+    MoEMLP,
+    count_parameters,
+    moe_aux_loss_sum,
+    token_loss_sum,
+    training_loss_sum,
+)
 from parallel.moe.expert_parallel import shard_experts
 from parallel.moe.routing import expert_capacity, route
 from parallel.optim import AdamW
-from parallel.theory import (active_parameter_count, ep_shard_parameter_count, parameter_count, part_parameter_counts,
-                             tp_shard_parameter_count)
+from parallel.theory import (
+    active_parameter_count,
+    ep_shard_parameter_count,
+    parameter_count,
+    part_parameter_counts,
+    tp_shard_parameter_count,
+)
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
 TINY = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)

@@ -7,8 +7,8 @@ The losses and final parameters must match the single-process run, exactly as on
 """
 
 import pytest
-
 from launcher import TINY, Run, check_matches_single, run_nodes
+
 from parallel.dist.dims import ParallelDims
 
 # Layouts at world 4, with 2 processes per node (ranks 0-1 on one node, 2-3 on the other):

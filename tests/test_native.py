@@ -1,15 +1,15 @@
 """PyTorch's own parallelism as strategies (parallel/baselines/): the same model, data, init and
 optimizer as ours, so the same losses and final parameters as the single-process run, and their
-traffic, counted around DTensor's and pipelining's communication calls or through DDP's comm hook, equal to theory.py's figure."""
+traffic, counted around DTensor's and pipelining's communication calls or through DDP's comm hook,
+equal to theory.py's figure."""
 
 import pytest
+from launcher import TINY, assert_ok, check_matches_single, run_train
 from omegaconf import OmegaConf
 
 from parallel.dist.dims import ParallelDims
 from parallel.plan import model_config
 from parallel.registry import expected_comm
-
-from launcher import TINY, assert_ok, check_matches_single, run_train
 
 # preset -> extra overrides. World 2 keeps them cheap: torch_tp is dp 1 x tp 2, torch_pp 2 stages
 # x 4 microbatches (interleaved: 2 chunks per rank, one block each).
@@ -41,8 +41,8 @@ def test_baseline_matches_single_and_theory(preset, single_run, tmp_path):
     assert m["mfu"] > 0 and m["mfu"] == m["flops_per_token"] * s["tokens_per_s"] / (m["peak_flops"] * m["devices"])
     if preset == "torch_tp":
         # Measured, not assumed: DTensor's plan moves more than the hand-written tp's theory.
-        megatron = expected_comm("tp", model_config(OmegaConf.create(s["config"]["model"])), ParallelDims.resolve(2, dp=1, tp=2, pp=1),
-                                 microbatch_size=16, microbatches=1)
+        megatron = expected_comm("tp", model_config(OmegaConf.create(s["config"]["model"])),
+                                 ParallelDims.resolve(2, dp=1, tp=2, pp=1), microbatch_size=16, microbatches=1)
         assert s["comm"]["sent_bytes_per_step"] > megatron["sent_bytes_per_step"]
         assert s["comm"]["by_op"]["all_gather"]["calls"] == 2  # the full logits, once per rank
 

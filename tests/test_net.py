@@ -15,7 +15,6 @@ Cost: 9 jobs, 21-51 s each on 2 cores shared with other work (torch starts in 4 
 """
 
 import pytest
-
 from launcher import TINY, check_matches_single
 from net_launcher import launcher_pid, namespaces_of, require_network, run_net
 

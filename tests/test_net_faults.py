@@ -16,8 +16,19 @@ import signal
 import subprocess
 
 from launcher import TINY
-from net_launcher import (assert_nothing_left, launcher_pid, namespaces_of, processes_in, require_network, run_net,
-                          start_net, wait_for_step, wait_until, worker_pids)
+from net_launcher import (
+    assert_nothing_left,
+    launcher_pid,
+    namespaces_of,
+    processes_in,
+    require_network,
+    run_net,
+    start_net,
+    wait_for_step,
+    wait_until,
+    worker_pids,
+)
+
 from parallel.net.netns import list_namespaces, remove_leftovers
 from parallel.net.topology import Names
 

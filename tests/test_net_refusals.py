@@ -13,8 +13,8 @@ import subprocess
 import sys
 
 import pytest
-
 from launcher import CPU_ONLY, PROJECT_ROOT
+
 from parallel.net.netns import our_namespaces
 
 PR_CAPBSET_DROP = 24

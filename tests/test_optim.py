@@ -10,7 +10,8 @@ from parallel.strategy import make_optimizer
 def test_adamw_equals_torch_adamw_step_by_step(weight_decay):
     cfg = GPTConfig(seq_len=16, n_layers=2, d_model=32, n_heads=2)
     ours_model, ref_model = GPT(cfg, seed=1), GPT(cfg, seed=1)
-    ours = AdamW([{"params": ours_model.parameters(), "weight_decay": weight_decay}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ours = AdamW([{"params": ours_model.parameters(), "weight_decay": weight_decay}], lr=1e-2, betas=(0.9, 0.95),
+                 eps=1e-8)
     ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
                             weight_decay=weight_decay, foreach=False)
     gen = torch.Generator().manual_seed(0)
@@ -21,7 +22,7 @@ def test_adamw_equals_torch_adamw_step_by_step(weight_decay):
             token_loss_sum(model(idx), idx).backward()
             opt.step()
     for (name, a), b in zip(ours_model.named_parameters(), ref_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_no_decay_on_biases_and_norms_and_state_bytes():

@@ -15,9 +15,9 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from launcher import TINY, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
+
 from parallel.pp.schedules import build_schedule
 
 S, H = 32, 64  # the tiny model's sequence length and width
@@ -41,7 +41,8 @@ SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved": "interleav
 @pytest.fixture(scope="module")
 def single_run_gb12(tmp_path_factory):
     """The reference for odd microbatch counts: a global batch of 12 sequences divides by 3."""
-    run = run_train(1, [*TINY, "train.global_batch=12", "parallel=single", "train.save_final=true", "train.save_grads=true"],
+    run = run_train(1, [*TINY, "train.global_batch=12", "parallel=single", "train.save_final=true",
+                        "train.save_grads=true"],
                     tmp_path_factory.mktemp("single12") / "run")
     assert_ok(run)
     return run
@@ -58,10 +59,11 @@ def test_pipeline_matches_single_and_theory(case, single_run, single_run_gb12, t
     assert s["strategy"] == "pp" and (s["parallel"]["dp"], s["parallel"]["pp"]) == (dp, pp)
     check_matches_single(run, ref)
 
-    grads, ref_grads = torch.load(run.run_dir / "grads_step0.pt")["grads"], torch.load(ref.run_dir / "grads_step0.pt")["grads"]
+    grads = torch.load(run.run_dir / "grads_step0.pt")["grads"]
+    ref_grads = torch.load(ref.run_dir / "grads_step0.pt")["grads"]
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda msg, name=name: f"{name}: {msg}")
 
     # Bytes: 2·m·(v·p-1)·b·s·h·4 per pipeline (docs/theory/combined.md), dp pipelines, plus the dp
     # all-reduce of all gradients when dp > 1: 2(dp-1)/dp·Ψ·4 on each of the world's ranks... summed

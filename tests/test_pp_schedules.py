@@ -10,7 +10,17 @@ from fractions import Fraction
 import pytest
 
 from parallel.pp.schedules import (
-    B, F, RECV_F, SEND_F, Action, ScheduleError, build_schedule, compute_only, gpipe, interleaved_1f1b, one_f_one_b,
+    RECV_F,
+    SEND_F,
+    Action,
+    B,
+    F,
+    ScheduleError,
+    build_schedule,
+    compute_only,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
 )
 from parallel.pp.simulator import ScheduleInvalid, simulate, unit_costs
 

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, check_matches_single
 
 from parallel.registry import REGISTRY, StrategySpec, register, spec_of
@@ -61,6 +60,6 @@ def test_a_toy_strategy_is_one_module_and_one_entry(single_run, tmp_path):
 def test_a_strategy_without_checkpoints_is_refused_in_one_line(tmp_path):
     proc = _toy([*TINY, "parallel=dp", "parallel.name=dp_flat", "train.checkpoint_every=2"], tmp_path / "refused")
     assert proc.returncode == 1, proc.stderr[-2000:]  # torchrun's status for a failed worker (the worker's own: 2)
-    line = ("error: train.checkpoint_every=2: parallel=dp_flat cannot save or load checkpoints (its registry entry says "
-            "checkpoints=False)")
+    line = ("error: train.checkpoint_every=2: parallel=dp_flat cannot save or load checkpoints "
+            "(its registry entry says checkpoints=False)")
     assert proc.stderr.count(line) == 1, proc.stderr[-2000:]  # said once, by rank 0

@@ -5,13 +5,19 @@ import json
 
 import pytest
 import torch
-
 from test_layout import plan_for
-from parallel.reliability.checkpoint import CheckpointError, checkpoint_meta, load_checkpoint, resolve_checkpoint, save_checkpoint
+
 from parallel.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.dist.dims import LayoutError
 from parallel.model import GPT, GPTConfig
 from parallel.plan import ConfigError
+from parallel.reliability.checkpoint import (
+    CheckpointError,
+    checkpoint_meta,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from parallel.strategy import NonFiniteLoss, SingleProcess, make_optimizer
 
 TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1"]
@@ -35,8 +41,10 @@ TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1"]
     (1, ["train.steps=0"], r"train.steps=0 must be a positive integer"),
     # The fault-injection testing aid
     (1, ["train.fail_mode=boom", "train.fail_at_step=1"], r"train.fail_mode='boom': choose one of raise, exit, hang"),
-    (1, ["train.fail_mode=raise", "train.fail_at_step=6"], r"train.fail_at_step=6 must be a step this run reaches, 0 to 5"),
-    (2, ["train.fail_mode=raise", "train.fail_at_step=1", "train.fail_rank=2"], r"train.fail_rank=2 must be a rank of this run, 0 to 1"),
+    (1, ["train.fail_mode=raise", "train.fail_at_step=6"],
+     r"train.fail_at_step=6 must be a step this run reaches, 0 to 5"),
+    (2, ["train.fail_mode=raise", "train.fail_at_step=1", "train.fail_rank=2"],
+     r"train.fail_rank=2 must be a rank of this run, 0 to 1"),
     (2, ["train.fail_mode=kill_during_save", "train.fail_at_step=2", "train.checkpoint_every=2", "train.fail_rank=1"],
      r"kill_during_save kills the checkpoint writer, which is rank 0"),
     (1, ["train.fail_mode=kill_during_save", "train.fail_at_step=3", "train.checkpoint_every=2"],
@@ -114,7 +122,8 @@ def trained():
 
 def _save(root, strategy, step, plan=None):
     plan = plan or plan_for(1, *TINY)
-    return save_checkpoint(root, step, strategy.full_state_dict(), strategy.full_optimizer_state(), checkpoint_meta(plan, step))
+    return save_checkpoint(root, step, strategy.full_state_dict(), strategy.full_optimizer_state(),
+                           checkpoint_meta(plan, step))
 
 
 def test_checkpoint_round_trip_and_latest(trained, tmp_path):
@@ -151,8 +160,9 @@ def test_resume_refuses_what_cannot_continue(trained, tmp_path):
     assert (plan.resume_from, plan.start_step) == (str(path), 3)
     with pytest.raises(CheckpointError, match=r"holds a different model: model.n_layers=2 \(checkpoint: 4\)"):
         plan_for(1, *TINY, f"train.resume={root}", "model.n_layers=2")
-    with pytest.raises(CheckpointError, match=r"other data: train.global_batch=8 \(checkpoint: 16\), train.seed=7 \(checkpoint: 1234\)|"
-                                              r"other data: train.seed=7 \(checkpoint: 1234\), train.global_batch=8 \(checkpoint: 16\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"other data: train.global_batch=8 \(checkpoint: 16\), train.seed=7 \(checkpoint: 1234\)|"
+                             r"other data: train.seed=7 \(checkpoint: 1234\), train.global_batch=8 \(checkpoint: 16\)"):
         plan_for(1, *TINY, f"train.resume={root}", "train.global_batch=8", "train.seed=7")
     with pytest.raises(CheckpointError, match=r"continues at step 3, and train.steps=4 .* raise train.steps above 4"):
         plan_for(1, *TINY, f"train.resume={root}", "train.steps=4", "train.warmup_steps=1")
@@ -188,6 +198,7 @@ def test_a_survivor_names_the_peer_that_exited():
     assert describe_failure(error, 0, 60) == (
         "rank 0 stopped: rank 2 (pid 7) exited, so all_reduce 'grads/bucket0' over group dp (ranks [0, 1, 2]): "
         "Connection reset by peer")
-    assert describe_failure(CommFailure("recv 'pp/fwd/0->1' over group pp (ranks [0, 1]) with rank 0: Timed out waiting 5000ms"), 1, 5) \
-        .startswith("rank 1 stopped: recv 'pp/fwd/0->1' over group pp (ranks [0, 1]) with rank 0: Timed out waiting 5000ms: "
-                    "waited parallel.timeout_s=5 s")
+    assert describe_failure(CommFailure("recv 'pp/fwd/0->1' over group pp (ranks [0, 1]) with rank 0: "
+                                        "Timed out waiting 5000ms"), 1, 5) \
+        .startswith("rank 1 stopped: recv 'pp/fwd/0->1' over group pp (ranks [0, 1]) with rank 0: "
+                    "Timed out waiting 5000ms: waited parallel.timeout_s=5 s")

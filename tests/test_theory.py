@@ -190,7 +190,8 @@ def test_3d_without_tp_is_pp_and_without_pp_is_tp():
     for d, t, sp in ((1, 2, False), (2, 2, True), (2, 4, False)):
         dims = ParallelDims.resolve(d * t, dp=d, tp=t, pp=1)
         tp = expected_comm("tp", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)
-        assert expected_comm("3d", CFG, dims, microbatch_size=4, microbatches=2, sequence_parallel=sp)["by_op"] == tp["by_op"]
+        assert expected_comm("3d", CFG, dims, microbatch_size=4, microbatches=2,
+                             sequence_parallel=sp)["by_op"] == tp["by_op"]
 
 # -- ZeRO and FSDP2 ---------------------------------------------------------------------------------
 from parallel.registry import model_state_bytes  # noqa: E402

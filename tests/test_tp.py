@@ -14,7 +14,6 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from launcher import TINY, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
 
@@ -39,7 +38,8 @@ def check_grads_match_single(run, single_run):
         # rtol 1e-5 as for the losses; atol 1e-6 (the largest gradient is ~0.5, so 2e-6 of it) for
         # entries whose true value is zero or nearly so (the key bias: softmax ignores a constant
         # per row), where only the summation order differs (partial matmuls summed across ranks).
-        torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     # Replicated parameters (norms, row-parallel biases, positions) must hold the complete gradient
     # on every tp rank. Bitwise: every rank computes them from identical numbers (all-reduce
     # results are identical on all ranks). Under sequence parallelism this is what the

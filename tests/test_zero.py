@@ -17,9 +17,9 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from launcher import TINY, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
+
 from parallel.model import GPT, GPTConfig
 from parallel.strategy import make_optimizer
 from parallel.zero.shards import ShardAdamW, group_into_parts
@@ -108,7 +108,8 @@ def test_torch_fsdp2_matches_single_and_theory(single_run, tmp_path):
     # At dp 2 nothing of the tiny model needs padding: FSDP2 holds 16Ψ/N bytes per rank, as zero3.
     psi = s["model"]["parameters"]
     for row in s["memory"]["by_rank"]:
-        assert (row["param_bytes"], row["grad_bytes"], row["optimizer_bytes"]) == (4 * psi // 2, 4 * psi // 2, 8 * psi // 2)
+        assert (row["param_bytes"], row["grad_bytes"], row["optimizer_bytes"]) \
+            == (4 * psi // 2, 4 * psi // 2, 8 * psi // 2)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -146,8 +147,8 @@ def test_shard_optimizer_is_bitwise_adamw(world):
 # -- layouts ----------------------------------------------------------------------------------------
 def plan_for(world: int, *overrides: str):
     from hydra import compose, initialize_config_dir
-
     from launcher import PROJECT_ROOT
+
     from parallel.dist.groups import LaunchEnv
     from parallel.plan import build_plan
 
@@ -162,9 +163,12 @@ def test_sharded_presets_are_pure_data_parallel(preset):
 
     plan = plan_for(4, f"parallel={preset}")
     assert (plan.strategy, plan.dims.dp, plan.dims.tp, plan.dims.pp) == (preset, 4, 1, 1)
-    with pytest.raises(LayoutError, match=rf"parallel={preset} is data parallel only, but parallel.tp=2 and parallel.pp=1"):
+    with pytest.raises(LayoutError,
+                       match=rf"parallel={preset} is data parallel only, but parallel.tp=2 and parallel.pp=1"):
         plan_for(4, f"parallel={preset}", "parallel.tp=2")
-    with pytest.raises(LayoutError, match=rf"parallel={preset} shards the model state over data-parallel ranks and needs at least 2"):
+    with pytest.raises(LayoutError,
+                       match=rf"parallel={preset} shards the model state over data-parallel ranks "
+                             r"and needs at least 2"):
         plan_for(1, f"parallel={preset}")
 
 

@@ -79,9 +79,9 @@ class FunctionalCollectiveCounter:
             original = getattr(self._namespace, name)
             self._originals[name] = original
             setattr(self._namespace, name, self._counted(original, op, rule))
-        wait = getattr(self._namespace, "wait_tensor")
+        wait = self._namespace.wait_tensor
         self._originals["wait_tensor"] = wait
-        setattr(self._namespace, "wait_tensor", self._timed_wait(wait))
+        self._namespace.wait_tensor = self._timed_wait(wait)
         return self
 
     def __exit__(self, *exc):

@@ -14,7 +14,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
 
-
 # What the time breakdown of a DDP run cannot split (parallel/report/breakdown.py).
 DDP_NOTE = ("DDP waits for its bucket all-reduces inside backward (its C++ reducer's final callback), out of the "
             "communication log's sight: that wait is counted as backward compute, so exposed comm shows only the "

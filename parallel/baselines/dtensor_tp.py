@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from parallel.dist.comm import CommLog, Communicator
-from parallel.data import Batch
 from parallel.baselines.counting import FunctionalCollectiveCounter
+from parallel.data import Batch
+from parallel.dist.comm import CommLog, Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
 
 
@@ -65,8 +65,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class TorchTP(Strategy):
     name = "torch_tp"
 
-    def __init__(self, model: nn.Module, optimizer_factory, tp_mesh, tp_comm: Communicator, dp_comm: Communicator | None,
-                 log: CommLog | None, vocab: str = "parallel", shared_qkv: bool = False):
+    def __init__(self, model: nn.Module, optimizer_factory, tp_mesh, tp_comm: Communicator,
+                 dp_comm: Communicator | None, log: CommLog | None, vocab: str = "parallel", shared_qkv: bool = False):
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab, shared_qkv))
@@ -76,7 +76,8 @@ class TorchTP(Strategy):
         sync = FlatDPSync(params, self.dp_comm) if self.dp_comm is not None else None
         super().__init__(model, optimizer_factory(model), loss_comm=dp_comm, sync=sync)
         # DTensor's own collectives are counted where it calls them; the dp sum goes through dp_comm.
-        self.counter = (lambda: FunctionalCollectiveCounter(log, [tp_comm], "dtensor")) if log is not None else contextlib.nullcontext
+        self.counter = ((lambda: FunctionalCollectiveCounter(log, [tp_comm], "dtensor")) if log is not None
+                        else contextlib.nullcontext)
 
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
         phase = self.phases
@@ -116,7 +117,8 @@ class TorchTP(Strategy):
         """As the base class's, on the local shards (a DTensor has no storage of its own)."""
         params = storage_bytes(_local(p) for p in self.model.parameters())
         grads = storage_bytes(_local(p.grad) for p in self.model.parameters() if p.grad is not None)
-        state = storage_bytes(_local(t) for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+        state = storage_bytes(_local(t) for s in self.optimizer.state.values()
+                              for t in s.values() if torch.is_tensor(t))
         return {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state,
                 "peak_model_state_bytes": params + grads + state}
 

@@ -78,11 +78,13 @@ class TorchPipeline(Strategy):
         local = nn.ModuleList(self.chunks)
         super().__init__(local, make_optimizer(local, lr, weight_decay), loss_comm=None)
         self.pp_comm = pp_comm
-        self.stages = [PipelineStage(chunk, chunk.vstage, p * virtual, device, group=pp_comm.group) for chunk in self.chunks]
+        self.stages = [PipelineStage(chunk, chunk.vstage, p * virtual, device, group=pp_comm.group)
+                       for chunk in self.chunks]
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         self.global_tokens = 0  # set each step, read by the loss function
-        self.counter = (lambda: PipelineP2PCounter(log, [pp_comm], "pipelining")) if log is not None else contextlib.nullcontext
+        self.counter = ((lambda: PipelineP2PCounter(log, [pp_comm], "pipelining")) if log is not None
+                        else contextlib.nullcontext)
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return token_loss_sum(logits, targets) / self.global_tokens
@@ -107,7 +109,8 @@ class TorchPipeline(Strategy):
         with self.counter(), self.forward_context():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         self.phases("other", "finite check")
-        local_loss = torch.stack([loss.detach() for loss in losses]).sum() if losses else torch.zeros((), device=inputs.device)
+        local_loss = (torch.stack([loss.detach() for loss in losses]).sum() if losses
+                      else torch.zeros((), device=inputs.device))
         self.guard_finite(local_loss)
         self.phases("optimizer", "optimizer step")
         self.optimizer.step()
@@ -137,7 +140,8 @@ class TorchPipeline(Strategy):
         return {"step": local["step"], "state": self._gather(local["state"], "tooling/optim_state")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._gather({c.global_name(n): t.detach().cpu().clone() for c in self.chunks for n, t in c.state_dict().items()},
+        return self._gather({c.global_name(n): t.detach().cpu().clone()
+                             for c in self.chunks for n, t in c.state_dict().items()},
                             "tooling/state")
 
     def full_grads(self) -> dict:

@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from parallel.dist.comm import Communicator
 from parallel.cp.blockwise import CAUSAL, EMPTY, block_backward, block_forward, block_kind, merge
 from parallel.cp.layout import rank_chunks
+from parallel.dist.comm import Communicator
 
 SEQ = -2  # attention tensors are (batch, heads, seq, head_dim)
 

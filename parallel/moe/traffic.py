@@ -27,9 +27,9 @@ so 2·(out_r + in_r)·h·B + (n-1)·E/n·8 bytes sent by rank r, and over all ra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Sequence
 
 COUNT_BYTES = 8  # the split sizes travel as int64
 

@@ -39,7 +39,7 @@ class LinkFault:
     spike_ms: float
 
     @classmethod
-    def from_config(cls, cfg, nodes: int, steps: int) -> "LinkFault | None":
+    def from_config(cls, cfg, nodes: int, steps: int) -> LinkFault | None:
         """From `link_fault` (a DictConfig or dict); None when kind is null."""
         get = cfg.get if hasattr(cfg, "get") else cfg.__getitem__
         kind = get("kind")

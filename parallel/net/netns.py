@@ -120,7 +120,7 @@ class EmulatedNetwork:
         self.removed_leftovers: list[str] = []
 
     # -- building ------------------------------------------------------------------------------
-    def __enter__(self) -> "EmulatedNetwork":
+    def __enter__(self) -> EmulatedNetwork:
         self.removed_leftovers = remove_leftovers()
         self._reaper_fd = _start_reaper(self.names)
         try:

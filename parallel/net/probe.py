@@ -52,7 +52,7 @@ class WireProbe:
         self.timed_steps = 0
 
     @classmethod
-    def from_environ(cls, ctx, first_timed_step: int) -> "WireProbe":
+    def from_environ(cls, ctx, first_timed_step: int) -> WireProbe:
         """From the run's DistContext; inert (no barriers, no block in the summary) without launch.run."""
         raw = os.environ.get(ENV_SETTINGS)
         groups = {name: list(c.global_ranks) for name, c in ctx.comms.items()}

@@ -167,7 +167,8 @@ class PipelineParallel(Strategy):
         for handle in sends:
             handle.wait()
         if sends:
-            self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start, "end": time.time()})
+            self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start,
+                               "end": time.time()})
         self.phases("sync", "gradient sync")
         self.after_backward()
         self.phases("other", "finite check")

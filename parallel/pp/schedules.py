@@ -14,8 +14,21 @@ the loop placement); zero_bubble.py holds those that split it (ZB-H1, ZB-V, Dual
 from __future__ import annotations
 
 from parallel.pp.actions import (  # noqa: F401  (re-exported: the vocabulary is used as schedules.F, ...)
-    COMM, COMPUTE, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, ScheduleError, W, check_sizes, compute_only,
-    splits_backward, with_comm,
+    COMM,
+    COMPUTE,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    ScheduleError,
+    W,
+    check_sizes,
+    compute_only,
+    splits_backward,
+    with_comm,
 )
 from parallel.pp.placement import LOOP, Placement, V
 from parallel.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
@@ -46,9 +59,11 @@ def gpipe(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     """
     _check(stages, microbatches, virtual)
     if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: gpipe runs one chunk per rank; use pp_interleaved for virtual stages")
+        raise ScheduleError(f"parallel.virtual_stages={virtual}: gpipe runs one chunk per rank; "
+                            "use pp_interleaved for virtual stages")
     m = microbatches
-    return [_with_comm([Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)], r, stages, 1) for r in range(stages)]
+    return [_with_comm([Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)], r, stages, 1)
+            for r in range(stages)]
 
 
 def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -61,7 +76,8 @@ def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[A
     """
     _check(stages, microbatches, virtual)
     if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: 1f1b runs one chunk per rank; use pp_interleaved for virtual stages")
+        raise ScheduleError(f"parallel.virtual_stages={virtual}: 1f1b runs one chunk per rank; "
+                            "use pp_interleaved for virtual stages")
     plans = []
     for r in range(stages):
         warmup = min(stages - r - 1, microbatches)
@@ -87,7 +103,8 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int = 2) -> list[l
     if m % p:
         raise ScheduleError(
             f"parallel.microbatches={m} is not a multiple of parallel.pp={p}, which the interleaved schedule needs "
-            f"(microbatches go through the chunks in groups of p): use parallel.microbatches={max(p, m // p * p)} or {(m // p + 1) * p}"
+            "(microbatches go through the chunks in groups of p): "
+            f"use parallel.microbatches={max(p, m // p * p)} or {(m // p + 1) * p}"
         )
     if v == 1:
         return one_f_one_b(p, m)  # one chunk per rank: nothing to interleave

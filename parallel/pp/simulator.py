@@ -176,7 +176,8 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
             channel.setdefault((src, dst), []).append(what)
         else:
             if a.op == B and done[(F, a.mb, vs)] != 1:
-                raise ScheduleInvalid(f"rank {rank}: {a} runs before the forward of microbatch {a.mb} on virtual stage {vs}")
+                raise ScheduleInvalid(f"rank {rank}: {a} runs before the forward of microbatch {a.mb} "
+                                      f"on virtual stage {vs}")
             if a.op == W and done[(B, a.mb, vs)] != 1:
                 raise ScheduleInvalid(f"rank {rank}: {a} runs before the B of microbatch {a.mb} on virtual stage {vs}")
             if a.op == F and vs > 0 and done[(F, a.mb, vs - 1)] != 1:
@@ -210,7 +211,8 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
         for mb in range(microbatches):
             for op in (F, B, W) if split else (F, B):
                 if done[(op, mb, vs)] != 1:
-                    raise ScheduleInvalid(f"microbatch {mb} ran {op} {done[(op, mb, vs)]} times on virtual stage {vs} (rank {rank}, chunk {chunk})")
+                    raise ScheduleInvalid(f"microbatch {mb} ran {op} {done[(op, mb, vs)]} times "
+                                          f"on virtual stage {vs} (rank {rank}, chunk {chunk})")
     if sent:
         raise ScheduleInvalid(f"messages never received: {sorted(sent)}")
     return SimResult(p, microbatches, virtual, max(clock), busy, peak, spans)

@@ -28,7 +28,8 @@ def layer_counts(n_layers: int, pieces: int, explicit: list[int] | None = None) 
     """How many blocks each virtual stage holds."""
     if explicit is not None:
         explicit = list(explicit)
-        if len(explicit) != pieces or any(not isinstance(n, int) or n < 1 for n in explicit) or sum(explicit) != n_layers:
+        if (len(explicit) != pieces or any(not isinstance(n, int) or n < 1 for n in explicit)
+                or sum(explicit) != n_layers):
             raise SplitError(
                 f"parallel.pp_layers={explicit} must list {pieces} positive layer counts (one per virtual stage: "
                 f"pp x virtual_stages) summing to model.n_layers={n_layers}"
@@ -36,7 +37,8 @@ def layer_counts(n_layers: int, pieces: int, explicit: list[int] | None = None) 
         return explicit
     if n_layers % pieces:
         raise SplitError(
-            f"model.n_layers={n_layers} does not split evenly into parallel.pp x parallel.virtual_stages = {pieces} pieces: "
+            f"model.n_layers={n_layers} does not split evenly into "
+            f"parallel.pp x parallel.virtual_stages = {pieces} pieces: "
             f"use a layer count that is a multiple of {pieces}, or give parallel.pp_layers explicitly"
         )
     return [n_layers // pieces] * pieces

@@ -94,7 +94,8 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
         dcp.save(_flat_state(model_state, optim_state), checkpoint_id=tmp, no_dist=True)
-    _write_synced(tmp / META, json.dumps({"format": FORMAT_VERSION, **meta, "optimizer_step": int(optim_state["step"])}, indent=2) + "\n")
+    _write_synced(tmp / META, json.dumps({"format": FORMAT_VERSION, **meta, "optimizer_step": int(optim_state["step"])},
+                                         indent=2) + "\n")
     _fsync_dir(tmp)
     if before_rename is not None:
         before_rename(tmp)
@@ -117,11 +118,13 @@ def resolve_checkpoint(path: str) -> Path:
     """`path` is one checkpoint, or a checkpoints root meaning its latest complete checkpoint."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise CheckpointError(f"train.resume={path!r} does not exist: give a checkpoint directory (step_NNNNNN) or the checkpoints directory that holds them")
+        raise CheckpointError(f"train.resume={path!r} does not exist: give a checkpoint directory (step_NNNNNN) "
+                              "or the checkpoints directory that holds them")
     if _is_checkpoint(p):
         return p
     if not p.is_dir():
-        raise CheckpointError(f"train.resume={path!r} is a file, not a checkpoint directory: give a step_NNNNNN directory or its parent")
+        raise CheckpointError(f"train.resume={path!r} is a file, not a checkpoint directory: "
+                              "give a step_NNNNNN directory or its parent")
     marker = p / LATEST
     if marker.is_file():
         named = p / marker.read_text().strip()
@@ -190,7 +193,8 @@ def check_resumable(meta: dict, plan_model: dict, plan_data: dict, steps: int, w
                     where: str) -> int:
     """The step to continue from, or a CheckpointError saying what differs and how to fix it."""
     saved = {**_UNRECORDED, **meta["model"]}
-    changed = [f"model.{k}={plan_model[k]!r} (checkpoint: {saved[k]!r})" for k in MODEL_KEYS if saved[k] != plan_model[k]]
+    changed = [f"model.{k}={plan_model[k]!r} (checkpoint: {saved[k]!r})"
+               for k in MODEL_KEYS if saved[k] != plan_model[k]]
     if changed:
         raise CheckpointError(
             f"train.resume={where!r} holds a different model: {', '.join(changed)}: "
@@ -198,7 +202,8 @@ def check_resumable(meta: dict, plan_model: dict, plan_data: dict, steps: int, w
         )
     names = {"seed": "train.seed", "global_batch": "train.global_batch", "data_path": "data.path",
              "data_max_bytes": "data.max_bytes", "seq_len": "model.seq_len"}
-    changed = [f"{names[k]}={plan_data[k]!r} (checkpoint: {meta['data'][k]!r})" for k in DATA_KEYS if meta["data"][k] != plan_data[k]]
+    changed = [f"{names[k]}={plan_data[k]!r} (checkpoint: {meta['data'][k]!r})"
+               for k in DATA_KEYS if meta["data"][k] != plan_data[k]]
     if changed:
         raise CheckpointError(
             f"train.resume={where!r} was trained on other data: {', '.join(changed)}: the batches would not "

@@ -40,7 +40,8 @@ def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, st
     if mode not in STEP_MODES or step != at_step or rank != fail_rank:
         return
     # The wall-clock time lets a test measure how long the job takes to end after the fault.
-    print(f"rank {rank}: injecting train.fail_mode={mode} at step {step} (unix time {time.time():.3f})", file=sys.stderr, flush=True)
+    print(f"rank {rank}: injecting train.fail_mode={mode} at step {step} (unix time {time.time():.3f})",
+          file=sys.stderr, flush=True)
     if mode == "raise":
         raise InjectedFailure(f"injected failure (train.fail_mode=raise) at step {step} on rank {rank}")
     if mode == "exit":
@@ -114,8 +115,10 @@ def describe_failure(exc: BaseException, rank: int, timeout_s: float) -> str:
     if gone:
         return f"rank {rank} stopped: {', '.join(gone)} exited, so {text}"
     if isinstance(exc, RuntimeError) and "Timed out" in text:
-        return (f"rank {rank} stopped: {text}: waited parallel.timeout_s={timeout_s:g} s for a peer rank that hangs or died "
+        return (f"rank {rank} stopped: {text}: waited parallel.timeout_s={timeout_s:g} s "
+                "for a peer rank that hangs or died (torchrun's list below gives each rank's exit)")
+    if isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset",
+                                                                 "Broken pipe")):
+        return (f"rank {rank} stopped: {text}: a peer rank crashed or was killed "
                 "(torchrun's list below gives each rank's exit)")
-    if isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe")):
-        return f"rank {rank} stopped: {text}: a peer rank crashed or was killed (torchrun's list below gives each rank's exit)"
     return f"rank {rank} failed: {type(exc).__name__}: {text}"

@@ -55,7 +55,8 @@ def log_summary(summary: dict) -> None:
         comm["exposed_seconds_per_step"] * 1e3,
     )
     for op, t in comm["by_op"].items():
-        log.info("  %-16s %4d calls  %10.3f MB payload  %10.3f MB sent", op, t["calls"], t["payload_bytes"] / 1e6, t["sent_bytes"] / 1e6)
+        log.info("  %-16s %4d calls  %10.3f MB payload  %10.3f MB sent", op, t["calls"], t["payload_bytes"] / 1e6,
+                 t["sent_bytes"] / 1e6)
     for group, t in comm["by_group"].items():
         log.info("  group %-10s %4d calls  %10.3f MB sent", group, t["calls"], t["sent_bytes"] / 1e6)
     if any(tag.startswith("tp/") for tag in comm["by_tag_op"]):

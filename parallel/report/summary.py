@@ -51,8 +51,8 @@ import torch
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.moe.report import routing_block, with_measured_routing
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
-from parallel.report.trace import write_run_trace
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
+from parallel.report.trace import write_run_trace
 from parallel.theory import parameter_count
 
 SCHEMA_VERSION = 1
@@ -116,7 +116,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "memory_by_rank": memory,
         "comm": comm,
         "expected_comm": expected,
-        "comm_matches_theory": Fraction(comm["sent_bytes_per_step_exact"]) == Fraction(expected["sent_bytes_per_step_exact"]),
+        "comm_matches_theory": (Fraction(comm["sent_bytes_per_step_exact"])
+                                == Fraction(expected["sent_bytes_per_step_exact"])),
         "exposed_comm_measured": spec.exposed_comm_measured,
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
                                    spec.activations(plan.model, layout)),
@@ -230,7 +231,8 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
 MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def summarize_memory(rank_reports: list[dict], formula: dict | None, activation_formula: list[int] | None = None) -> dict:
+def summarize_memory(rank_reports: list[dict], formula: dict | None,
+                     activation_formula: list[int] | None = None) -> dict:
     """The summary's `memory` block: per rank, the parameter, gradient and optimizer-state bytes
     it held after the last step, its peak model-state bytes during it (tensor sizes) and the bytes
     saved for backward at the last step's peak (parallel/report/activations.py), with the

@@ -41,7 +41,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, comm: Communicator) -> "ColumnParallelLinear":
+    def from_full(cls, linear: nn.Linear, comm: Communicator) -> ColumnParallelLinear:
         bias = _rows(linear.bias, comm.rank, comm.size) if linear.bias is not None else None
         return cls(_rows(linear.weight, comm.rank, comm.size), bias)
 
@@ -63,7 +63,7 @@ class RowParallelLinear(nn.Module):
         self.comm, self.tag, self.sequence_parallel = comm, tag, sequence_parallel
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, comm: Communicator, tag: str, sequence_parallel: bool) -> "RowParallelLinear":
+    def from_full(cls, linear: nn.Linear, comm: Communicator, tag: str, sequence_parallel: bool) -> RowParallelLinear:
         weight = _rows(linear.weight.t(), comm.rank, comm.size).t().contiguous()
         return cls(weight, linear.bias.detach().clone(), comm, tag, sequence_parallel)
 

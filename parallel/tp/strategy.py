@@ -56,7 +56,8 @@ class TensorParallel(Strategy):
     def full_optimizer_state(self) -> dict:
         """Adam's moments are shaped like the parameters: gather them along the same dims."""
         local = self.optimizer.named_state(self.model.named_parameters())
-        return {"step": local["step"], "state": nest_moments(self.shards.gather(flat_moments(local["state"]), moment_param))}
+        return {"step": local["step"],
+                "state": nest_moments(self.shards.gather(flat_moments(local["state"]), moment_param))}
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return self.shards.local_part(name, full)

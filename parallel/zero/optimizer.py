@@ -104,7 +104,8 @@ class ZeroOptimizer(GradSync):
     def finish(self) -> None:
         if self.stage == 1:
             self.complete()  # a shard must hold the sum of complete gradients
-            handles = [self.comm.reduce_scatter(g[part.lo: part.hi], g, tag=f"zero/grad_reduce_scatter/{part.name}", async_op=True)
+            handles = [self.comm.reduce_scatter(g[part.lo: part.hi], g, tag=f"zero/grad_reduce_scatter/{part.name}",
+                                                async_op=True)
                        for part, g in zip(self.parts, self.flat_grads)]
             for h in handles:
                 h.wait()
@@ -125,8 +126,9 @@ class ZeroOptimizer(GradSync):
         for part, flat in zip(self.parts, self.flat_params):
             shard = flat[part.lo: part.hi].clone()  # the input must not alias the output
             self.meter.add(part.shard_nbytes)
-            handles.append((part, shard, self.comm.all_gather_into(flat, shard, tag=f"zero/param_all_gather/{part.name}",
-                                                                   async_op=True)))
+            handles.append((part, shard,
+                            self.comm.all_gather_into(flat, shard, tag=f"zero/param_all_gather/{part.name}",
+                                                      async_op=True)))
         for part, _shard, h in handles:
             h.wait()
             self.meter.sub(part.shard_nbytes)
@@ -164,7 +166,8 @@ class ZeroOptimizer(GradSync):
     def named_state(self, named_params) -> dict:
         """AdamW.named_state's contract, for the parameters this optimizer holds (collective over dp)."""
         mine = {name for part in self.parts for name in part.names}
-        assert {name for name, _ in named_params} == mine, "ZeroOptimizer.named_state: not the parameters it was built with"
+        assert {name for name, _ in named_params} == mine, \
+            "ZeroOptimizer.named_state: not the parameters it was built with"
         return self.full_optimizer_state()
 
     def load_named_state(self, named_params, state: dict, local_part=lambda name, t: t) -> None:

@@ -13,7 +13,6 @@ from parallel.dist.comm import Communicator
 from parallel.model import part_of
 from parallel.optim import AdamW
 
-
 BETAS, EPS = (0.9, 0.95), 1e-8  # as strategy.make_optimizer
 
 
@@ -26,8 +25,9 @@ class MemoryMeter:
     """Model-state bytes held now and at most, counted from the tensors allocated and freed.
 
     At the start of each step `current` is set to the persistent tensors (parameters, gradients
-    and optimizer state a rank keeps between steps), measured; transients (gathered parameters, full gradients of a part before its
-    reduce-scatter, communication buffers) are added when allocated and taken off when freed.
+    and optimizer state a rank keeps between steps), measured; transients (gathered parameters,
+    full gradients of a part before its reduce-scatter, communication buffers) are added when
+    allocated and taken off when freed.
     """
 
     def __init__(self):
@@ -187,8 +187,8 @@ class GradReduceScatter:
         self.wait()
         out = torch.empty_like(self.grad_shards[index])
         self.meter.add(self.parts[index].shard_nbytes)
-        handle = self.comm.reduce_scatter(out, self.buffers[index], tag=f"zero/grad_reduce_scatter/{self.parts[index].name}",
-                                          async_op=True)
+        handle = self.comm.reduce_scatter(out, self.buffers[index],
+                                          tag=f"zero/grad_reduce_scatter/{self.parts[index].name}", async_op=True)
         self._in_flight.append((index, handle, out))
 
     def wait(self) -> None:

@@ -22,7 +22,8 @@ class ZeroDataParallel(Strategy):
         return self.zero.memory()
 
     def full_grads(self) -> dict:
-        return {"grads": gather_full(self.zero.parts, self.zero.synced_grad_shards(), self.zero.comm, "tooling/full_grads"),
+        return {"grads": gather_full(self.zero.parts, self.zero.synced_grad_shards(), self.zero.comm,
+                                     "tooling/full_grads"),
                 "tp_replica_max_diff": {}}
 
     def full_optimizer_state(self) -> dict:

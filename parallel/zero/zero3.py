@@ -37,7 +37,13 @@ from parallel.dist.comm import Communicator
 from parallel.model import part_names
 from parallel.strategy import GradSync, Strategy, storage_bytes
 from parallel.zero.shards import (
-    GradReduceScatter, MemoryMeter, Part, ShardAdamW, gather_full, gather_optimizer_state, group_into_parts,
+    GradReduceScatter,
+    MemoryMeter,
+    Part,
+    ShardAdamW,
+    gather_full,
+    gather_optimizer_state,
+    group_into_parts,
 )
 
 log = logging.getLogger(__name__)
@@ -129,7 +135,8 @@ class Zero3(Strategy):
 
     # -- what this rank holds ----------------------------------------------------------------------
     def persistent_bytes(self) -> int:
-        return storage_bytes(self.shards) + storage_bytes(self.grad_shards) + storage_bytes(self.optimizer.state_tensors())
+        return (storage_bytes(self.shards) + storage_bytes(self.grad_shards)
+                + storage_bytes(self.optimizer.state_tensors()))
 
     def memory_report(self) -> dict:
         return {
@@ -148,7 +155,8 @@ class Zero3(Strategy):
         return gather_full(self.parts, self.shards, self.comm, "tooling/full_state")
 
     def full_grads(self) -> dict:
-        return {"grads": gather_full(self.parts, self.grad_shards, self.comm, "tooling/full_grads"), "tp_replica_max_diff": {}}
+        return {"grads": gather_full(self.parts, self.grad_shards, self.comm, "tooling/full_grads"),
+                "tp_replica_max_diff": {}}
 
     def full_optimizer_state(self) -> dict:
         return gather_optimizer_state(self.parts, self.optimizer, self.comm)
@@ -185,5 +193,6 @@ class Zero3Sync(GradSync):
 
     def finish(self) -> None:
         if self.completions:
-            raise RuntimeError("zero3 reduces gradients inside backward, before completions over another group could run")
+            raise RuntimeError("zero3 reduces gradients inside backward, "
+                               "before completions over another group could run")
         self.zero3.check_all_freed()
