@@ -83,6 +83,11 @@ def main_plan(cfg: DictConfig) -> Path:
     presets = load_presets()
     space = Space(**{k: tuple(v) if isinstance(v, list) else v
                      for k, v in OmegaConf.to_container(p.search, resolve=True).items()})
+    if not (shape.trainable and cluster.precision == "fp32"):
+        # The saved bytes under recomputation and context parallelism have a formula for the sandbox
+        # GPT in fp32 only (theory.activation_bytes): elsewhere such rows could not be judged (their
+        # memory unknown, "?"), so they are not searched; meta.search says so.
+        space = replace(space, recompute=("none",), context_parallel=False)
     layouts = list(p.layouts) if p.layouts is not None else None
     started = time.perf_counter()
     rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts)

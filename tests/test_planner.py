@@ -167,6 +167,10 @@ def test_a_strategy_registered_without_an_activation_formula_gets_rows_saying_so
         row = predict_row(shape, found.candidates[0], synthetic_cluster(), "planner_toy")
         assert row["fits"] is None and row["memory_bytes_per_device"]["activations"] is None
         assert "no activation formula" in row["notes"][0] and row["bytes_per_step"] is not None
+        # What is known is a lower bound: model state alone beyond the device does not fit, formula or not.
+        state = sum(row["memory_bytes_per_device"][k] for k in ("params", "grads", "optimizer"))
+        tight = predict_row(shape, found.candidates[0], synthetic_cluster(memory_bytes=state // 2), "planner_toy")
+        assert tight["fits"] is False and tight["over_bytes"] > 0
     finally:
         del REGISTRY["planner_toy"]
 
@@ -315,6 +319,19 @@ def test_launch_plan_writes_the_ranked_plan(tmp_path):
     assert totals == sorted(totals)
     for name in ("report.md", "memory_per_device.png", "step_time.png"):
         assert (out / name).stat().st_size > 0
+
+
+def test_a_model_without_recompute_or_cp_formulas_is_not_searched_with_them(tmp_path):
+    """Saved bytes under recomputation and cp have formulas for the sandbox GPT in fp32 only: for a
+    planner shape (here in bf16 on H100s) no row with either may appear, where they would all be "?"."""
+    out = tmp_path / "plan"
+    proc = _plan(["model=gpt2_124m", "cluster=h100_sxm", "plan.world=8", "plan.global_batch=64",
+                  "plan.layouts=[dp,3d]", f"run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["meta"]["search"]["recompute"] == ["none"] and plan["meta"]["search"]["context_parallel"] is False
+    assert plan["rows"] and all(r["layout"]["cp"] == 1 for r in plan["rows"])
+    assert all(r["layout"].get("recompute", "none") == "none" and r["fits"] is not None for r in plan["rows"])
 
 
 def test_launch_plan_refuses_bad_input_in_one_line(tmp_path):

@@ -14,7 +14,7 @@ import sys
 import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT
 
-from parallel.planner.validate import ValidationError, has_emulated_network, launch_command
+from parallel.planner.validate import launch_command
 
 
 def test_validation_adds_measured_columns_that_match_the_closed_forms(tmp_path):
@@ -42,14 +42,12 @@ def test_validation_adds_measured_columns_that_match_the_closed_forms(tmp_path):
 
 
 def test_a_layout_runs_on_the_network_it_was_planned_for():
-    """net=none is plain torchrun; emulated nodes need launch.run (issue 13): with it the net settings
-    are passed on, without it the planner says so instead of running on the wrong network."""
+    """net=none is plain torchrun; emulated nodes run through launch.run, with the net settings."""
     assert launch_command(["parallel=dp"], 2, None, None)[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert launch_command(["parallel=single"], 1, None, None)[1:3] == ["-m", "launch.train"]
     net = {"nodes": 2, "procs_per_node": 1, "inter_mbit": 200, "intra_mbit": None, "latency_ms": 0, "loss_pct": 0}
-    if has_emulated_network():
-        cmd = launch_command(["parallel=dp"], 2, net, "ethernet_1g")
-        assert cmd[1:3] == ["-m", "launch.run"] and "net.inter_mbit=200" in cmd and "net=ethernet_1g" in cmd
-    else:
-        with pytest.raises(ValidationError, match="need the emulated network"):
-            launch_command(["parallel=dp"], 2, net, None)
+    cmd = launch_command(["parallel=dp"], 2, net, "ethernet_1g")
+    assert cmd[1:3] == ["-m", "launch.run"]
+    assert "net.inter_mbit=200" in cmd and "net=ethernet_1g" in cmd
+    # Settings of an emulated network without a preset name still go to launch.run, never to plain torchrun.
+    assert launch_command(["parallel=dp"], 2, net, None)[1:3] == ["-m", "launch.run"]

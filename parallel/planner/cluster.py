@@ -107,7 +107,7 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
 
 
 def _emulated(c: dict, common: dict, net: dict, world: int | None) -> Cluster:
-    """This machine's ranks on emulated nodes (issue 13's net.* settings). Loopback (net=none, or an
+    """This machine's ranks on emulated nodes (the emulated network's net.* settings). Loopback (net=none, or an
     unshaped link) runs at the rate one rank reaches with this many ranks on the cores (measured by
     parallel/planner/loopback.py where the preset leaves it null); a shaped link at its rate. A node
     has one link to the others, shared by the transfers that leave the node at once."""

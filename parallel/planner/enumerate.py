@@ -60,6 +60,7 @@ class Space:
     max_microbatches: int = 64
     grad_sync: tuple[str, ...] = ("bucketed",)  # each refused one falls back to naive
     recompute: tuple[str, ...] = ("none", "selective", "full")
+    context_parallel: bool = True  # layouts with cp > 1 where the strategy has the dimension
     uneven_stages: bool = True  # propose balanced parallel.pp_layers where the layers do not divide
 
 
@@ -133,6 +134,8 @@ def _dim_choices(spec, world: int) -> list[dict]:
 
 def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, has_recompute: bool):
     for dims in _dim_choices(spec, world):
+        if dims["cp"] > 1 and not space.context_parallel:
+            continue
         if global_batch % dims["dp"]:
             yield {**dims, "microbatches": 1}  # plan.py refuses it with its own message
             continue

@@ -1,6 +1,6 @@
 """One candidate layout -> one row of the plan: memory per device, bytes per link class, step time.
 
-The row's names are the contract tools read (plan.json, issue 14):
+The row's names are the contract tools read (plan.json):
 
     layout                  preset (the conf/parallel preset that runs it, or null), strategy, dp, tp,
                             pp, cp, ep, zero, sequence_parallel, microbatches, microbatch_size,
@@ -77,6 +77,14 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         per_stage.append(parts)
     worst = max(per_stage, key=lambda m: -1 if m["total"] is None else m["total"])
     fits = worst["total"] <= cluster.usable_bytes if worst["total"] is not None else None
+    if fits is None:
+        # A part without a formula leaves the total unknown, but what is known is a lower bound:
+        # model state alone beyond the usable memory does not fit, whatever the activations.
+        known = max(sum(v for k, v in m.items() if k != "total" and v is not None) for m in per_stage)
+        if known > cluster.usable_bytes:
+            fits = False
+            worst = max(per_stage, key=lambda m: sum(v for k, v in m.items() if k != "total" and v is not None))
+            worst = {**worst, "total": known}
     try:
         traffic = layout_traffic(plan.spec, shape, layout, candidate.zero, cluster.gpus_per_node, cluster.algorithm,
                                  layers)

@@ -1,8 +1,7 @@
 """Predictions against runs: run a layout, read its summary.json, add measured columns and errors.
 
 A layout runs as a user would run it: `python -m launch.run net=<preset> <overrides>` on emulated
-nodes where this checkout has launch.run (issue 13), plain `torchrun --standalone` for net=none
-(one node, loopback). The overrides are the row's `run_overrides` (every layout field explicit),
+nodes, plain `torchrun --standalone` for net=none (one node, loopback). The overrides are the row's `run_overrides` (every layout field explicit),
 the model preset, the validation's steps and the planner's peak FLOP/s (so the run's MFU and the
 prediction's use one peak). The run's summary.json gives what is compared:
 
@@ -23,7 +22,6 @@ in its step), and becomes the cluster's efficiency for every prediction that fol
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -32,24 +30,17 @@ from parallel.planner.report import layout_label
 
 
 class ValidationError(RuntimeError):
-    """A validation that cannot run here (a network this checkout cannot emulate)."""
-
-
-def has_emulated_network() -> bool:
-    return importlib.util.find_spec("launch.run") is not None
+    """A validation that cannot run (its calibration run failed)."""
 
 
 def launch_command(overrides: list[str], world: int, net: dict | None, net_preset: str | None) -> list[str]:
     """The command line that runs one layout on the network `net` (None or net=none: loopback)."""
     emulated = net is not None and (int(net.get("nodes") or 1) > 1 or net.get("inter_mbit") or net.get("intra_mbit")
                                     or net.get("latency_ms") or net.get("loss_pct"))
-    if has_emulated_network() and (emulated or net_preset not in (None, "none")):
+    if emulated or net_preset not in (None, "none"):
         net_overrides = [f"net={net_preset or 'none'}"] + [f"net.{k}={'null' if v is None else v}"
                                                           for k, v in (net or {}).items()]
         return [sys.executable, "-m", "launch.run", *net_overrides, *overrides]
-    if emulated:
-        raise ValidationError(f"net settings {net} need the emulated network (python -m launch.run, issue 13), "
-                              "which this checkout does not have: validate with net=none")
     if world == 1:
         return [sys.executable, "-m", "launch.train", *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
