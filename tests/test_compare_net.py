@@ -117,3 +117,26 @@ def test_the_world_of_each_run_and_the_network_labels():
     assert (own.label, own.world, own.emulated) == ("w2", 2, False)
     assert explicit_keys(["compare.world=2", "+compare.worlds.tp=4", "model=tiny"]) == (True, {"tp"}, False)
     assert explicit_keys(["net=cluster", "compare.worlds={dp:2}"]) == (False, {"*"}, True)
+
+
+def test_the_best_layout_is_one_over_ranks_not_the_one_process_reference():
+    """On 2 cores a one-process run can outrun every layout of 4 ranks; it touches no link, so it is
+    the reference in the verdict, never the network's best layout (unless nothing else ran)."""
+    from launch.config import CONFIG_DIR
+    from parallel.compare.crossover import tokens_table
+    from parallel.compare.networks import from_entry, network_verdict
+
+    def row(strategy, world, tokens):
+        return {"strategy": strategy, "world": world, "status": "ok", "tokens_per_s": tokens, "layout": f"w{world}",
+                "step_ms": 1000.0, "compute_ms": 500.0, "exposed_comm_ms": 400.0, "bubble_ms": 0.0,
+                "inter_wire_bytes_per_step": None, "inter_link_busy_ms": None, "intra_wire_bytes_per_step": None,
+                "intra_link_busy_ms": None}
+
+    cluster = from_entry(CONFIG_DIR, "cluster", 4)
+    rows = [row("single", 1, 4000.0), row("pp_1f1b", 4, 2700.0), row("dp", 4, 900.0)]
+    text = "\n".join(network_verdict(cluster, rows, {}))
+    assert "the best layout is **pp_1f1b** (w4)" in text, text
+    assert "| single | 4000 |" in text and "one process, no links (the reference)" in text
+    assert "| pp_1f1b | **2700** |" in tokens_table([(cluster, rows)])
+    alone = "\n".join(network_verdict(cluster, [row("single", 1, 4000.0)], {}))
+    assert "the best layout is **single**" in alone

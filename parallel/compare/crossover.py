@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from parallel.compare.networks import Network, network_verdict
+from parallel.compare.networks import Network, best_layout, network_verdict
 from parallel.compare.report import write_csv, write_json
 
 STYLES = ["-", "--", ":", "-."]
@@ -53,7 +53,10 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
     def x_of(network: Network) -> float:
         return network.spec.inter_mbit if network.emulated and network.spec.inter_mbit else unshaped_x
 
-    strategies = list(dict.fromkeys(r["strategy"] for _, rows in results for r in rows))
+    # One-process runs (single, the loss reference) use no link: drawn as one level, the median of
+    # their runs, not as a line that would wander with the machine's load from network to network.
+    alone = {r["strategy"] for _, rows in results for r in rows if (r.get("world") or 1) == 1}
+    strategies = [s for s in dict.fromkeys(r["strategy"] for _, rows in results for r in rows) if s not in alone]
     colors = plt.get_cmap("tab10")
     families = list(dict.fromkeys(_family(n) for n, _ in results if n.emulated)) or [()]
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
@@ -77,6 +80,12 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
             for x, _, lo, hi in points:
                 if lo is not None:
                     ax.plot([x, x], [lo, hi], color=colors(s % 10), linewidth=1, alpha=0.6)
+    for strategy in sorted(alone):
+        runs = sorted(r["tokens_per_s"] for _, rows in results for r in rows
+                      if r["strategy"] == strategy and r["status"] == "ok" and r.get("tokens_per_s"))
+        if runs:
+            ax.axhline(runs[len(runs) // 2], color="gray", linestyle=":", linewidth=1.2,
+                       label=f"{strategy} (one process, no links)")
     ax.set_xscale("log")
     ticks = finite + ([unshaped_x] if any(not n.emulated or not n.spec.inter_mbit for n, _ in results) else [])
     ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["unshaped"] if len(ticks) > len(finite) else []))
@@ -107,7 +116,7 @@ def tokens_table(results: list[tuple[Network, list[dict]]]) -> str:
     best = {}
     for network, rows in results:
         ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
-        best[network.label] = max(ok, key=lambda r: r["tokens_per_s"])["strategy"] if ok else None
+        best[network.label] = best_layout(ok)["strategy"] if ok else None
     for strategy in strategies:
         cells = []
         for network, rows in results:

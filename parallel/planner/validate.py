@@ -1,7 +1,8 @@
 """Predictions against runs: run a layout, read its summary.json, add measured columns and errors.
 
 A layout runs as a user would run it: `python -m launch.run net=<preset> <overrides>` on emulated
-nodes, plain `torchrun --standalone` for net=none (one node, loopback). The overrides are the row's `run_overrides` (every layout field explicit),
+nodes, plain `torchrun --standalone` for net=none (one node, loopback). The overrides are the row's
+`run_overrides` (every layout field explicit),
 the model preset, the validation's steps and the planner's peak FLOP/s (so the run's MFU and the
 prediction's use one peak). The run's summary.json gives what is compared:
 
