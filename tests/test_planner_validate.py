@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT
 
 from parallel.planner.validate import launch_command
