@@ -3,19 +3,19 @@
     torchrun --standalone --nproc-per-node 4 bench/pp_vs_torch.py parallel.microbatches=8     # pp 4, small model
     torchrun --standalone --nproc-per-node 4 bench/pp_vs_torch.py parallel.microbatches=8 rounds=4 steps=2
     torchrun --standalone --nproc-per-node 2 bench/pp_vs_torch.py model=tiny schedules=gpipe,1f1b
+    torchrun --standalone --nproc-per-node 4 bench/pp_vs_torch.py parallel.microbatches=8 schedules=zbh1,zbv,dualpipev
 
 The world is one pipeline (pp = world size, dp = 1). For each schedule two variants are built from
-the same seed, with the same stage split (`split_model`: rank r holds virtual stages r, r+p, ...)
-and the same m microbatches of the same global batches:
+the same seed, each exactly as `launch.train` builds its preset (the registry's builder, on a plan
+validated by plan.py), with the same stage split and the same m microbatches of the same batches:
 
-    ours_<schedule>    parallel.pp.executor.PipelineParallel (the project's action lists)
-    torch_<schedule>   parallel/baselines/pipelining.py's TorchPipeline (as train.py builds parallel=torch_pp_*):
-                       one PipelineStage per chunk of this rank (stage_index = the chunk's virtual
-                       stage, num_stages = p*v, the pp group), driven by ScheduleGPipe /
-                       Schedule1F1B / ScheduleInterleaved1F1B, its sends counted by native_count.py
+    ours_<schedule>    parallel=pp_<schedule>: the project's action lists (parallel/pp/executor.py)
+    torch_<schedule>   its PyTorch counterpart, parallel=torch_pp_<...>: torch.distributed.pipelining's
+                       PipelineStage per chunk, driven by its own schedule class, sends counted
 
-with schedule in gpipe, 1f1b, interleaved_1f1b (v virtual stages per rank, default 2). Both end a
-step with the project's AdamW (`make_optimizer`) over the rank's chunks.
+schedule in gpipe, 1f1b, interleaved (v = parallel.virtual_stages of the preset), zbh1 (PyTorch's
+ScheduleInterleavedZeroBubble), zbv, dualpipev. Both end a step with the project's AdamW over the
+rank's chunks. A schedule that plan.py refuses for this (p, m) is reported as skipped, with why.
 
 Loss and gradients: every microbatch's loss is token_loss_sum / global batch tokens in both. torch's
 schedules would by default divide the accumulated gradients by m (`scale_grads=True`: they assume a
@@ -30,7 +30,7 @@ in identical order and their first losses can be compared step by step. A step t
 rank's; the printed figures are medians, and the ratios compare medians measured in this one run.
 
 Options are Hydra-style key=value overrides of the training config (model=..., parallel.microbatches=...,
-train.global_batch=...), plus rounds=N, steps=N, schedules=a,b,c and virtual=V for the benchmark itself.
+train.global_batch=...), plus rounds=N, steps=N and schedules=a,b,c for the benchmark itself.
 """
 
 from __future__ import annotations
@@ -42,57 +42,52 @@ from functools import partial
 import torch
 from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
-from parallel.baselines.pipelining import SCHEDULES as ALL_SCHEDULES
-from parallel.baselines.pipelining import TorchPipeline
 from parallel.data import GlobalBatches, local_microbatches
 from parallel.dist.groups import LaunchEnv
 from parallel.model import GPT
-from parallel.pp.executor import PipelineParallel
-from parallel.pp.schedules import ScheduleError, build_schedule
 
 LOSS_STEPS = 3  # the first steps whose losses are compared
 
 
+# Each schedule: our preset and its PyTorch counterpart's (conf/parallel/).
+PAIRS = {
+    "gpipe": ("pp_gpipe", "torch_pp_gpipe"),
+    "1f1b": ("pp_1f1b", "torch_pp_1f1b"),
+    "interleaved": ("pp_interleaved", "torch_pp_interleaved"),
+    "zbh1": ("pp_zbh1", "torch_pp_interleaved_zb"),
+    "zbv": ("pp_zbv", "torch_pp_zbv"),
+    "dualpipev": ("pp_dualpipev", "torch_pp_dualpipev"),
+}
+
+
 def main() -> None:
     env = LaunchEnv.from_environ()
-    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": ",".join(ALL_SCHEDULES),
-                                                "virtual": "2"})
+    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": "gpipe,1f1b,interleaved"})
     schedules = [s for s in opts["schedules"].split(",") if s]
-    unknown = [s for s in schedules if s not in ALL_SCHEDULES]
+    unknown = [s for s in schedules if s not in PAIRS]
     if unknown:
-        refuse(env, f"schedules={opts['schedules']}: unknown {unknown}; choose from {', '.join(ALL_SCHEDULES)}")
-    plan = plan_for(env, ["model=small", "parallel=pp_1f1b"], overrides)
-    if plan.strategy != "pp" or plan.dims.dp != 1:
-        refuse(env, f"this benchmark needs one pipeline over the whole world (pp = world, dp = 1), "
-                    f"got strategy {plan.strategy}, dp {plan.dims.dp}: launch it with torchrun and >= 2 processes")
-    run_distributed(env, plan, lambda plan, ctx, corpus: run(plan, ctx, corpus, int(opts["rounds"]), int(opts["steps"]),
-                                                             schedules, int(opts["virtual"])))
+        refuse(env, f"schedules={opts['schedules']}: unknown {unknown}; choose from {', '.join(PAIRS)}")
+    # Every variant's plan, validated before any process group exists (as launch.train would).
+    plans, skipped = {}, {}
+    for s in schedules:
+        for side, preset in zip(("ours", "torch"), PAIRS[s]):
+            try:
+                plans[f"{side}_{s}"] = plan_for(env, ["model=small", f"parallel={preset}"], overrides)
+            except ValueError as e:  # plan.py's refusals (a schedule that needs more microbatches, ...)
+                skipped[f"{side}_{s}"] = str(e)
+    if not plans:
+        refuse(env, "no schedule can run with these settings: " + "; ".join(f"{k}: {v}" for k, v in skipped.items()))
+    first = next(iter(plans.values()))
+    if first.dims.dp != 1:
+        refuse(env, f"the benchmark is one pipeline (pp = world size): got dp {first.dims.dp}; leave parallel.dp out")
+    rounds, steps = int(opts["rounds"]), int(opts["steps"])
+    run_distributed(env, first, lambda plan, ctx, corpus: run(plans, skipped, ctx, corpus, rounds, steps, schedules))
 
 
-def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtual: int) -> None:
+def run(plans: dict, skipped: dict, ctx, corpus, rounds: int, steps: int, schedules: list[str]) -> None:
+    plan = next(iter(plans.values()))
     pp_comm = ctx.comm("pp")
-    p, m = plan.dims.pp, plan.microbatches
-    variants: dict[str, object] = {}
-    skipped: dict[str, str] = {}
-    for schedule in schedules:
-        v = virtual if schedule == "interleaved_1f1b" else 1
-        layers = list(plan.pp_layers) if plan.pp_layers and len(plan.pp_layers) == p * v else None
-        try:
-            build_schedule(schedule, p, m, v)  # the same (p, m, v) checks the trainer makes
-        except ScheduleError as e:
-            skipped[f"ours_{schedule}"] = skipped[f"torch_{schedule}"] = str(e)
-            continue
-        variants[f"ours_{schedule}"] = PipelineParallel(
-            GPT(plan.model, seed=plan.seed).to(ctx.device), pp_comm=pp_comm, dp_comm=ctx.comm("dp"),
-            schedule=schedule, microbatches=m, virtual=v, pp_layers=layers, lr=plan.lr, weight_decay=plan.weight_decay,
-        )
-        try:
-            variants[f"torch_{schedule}"] = TorchPipeline(
-                GPT(plan.model, seed=plan.seed).to(ctx.device), schedule, pp_comm, m, v, layers,
-                plan.lr, plan.weight_decay, ctx.device, ctx.log,
-            )
-        except Exception as e:  # construction is deterministic: every rank fails alike, nobody hangs
-            skipped[f"torch_{schedule}"] = f"{type(e).__name__}: {e}"
+    variants = {name: p.spec.build(GPT(p.model, seed=p.seed).to(ctx.device), p, ctx) for name, p in plans.items()}
 
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
     names = list(variants)
@@ -106,7 +101,7 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
             for _ in range(steps):
                 glob = batches(counter[name])
                 counter[name] += 1
-                mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, m)]
+                mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, plans[name].microbatches)]
                 seconds, local, _ = timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
                 # Outside the timed region: the loss lives on the last stage only; sum it over pp.
                 # Also the global gradient norm the optimizer used (Adam would hide a 1/m scaling
@@ -123,15 +118,17 @@ def run(plan, ctx, corpus, rounds: int, steps: int, schedules: list[str], virtua
     for strategy in variants.values():
         strategy.close()
     if ctx.is_rank0:
-        report(plan, schedules, virtual, times, losses, norms, skipped, rounds, steps)
+        report(plans, schedules, times, losses, norms, skipped, rounds, steps)
 
 
-def report(plan, schedules, virtual, times, losses, norms, skipped, rounds: int, steps: int) -> None:
+def report(plans, schedules, times, losses, norms, skipped, rounds: int, steps: int) -> None:
+    plan = next(iter(plans.values()))
     med = {name: statistics.median(t) for name, t in times.items() if t}
     tokens = plan.tokens_per_step
     print(f"\nmodel d_model={plan.model.d_model} layers={plan.model.n_layers} seq={plan.model.seq_len} | "
-          f"pp {plan.dims.pp} | microbatches {plan.microbatches} x {plan.microbatch_size} sequences | "
-          f"global batch {plan.global_batch} | interleaved v={virtual} | torch {torch.__version__} | "
+          f"pp {plan.dims.pp} | microbatches (m) per schedule: "
+          f"{', '.join(f'{s} {plans[k].microbatches}' for s in schedules for k in [f'ours_{s}'] if k in plans)} | "
+          f"global batch {plan.global_batch} | torch {torch.__version__} | "
           f"{rounds} rounds x {steps} steps per variant (medians of the slowest rank)")
     print(f"{'schedule':<17} {'ours ms':>9} {'ours tok/s':>11} {'torch ms':>9} {'torch tok/s':>12} "
           f"{'ours/torch tok/s':>17}")
