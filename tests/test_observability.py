@@ -50,7 +50,7 @@ def test_breakdown_takes_each_wait_out_of_its_phase():
              span("all_gather", "dp", 13.0, 14.0),               # ZeRO's gather inside the optimizer phase
              span("all_reduce", "dp", 15.0, 16.0)]               # after the step: the loss for the log
     b = rank_step_breakdown(phases, spans, step_s=15.25)
-    assert b["compute"] == {"forward": 2.0, "backward": 5.0, "recompute": 0.0}
+    assert b["compute"] == {"forward": 2.0, "backward": 5.0, "weight": 0.0, "recompute": 0.0}
     assert b["exposed_comm"] == {"all_reduce tp": 1.0, "all_reduce dp": 1.5, "all_gather dp": 1.0}
     assert b["bubble"] == 0.5 and b["optimizer"] == 2.0
     assert b["other"] == {"other": 1.0, "p2p": 0.5, "sync": 0.5}

@@ -77,7 +77,7 @@ def test_zero_bubble_pipeline_matches_single_and_theory(case, references, tmp_pa
     ref = references(gb, extra)
     run = run_train(world, [*TINY, f"train.global_batch={gb}", *extra, f"parallel={preset}", f"parallel.dp={dp}",
                             f"parallel.microbatches={m}", "train.save_final=true", "train.save_grads=true",
-                            *RUN_ONLY.get(name, [])], tmp_path / "run")
+                            "run.timeline=true", *RUN_ONLY.get(name, [])], tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "pp"
     assert (s["parallel"]["dp"], s["parallel"]["pp"], s["parallel"]["schedule"]) == (dp, pp, schedule)
@@ -122,8 +122,8 @@ def test_zero_bubble_pipeline_matches_single_and_theory(case, references, tmp_pa
         assert pipe["bubble_simulated"] == pytest.approx(float(closed), rel=1e-9)
     assert pipe["peak_activations_simulated"] == expected_peaks(schedule, pp, m)
     assert 0.0 <= pipe["bubble_measured"] < 1.0
-    # W in the trace, in its own kind: one per microbatch and chunk on every rank of the first pipeline.
+    # W in the trace, in its own kind: one per microbatch and chunk on every rank (every pipeline's).
     trace = json.loads((run.run_dir / "trace.json").read_text())["traceEvents"]
     weights = [e for e in trace if e.get("cat") == "weight"]
-    assert len(weights) == pp * m * v and (run.run_dir / "timeline.png").exists()
+    assert len(weights) == dp * pp * m * v and (run.run_dir / "timeline.png").exists()
     assert all(a > 0 for a in s["memory"]["activations_bytes_measured"])

@@ -124,8 +124,9 @@ def timeline_title(summary: dict, step: int) -> str:
              f"world {summary['world_size']}")
     pipe = summary.get("pipeline")
     if pipe:
+        closed = pipe["bubble_closed_form"]  # None where no closed form is claimed (ZB-V below m = 2p-1)
         title += (f"\n{pipe['schedule']}: bubble measured {pipe['bubble_measured']:.1%} (first pipeline), simulated "
-                  f"{pipe['bubble_simulated']:.1%}, closed form {pipe['bubble_closed_form']:.1%}")
+                  f"{pipe['bubble_simulated']:.1%}, closed form {'none' if closed is None else f'{closed:.1%}'}")
     return title
 
 
