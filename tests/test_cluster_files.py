@@ -126,3 +126,15 @@ def test_cuda_image_keeps_the_torch_of_its_pytorch_base():
     runs = " ".join(a for op, a in instructions if op == "RUN")
     assert "pip install torch" not in runs and "-c /tmp/torch-constraint.txt" in runs
     _check_copies_exist(instructions)
+
+
+def test_every_code_directory_is_an_installed_package():
+    """`pip install .` ships the packages setup.py finds: a folder of modules without __init__.py
+    is left out, and the installed tools fail on import (ModuleNotFoundError) far from here."""
+    from setuptools import find_packages
+
+    found = set(find_packages(where=str(PROJECT_ROOT), include=["parallel", "parallel.*", "launch", "launch.*"]))
+    with_code = {str(d.relative_to(PROJECT_ROOT)).replace("/", ".")
+                 for top in ("parallel", "launch") for d in [PROJECT_ROOT / top, *(PROJECT_ROOT / top).rglob("*")]
+                 if d.is_dir() and any(d.glob("*.py"))}
+    assert with_code <= found, f"not packages (add an __init__.py): {sorted(with_code - found)}"
