@@ -83,8 +83,10 @@ def time_breakdown(rows: list[dict], path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("ms per step, mean over ranks (* waits inside PyTorch, counted as compute)")
     ax.set_title("Where each step's time goes")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.6 / (len(ok) + 2)), ncol=6, frameon=False)
-    fig.tight_layout()
+    # The legend in figure coordinates, just under the axis label, whatever the number of bars.
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=6, frameon=False)
+    fig.tight_layout(rect=(0, 0.6 / (0.35 * len(ok) + 2.0), 1, 1))
     fig.savefig(path, dpi=90)
     plt.close(fig)
 
