@@ -277,7 +277,7 @@ def test_time_model_by_hand(base):
 
 
 def test_this_machine_takes_the_emulated_networks_settings():
-    """Issue 13's net.* settings: 2 nodes of 2 ranks behind 200 Mbit/s links with 1 ms latency; the
+    """The emulated network's net.* settings: 2 nodes of 2 ranks behind 200 Mbit/s links with 1 ms latency; the
     machine's memory and peak shared by every rank; a world the network does not have is refused."""
     preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
               "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100}
