@@ -14,7 +14,7 @@ measured in this one run. Variants:
     torch_tp   parallel/baselines/dtensor_tp.py's TorchTP, as train.py builds parallel=torch_tp: GPT(cfg,
                seed), then parallelize_module on the tp sub-mesh (ColwiseParallel for each block's
                attn.q/k/v and mlp.fc, RowwiseParallel for attn.proj and mlp.proj); the project's
-               loss and optimizer; its collectives counted by native_count.py
+               loss and optimizer; its collectives counted by parallel/baselines/counting.py
     torch_tp_uncounted  the same without the counter: the cost of counting
 
 The vocabulary (option vocab=...):

@@ -209,7 +209,7 @@ def _tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, sequence_parall
 
 
 def _torch_tp_comm(cfg: GPTConfig, dims: ParallelDims, b: int, m: int, B: int) -> dict:
-    """PyTorch DTensor tensor parallelism with native_tp.py's plan (not Megatron's count).
+    """PyTorch DTensor tensor parallelism with parallel/baselines/dtensor_tp.py's plan (not Megatron's count).
 
     Per microbatch, with A = b·s·h·B the bytes of one activation:
 

@@ -119,7 +119,7 @@ def _worker(rank: int, port: int, results) -> None:
         results[cp, rank] = report
     dist.barrier()
     dist.destroy_process_group()
-    # gloo's threads can abort interpreter finalisation (parallel/distributed.py: exit_process).
+    # gloo's threads can abort interpreter finalisation (parallel/dist/groups.py: exit_process).
     exit_process(0)
 
 

@@ -12,7 +12,7 @@ another), so the stages are built on the V here. The loss is the project's
 by the global token count; the optimizer is the project's AdamW over this rank's chunks.
 
 Traffic: torch's schedules post their sends and receives through torch.distributed directly;
-native_count.PipelineP2PCounter wraps the schedules' batch-posting and waiting functions, so every
+counting.PipelineP2PCounter wraps the schedules' batch-posting and waiting functions, so every
 send and receive is logged under the "pp" group, and the time blocked waiting for them is the
 exposed communication. Torch's one-time metadata exchange on the first step (shapes inferred from
 the first microbatch) is setup and not counted. One pipeline over the whole world (dp = 1).

@@ -13,7 +13,7 @@ block and microbatch (after dropping). For rank r:
   in_r  = R_r - Σ_{e on r} counts[r][e]         rows other ranks send to it
 
 An all-to-all's payload is this rank's whole input and `sent` the part for other ranks
-(parallel/comm.py). Per MoE block and microbatch, rank r records:
+(parallel/dist/comm.py). Per MoE block and microbatch, rank r records:
 
   counts        payload E·8          sent (n-1)·E/n·8      (int64 split sizes)
   dispatch/fwd  payload A_r·h·B      sent out_r·h·B        (rows to the experts)
