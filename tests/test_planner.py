@@ -175,6 +175,26 @@ def test_a_strategy_registered_without_an_activation_formula_gets_rows_saying_so
         del REGISTRY["planner_toy"]
 
 
+def test_a_mixture_of_experts_gets_the_registrys_model_state_per_rank():
+    """MoE layouts: the model state per rank is the registry's formula, the one every ep and dp run's
+    memory is checked against (E/ep experts on an ep rank, every expert under dp)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        moe_base = OmegaConf.to_container(compose(config_name="config", overrides=["model=tiny_moe"]), resolve=True)
+    shape = ModelShape.from_preset(preset("tiny_moe"))
+    found = enumerate_layouts(shape, moe_base, 4, 8, SMALL_SPACE, only=["dp", "ep"])
+    rows = {(c.plan.strategy, c.layout.dims.ep): predict_row(shape, c, synthetic_cluster(), None)
+            for c in found.candidates if c.layout.microbatches == 1}
+    assert {("dp", 1), ("ep", 2), ("ep", 4)} <= set(rows)
+    for (name, ep), row in rows.items():
+        c = next(c for c in found.candidates if (c.plan.strategy, c.layout.dims.ep) == (name, ep))
+        figures = c.plan.spec.model_state(shape.gpt_config(), c.layout)
+        memory = row["memory_bytes_per_device"]
+        assert (memory["params"], memory["grads"], memory["optimizer"]) == (
+            figures["param_bytes"], figures["grad_bytes"], figures["optimizer_bytes"])
+    held = {key: row["memory_bytes_per_device"]["params"] for key, row in rows.items()}
+    assert held[("ep", 4)] < held[("ep", 2)] < held[("dp", 1)]
+
+
 # -- bytes by link class ---------------------------------------------------------------------------------------
 def _traffic(base, name: str, dims: ParallelDims, algorithm: str, gpus_per_node: int = 4, **options):
     shape = ModelShape.from_preset(preset("tiny"))

@@ -43,6 +43,20 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) ->
     return memory.activation_bytes_by_rank(shape, layout, plan.global_batch, ACT_BYTES[precision])
 
 
+def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> dict | None:
+    """A mixture of experts' model state per rank: the registry's formula (ep: E/ep experts per
+    rank; dp, ZeRO: theory's count of every expert), the figure every run's memory is checked
+    against, for the sandbox GPT in fp32 and one stage (MoE runs no pipeline); else unknown."""
+    plan = candidate.plan
+    if not (shape.trainable and precision == "fp32") or candidate.layout.dims.pp != 1:
+        return None
+    figures = plan.spec.model_state(shape.gpt_config(), candidate.layout)
+    if figures is None:
+        return None
+    return {"params": figures["param_bytes"], "grads": figures["grad_bytes"], "optimizer": figures["optimizer_bytes"],
+            "parameters_counted": figures["parameters_counted"]}
+
+
 def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, preset: str | None) -> dict:
     plan, layout = candidate.plan, candidate.layout
     dims, precision = layout.dims, cluster.precision
@@ -67,7 +81,8 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
     covered = not shape.gpt.moe_experts
     per_stage = []
     for r in range(dims.pp):
-        state = memory.model_state_bytes(shape, layout, candidate.zero, precision, r) if covered else None
+        state = memory.model_state_bytes(shape, layout, candidate.zero, precision, r) if covered \
+            else moe_model_state(shape, candidate, precision)
         rank = dims.rank_of(r, 0, 0)
         acts = activations[rank] if activations is not None else None
         buffers = memory.buffer_bytes(shape, layout, candidate.zero, precision, r)
@@ -95,7 +110,8 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         notes.append(f"no traffic formula: {e}")
         traffic, links, time = None, None, None
     if not covered:
-        notes.append("mixture of experts: the planner's FLOP, memory and time counts are for dense blocks")
+        notes.append("mixture of experts: model state and bytes are the registry's formulas; activations and step "
+                     "time are not modelled for MoE blocks")
     tokens = plan.global_batch * shape.gpt.seq_len
     total = time.total if time else None
     return {
