@@ -106,6 +106,22 @@ def check_matches_single(run, single_run, rtol=1e-5):
     assert [m["data_checksum"] for m in run.metrics()] == [m["data_checksum"] for m in single_run.metrics()]
 
 
+
+def check_step0_grads_match(run, single_run) -> dict:
+    """Step 0's synced gradients (train.save_grads=true, gathered to full tensors) equal the single
+    run's, and the run's saved dict is returned for further checks.
+
+    rtol 1e-5 as for the losses; atol 1e-6 (the largest gradient is ~0.5, so 2e-6 of it) for entries
+    whose true value is zero or nearly so (the key bias: softmax ignores a constant per row), where
+    only the summation order differs (partial sums across ranks)."""
+    mine, ref = torch.load(run.run_dir / "grads_step0.pt"), torch.load(single_run.run_dir / "grads_step0.pt")
+    assert mine["grads"].keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    return mine
+
+
 # -- several torchrun agents as the nodes of one job ------------------------------------------------
 
 def multinode_command(nnodes: int, nproc_per_node: int, rdzv_endpoint: str, rdzv_id: str, overrides: list[str],

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from launcher import TINY, assert_ok, check_matches_single, max_rel_diff, run_train
+from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, max_rel_diff, run_train
 from observability import check_time_breakdown, check_trace
 from test_tp import check_grads_match_single
 
@@ -136,11 +136,7 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
     if t > 1:
         check_grads_match_single(run, single_run)  # the dp shards gathered, and every tp replica complete
     else:
-        mine, ref = torch.load(run.run_dir / "grads_step0.pt"), torch.load(single_run.run_dir / "grads_step0.pt")
-        assert mine["grads"].keys() == ref["grads"].keys()
-        for name, g in ref["grads"].items():
-            torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6,
-                                       msg=lambda msg, name=name: f"{name}: {msg}")
+        check_step0_grads_match(run, single_run)
 
     comm, expected = s["comm"], s["expected_comm"]
     assert s["comm_matches_theory"] is True and comm["steady"] is True

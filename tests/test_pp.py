@@ -14,8 +14,7 @@ Each case trains the tiny model (4 layers) for 6 steps under torchrun on gloo an
 from fractions import Fraction
 
 import pytest
-import torch
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
 from observability import check_time_breakdown, check_trace
 
 from parallel.pp.schedules import build_schedule
@@ -59,11 +58,7 @@ def test_pipeline_matches_single_and_theory(case, single_run, single_run_gb12, t
     assert s["strategy"] == "pp" and (s["parallel"]["dp"], s["parallel"]["pp"]) == (dp, pp)
     check_matches_single(run, ref)
 
-    grads = torch.load(run.run_dir / "grads_step0.pt")["grads"]
-    ref_grads = torch.load(ref.run_dir / "grads_step0.pt")["grads"]
-    assert grads.keys() == ref_grads.keys()
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda msg, name=name: f"{name}: {msg}")
+    check_step0_grads_match(run, ref)
 
     # Bytes: 2·m·(v·p-1)·b·s·h·4 per pipeline (docs/theory/combined.md), dp pipelines, plus the dp
     # all-reduce of all gradients when dp > 1: 2(dp-1)/dp·Ψ·4 on each of the world's ranks... summed

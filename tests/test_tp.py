@@ -13,8 +13,7 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
 from fractions import Fraction
 
 import pytest
-import torch
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
 from observability import check_time_breakdown, check_trace
 
 L, H, S = 4, 64, 32  # the tiny model: layers, width, sequence length (conf/model/tiny.yaml)
@@ -32,14 +31,7 @@ CASES = [
 
 
 def check_grads_match_single(run, single_run):
-    mine, ref = torch.load(run.run_dir / "grads_step0.pt"), torch.load(single_run.run_dir / "grads_step0.pt")
-    assert mine["grads"].keys() == ref["grads"].keys()
-    for name, g in ref["grads"].items():
-        # rtol 1e-5 as for the losses; atol 1e-6 (the largest gradient is ~0.5, so 2e-6 of it) for
-        # entries whose true value is zero or nearly so (the key bias: softmax ignores a constant
-        # per row), where only the summation order differs (partial matmuls summed across ranks).
-        torch.testing.assert_close(mine["grads"][name], g, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    mine = check_step0_grads_match(run, single_run)
     # Replicated parameters (norms, row-parallel biases, positions) must hold the complete gradient
     # on every tp rank. Bitwise: every rank computes them from identical numbers (all-reduce
     # results are identical on all ranks). Under sequence parallelism this is what the
