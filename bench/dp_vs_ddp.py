@@ -26,11 +26,11 @@ from functools import partial
 from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
 from parallel.baselines.ddp import TorchDDP
-from parallel.data import GlobalBatches, local_microbatches
+from parallel.core.data import GlobalBatches, local_microbatches
+from parallel.core.model import GPT
 from parallel.dist.comm import CommLog, Communicator, summarize_traffic
 from parallel.dist.groups import LaunchEnv
 from parallel.dp.strategy import DataParallel
-from parallel.model import GPT
 from parallel.strategy import make_optimizer
 
 

@@ -26,11 +26,11 @@ from fractions import Fraction
 
 from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
-from parallel.data import GlobalBatches, local_microbatches
+from parallel.core.data import GlobalBatches, local_microbatches
+from parallel.core.model import GPT
 from parallel.dist.comm import summarize_traffic
 from parallel.dist.groups import LaunchEnv
 from parallel.dp.strategy import DataParallel
-from parallel.model import GPT
 from parallel.moe.strategy import ExpertParallel
 from parallel.strategy import make_optimizer
 from parallel.theory import ep_all_to_all_uniform_bytes

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from launch.config import CONFIG_DIR
-from parallel.data import load_corpus
+from parallel.core.data import load_corpus
 from parallel.dist.comm import CommLog
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
 from parallel.plan import build_plan

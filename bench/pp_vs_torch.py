@@ -42,9 +42,9 @@ from functools import partial
 import torch
 from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
-from parallel.data import GlobalBatches, local_microbatches
+from parallel.core.data import GlobalBatches, local_microbatches
+from parallel.core.model import GPT
 from parallel.dist.groups import LaunchEnv
-from parallel.model import GPT
 
 LOSS_STEPS = 3  # the first steps whose losses are compared
 

@@ -53,11 +53,11 @@ from functools import partial
 from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 from parallel.baselines.dtensor_tp import TorchTP
-from parallel.data import GlobalBatches, local_microbatches
+from parallel.core.data import GlobalBatches, local_microbatches
+from parallel.core.model import GPT
 from parallel.dist.comm import summarize_traffic
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv
-from parallel.model import GPT
 from parallel.plan import ConfigError
 from parallel.strategy import make_optimizer
 from parallel.tp.strategy import TensorParallel

@@ -23,10 +23,10 @@ from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
 from parallel import theory
 from parallel.baselines.fsdp2 import TorchFSDP2
-from parallel.data import GlobalBatches, local_microbatches
+from parallel.core.data import GlobalBatches, local_microbatches
+from parallel.core.model import GPT
 from parallel.dist.comm import summarize_traffic
 from parallel.dist.groups import LaunchEnv
-from parallel.model import GPT
 from parallel.zero.zero3 import Zero3
 
 FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")

@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from launch.config import CONFIG_DIR
+from parallel.core.shape import ModelShape, ShapeError
 from parallel.dist.dims import LayoutError
 from parallel.plan import ConfigError
 from parallel.planner import plots
@@ -35,7 +36,6 @@ from parallel.planner.cluster import GIB, ClusterError, cluster_from_config
 from parallel.planner.enumerate import Space
 from parallel.planner.report import console_table, write_json, write_markdown
 from parallel.planner.search import Preset, plan_rows
-from parallel.planner.shape import ModelShape, ShapeError
 from parallel.planner.timing import ASSUMPTIONS
 from parallel.planner.validate import (
     ValidationError,

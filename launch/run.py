@@ -91,7 +91,7 @@ def check_privileges(spec: NetSpec) -> None:
 
 def check_plan(cfg: DictConfig, spec: NetSpec):
     """The training configuration, validated for the world the network gives (launch.train's own checks)."""
-    from parallel.data import DataError
+    from parallel.core.data import DataError
     from parallel.dist.dims import LayoutError
     from parallel.dist.groups import LaunchEnv
     from parallel.plan import ConfigError, build_plan

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from launch.config import CONFIG_DIR, unknown_preset
-from parallel.data import DataError
+from parallel.core.data import DataError
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
 from parallel.plan import ConfigError, build_plan

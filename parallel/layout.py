@@ -7,7 +7,7 @@ dimension (and, for expert parallelism, the step's routing). theory.py's formula
 planner can build one for a layout it never runs.
 
 Context parallelism (dims.cp > 1) adds which attention crosses the cp ranks (`cp_kind`: the ring or
-the all-to-all, parallel/cp/), and activation recomputation (`recompute`, parallel/recompute.py)
+the all-to-all, parallel/cp/), and activation recomputation (`recompute`, parallel/core/recompute.py)
 changes both the bytes saved for backward and, where the recomputed forward communicates, the traffic.
 """
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from parallel.core.model import MOE_FIELDS, GPTConfig
+from parallel.core.precision import PRECISIONS
+from parallel.core.recompute import MODES as RECOMPUTE_MODES
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dist.timing import default_warmup_steps
 from parallel.dp.sync import GRAD_SYNCS
 from parallel.layout import Layout
-from parallel.model import MOE_FIELDS, GPTConfig
 from parallel.pp.schedules import SCHEDULES, V_SHAPED, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
-from parallel.precision import PRECISIONS
-from parallel.recompute import MODES as RECOMPUTE_MODES
 from parallel.registry import ConfigError, Options, StrategySpec, check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
@@ -60,7 +60,7 @@ class RunPlan:
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
     cp_kind: str = "ring"  # with parallel.cp > 1: the ring (parallel=cp) or the all-to-all (parallel=cp_a2a)
-    recompute: str = "none"  # train.recompute: none | selective | full (parallel/recompute.py)
+    recompute: str = "none"  # train.recompute: none | selective | full (parallel/core/recompute.py)
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
@@ -101,7 +101,7 @@ class RunPlan:
 def model_config(cfg) -> GPTConfig:
     # Presets of shapes the GPT does not have (grouped-query attention, a gated MLP: conf/model/llama3_*)
     # are the planner's; training one would silently build a different model.
-    from parallel.planner.shape import ShapeError, untrainable_reason
+    from parallel.core.shape import ShapeError, untrainable_reason
 
     try:
         reason = untrainable_reason({k: cfg[k] for k in cfg})
@@ -301,7 +301,7 @@ def _check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
                           "activation, selective recomputes the attention cores, full recomputes every block")
     if recompute != "none" and not spec.recompute:
         raise ConfigError(
-            f"train.recompute={recompute} is this project's transform of its own blocks (parallel/recompute.py), "
+            f"train.recompute={recompute} is this project's transform of its own blocks (parallel/core/recompute.py), "
             f"but parallel={strategy} does not take it (its registry entry says recompute=False: PyTorch's own "
             "strategies, and zero3, whose hooks gather each block's parameters once per forward); "
             "set train.recompute=none"

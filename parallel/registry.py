@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.layout import Layout
-from parallel.model import GPTConfig
 
 
 class ConfigError(ValueError):
@@ -59,7 +59,7 @@ class StrategySpec:
     grad_sync: bool = False  # parallel.grad_sync (naive | bucketed) and bucket_mb
     bucket_mb: bool = False  # parallel.bucket_mb alone (PyTorch's DDP)
     zero_dp: bool = False  # parallel.zero sets the ZeRO stage of its dp dimension
-    recompute: bool = False  # train.recompute (selective | full) applies: parallel/recompute.py's transform
+    recompute: bool = False  # train.recompute (selective | full) applies: parallel/core/recompute.py's transform
     cp_kind: str | None = None  # context parallelism: the attention it asks for ("ring" | "a2a"), carried by routes
     checkpoints: bool = True  # train.checkpoint_every / train.resume
     exposed_comm_measured: bool = True  # false where it waits inside PyTorch, out of the log's sight

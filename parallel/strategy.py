@@ -23,11 +23,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from parallel.data import Batch
+from parallel.core.data import Batch
+from parallel.core.model import training_loss_sum
+from parallel.core.optim import AdamW
+from parallel.core.phases import PhaseLog
 from parallel.dist.comm import Communicator
-from parallel.model import training_loss_sum
-from parallel.optim import AdamW
-from parallel.report.phases import PhaseLog
 
 
 def storage_bytes(tensors) -> int:
@@ -137,9 +137,9 @@ class Strategy:
         # The group over which the per-rank loss shares add up to the global loss (None: one rank).
         self.loss_comm = loss_comm
         # The context every forward pass runs in: nothing for fp32, autocast for bf16
-        # (parallel/precision.py; the training loop sets it from train.precision).
+        # (parallel/core/precision.py; the training loop sets it from train.precision).
         self.forward_context = contextlib.nullcontext
-        # Where the step is: forward, backward, sync, optimizer, ... (parallel/report/phases.py).
+        # Where the step is: forward, backward, sync, optimizer, ... (parallel/core/phases.py).
         self.phases = PhaseLog()
 
     # The gradient-sync protocol: the three moments of a step where gradients are handled ----------

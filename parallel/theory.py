@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from parallel.core.model import GPTConfig
 from parallel.cp.traffic import local_kv_elements, ring_layer_traffic, ulysses_layer_traffic
 from parallel.dist.dims import ParallelDims
 from parallel.layout import Layout
-from parallel.model import GPTConfig
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import layer_counts
 from parallel.pp.traffic import p2p_bytes_per_step, p2p_sent_by_rank

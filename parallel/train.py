@@ -15,16 +15,16 @@ from pathlib import Path
 
 import torch
 
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.model import GPT, count_parameters
+from parallel.core.precision import ForwardContext
+from parallel.core.recompute import apply_recompute
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from parallel.dist.timing import StepTimer
-from parallel.model import GPT, count_parameters
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.plan import ConfigError, RunPlan
-from parallel.precision import ForwardContext
-from parallel.recompute import apply_recompute
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.report.activations import ActivationMeter

@@ -31,10 +31,10 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from launch.config import CONFIG_DIR
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.model import GPT
 from parallel.dist.comm import CommLog
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown
-from parallel.model import GPT
 from parallel.plan import build_plan
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 

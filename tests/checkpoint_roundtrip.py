@@ -18,9 +18,9 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 from harness import plan_for, run_distributed  # noqa: E402
 
 from parallel.baselines.fsdp2 import TorchFSDP2  # noqa: E402
-from parallel.data import GlobalBatches, local_microbatches  # noqa: E402
+from parallel.core.data import GlobalBatches, local_microbatches  # noqa: E402
+from parallel.core.model import GPT, token_loss_sum  # noqa: E402
 from parallel.dist.groups import LaunchEnv  # noqa: E402
-from parallel.model import GPT, token_loss_sum  # noqa: E402
 from parallel.strategy import make_optimizer  # noqa: E402
 from parallel.zero.strategy import ZeroDataParallel  # noqa: E402
 from parallel.zero.zero3 import Zero3  # noqa: E402

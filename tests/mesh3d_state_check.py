@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import torch
 
 from parallel.combined.mesh3d import build_mesh3d
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.model import GPT, GPTConfig
 from parallel.dist.comm import CommLog
 from parallel.dist.dims import ParallelDims
 from parallel.dist.groups import LaunchEnv, exit_process, init_distributed, shutdown
-from parallel.model import GPT, GPTConfig
 from parallel.pp.executor import PipelineParallel
 from parallel.strategy import SingleProcess, make_optimizer
 

@@ -23,14 +23,14 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from launch.config import CONFIG_DIR  # noqa: E402
-from parallel.data import GlobalBatches, load_corpus, local_microbatches  # noqa: E402
+from parallel.core.data import GlobalBatches, load_corpus, local_microbatches  # noqa: E402
+from parallel.core.model import GPT  # noqa: E402
+from parallel.core.shape import ModelShape  # noqa: E402
 from parallel.dist.comm import CommLog  # noqa: E402
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown  # noqa: E402
-from parallel.model import GPT  # noqa: E402
 from parallel.plan import build_plan  # noqa: E402
 from parallel.planner.enumerate import zero_stage  # noqa: E402
 from parallel.planner.memory import model_state_bytes  # noqa: E402
-from parallel.planner.shape import ModelShape  # noqa: E402
 from parallel.report.activations import ActivationMeter  # noqa: E402
 
 # (label, preset, overrides): every registry entry with a formula, pipelines and tp cut several ways.

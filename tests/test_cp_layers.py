@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from parallel.core.model import GPT, AttentionCore, GPTConfig
 from parallel.cp.layout import (
     check_divisible,
     layout_order,
@@ -36,7 +37,6 @@ from parallel.cp.transform import parallelize_cp
 from parallel.cp.ulysses import UlyssesAttentionCore
 from parallel.dist.comm import CommLog, Communicator
 from parallel.dist.groups import exit_process
-from parallel.model import GPT, AttentionCore, GPTConfig
 
 WORLD = 4
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from parallel.data import DataError, GlobalBatches, load_corpus, local_microbatches, stdlib_source_dir
+from parallel.core.data import DataError, GlobalBatches, load_corpus, local_microbatches, stdlib_source_dir
 
 
 @pytest.fixture(scope="module")

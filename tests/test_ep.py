@@ -4,7 +4,7 @@ run of the same model. Each run proves at once:
 
 * the same training: per-step losses within 1e-5, the same final parameters, the same data;
 * the same routing: tokens per expert, before and after dropping, at every step equal the single
-  run's (capacity and drop order per sequence, parallel/moe/routing.py);
+  run's (capacity and drop order per sequence, parallel/core/routing.py);
 * the bytes: every step's all-to-all bytes equal the exact figure from that step's routing counts,
   the dense all-reduces (dp) and the experts' (edp) their closed forms, and the whole step
   theory's (comm_matches_theory);
@@ -21,9 +21,9 @@ import torch
 from launcher import assert_ok, run_train
 from test_layout import plan_for
 
+from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.layout import Layout
-from parallel.model import GPTConfig
 from parallel.plan import ConfigError
 from parallel.registry import expected_comm
 from parallel.theory import (

@@ -11,11 +11,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT, TINY, assert_ok, max_rel_diff, run_train
 
-from parallel.data import Batch
+from parallel.core.data import Batch
+from parallel.core.model import GPT, GPTConfig
+from parallel.core.precision import ForwardContext
 from parallel.dist.groups import LaunchEnv, choose_device_type
-from parallel.model import GPT, GPTConfig
 from parallel.plan import ConfigError, build_plan
-from parallel.precision import ForwardContext
 from parallel.strategy import SingleProcess, make_optimizer
 from parallel.train import _check_forward_context
 

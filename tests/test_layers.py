@@ -24,9 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from spawn import run_ranks, write_result
 
+from parallel.core.optim import AdamW
 from parallel.dist.comm import CommLog, Communicator
 from parallel.dp.sync import BucketedGradSync, NaiveGradSync
-from parallel.optim import AdamW
 from parallel.tp.layers import ColumnParallelLinear, NormIntoTP, RowParallelLinear
 from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.regions import SEQ_DIM

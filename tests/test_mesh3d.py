@@ -21,8 +21,8 @@ from observability import check_time_breakdown, check_trace
 from test_tp import check_grads_match_single
 
 from parallel.combined.mesh3d import build_mesh3d
+from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import ParallelDims
-from parallel.model import GPT, GPTConfig
 from parallel.pp.schedules import build_schedule
 from parallel.tp.layers import parallelize_tp
 

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from parallel.model import GPT, GPTConfig
+from parallel.core.model import GPT, GPTConfig
 from parallel.report.mfu import devices_for_peak, flops_per_token, matmul_parameters, measure_peak_flops, mfu
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from parallel.model import GPT, GPTConfig, count_parameters, token_loss_sum
+from parallel.core.model import GPT, GPTConfig, count_parameters, token_loss_sum
 from parallel.theory import parameter_count
 
 TINY = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parallel.core.model import GPT, GPTConfig
 from parallel.dist.comm import CommLog, Communicator, ring_bytes_sent, summarize_traffic
-from parallel.model import GPT, GPTConfig
 from parallel.moe.expert_parallel import ExpertParallelMoE, local_expert_range
 from parallel.moe.traffic import CALLS, exact_sent_per_rank, layer_call_bytes, rank_rows, uniform_sent_per_rank
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import yaml
 
-from parallel.model import (
+from parallel.core.model import (
     GPT,
     MLP,
     MOE_FIELDS,
@@ -23,10 +23,10 @@ from parallel.model import (
     token_loss_sum,
     training_loss_sum,
 )
+from parallel.core.optim import AdamW
+from parallel.core.routing import expert_capacity, route
+from parallel.core.shape import PLANNER_DEFAULTS
 from parallel.moe.expert_parallel import shard_experts
-from parallel.moe.routing import expert_capacity, route
-from parallel.optim import AdamW
-from parallel.planner.shape import PLANNER_DEFAULTS
 from parallel.theory import (
     active_parameter_count,
     ep_shard_parameter_count,

@@ -23,11 +23,11 @@ from launch.compare import unquoted_overrides
 from parallel.compare.report import CONSOLE, CONSOLE_WIDTH, console_table
 from parallel.compare.rounds import aggregate_rounds, rotated
 from parallel.compare.rows import COLUMNS, NOISY_SPREAD, failed_row
+from parallel.core.phases import PhaseLog
 from parallel.dist.groups import LaunchEnv
 from parallel.dist.timing import StepClock, default_warmup_steps
 from parallel.plan import build_plan
 from parallel.report.breakdown import WAITING_FOR_SLOWEST, breakdown_notes, rank_step_breakdown, summarize_breakdown
-from parallel.report.phases import PhaseLog
 from parallel.report.trace import chrome_trace, rank_label
 
 

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from parallel.model import GPT, GPTConfig, token_loss_sum
-from parallel.optim import AdamW
+from parallel.core.model import GPT, GPTConfig, token_loss_sum
+from parallel.core.optim import AdamW
 from parallel.strategy import make_optimizer
 
 

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from launch.config import CONFIG_DIR
 from parallel import theory
+from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.layout import Layout
@@ -31,7 +32,6 @@ from parallel.planner.cluster import Cluster, ClusterError, cluster_from_config
 from parallel.planner.enumerate import Space, _candidate, _key, _requests, enumerate_layouts, zero_stage
 from parallel.planner.links import group_span
 from parallel.planner.predict import predict_row
-from parallel.planner.shape import ModelShape
 from parallel.planner.timing import forward_flops_per_token, step_time
 from parallel.planner.traffic import bytes_by_link, layout_traffic
 from parallel.registry import REGISTRY, StrategySpec, register

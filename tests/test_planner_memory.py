@@ -18,8 +18,8 @@ import sys
 
 from launcher import CPU_ONLY, PROJECT_ROOT
 
+from parallel.core.model import GPTConfig
 from parallel.dist.dims import ParallelDims
-from parallel.model import GPTConfig
 from parallel.registry import REGISTRY, layout_of
 
 
@@ -59,9 +59,9 @@ def test_strategies_without_a_formula_say_so():
 def test_the_two_activation_derivations_agree_where_both_apply():
     """The planner's walk (pipelines, tp) and theory.activation_bytes (cp, recomputation) derive the
     same bytes where both apply: one stage, no tp, no cp, no recomputation."""
+    from parallel.core.model import GPTConfig
     from parallel.dist.dims import ParallelDims
     from parallel.layout import Layout
-    from parallel.model import GPTConfig
     from parallel.planner.memory import activation_bytes_by_rank
     from parallel.theory import activation_bytes
 

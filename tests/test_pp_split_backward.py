@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from parallel.model import GPT, GPTConfig, token_loss_sum
+from parallel.core.model import GPT, GPTConfig, token_loss_sum
 from parallel.pp.split import split_model
 from parallel.pp.split_backward import SplitBackward
 from parallel.report.activations import ActivationMeter

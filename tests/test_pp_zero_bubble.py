@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from parallel.model import GPTConfig
+from parallel.core.model import GPTConfig
 from parallel.pp.actions import RECV_F, SEND_B, SEND_F, Action, B, F, W
 from parallel.pp.bubble import closed_form_bubble, closed_form_idle, has_closed_form, idle_terms
 from parallel.pp.placement import Placement
@@ -396,8 +396,8 @@ def test_3d_theory_on_the_v_written_out(d, t, p, m, sp, zero):
     parameters, tp bytes and pp sends, against the chunks split_model gives each rank."""
     from types import SimpleNamespace
 
+    from parallel.core.model import GPT, part_of
     from parallel.dist.dims import ParallelDims
-    from parallel.model import GPT, part_of
     from parallel.pp.split import split_model
     from parallel.pp.traffic import p2p_sent_by_rank
     from parallel.registry import expected_comm

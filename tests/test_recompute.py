@@ -1,6 +1,6 @@
 """Activation recomputation and the context-parallel plan, in one process (no ranks, no torchrun).
 
-* The recompute transform (parallel/recompute.py) leaves the loss and every gradient as they were
+* The recompute transform (parallel/core/recompute.py) leaves the loss and every gradient as they were
   (measured: bit-identical; asserted within 1e-6), with dropout too (the random state is replayed),
   and the bytes the ActivationMeter measures equal theory.activation_terms exactly for
   none / selective / full, on two shapes.
@@ -19,12 +19,12 @@ from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
 
 from parallel import theory
+from parallel.core.model import GPT, GPTConfig, token_loss_sum
+from parallel.core.recompute import apply_recompute
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.layout import Layout
-from parallel.model import GPT, GPTConfig, token_loss_sum
 from parallel.plan import ConfigError, build_plan
-from parallel.recompute import apply_recompute
 from parallel.registry import expected_comm
 from parallel.report.activations import ActivationMeter
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from test_layout import plan_for
 
-from parallel.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import LayoutError
-from parallel.model import GPT, GPTConfig
 from parallel.plan import ConfigError
 from parallel.reliability.checkpoint import (
     CheckpointError,

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from parallel.core.model import GPT, GPTConfig, count_parameters
 from parallel.dist.comm import ring_bytes_sent
 from parallel.dist.dims import ParallelDims
-from parallel.model import GPT, GPTConfig, count_parameters
 from parallel.registry import expected_comm
 from parallel.theory import parameter_count, tp_shard_parameter_count
 from parallel.tp.layers import parallelize_tp
@@ -262,7 +262,7 @@ def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
 def _stage_part_sizes(t, p, v=1):
     """Per stage, the parts ZeRO shards (ZeRO groups a rank's parameters by model.part_of), counted
     on the model itself after the tp cut and the pipeline split."""
-    from parallel.model import part_of as _part_of
+    from parallel.core.model import part_of as _part_of
     from parallel.pp.split import split_model
     sizes = []
     for r in range(p):

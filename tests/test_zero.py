@@ -20,7 +20,7 @@ import torch
 from launcher import TINY, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
 
-from parallel.model import GPT, GPTConfig
+from parallel.core.model import GPT, GPTConfig
 from parallel.strategy import make_optimizer
 from parallel.zero.shards import ShardAdamW, group_into_parts
 

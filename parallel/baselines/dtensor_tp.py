@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from parallel.baselines.counting import FunctionalCollectiveCounter
-from parallel.data import Batch
+from parallel.core.data import Batch
 from parallel.dist.comm import CommLog, Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from parallel.core.model import part_names
+from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
-from parallel.model import part_names
-from parallel.optim import AdamW
 from parallel.strategy import GradSync, Strategy, storage_bytes
 from parallel.zero.shards import BETAS, EPS
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn as nn
 
 from parallel.baselines.counting import PipelineP2PCounter
-from parallel.data import Batch
+from parallel.core.data import Batch
+from parallel.core.model import GPT, token_loss_sum
 from parallel.dist.comm import CommLog, Communicator
-from parallel.model import GPT, token_loss_sum
 from parallel.pp.schedules import ScheduleError, schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import Strategy, make_optimizer

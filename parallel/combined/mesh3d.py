@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from parallel.core.model import GPT, token_loss_sum
 from parallel.cp.strategy import ContextParallelPipeline
 from parallel.cp.transform import parallelize_cp
 from parallel.dp.sync import make_grad_sync
-from parallel.model import GPT, token_loss_sum
 from parallel.pp.executor import PipelineParallel, global_named_parameters
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import split_model

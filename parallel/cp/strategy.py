@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel.core.data import Batch
+from parallel.core.model import GPTConfig, token_loss_sum
 from parallel.cp.layout import shard_sequence, validate
 from parallel.cp.transform import parallelize_cp
-from parallel.data import Batch
 from parallel.dist.comm import Communicator
 from parallel.dp.sync import make_grad_sync
-from parallel.model import GPTConfig, token_loss_sum
 from parallel.pp.executor import PipelineParallel
 from parallel.strategy import Strategy, make_optimizer
 from parallel.zero.optimizer import ZeroOptimizer

@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel.core.model import GPT
 from parallel.cp.layout import rank_positions
 from parallel.cp.ring import RingAttentionCore
 from parallel.cp.ulysses import UlyssesAttentionCore
 from parallel.dist.comm import Communicator
-from parallel.model import GPT
 from parallel.tp.layers import ParallelEmbedding
 from parallel.tp.regions import exit_region
 

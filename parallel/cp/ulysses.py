@@ -25,9 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel.core.model import AttentionCore
 from parallel.cp.layout import layout_order
 from parallel.dist.comm import Communicator
-from parallel.model import AttentionCore
 
 
 def sequence_to_heads(comm: Communicator, x: torch.Tensor, tag: str) -> torch.Tensor:

@@ -144,7 +144,7 @@ class ParallelDims:
             )
 
     def check_tensor_parallel(self, model, sequence_parallel: bool) -> None:
-        """The model must split evenly over tp ranks (`model` is a parallel.model.GPTConfig).
+        """The model must split evenly over tp ranks (`model` is a parallel.core.model.GPTConfig).
 
         Heads are split whole, so n_heads % tp == 0; then d_model = n_heads·head_dim and the MLP
         width mlp_ratio·d_model divide by tp as well, and the Q/K/V, output projection, fc and

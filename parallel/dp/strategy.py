@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
 from parallel.dp.sync import make_grad_sync
-from parallel.optim import AdamW
 from parallel.strategy import Strategy
 
 

@@ -24,8 +24,8 @@ import logging
 import torch
 import torch.nn as nn
 
+from parallel.core.model import part_of
 from parallel.dist.comm import Communicator, Handle
-from parallel.model import part_of
 from parallel.strategy import GradSync
 
 log = logging.getLogger(__name__)

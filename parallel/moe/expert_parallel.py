@@ -4,7 +4,7 @@ back by all-to-alls (GShard, Lepikhin et al. 2020, arXiv 2006.16668; Switch Tran
 
 Rank r of an ep group of n ranks holds experts [r·E/n, (r+1)·E/n) of every MoE block, and its
 own tokens (its slice of the batch). The router is replicated: every rank routes its own
-sequences, as the single-process model would (routing is per sequence, parallel/moe/routing.py),
+sequences, as the single-process model would (routing is per sequence, parallel/core/routing.py),
 so the kept assignments are the same ones. Per MoE block and microbatch, forward:
 
   counts    all-to-all of the E per-expert counts of this rank's kept assignments: rank j learns,
@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel.core.model import GPT, MoEMLP
 from parallel.dist.comm import Communicator
-from parallel.model import GPT, MoEMLP
 
 
 class _AllToAll(torch.autograd.Function):

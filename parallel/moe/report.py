@@ -26,8 +26,8 @@ from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
+from parallel.core.routing import expert_capacity
 from parallel.layout import Layout
-from parallel.moe.routing import expert_capacity
 from parallel.moe.traffic import rank_rows
 
 PLOT = "routing.png"

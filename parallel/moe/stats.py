@@ -17,7 +17,7 @@ import contextlib
 
 import torch.nn as nn
 
-from parallel.model import MoEMLP
+from parallel.core.model import MoEMLP
 
 
 def block_name(module_name: str) -> str:

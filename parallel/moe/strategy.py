@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import torch
 
+from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
 from parallel.dp.sync import make_grad_sync
-from parallel.model import GPT
 from parallel.moe.expert_parallel import shard_experts
 from parallel.strategy import GradSync, Strategy, make_optimizer
 

@@ -45,9 +45,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.layout import Layout
-from parallel.model import GPTConfig
-from parallel.planner.shape import ModelShape
 from parallel.pp.schedules import F, build_schedule, compute_only, virtual_stage
 
 INDEX_BYTES = 8  # int64 token ids and positions

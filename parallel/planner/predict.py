@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+from parallel.core.shape import ModelShape
 from parallel.planner import memory
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate
-from parallel.planner.shape import ModelShape
 from parallel.planner.timing import step_time
 from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
 

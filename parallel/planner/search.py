@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallel.core.shape import ModelShape
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
 from parallel.planner.predict import predict_row
-from parallel.planner.shape import ModelShape
 
 PRESET_FIELDS = ("name", "schedule", "virtual_stages", "sequence_parallel", "grad_sync", "zero")
 

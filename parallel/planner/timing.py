@@ -33,9 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from parallel.core.shape import ModelShape
 from parallel.planner.cluster import Cluster
 from parallel.planner.links import GroupSpan
-from parallel.planner.shape import ModelShape
 from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, build_schedule
 from parallel.pp.simulator import simulate
 

@@ -12,7 +12,7 @@ reduce-scatters equal amounts, so the dp group's all-gathers less its reduce-sca
 the step's all-gathers less all of its reduce-scatters, which with their sum (by_group) fixes both.
 
 Model shapes the sandbox GPT does not have (grouped-query attention, a gated MLP, a tied head:
-parallel/planner/shape.py) run theory.py on their carrier GPT (same layers, width, heads,
+parallel/core/shape.py) run theory.py on their carrier GPT (same layers, width, heads,
 vocabulary, sequence). Tensor-parallel and pipeline bytes depend only on those (b·s·h per
 activation); the dp group's bytes are proportional to the parameters each rank syncs, so they are
 scaled by Ψ_t(shape) / Ψ_t(carrier), Ψ_t the parameters on one tp rank summed over stages. For a
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from parallel import theory
+from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
-from parallel.planner.shape import ModelShape
 from parallel.registry import StrategySpec
 
 P2P_OPS = ("send", "recv")

@@ -30,9 +30,9 @@ import time
 import torch
 import torch.nn as nn
 
-from parallel.data import Batch
+from parallel.core.data import Batch
+from parallel.core.model import token_loss_sum
 from parallel.dist.comm import Communicator
-from parallel.model import token_loss_sum
 from parallel.pp.actions import COMM, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, splits_backward
 from parallel.pp.schedules import build_schedule, schedule_placement
 from parallel.pp.split import PipelineChunk

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from parallel.model import GPT
+from parallel.core.model import GPT
 from parallel.pp.placement import Placement
 
 

@@ -8,7 +8,7 @@ layout that wrote it, so one saved under tp 2 loads under dp 2, pp 2 or a single
 strategy's `load_full_state` keeps its own part of the whole.
 
 The data position is one number: the global batch of step k is a pure function of (seed, k)
-(parallel/data.py), so saving the next step and the data settings is saving the data order.
+(parallel/core/data.py), so saving the next step and the data settings is saving the data order.
 
 Who writes: the strategy gathers the whole state to rank 0 (`full_state_dict`,
 `full_optimizer_state`, both collective) and rank 0 alone writes it with DCP in one process
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.model import MOE_FIELDS, GPTConfig
+from parallel.core.model import MOE_FIELDS, GPTConfig
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"

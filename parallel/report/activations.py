@@ -13,7 +13,7 @@ linear layer saves its weight, which is model state, not activation memory: an n
 view of one, or a tensor on the storage of a parameter given at construction, such as a DTensor's
 local shard, is left out), nothing that has no storage.
 
-Recomputation: this project's (parallel/recompute.py, train.recompute) keeps a region's inputs
+Recomputation: this project's (parallel/core/recompute.py, train.recompute) keeps a region's inputs
 with `save_for_backward` and runs the region again in backward under the same hooks, so the meter
 sees all of it: the kept inputs, and the recomputed region's tensors while its backward runs
 (docs/theory/memory.md derives both). torch.utils.checkpoint's non-reentrant regions would be

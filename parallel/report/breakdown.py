@@ -31,7 +31,7 @@ import statistics
 from bisect import bisect_right
 from collections import defaultdict
 
-from parallel.report.phases import CATEGORY_OF_PHASE
+from parallel.core.phases import CATEGORY_OF_PHASE
 
 CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "other")
 COMPUTE_PHASES = ("forward", "backward", "weight", "recompute")  # always listed, 0 where a step had none

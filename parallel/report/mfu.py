@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from parallel.model import GPTConfig
+from parallel.core.model import GPTConfig
 from parallel.theory import active_parameter_count
 
 

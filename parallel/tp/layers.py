@@ -1,6 +1,6 @@
 """Tensor-parallel layers and the transform that shards the one GPT in place.
 
-`parallelize_tp` turns the one GPT of parallel/model.py into this rank's shard in place, cutting
+`parallelize_tp` turns the one GPT of parallel/core/model.py into this rank's shard in place, cutting
 every shard from the full single-process initialization, so any tp degree starts from the same
 numbers. It reuses the model's own Block, attention, MLP and Head code: only the linears, the
 LayerNorms in front of each region (which now also open the region) and the embedding are
@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
-from parallel.model import GPT
 from parallel.tp.regions import SEQ_DIM, all_gather_along, enter_region, exit_region
 
 

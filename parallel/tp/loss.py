@@ -12,7 +12,7 @@ not b·s·V:
 Backward needs no communication: d loss / d z_j = softmax_j - [j = target], and each rank holds
 the softmax of its own entries (their exp over the global sum) and knows whether the target is
 one of them. This is Megatron's `vocab_parallel_cross_entropy`; it replaces
-parallel.model.token_loss_sum (same meaning: the loss summed over every token, in fp32).
+parallel.core.model.token_loss_sum (same meaning: the loss summed over every token, in fp32).
 """
 
 from __future__ import annotations

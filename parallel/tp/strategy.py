@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from parallel.data import Batch
+from parallel.core.data import Batch
 from parallel.dist.comm import Communicator
 from parallel.dp.sync import make_grad_sync
 from parallel.strategy import Strategy, flat_moments, moment_param, nest_moments

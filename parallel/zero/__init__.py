@@ -28,7 +28,7 @@ flat fp32 buffer, padded with zeros to a multiple of N so it splits into N equal
 owns elements [r·S, (r+1)·S) of every part, S = padded / N. Padding is why the bytes moved and held
 are computed on Ψ_pad = Σ_parts ceil(Ψ_part / N)·N (theory.zero_padded_parameter_count).
 
-The optimizer sees only its shard: parallel/optim.py's AdamW over the pieces of the shard, one
+The optimizer sees only its shard: parallel/core/optim.py's AdamW over the pieces of the shard, one
 piece per parameter the shard overlaps (and one for the padding), each piece in the weight-decay
 group of its parameter (no decay on biases and LayerNorm weights, as strategy.make_optimizer).
 AdamW is elementwise, so stepping the pieces does per element the same arithmetic as stepping the

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel.core.model import part_of
+from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
-from parallel.model import part_of
-from parallel.optim import AdamW
 
 BETAS, EPS = (0.9, 0.95), 1e-8  # as strategy.make_optimizer
 
@@ -102,7 +102,7 @@ def group_into_parts(named_params: list[tuple[str, nn.Parameter]], world: int, r
 
 class ShardAdamW:
     """AdamW over the shards of several parts: each part's shard cut into pieces (Part.pieces),
-    every piece a view into the shard, stepped by parallel/optim.py's AdamW in the weight-decay
+    every piece a view into the shard, stepped by parallel/core/optim.py's AdamW in the weight-decay
     group of its parameter."""
 
     def __init__(self, parts: list[Part], shards: list[torch.Tensor], grad_shards: list[torch.Tensor],

@@ -33,8 +33,8 @@ import logging
 import torch
 import torch.nn as nn
 
+from parallel.core.model import part_names
 from parallel.dist.comm import Communicator
-from parallel.model import part_names
 from parallel.strategy import GradSync, Strategy, storage_bytes
 from parallel.zero.shards import (
     GradReduceScatter,

@@ -2,7 +2,7 @@
 larger models that change memory and FLOPs.
 
 A `ModelShape` is read from a conf/model/ preset. Its GPT fields (layers, width, heads, vocabulary,
-sequence, MLP ratio) are the sandbox GPT's own (`parallel.model.GPTConfig`); the optional
+sequence, MLP ratio) are the sandbox GPT's own (`parallel.core.model.GPTConfig`); the optional
 planner fields describe what the sandbox GPT does not have:
 
     n_kv_heads            grouped-query attention: K and V have n_kv_heads heads (GPT: n_heads)
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from parallel.model import MOE_FIELDS, GPTConfig
+from parallel.core.model import MOE_FIELDS, GPTConfig
 
 GPT_FIELDS = ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio", "dropout", "vocab_pad_multiple",
               *MOE_FIELDS)

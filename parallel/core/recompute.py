@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from parallel.model import Block
+from parallel.core.model import Block
 
 MODES = ("none", "selective", "full")
 
@@ -79,7 +79,7 @@ class _Recompute(torch.autograd.Function):
 
 def recompute(run, *inputs: torch.Tensor, phases=None):
     """`run(*inputs)` under recomputation (plainly when no gradient is being recorded). `phases`: the
-    strategy's phase log (parallel/report/phases.py), told when the second forward runs."""
+    strategy's phase log (parallel/core/phases.py), told when the second forward runs."""
     if not torch.is_grad_enabled():
         return run(*inputs)
     if not any(t.requires_grad for t in inputs):

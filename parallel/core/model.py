@@ -9,7 +9,7 @@ The model is split into three parts so that a pipeline can cut it later without 
 `embed` (tokens -> hidden), `blocks` (hidden -> hidden) and `head` (hidden -> logits).
 
 With `moe_experts` > 0 some blocks replace their MLP by a mixture of experts (`MoEMLP`: a router
-and `moe_experts` MLPs of the dense shape; routing in parallel/moe/routing.py, the theory in
+and `moe_experts` MLPs of the dense shape; routing in parallel/core/routing.py, the theory in
 docs/theory/experts.md). With the default `moe_experts=0` the model is the dense GPT, unchanged.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parallel.moe.routing import combine, expert_capacity, route
+from parallel.core.routing import combine, expert_capacity, route
 
 # The GPTConfig fields of a mixture of experts, spelled as in conf/model/*.yaml.
 MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_weight")
@@ -163,7 +163,7 @@ class MoEMLP(nn.Module):
     """A mixture of E MLPs of the dense shape, k of which each token goes through.
 
     y_t = Σ over t's kept assignments (t, e) of g_{t,e} · MLP_e(x_t): the router picks each token's
-    top-k experts and gate weights g (parallel/moe/routing.py: raw probability for k = 1, the k
+    top-k experts and gate weights g (parallel/core/routing.py: raw probability for k = 1, the k
     probabilities renormalised for k >= 2); each expert runs on its contiguous run of rows (the
     assignments sorted by expert); past an expert's capacity per sequence assignments are
     dropped. A token with no kept assignment gets zeros here and keeps its residual stream.
