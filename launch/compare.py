@@ -33,10 +33,7 @@ with the quoted form to use.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,7 +43,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launch.config import CODE_ROOT, CONFIG_DIR
+from launch.config import CONFIG_DIR
 from launch.run import Refused, check_privileges
 from parallel.compare import plots
 from parallel.compare.crossover import console_lines, write_all
@@ -67,6 +64,7 @@ from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summ
 from parallel.net.netns import remove_leftovers
 from parallel.plan import model_config
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
+from parallel.runner import run_one
 from parallel.theory import parameter_count
 
 
@@ -86,98 +84,11 @@ def section_overrides(cfg: DictConfig, section: str) -> list[str]:
             for k, v in values.items()]
 
 
-# torchrun's own report of a failed worker: never the cause.
-LAUNCHER_NOISE = ("traceback :", "error_file", "ChildFailedError", "elastic", "FAILED", "exitcode", "Root Cause")
-
-
-def error_line(stdout: str, stderr: str) -> str:
-    """The run's own one-line verdict (`error: ...`) if it printed one, else the last line that names
-    an error (an exception's message), else the last line of stderr."""
-    lines = [line.strip() for line in (stderr + "\n" + stdout).splitlines()
-             if line.strip() and not any(n in line for n in LAUNCHER_NOISE)]
-    for line in lines:
-        if line.startswith("error:"):
-            return line[len("error:"):].strip()
-    named = [line for line in lines if "Error" in line or "error" in line]
-    if named:
-        return named[-1]
-    return lines[-1] if lines else "no output"
-
-
 def missing_preset(strategy: str) -> str | None:
     """A sweep name without a conf/parallel/ preset fails at once, without starting a run."""
     if (Path(CONFIG_DIR) / "parallel" / f"{strategy}.yaml").exists():
         return None
     return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc), children first."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found.extend(children)
-            todo.extend(children)
-    return found
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """Stop a run that outlived its timeout, and every process it started.
-
-    torchrun, on SIGTERM, stops its workers itself; the workers run in sessions of their own, so a
-    worker stuck past that grace period is then killed by its own pid, as are any left behind.
-    """
-    workers = descendants(proc.pid)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=10)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    for pid in workers:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, float]:
-    """Run one strategy; returns (status, error, seconds). Output goes to <run_dir>/console.log.
-
-    The run gets its own session, so that a timeout stops torchrun and everything it started
-    (see `stop`) and nothing is left behind.
-    """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-        status = "ok" if proc.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        stdout, stderr = proc.communicate()
-        status = "timeout"
-    seconds = time.perf_counter() - start
-    (run_dir / "console.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
-    if status == "ok" and not (run_dir / "summary.json").exists():
-        status = "failed"
-        return status, f"exit 0 but no summary.json: {error_line(stdout, stderr)}", seconds
-    if status == "timeout":
-        return status, f"stopped after {timeout_s:g} s (compare.timeout_s)", seconds
-    if status == "failed":
-        return status, f"exit {proc.returncode}: {error_line(stdout, stderr)}", seconds
-    return status, "", seconds
 
 
 def progress(done: int, total: int, text: str, width: int = 24) -> str:

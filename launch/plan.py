@@ -133,7 +133,7 @@ def main_plan(cfg: DictConfig) -> Path:
           f"({found.requests} requests, {sum(found.refused.values())} refused by plan.py)")
     print(console_table(rows, p.top))
     if validation is not None:
-        from parallel.planner.validate import markdown_validation
+        from parallel.planner.report import markdown_validation
 
         print("\nvalidation (predicted against measured, net=" + str(choices.get("net") or "none") + "):")
         print(markdown_validation(validation))

@@ -1,1 +1,45 @@
-"""parallel-sandbox: hand-written data, tensor and pipeline parallelism for one small GPT."""
+"""parallel-sandbox: one small GPT trained by hand-written data, tensor, pipeline, context and expert
+parallelism (and ZeRO, and all of them on one mesh), beside PyTorch's own.
+
+The code is built in floors, and imports only go down: a module imports its own floor's modules
+and the floors below, never one above. Read it bottom up:
+
+    floor 0  core/          one process, no torch.distributed: the GPT (model.py), its shape as the
+                            formulas read it (shape.py), data, optimizer, precision, recomputation
+    floor 1  dist/ net/     the substrate: the mesh's dimensions (dist/dims.py, declared once), the
+                            one caller of collectives with exact bytes (dist/comm.py), process groups;
+                            links: emulated networks, wire counters, the link model
+    floor 2  the contract   strategy.py (what every strategy implements), spec.py (the registry's
+                            record), layout.py, algebra.py (ring factors, parameter counts, padding,
+                            the per-op/per-group figure), activations.py (bytes saved for backward)
+    floor 3  the families   dp/ zero/ tp/ pp/ cp/ moe/: each folder a chapter with the same pages
+                            (mechanism, strategy.py, rules.py, theory.py, __init__.py with its entries)
+    floor 4  composition    compose/ (the recipe that alone knows every family, and the one table of
+                            what runs), baselines/ (PyTorch's own), registry.py (every family's entries)
+    floor 5  one run        plan.py (every rule before any process group), train.py, report/,
+                            reliability/, runner.py (a run as a child process, bounded in time)
+    floor 6  tools on runs  compare/ (the sweep), planner/ (what a cluster would do)
+    floor 7  launch/        the command lines
+
+Families do not import each other, with one named exception: the gradient syncs every family uses
+(dp/sync.py, and ZeRO's optimizer with its flat shards, zero/optimizer.py and zero/shards.py).
+tests/unit/test_floors.py holds the import graph, lazy imports included, against `FLOORS`.
+"""
+
+# Each floor: the module prefixes it holds (a prefix is a module or a package and everything in it).
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("parallel.core",)),
+    ("substrate", ("parallel.dist", "parallel.net")),
+    ("contract", ("parallel.strategy", "parallel.spec", "parallel.layout", "parallel.algebra",
+                  "parallel.activations", "parallel.theory")),
+    ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
+    ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry", "parallel.strategies")),
+    ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner")),
+    ("tools", ("parallel.compare", "parallel.planner")),
+    ("cli", ("launch",)),
+)
+
+# The floor whose packages must not import one another, and the modules of it that every package of
+# that floor may import all the same.
+FAMILY_FLOOR = "families"
+SHARED_BY_FAMILIES = ("parallel.dp.sync", "parallel.zero.optimizer", "parallel.zero.shards")

@@ -334,7 +334,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:
         _check_pipeline(model, dims, p, spec)
-    if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/combined/mesh3d.py)
+    if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/compose/mesh3d.py)
         if zero:
             _check_3d_zero(zero, sequence_parallel, dims, p)  # the ZeroOptimizer replaces grad_sync
         else:

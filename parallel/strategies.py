@@ -88,7 +88,7 @@ def _build_tp(model, plan, ctx):
 
 
 def _build_mesh3d(model, plan, ctx):
-    from parallel.combined.mesh3d import build_mesh3d
+    from parallel.compose.mesh3d import build_mesh3d
 
     return build_mesh3d(model, plan, ctx)
 

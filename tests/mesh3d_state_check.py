@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from parallel.combined.mesh3d import build_mesh3d
+from parallel.compose.mesh3d import build_mesh3d
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.comm import CommLog

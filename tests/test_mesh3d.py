@@ -20,7 +20,7 @@ from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_ma
 from observability import check_time_breakdown, check_trace
 from test_tp import check_grads_match_single
 
-from parallel.combined.mesh3d import build_mesh3d
+from parallel.compose.mesh3d import build_mesh3d
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import ParallelDims
 from parallel.pp.schedules import build_schedule

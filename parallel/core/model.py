@@ -216,18 +216,28 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
+def sequence_positions(length: int, device) -> torch.Tensor:
+    """The positions of a whole sequence of `length` tokens: 0, 1, ..., length - 1."""
+    return torch.arange(length, device=device)
+
+
 class Embedding(nn.Module):
-    """Token plus learned position embedding."""
+    """Token plus learned position embedding.
+
+    `positions(length, device)` gives the global positions of the `length` tokens this rank holds:
+    the whole sequence here; context parallelism (parallel/cp/transform.py) sets it to its rank's
+    chunks, on this embedding and on tensor parallelism's alike, without either knowing the other.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
+        self.positions = sequence_positions
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
+        return self.drop(self.tok(idx) + self.pos(self.positions(idx.shape[1], idx.device)))
 
 
 class Head(nn.Module):

@@ -17,8 +17,8 @@ Per rank per step, in bytes (parallel/theory.py `cp_comm`, docs/theory/context.m
     attention  L·m·(fwd + bwd) of parallel/cp/traffic.py, fwd twice under recomputation
     gradients  2(n − 1)/n·Ψ·4 all-reduced over n = d·cp ranks (ZeRO: (n − 1)/n·(G + P))
 
-`ContextParallelPipeline` is the same cut of the batch in front of the pipeline runner, for cp
-with tensor and pipeline parallelism on one mesh (parallel/combined/mesh3d.py).
+With tensor and pipeline parallelism on one mesh the same cut of the batch stands in front of the
+pipeline runner (parallel/compose/cp_pipeline.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from parallel.cp.layout import shard_sequence, validate
 from parallel.cp.transform import parallelize_cp
 from parallel.dist.comm import Communicator
 from parallel.dp.sync import make_grad_sync
-from parallel.pp.executor import PipelineParallel
 from parallel.strategy import Strategy, make_optimizer
 from parallel.zero.optimizer import ZeroOptimizer
 from parallel.zero.shards import gather_full
@@ -105,21 +104,3 @@ class ContextParallel(Strategy):
     def close(self) -> None:
         self.cp_comm.wait_all()
         self.loss_comm.wait_all()
-
-
-class ContextParallelPipeline(PipelineParallel):
-    """The pipeline runner fed with this cp rank's tokens: the first stage embeds them, the last
-    computes their loss, and every stage boundary carries b·(s/cp)·h (or b·(s/cp/t)·h under
-    sequence parallelism), since the shapes follow the microbatch."""
-
-    def __init__(self, chunks, *, cp_comm: Communicator, **runner):
-        super().__init__(chunks, **runner)
-        self.cp_comm = cp_comm
-
-    def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
-        rank, cp = self.cp_comm.rank, self.cp_comm.size
-        return super().train_step([shard_batch(mb, rank, cp) for mb in microbatches], global_tokens)
-
-    def close(self) -> None:
-        super().close()
-        self.cp_comm.wait_all()

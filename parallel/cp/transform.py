@@ -20,42 +20,20 @@ from parallel.cp.layout import rank_positions
 from parallel.cp.ring import RingAttentionCore
 from parallel.cp.ulysses import UlyssesAttentionCore
 from parallel.dist.comm import Communicator
-from parallel.tp.layers import ParallelEmbedding
-from parallel.tp.regions import exit_region
 
 KINDS = ("ring", "a2a")
 
 
-class ContextParallelEmbedding(nn.Module):
-    """The model's token plus position embedding for this rank's tokens (the very same parameters)."""
+class RankPositions:
+    """The global positions of cp rank `rank`'s tokens (its two chunks, parallel/cp/layout.py): set
+    as the embedding's `positions` (parallel/core/model.py `Embedding`), whichever embedding the
+    model has (tensor parallelism's takes its own piece of these under sequence parallelism)."""
 
-    def __init__(self, embed: nn.Module, rank: int, cp: int):
-        super().__init__()
-        self.tok, self.pos, self.drop = embed.tok, embed.pos, embed.drop
+    def __init__(self, rank: int, cp: int):
         self.rank, self.cp = rank, cp
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = rank_positions(self.rank, self.cp, idx.shape[1] * self.cp, device=idx.device)
-        return self.drop(self.tok(idx) + self.pos(positions))
-
-
-class ContextParallelTPEmbedding(nn.Module):
-    """Tensor parallelism's embedding (parallel/tp/layers.py `ParallelEmbedding`: vocab-parallel
-    tokens summed over tp) with this cp rank's global positions; under sequence parallelism, tp
-    rank i adds the positions of its i-th piece of this rank's tokens. The same parameters."""
-
-    def __init__(self, embed: ParallelEmbedding, rank: int, cp: int):
-        super().__init__()
-        self.tok, self.pos, self.drop = embed.tok, embed.pos, embed.drop
-        self.comm, self.sequence_parallel = embed.comm, embed.sequence_parallel
-        self.rank, self.cp = rank, cp
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = exit_region(self.tok(idx), self.comm, "tp/embed", self.sequence_parallel)
-        positions = rank_positions(self.rank, self.cp, idx.shape[1] * self.cp, device=idx.device)
-        if self.sequence_parallel:
-            positions = positions.chunk(self.comm.size)[self.comm.rank]
-        return self.drop(x + self.pos(positions))
+    def __call__(self, length: int, device) -> torch.Tensor:
+        return rank_positions(self.rank, self.cp, length * self.cp, device=device)
 
 
 def attention_core(kind: str, comm: Communicator, tag: str, original: nn.Module) -> nn.Module:
@@ -68,11 +46,9 @@ def attention_core(kind: str, comm: Communicator, tag: str, original: nn.Module)
 
 
 def parallelize_cp(model: GPT, comm: Communicator, kind: str) -> None:
-    """Replace the embedding and every block's attention core; the tags are `cp/blocks.<i>.attn`.
-    After tensor parallelism (`parallelize_tp` first), the cores see this tp rank's heads only."""
-    if isinstance(model.embed, ParallelEmbedding):
-        model.embed = ContextParallelTPEmbedding(model.embed, comm.rank, comm.size)
-    else:
-        model.embed = ContextParallelEmbedding(model.embed, comm.rank, comm.size)
+    """Give the embedding this rank's positions and replace every block's attention core (tagged
+    `cp/blocks.<i>.attn`). After tensor parallelism (`parallelize_tp` first), the cores see this
+    tp rank's heads only."""
+    model.embed.positions = RankPositions(comm.rank, comm.size)
     for i, block in enumerate(model.blocks):
         block.attn.core = attention_core(kind, comm, f"cp/blocks.{i}.attn", block.attn.core)

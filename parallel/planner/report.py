@@ -121,8 +121,6 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         "",
     ]
     if validation:
-        from parallel.planner.validate import markdown_validation
-
         order = meta.get("validation", {})
         lines += ["## Validation: predicted against measured", "", markdown_validation(validation), ""]
         if order:
@@ -135,3 +133,27 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         lines += [""]
     lines += [f"![{p}]({p})" for p in plots]
     path.write_text("\n".join(lines) + "\n")
+
+
+# -- the validation table: the planner's prediction beside a measured run (parallel/planner/validate.py) --
+VALIDATION_HEADER = ["#", "layout", "step s pred", "step s meas", "err", "exposed comm pred/meas s",
+                     "bubble pred/meas", "MB/step = theory", "acts max err", "state err"]
+
+
+def markdown_validation(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(VALIDATION_HEADER) + " |", "| " + " | ".join("---" for _ in VALIDATION_HEADER) + " |"]
+    for r in rows:
+        if r.get("measured_error"):
+            lines.append(f"| {r['rank']} | {r['layout']['preset']} {layout_label(r['layout'])} | "
+                         f"run failed: {r['measured_error']} |" + " |" * (len(VALIDATION_HEADER) - 3))
+            continue
+        m, e, t = r["measured"], r["errors"], r["step_time_s"]
+        bubble = "-" if m["bubble_fraction"] is None else f"{t['bubble'] / t['total']:.0%}/{m['bubble_fraction']:.0%}"
+        acts = "-" if e["activations"] is None else f"{e['activations']:.1%}"
+        state = "-" if e["model_state"] is None else f"{e['model_state']:+.1%}"
+        same = "yes" if e["bytes_equal"] else "NO"
+        lines.append(
+            f"| {r['rank']} | {r['layout']['preset']} {layout_label(r['layout'])} | {t['total']:.3f} | "
+            f"{m['step_time_s']:.3f} | {e['step_time']:+.0%} | {t['exposed_comm']:.3f}/{m['exposed_comm_s']:.3f} | "
+            f"{bubble} | {m['sent_bytes_per_step'] / 1e6:.3f} {same} | {acts} | {state} |")
+    return "\n".join(lines)

@@ -52,7 +52,7 @@ def run_layout(overrides: list[str], world: int, run_dir: Path, net: dict | None
                timeout_s: float) -> dict:
     """Run it (launch.compare's runner: own session, stopped with its children on timeout) and return
     its summary, or {"error": ...}."""
-    from launch.compare import run_one
+    from parallel.runner import run_one
 
     cmd = launch_command([*overrides, f"run.dir={run_dir}"], world, net, net_preset)
     status, error, seconds = run_one(cmd, run_dir, timeout_s)
@@ -129,29 +129,6 @@ def order_agreement(rows: list[dict]) -> dict:
     predicted = [r["rank"] for r in sorted(done, key=lambda r: r["step_time_s"]["total"])]
     measured = [r["rank"] for r in sorted(done, key=lambda r: r["measured"]["step_time_s"])]
     return {"predicted_order": predicted, "measured_order": measured, "same": predicted == measured}
-
-
-VALIDATION_HEADER = ["#", "layout", "step s pred", "step s meas", "err", "exposed comm pred/meas s",
-                     "bubble pred/meas", "MB/step = theory", "acts max err", "state err"]
-
-
-def markdown_validation(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(VALIDATION_HEADER) + " |", "| " + " | ".join("---" for _ in VALIDATION_HEADER) + " |"]
-    for r in rows:
-        if r.get("measured_error"):
-            lines.append(f"| {r['rank']} | {r['layout']['preset']} {layout_label(r['layout'])} | "
-                         f"run failed: {r['measured_error']} |" + " |" * (len(VALIDATION_HEADER) - 3))
-            continue
-        m, e, t = r["measured"], r["errors"], r["step_time_s"]
-        bubble = "-" if m["bubble_fraction"] is None else f"{t['bubble'] / t['total']:.0%}/{m['bubble_fraction']:.0%}"
-        acts = "-" if e["activations"] is None else f"{e['activations']:.1%}"
-        state = "-" if e["model_state"] is None else f"{e['model_state']:+.1%}"
-        same = "yes" if e["bytes_equal"] else "NO"
-        lines.append(
-            f"| {r['rank']} | {r['layout']['preset']} {layout_label(r['layout'])} | {t['total']:.3f} | "
-            f"{m['step_time_s']:.3f} | {e['step_time']:+.0%} | {t['exposed_comm']:.3f}/{m['exposed_comm_s']:.3f} | "
-            f"{bubble} | {m['sent_bytes_per_step'] / 1e6:.3f} {same} | {acts} | {state} |")
-    return "\n".join(lines)
 
 
 def choose(rows: list[dict], top: int, names: list[str] | None) -> list[dict]:

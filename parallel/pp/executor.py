@@ -19,8 +19,9 @@ loss reaches rank 0 through an all-reduce over pp and then dp, tagged as tooling
 
 The runner is given its parts rather than building them: the chunks this rank holds, the
 optimizer, the gradient sync over dp, how the last stage turns its output into a loss, what
-crosses a boundary, and how its parameters are cut over tp (`TPShards`, the identity without tp).
-parallel/combined/mesh3d.py composes them for `pp` and for dp x tp x pp.
+crosses a boundary, and how its parameters are cut over tp (`shards`: tensor parallelism's `TPShards`,
+which is the identity without tp; the pipeline only calls its gather, local_part and replica_spread).
+parallel/compose/mesh3d.py composes them for `pp` and for dp x tp x pp.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from parallel.pp.schedules import build_schedule, schedule_placement
 from parallel.pp.split import PipelineChunk
 from parallel.pp.split_backward import SplitBackward
 from parallel.strategy import GradSync, Strategy, flat_moments, moment_param, nest_moments
-from parallel.tp.layers import TPShards
 from parallel.zero.shards import gather_full
 
 KIND = {F: "forward", B: "backward", W: "weight"}  # a compute action's kind in the timeline
@@ -49,7 +49,7 @@ class PipelineParallel(Strategy):
 
     def __init__(self, chunks: list[PipelineChunk], *, pp_comm: Communicator, dp_comm: Communicator | None,
                  schedule: str, microbatches: int, virtual: int, optimizer, sync: GradSync, full_parameters: int,
-                 d_model: int, stage_loss=token_loss_sum, boundary_seq_parts: int = 1, shards: TPShards | None = None,
+                 d_model: int, stage_loss=token_loss_sum, boundary_seq_parts: int = 1, shards,
                  tp_comm: Communicator | None = None):
         self._full_parameters = full_parameters
         self.stages = pp_comm.size
@@ -62,7 +62,7 @@ class PipelineParallel(Strategy):
         self.d_model = d_model
         self.stage_loss = stage_loss  # (last chunk's output, targets) -> summed token loss
         self.boundary_seq_parts = boundary_seq_parts  # each rank sends 1/this of the sequence (sequence parallelism)
-        self.shards = shards if shards is not None else TPShards()
+        self.shards = shards
         self.schedule = schedule
         self.microbatches = microbatches
         plans = build_schedule(schedule, self.stages, microbatches, virtual)

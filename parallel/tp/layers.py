@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
-from parallel.tp.regions import SEQ_DIM, all_gather_along, enter_region, exit_region
+from parallel.tp.regions import all_gather_along, enter_region, exit_region
 
 
 def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -122,12 +122,14 @@ class ParallelEmbedding(nn.Module):
         self.tok = VocabParallelEmbedding(_rows(embed.tok.weight, comm.rank, comm.size), comm.rank * vocab // comm.size)
         self.pos = embed.pos
         self.drop = embed.drop
+        self.positions = embed.positions  # the tokens' global positions (parallel/core/model.py `Embedding`)
         self.comm, self.sequence_parallel = comm, sequence_parallel
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = exit_region(self.tok(idx), self.comm, "tp/embed", self.sequence_parallel)
-        first = self.comm.rank * x.shape[SEQ_DIM] if self.sequence_parallel else 0
-        positions = torch.arange(first, first + x.shape[SEQ_DIM], device=idx.device)
+        positions = self.positions(idx.shape[1], idx.device)
+        if self.sequence_parallel:  # this tp rank's piece of the sequence
+            positions = positions.chunk(self.comm.size)[self.comm.rank]
         return self.drop(x + self.pos(positions))
 
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from parallel.compose.cp_pipeline import ContextParallelPipeline
 from parallel.core.model import GPT, token_loss_sum
-from parallel.cp.strategy import ContextParallelPipeline
 from parallel.cp.transform import parallelize_cp
 from parallel.dp.sync import make_grad_sync
 from parallel.pp.executor import PipelineParallel, global_named_parameters

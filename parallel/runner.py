@@ -1,0 +1,106 @@
+"""Start one run as a child process, bounded in time, and stop it with everything it started.
+
+The sweep (launch.compare) and the planner's validation (parallel/planner/validate.py) both run
+`launch.train` or `launch.run` this way: each run in a session of its own, its console saved to
+<run dir>/console.log, a timeout that stops torchrun and every worker below it (Linux /proc), and
+the run's own one-line verdict read back from its output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+# The directory that holds the `parallel` (and `launch`) packages: children get it on their
+# PYTHONPATH, so a run started from anywhere uses this very code.
+CODE_ROOT = Path(__file__).resolve().parent.parent
+
+
+# torchrun's own report of a failed worker: never the cause.
+LAUNCHER_NOISE = ("traceback :", "error_file", "ChildFailedError", "elastic", "FAILED", "exitcode", "Root Cause")
+
+
+def error_line(stdout: str, stderr: str) -> str:
+    """The run's own one-line verdict (`error: ...`) if it printed one, else the last line that names
+    an error (an exception's message), else the last line of stderr."""
+    lines = [line.strip() for line in (stderr + "\n" + stdout).splitlines()
+             if line.strip() and not any(n in line for n in LAUNCHER_NOISE)]
+    for line in lines:
+        if line.startswith("error:"):
+            return line[len("error:"):].strip()
+    named = [line for line in lines if "Error" in line or "error" in line]
+    if named:
+        return named[-1]
+    return lines[-1] if lines else "no output"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children first."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found.extend(children)
+            todo.extend(children)
+    return found
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a run that outlived its timeout, and every process it started.
+
+    torchrun, on SIGTERM, stops its workers itself; the workers run in sessions of their own, so a
+    worker stuck past that grace period is then killed by its own pid, as are any left behind.
+    """
+    workers = descendants(proc.pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid in workers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, float]:
+    """Run one strategy; returns (status, error, seconds). Output goes to <run_dir>/console.log.
+
+    The run gets its own session, so that a timeout stops torchrun and everything it started
+    (see `stop`) and nothing is left behind.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        status = "ok" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        stdout, stderr = proc.communicate()
+        status = "timeout"
+    seconds = time.perf_counter() - start
+    (run_dir / "console.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
+    if status == "ok" and not (run_dir / "summary.json").exists():
+        status = "failed"
+        return status, f"exit 0 but no summary.json: {error_line(stdout, stderr)}", seconds
+    if status == "timeout":
+        return status, f"stopped after {timeout_s:g} s (compare.timeout_s)", seconds
+    if status == "failed":
+        return status, f"exit {proc.returncode}: {error_line(stdout, stderr)}", seconds
+    return status, "", seconds
