@@ -128,8 +128,9 @@ class ParallelEmbedding(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = exit_region(self.tok(idx), self.comm, "tp/embed", self.sequence_parallel)
         positions = self.positions(idx.shape[1], idx.device)
-        if self.sequence_parallel:  # this tp rank's piece of the sequence
-            positions = positions.chunk(self.comm.size)[self.comm.rank]
+        if self.sequence_parallel:  # this tp rank's piece of the sequence, in a storage of its own, so that
+            # what backward keeps is the piece's s/t positions, not the whole sequence's
+            positions = positions.chunk(self.comm.size)[self.comm.rank].clone()
         return self.drop(x + self.pos(positions))
 
 
