@@ -181,7 +181,7 @@ def test_checkpoint_interface_round_trip():
     from launcher import PROJECT_ROOT
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                           str(PROJECT_ROOT / "tests" / "checkpoint_roundtrip.py")],
+                           str(PROJECT_ROOT / "tests" / "helpers" / "checkpoint_roundtrip.py")],
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for name in ("zero1", "zero2", "zero3", "torch_fsdp2"):

@@ -25,7 +25,7 @@ from parallel.registry import REGISTRY, layout_of
 
 def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "planner_memory_check.py")]
+           str(PROJECT_ROOT / "tests" / "helpers" / "planner_memory_check.py")]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -105,7 +105,7 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     from launcher import CPU_ONLY, PROJECT_ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "checkpoint_every_strategy.py"), str(tmp_path)]
+           str(PROJECT_ROOT / "tests" / "helpers" / "checkpoint_every_strategy.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

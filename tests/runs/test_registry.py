@@ -36,7 +36,7 @@ def test_a_name_is_registered_once():
 
 def _toy(args, run_dir, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(PROJECT_ROOT / "tests" / "toy_strategy.py"), *args, f"run.dir={run_dir}"]
+           str(PROJECT_ROOT / "tests" / "helpers" / "toy_strategy.py"), *args, f"run.dir={run_dir}"]
     import os
 
     return subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,

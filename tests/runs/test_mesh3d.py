@@ -240,7 +240,7 @@ def test_full_state_and_optimizer_state_gather_and_reload(tmp_path):
 
     from launcher import PROJECT_ROOT
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "mesh3d_state_check.py")]
+           str(PROJECT_ROOT / "tests" / "helpers" / "mesh3d_state_check.py")]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "mesh3d state check: ok" in proc.stdout
