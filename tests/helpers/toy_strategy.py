@@ -4,9 +4,9 @@
 first DDP would do before buckets). It is written here, registered here, and trained by the
 project's own entry point, `launch.train`, with no other file of the project changed:
 
-    torchrun --standalone --nproc-per-node 2 tests/toy_strategy.py parallel=dp parallel.name=dp_flat
+    torchrun --standalone --nproc-per-node 2 tests/helpers/toy_strategy.py parallel=dp parallel.name=dp_flat
 
-tests/test_registry.py runs it and checks it against the single-process run and theory.py.
+tests/runs/test_registry.py runs it and checks it against the single-process run and theory.py.
 """
 
 import sys

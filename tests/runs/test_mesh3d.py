@@ -234,7 +234,7 @@ def test_load_full_state_keeps_each_ranks_own_piece():
 def test_full_state_and_optimizer_state_gather_and_reload(tmp_path):
     """Under torchrun at dp 1 x tp 2 x pp 2: gathered parameters and AdamW moments equal one
     process's after the same steps; loaded into a fresh strategy they gather back unchanged, and
-    training goes on from them as the single process does (tests/mesh3d_state_check.py)."""
+    training goes on from them as the single process does (tests/helpers/mesh3d_state_check.py)."""
     import subprocess
     import sys
 

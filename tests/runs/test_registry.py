@@ -44,7 +44,7 @@ def _toy(args, run_dir, nproc=2):
 
 
 def test_a_toy_strategy_is_one_module_and_one_entry(single_run, tmp_path):
-    """tests/toy_strategy.py adds `dp_flat` without touching another file; launch.train runs it,
+    """tests/helpers/toy_strategy.py adds `dp_flat` without touching another file; launch.train runs it,
     and it trains the single-process model while sending exactly theory's bytes."""
     from launcher import Run
 

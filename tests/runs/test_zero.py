@@ -174,7 +174,7 @@ def test_sharded_presets_are_pure_data_parallel(preset):
 
 def test_checkpoint_interface_round_trip():
     """full_state_dict / full_optimizer_state / load_full_state of zero1-3 and FSDP2 at dp 3 (padded
-    parts, uneven FSDP2 chunks): see tests/checkpoint_roundtrip.py."""
+    parts, uneven FSDP2 chunks): see tests/helpers/checkpoint_roundtrip.py."""
     import subprocess
     import sys
 

@@ -2,7 +2,7 @@
 really saves, measured on every rank, for every strategy that has a formula; and the planner's
 model-state formula against the tensors each rank holds.
 
-One torchrun job of 4 gloo processes (tests/planner_memory_check.py) trains every layout two steps,
+One torchrun job of 4 gloo processes (tests/helpers/planner_memory_check.py) trains every layout two steps,
 each on its own mesh: dp with microbatches, ZeRO 1-3, tp and tp with sequence parallelism at
 tp 2 and 4, the three pipeline schedules (4 stages, and 2 stages x dp 2), 3-D with sequence
 parallelism and with ZeRO-1, and PyTorch's DDP, accelerate and FSDP2. The issue's target is 2%;
