@@ -1,3 +1,12 @@
+"""Shared by every folder under tests/: the session's single-process reference run.
+
+The folders say what a test needs: unit/ nothing (one process, no process group), layers/ gloo
+ranks spawned inside the pytest process (helpers/spawn.py), runs/ `launch.train` under torchrun,
+tools/ the command-line tools (compare, planner, emulated networks, documented commands, clusters,
+GPUs). helpers/ holds the launchers and the scripts torchrun starts by path; pyproject.toml puts it
+on sys.path.
+"""
+
 import pytest
 from launcher import TINY, assert_ok, run_train
 

@@ -234,13 +234,13 @@ def test_load_full_state_keeps_each_ranks_own_piece():
 def test_full_state_and_optimizer_state_gather_and_reload(tmp_path):
     """Under torchrun at dp 1 x tp 2 x pp 2: gathered parameters and AdamW moments equal one
     process's after the same steps; loaded into a fresh strategy they gather back unchanged, and
-    training goes on from them as the single process does (tests/mesh3d_state_check.py)."""
+    training goes on from them as the single process does (tests/helpers/mesh3d_state_check.py)."""
     import subprocess
     import sys
 
     from launcher import PROJECT_ROOT
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "mesh3d_state_check.py")]
+           str(PROJECT_ROOT / "tests" / "helpers" / "mesh3d_state_check.py")]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "mesh3d state check: ok" in proc.stdout

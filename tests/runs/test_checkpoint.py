@@ -95,7 +95,7 @@ def test_sharded_checkpoint_resumes_on_a_3d_mesh(single_run, tmp_path):
 def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     """Every strategy of the registry, ours and PyTorch's, saves after 3 steps; the next one in
     the list loads that checkpoint from disk and trains steps 3..5: losses and final parameters
-    equal an uninterrupted single-process run (tests/checkpoint_every_strategy.py, one job of 4
+    equal an uninterrupted single-process run (tests/helpers/checkpoint_every_strategy.py, one job of 4
     processes, each layout on its own mesh). Then the same for a mixture of experts over every
     strategy that trains one, expert parallelism at ep 4 and at dp 4 x ep 2 included."""
     import os
@@ -105,7 +105,7 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     from launcher import CPU_ONLY, PROJECT_ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "checkpoint_every_strategy.py"), str(tmp_path)]
+           str(PROJECT_ROOT / "tests" / "helpers" / "checkpoint_every_strategy.py"), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

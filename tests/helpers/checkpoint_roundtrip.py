@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 # Run as a script: this checkout's code first (not an installed copy), and bench/ for its harness.
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "bench")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "bench")]
 
 from harness import plan_for, run_distributed  # noqa: E402
 

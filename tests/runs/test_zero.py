@@ -174,14 +174,14 @@ def test_sharded_presets_are_pure_data_parallel(preset):
 
 def test_checkpoint_interface_round_trip():
     """full_state_dict / full_optimizer_state / load_full_state of zero1-3 and FSDP2 at dp 3 (padded
-    parts, uneven FSDP2 chunks): see tests/checkpoint_roundtrip.py."""
+    parts, uneven FSDP2 chunks): see tests/helpers/checkpoint_roundtrip.py."""
     import subprocess
     import sys
 
     from launcher import PROJECT_ROOT
 
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-                           str(PROJECT_ROOT / "tests" / "checkpoint_roundtrip.py")],
+                           str(PROJECT_ROOT / "tests" / "helpers" / "checkpoint_roundtrip.py")],
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     for name in ("zero1", "zero2", "zero3", "torch_fsdp2"):

@@ -2,7 +2,7 @@
 really saves, measured on every rank, for every strategy that has a formula; and the planner's
 model-state formula against the tensors each rank holds.
 
-One torchrun job of 4 gloo processes (tests/planner_memory_check.py) trains every layout two steps,
+One torchrun job of 4 gloo processes (tests/helpers/planner_memory_check.py) trains every layout two steps,
 each on its own mesh: dp with microbatches, ZeRO 1-3, tp and tp with sequence parallelism at
 tp 2 and 4, the three pipeline schedules (4 stages, and 2 stages x dp 2), 3-D with sequence
 parallelism and with ZeRO-1, and PyTorch's DDP, accelerate and FSDP2. The issue's target is 2%;
@@ -25,7 +25,7 @@ from parallel.registry import REGISTRY, layout_of
 
 def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "planner_memory_check.py")]
+           str(PROJECT_ROOT / "tests" / "helpers" / "planner_memory_check.py")]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -35,7 +35,7 @@ from parallel.theory import (
     tp_shard_parameter_count,
 )
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "model"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 TINY = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 TINY_MOE = replace(TINY, moe_experts=4, moe_top_k=2, moe_every=2)
 # Smaller still, for the tests that run many forward and backward passes.

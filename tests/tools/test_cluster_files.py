@@ -3,7 +3,7 @@
 Neither Slurm nor a Docker engine runs here. What is checked: the sbatch script is valid bash,
 its #SBATCH lines are where Slurm reads them, and run with stand-ins for `scontrol` and `srun`
 (which only report what they were given) it starts exactly the torchrun command line that
-tests/test_multinode.py runs for real; the compose file starts the same command line, with its
+tests/tools/test_multinode.py runs for real; the compose file starts the same command line, with its
 layout accepted by the run plan; the Dockerfiles copy files that exist, the CPU image pins the
 torch that launch/setup.sh installs, and the CUDA image keeps its own torch.
 """

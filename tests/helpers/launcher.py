@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 # The settings every correctness test shares: the tiny model, a few steps, a small batch.
 # MFU's peak is given rather than measured (a quarter second of matmuls per run; test_mfu.py and the

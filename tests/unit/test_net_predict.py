@@ -1,6 +1,6 @@
 """parallel/net/predict.py's model of where gloo's collectives send their bytes, and the link model's
 tc arithmetic, checked in-process (no network; milliseconds). The end-to-end check that these
-figures match the kernel's counters is tests/test_net.py.
+figures match the kernel's counters is tests/tools/test_net.py.
 """
 
 import pytest

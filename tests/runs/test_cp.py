@@ -9,7 +9,7 @@ Each case trains the tiny model (s = 32, L = 4, h = 64, 4 heads) for 6 steps on 
     where the registry has the formula (cp, cp_a2a); the model state equals its formula.
 Recomputation is spread over the cases so that each mode runs on cp and on tp (none, selective,
 full): what it changes in memory is checked against the formula here, and in one process, for
-every mode, in tests/test_recompute.py.
+every mode, in tests/unit/test_recompute.py.
 """
 
 from fractions import Fraction
@@ -121,7 +121,7 @@ def test_cp_and_recompute_match_single_and_theory(case_id, world, overrides, lay
 
 def test_a_layout_cp_cannot_cut_is_refused_in_one_line_before_any_group(tmp_path):
     """Under torchrun too: exit 2 and the one line, no summary (in-process checks of every rule
-    are in tests/test_recompute.py)."""
+    are in tests/unit/test_recompute.py)."""
     run = run_train(2, [*TINY, "parallel=cp_a2a", "model.n_heads=1", "model.d_model=64"], tmp_path / "run", timeout=90)
     assert run.returncode != 0
     assert ("error: parallel.cp=2 does not divide the 1 attention heads per rank: the all-to-all gives each rank "

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 # Run as a script: the project root must come first on the path (this checkout's code, not an installed one).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402

@@ -36,7 +36,7 @@ def test_a_name_is_registered_once():
 
 def _toy(args, run_dir, nproc=2):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(PROJECT_ROOT / "tests" / "toy_strategy.py"), *args, f"run.dir={run_dir}"]
+           str(PROJECT_ROOT / "tests" / "helpers" / "toy_strategy.py"), *args, f"run.dir={run_dir}"]
     import os
 
     return subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
@@ -44,7 +44,7 @@ def _toy(args, run_dir, nproc=2):
 
 
 def test_a_toy_strategy_is_one_module_and_one_entry(single_run, tmp_path):
-    """tests/toy_strategy.py adds `dp_flat` without touching another file; launch.train runs it,
+    """tests/helpers/toy_strategy.py adds `dp_flat` without touching another file; launch.train runs it,
     and it trains the single-process model while sending exactly theory's bytes."""
     from launcher import Run
 

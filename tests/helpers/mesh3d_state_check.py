@@ -1,4 +1,4 @@
-"""Run under torchrun at world 4 (dp 1 x tp 2 x pp 2) by tests/test_mesh3d.py: the 3d strategy's
+"""Run under torchrun at world 4 (dp 1 x tp 2 x pp 2) by tests/runs/test_mesh3d.py: the 3d strategy's
 checkpoint interface against one process training the same model on the same data.
 
 1. Two steps of parallel=3d, then `full_state_dict()` and `full_optimizer_state()` (gathered over
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 # Run as a script: the project root must come first on the path (this checkout's code, not an installed one).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from types import SimpleNamespace
 

@@ -4,15 +4,15 @@
 first DDP would do before buckets). It is written here, registered here, and trained by the
 project's own entry point, `launch.train`, with no other file of the project changed:
 
-    torchrun --standalone --nproc-per-node 2 tests/toy_strategy.py parallel=dp parallel.name=dp_flat
+    torchrun --standalone --nproc-per-node 2 tests/helpers/toy_strategy.py parallel=dp parallel.name=dp_flat
 
-tests/test_registry.py runs it and checks it against the single-process run and theory.py.
+tests/runs/test_registry.py runs it and checks it against the single-process run and theory.py.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's code
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's code
 
 import torch  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402

@@ -1,6 +1,6 @@
 """The building blocks, layer by layer, against their single-process twins, on real gloo ranks.
 
-One spawn of 4 processes (tests/spawn.py) runs every check over tp (or dp) groups of 2 and 4:
+One spawn of 4 processes (tests/helpers/spawn.py) runs every check over tp (or dp) groups of 2 and 4:
 
 * ColumnParallelLinear and RowParallelLinear inside a region (f ... g) against nn.Linear;
 * the vocab-parallel cross-entropy against F.cross_entropy;

@@ -1,7 +1,7 @@
 """Where the time goes, the trace, and the noise in the comparison.
 
 The breakdown and trace of real runs are checked in the strategy tests, on the runs they make
-anyway (tests/observability.py: dp, dp_naive, torch_ddp, tp, zero2, the pipelines, 3-D). Here:
+anyway (tests/helpers/observability.py: dp, dp_naive, torch_ddp, tp, zero2, the pipelines, 3-D). Here:
 the arithmetic of the breakdown and the trace's format on hand-made steps, the warm-up default,
 the comparison's rounds, its console table and its override syntax; and one sweep of 2 rounds.
 """
