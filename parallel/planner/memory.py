@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from parallel.algebra import padded
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
@@ -200,7 +201,7 @@ def registry_activations(cfg: GPTConfig, layout: Layout, global_batch: int | Non
     which walks the same ops with the sequence cut and the recomputed regions; where both formulas
     apply (one stage, no tp) they are the same figure (tests/test_planner_memory.py)."""
     if not covers(cfg, layout):
-        from parallel.theory import activation_bytes
+        from parallel.activations import activation_bytes
 
         return activation_bytes(cfg, layout)
     if global_batch is None:
@@ -237,7 +238,7 @@ def model_state_bytes(shape: ModelShape, layout: Layout, zero: int, precision: s
     p, t, d = layout.dims.pp, layout.dims.tp, layout.dims.dp
     layers = rank_layers(shape, layout)[pp_rank]
     parts = stage_parts(shape, t, layers, pp_rank == 0, pp_rank == p - 1, p)
-    count = sum(-(-n // d) * d for n in parts) if zero else sum(parts)
+    count = sum(padded(n, d) for n in parts) if zero else sum(parts)
     param_b, grad_b, state_b = STATE_BYTES[precision]
     return {"params": count * param_b // (d if zero >= 3 else 1),
             "grads": count * grad_b // (d if zero >= 2 else 1),
@@ -265,6 +266,6 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
     if zero >= 2:
         layers = rank_layers(shape, layout)[pp_rank]
         largest = max(stage_parts(shape, t, layers, pp_rank == 0, pp_rank == p - 1, p))
-        largest = -(-largest // d) * d
+        largest = padded(largest, d)
         total += largest * grad_b + (largest * param_b if zero >= 3 else 0)
     return total

@@ -48,12 +48,12 @@ from pathlib import Path
 
 import torch
 
+from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.moe.report import routing_block, with_measured_routing
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.report.trace import write_run_trace
-from parallel.theory import parameter_count
 
 SCHEMA_VERSION = 1
 

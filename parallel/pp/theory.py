@@ -1,4 +1,5 @@
-"""Pipeline p2p traffic per step, from the schedule's placement alone.
+"""Pipeline parallelism's closed forms: the p2p traffic per step, from the schedule's placement alone
+(the bubble's are parallel/pp/bubble.py's).
 
 Each microbatch crosses every boundary between consecutive virtual stages once forward (its
 activation, b·s·h values) and once backward (the gradient of that activation, the same size)
@@ -14,12 +15,19 @@ does not change the bytes, only who sends them to whom, which the placement says
 In the V, rank r sends down the first arm to r+1 and up the second arm to r-1 (both directions,
 forward and backward), so ranks 1..p-2 send twice what the ends do; in the loop every rank sends
 to r+1 forward and r-1 backward, and with v > 1 the ends also wrap around (p-1 -> 0 and back).
+
+Like every theory file, independent of the code it checks: bytes from the placement and the
+shape, not from the executor's sends or the communication log.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 
+from parallel.algebra import FP32_BYTES, all_reduce_sent_per_rank, figure, parameter_count
+from parallel.core.model import GPTConfig
+from parallel.layout import Layout
 from parallel.pp.schedules import schedule_placement
 
 
@@ -51,3 +59,28 @@ def p2p_sent_by_rank(schedule: str, stages: int, microbatches: int, virtual: int
 def p2p_bytes_per_step(schedule: str, stages: int, microbatches: int, virtual: int, boundary: int) -> int:
     """2 · m · crossings · boundary bytes for one pipeline."""
     return 2 * microbatches * schedule_placement(schedule, stages, virtual).crossings() * boundary
+
+
+def pipeline_p2p_bytes(model_cfg: GPTConfig, microbatch_size: int, microbatches: int, stages: int, virtual: int,
+                       dtype_bytes: int = FP32_BYTES) -> int:
+    """Narayanan §3.2: b·s·h·B per microbatch per stage boundary in each direction, so
+    2·m·(v·p-1)·b·s·h·B per step for one pipeline (v = 1 for GPipe and 1F1B)."""
+    activation = boundary_bytes(microbatch_size, model_cfg.seq_len, model_cfg.d_model, dtype_bytes)
+    return 2 * microbatches * (virtual * stages - 1) * activation
+
+
+def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """pp and torch_pp (torch's stages send the same activations and gradients): every activation
+    and its gradient crosses each boundary between ranks once per microbatch (sends; a receive sends
+    nothing), 2·m·crossings·b·s·h·B per pipeline with the schedule's placement's crossings (v·p-1 on
+    the loop, 2(p-1) on the V: `p2p_bytes_per_step`), in each of the dp pipelines; with dp > 1
+    each stage then all-reduces its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per
+    pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
+    dims, B = layout.dims, layout.dtype_bytes
+    boundary = boundary_bytes(layout.microbatch_size, cfg.seq_len, cfg.d_model, B)
+    p2p = p2p_bytes_per_step(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages, boundary) * dims.dp
+    totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))} if p2p else {}
+    if dims.dp > 1:
+        grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
+        totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
+    return figure(totals, dims.world_size)
