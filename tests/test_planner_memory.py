@@ -57,7 +57,7 @@ def test_strategies_without_a_formula_say_so():
 
 
 def test_the_two_activation_derivations_agree_where_both_apply():
-    """The planner's walk (pipelines, tp) and theory.activation_bytes (cp, recomputation) derive the
+    """The planner's walk (pipelines, tp) and activations.activation_bytes (cp, recomputation) derive the
     same bytes where both apply: one stage, no tp, no cp, no recomputation."""
     from parallel.activations import activation_bytes
     from parallel.core.model import GPTConfig

@@ -2,7 +2,7 @@
 
 * The recompute transform (parallel/core/recompute.py) leaves the loss and every gradient as they were
   (measured: bit-identical; asserted within 1e-6), with dropout too (the random state is replayed),
-  and the bytes the ActivationMeter measures equal theory.activation_terms exactly for
+  and the bytes the ActivationMeter measures equal activations.activation_terms exactly for
   none / selective / full, on two shapes.
 * The closed forms recomputation changes: tensor parallelism's 8 -> 12 units of b·s·h·(t−1)/t per
   layer under `full` (nothing more under `selective`), the ring's and the all-to-all's forward

@@ -33,7 +33,7 @@ schedule (parallel/pp/schedules.py, the lists the simulator checks and the execu
 a chunk's bytes at its forward and removing them at its backward. The global batch's input and
 target storages are held once while any microbatch that reads them is in flight.
 
-Model state: parameters, gradients and optimizer state per rank (theory.py's formulas, for any
+Model state: parameters, gradients and optimizer state per rank (the families' theory.py formulas, for any
 `ModelShape`): fp32 training holds 4 + 4 + 8 bytes per parameter; bf16 mixed precision 2 (bf16
 weights) + 2 (bf16 gradients) + 12 (fp32 master weights and Adam's two moments), the ZeRO paper's
 K = 12. ZeRO stage k shards, over the dp ranks: 1 the optimizer state, 2 also the gradients, 3 also
@@ -197,7 +197,7 @@ def registry_activations(cfg: GPTConfig, layout: Layout, global_batch: int | Non
     """The registry's `activations` formula (summary memory.theory.activation_bytes): fp32, this GPT.
     The global batch is dp x microbatches x microbatch size.
 
-    Context parallelism and recomputation are theory.activation_bytes's (docs/theory/memory.md),
+    Context parallelism and recomputation are activations.activation_bytes's (docs/theory/memory.md),
     which walks the same ops with the sequence cut and the recomputed regions; where both formulas
     apply (one stage, no tp) they are the same figure (tests/test_planner_memory.py)."""
     if not covers(cfg, layout):
@@ -218,13 +218,13 @@ STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12)}
 
 def stage_parts(shape: ModelShape, t: int, layers: int, first: bool, last: bool, stages: int) -> list[int]:
     """One rank's parts (ZeRO's unit of sharding: embedding, each block, head) on its stage, each cut
-    over t tp ranks (theory.stage_part_counts for the GPT)."""
+    over t tp ranks (compose.theory.stage_part_counts for the GPT)."""
     return [*([shape.embedding_parameters(t)] if first else []), *[shape.layer_parameters(t)] * layers,
             *([shape.head_parameters(t, copy_of_tied=stages > 1)] if last else [])]
 
 
 def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
-    """Blocks each pipeline rank holds over its chunks (theory.stage_layers)."""
+    """Blocks each pipeline rank holds over its chunks (compose.theory.stage_layers)."""
     counts = virtual_stage_layers(shape, layout)
     p = layout.dims.pp
     return [sum(counts[c * p + r] for c in range(layout.virtual_stages)) for r in range(p)]
@@ -234,7 +234,7 @@ def model_state_bytes(shape: ModelShape, layout: Layout, zero: int, precision: s
     """Parameters, gradients and optimizer state on one rank of stage `pp_rank`: its tp shard of the
     stage's parts; under ZeRO stage k over d dp ranks each part padded to a multiple of d and
     1/d of it kept for the optimizer state (k >= 1), the gradients (k >= 2), the parameters (k = 3).
-    Equal to theory.mesh3d_model_state_bytes and theory.zero_model_state_bytes for the GPT in fp32."""
+    Equal to compose.theory.mesh3d_model_state_bytes and theory.zero_model_state_bytes for the GPT in fp32."""
     p, t, d = layout.dims.pp, layout.dims.tp, layout.dims.dp
     layers = rank_layers(shape, layout)[pp_rank]
     parts = stage_parts(shape, t, layers, pp_rank == 0, pp_rank == p - 1, p)
