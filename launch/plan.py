@@ -170,7 +170,7 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
 MEMORY_ASSUMPTIONS = {
     "model state": "per parameter fp32: 4 + 4 + 8 bytes; bf16 mixed precision: 2 (weights) + 2 (gradients) + 12 "
                    "(fp32 master and Adam's moments); ZeRO-k shards them over dp, each part padded to a multiple of dp",
-    "activations": "what this GPT's ops save for backward (parallel/planner/memory.py), per microbatch in flight on "
+    "activations": "what this GPT's ops save for backward (parallel/activations.py), per microbatch in flight on "
                    "the rank (the schedule's lists); for shapes the GPT lacks (GQA, SwiGLU, RMSNorm) the same ops' "
                    "analogues, with flash attention (no s x s scores) and the loss in fp32",
     "buffers": "the last stage's fp32 logits, a tp region's summed copy, ZeRO-2/3's one gathered or unsharded part",

@@ -306,16 +306,14 @@ for _name, _kind, _what in (("cp", "ring", "ring attention: K, V blocks passed a
     ))
 
 
-# -- activation memory: the bytes each rank saves for backward (parallel/planner/memory.py) ----------
+# -- activation memory: the bytes each rank saves for backward (parallel/activations.py) ---------------
 # Measured on every run (parallel/report/activations.py) and checked against this formula by
 # tests/test_planner_memory.py. PyTorch's DTensor TP (its loss runs on the all-gathered logits) and
 # pipelining (its first stage holds more: +17% at 4 stages) save more than ours: they have none.
 def _with_activations(name: str) -> None:
     from dataclasses import replace
 
-    from parallel.planner.memory import registry_activations
-
-    REGISTRY[name] = replace(REGISTRY[name], activations=registry_activations)
+    REGISTRY[name] = replace(REGISTRY[name], activations=pp_theory.pipeline_activations)
 
 
 for _name in ("single", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d",

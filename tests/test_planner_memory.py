@@ -1,4 +1,4 @@
-"""Activation memory: the registry's formula (parallel/planner/memory.py) against the bytes autograd
+"""Activation memory: the registry's formula (parallel/activations.py) against the bytes autograd
 really saves, measured on every rank, for every strategy that has a formula; and the planner's
 model-state formula against the tensors each rank holds.
 
@@ -57,8 +57,8 @@ def test_strategies_without_a_formula_say_so():
 
 
 def test_the_two_activation_derivations_agree_where_both_apply():
-    """The planner's walk (pipelines, tp) and activations.activation_bytes (cp, recomputation) derive the
-    same bytes where both apply: one stage, no tp, no cp, no recomputation."""
+    """The walk (pipelines, tp) and activations.activation_bytes (cp, recomputation), both in
+    parallel/activations.py, derive the same bytes where both apply: one stage, no tp, no cp, no recomputation."""
     from parallel.activations import activation_bytes
     from parallel.core.model import GPTConfig
     from parallel.dist.dims import ParallelDims

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 from collections import Counter
 from fractions import Fraction
+from functools import lru_cache
 
+from parallel.activations import registry_activations
 from parallel.algebra import FP32_BYTES, all_reduce_sent_per_rank, figure, parameter_count
 from parallel.core.model import GPTConfig
 from parallel.layout import Layout
-from parallel.pp.schedules import schedule_placement
+from parallel.pp.schedules import F, build_schedule, compute_only, schedule_placement, virtual_stage
+from parallel.pp.split import layer_counts
 
 
 def boundary_bytes(microbatch_size: int, seq_len: int, d_model: int, dtype_bytes: int) -> int:
@@ -84,3 +87,31 @@ def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
         grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
         totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
     return figure(totals, dims.world_size)
+
+
+# -- activations: what a rank holds while its schedule runs ---------------------------------------------
+def stage_layer_counts(n_layers: int, layout: Layout) -> list[int]:
+    """Blocks of each virtual stage (an even split, or the layout's pp_layers)."""
+    explicit = list(layout.pp_layers) if layout.pp_layers is not None else None
+    return layer_counts(n_layers, layout.dims.pp * layout.virtual_stages, explicit)
+
+
+@lru_cache(maxsize=1024)
+def schedule_walk(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """Each rank's forwards and backwards in the schedule's order, as (is_forward, virtual stage):
+    the lists the simulator checks and the executor runs (built once per schedule and shape)."""
+    return tuple(tuple((a.op == F, virtual_stage(r, a.chunk, p)) for a in compute_only(actions))
+                 for r, actions in enumerate(build_schedule(schedule, p, m, v)))
+
+
+def pipeline_walk(layout: Layout) -> tuple[tuple[tuple[bool, int], ...], ...] | None:
+    """`schedule_walk` of the layout's schedule, or None without a pipeline."""
+    dims = layout.dims
+    return schedule_walk(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages) if dims.pp > 1 else None
+
+
+def pipeline_activations(cfg: GPTConfig, layout: Layout) -> list[int] | None:
+    """The registry's `activations` (parallel/activations.py's `registry_activations`), given the
+    layout's virtual stages and, in a pipeline, its schedule's walk."""
+    return registry_activations(cfg, layout, layers=stage_layer_counts(cfg.n_layers, layout),
+                                walk=pipeline_walk(layout))
