@@ -32,8 +32,8 @@ from parallel.dist.comm import summarize_traffic
 from parallel.dist.groups import LaunchEnv
 from parallel.dp.strategy import DataParallel
 from parallel.moe.strategy import ExpertParallel
+from parallel.moe.theory import ep_all_to_all_uniform_bytes
 from parallel.strategy import make_optimizer
-from parallel.theory import ep_all_to_all_uniform_bytes
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from functools import partial
 
 from harness import plan_for, rotation, run_distributed, split_args, timed_step
 
-from parallel import theory
+from parallel import registry
 from parallel.baselines.fsdp2 import TorchFSDP2
 from parallel.core.data import GlobalBatches, local_microbatches
 from parallel.core.model import GPT
@@ -83,13 +83,13 @@ def report(plan, times: dict[str, list[float]], rounds: int, steps: int, per_ran
     print(f"{'variant':<12} {'step ms':>9} {'tokens/s':>10} {'sent MB/step (all ranks)':>26} {'theory':>10}")
     for name, seconds in med.items():
         sent = sum(Fraction(r["sent"][name]) for r in per_rank)
-        expected = Fraction(theory.expected_comm(name, plan.model, plan.dims,
+        expected = Fraction(registry.expected_comm(name, plan.model, plan.dims,
                                                  microbatches=plan.microbatches)["sent_bytes_per_step_exact"])
         print(f"{name:<12} {seconds * 1e3:9.1f} {tokens / seconds:10.0f} {float(sent) / 1e6:26.3f} "
               f"{float(expected) / 1e6:10.3f}{'' if sent == expected else '  MISMATCH'}")
     print(f"\nzero3 / torch_fsdp2 tokens/s ratio: {med['torch_fsdp2'] / med['zero3']:.3f}  "
           "(>1: hand-written zero3 is faster)")
-    formula = theory.model_state_bytes("zero3", plan.model, plan.dims)
+    formula = registry.model_state_bytes("zero3", plan.model, plan.dims)
     print("\nmodel state per rank, bytes (params + grads + Adam state; "
           f"formula 16·Ψ_pad/N = {formula['total_bytes']:,}, Ψ_pad = {formula['parameters_counted']:,}, N = {n}):")
     print(f"{'rank':>4} {'zero3':>12} {'zero3 peak':>12} {'torch_fsdp2':>12}   "

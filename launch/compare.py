@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.config import CONFIG_DIR
 from launch.run import Refused, check_privileges
+from parallel.algebra import parameter_count
 from parallel.compare import plots
 from parallel.compare.crossover import console_lines, write_all
 from parallel.compare.networks import (
@@ -65,7 +66,6 @@ from parallel.net.netns import remove_leftovers
 from parallel.plan import model_config
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
 from parallel.runner import run_one
-from parallel.theory import parameter_count
 
 
 def run_command(strategy: str, world: int, overrides: list[str]) -> list[str]:

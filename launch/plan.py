@@ -5,7 +5,7 @@
     python -m launch.plan model=small plan.world=4 'plan.layouts=[dp,tp,pp_1f1b,zero3,3d]' plan.validate=true
 
 For each layout that plan.py accepts (parallel/planner/enumerate.py), memory per device by kind
-(parallel/planner/memory.py), bytes per step inside and between nodes (theory.py, split by
+(parallel/planner/memory.py), bytes per step inside and between nodes (the families' closed forms, split by
 parallel/planner/links.py), and step time as compute, exposed communication and bubble
 (parallel/planner/timing.py); ranked, fits first. Writes plan.json, report.md and two plots to
 `run.dir` (default runs/<time>-plan-<model>-<cluster>-w<world>) and prints the table. With
@@ -85,7 +85,7 @@ def main_plan(cfg: DictConfig) -> Path:
                      for k, v in OmegaConf.to_container(p.search, resolve=True).items()})
     if not (shape.trainable and cluster.precision == "fp32"):
         # The saved bytes under recomputation and context parallelism have a formula for the sandbox
-        # GPT in fp32 only (theory.activation_bytes): elsewhere such rows could not be judged (their
+        # GPT in fp32 only (activations.activation_bytes): elsewhere such rows could not be judged (their
         # memory unknown, "?"), so they are not searched; meta.search says so.
         space = replace(space, recompute=("none",), context_parallel=False)
     layouts = list(p.layouts) if p.layouts is not None else None
@@ -170,13 +170,13 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
 MEMORY_ASSUMPTIONS = {
     "model state": "per parameter fp32: 4 + 4 + 8 bytes; bf16 mixed precision: 2 (weights) + 2 (gradients) + 12 "
                    "(fp32 master and Adam's moments); ZeRO-k shards them over dp, each part padded to a multiple of dp",
-    "activations": "what this GPT's ops save for backward (parallel/planner/memory.py), per microbatch in flight on "
+    "activations": "what this GPT's ops save for backward (parallel/activations.py), per microbatch in flight on "
                    "the rank (the schedule's lists); for shapes the GPT lacks (GQA, SwiGLU, RMSNorm) the same ops' "
                    "analogues, with flash attention (no s x s scores) and the loss in fp32",
     "buffers": "the last stage's fp32 logits, a tp region's summed copy, ZeRO-2/3's one gathered or unsharded part",
     "fits": "memory of the rank that holds the most <= (capacity - runtime) x (1 - headroom)",
 }
-BYTES_ASSUMPTION = ("theory.py's closed forms per group (the registry's comm), split between links by how each group's "
+BYTES_ASSUMPTION = ("the closed forms per group (the registry's comm), split between links by how each group's "
                     "ranks sit on nodes (tp innermost); a planner shape's dp bytes scaled by its parameters over its "
                     "carrier GPT's")
 

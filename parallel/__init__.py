@@ -31,7 +31,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("parallel.core",)),
     ("substrate", ("parallel.dist", "parallel.net")),
     ("contract", ("parallel.strategy", "parallel.spec", "parallel.layout", "parallel.algebra",
-                  "parallel.activations", "parallel.theory")),
+                  "parallel.activations")),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
     ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry", "parallel.strategies")),
     ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner")),

@@ -2,9 +2,9 @@
 
 A `Layout` is the part of a run's plan that decides traffic and memory: the (dp, tp, pp) grid,
 the microbatches, sequence parallelism, the pipeline's chunks and the ZeRO stage of the dp
-dimension (and, for expert parallelism, the step's routing). theory.py's formulas take
-(GPTConfig, Layout); a run builds its Layout from the validated plan (`RunPlan.layout`), and a
-planner can build one for a layout it never runs.
+dimension (and, for expert parallelism, the step's routing). The closed forms (parallel/algebra.py,
+the families' theory.py) take (GPTConfig, Layout); a run builds its Layout from the validated plan
+(`RunPlan.layout`), and a planner can build one for a layout it never runs.
 
 Context parallelism (dims.cp > 1) adds which attention crosses the cp ranks (`cp_kind`: the ring or
 the all-to-all, parallel/cp/), and activation recomputation (`recompute`, parallel/core/recompute.py)
@@ -34,7 +34,7 @@ class Layout:
     # Mixture of experts: where the router sent the tokens, which sets expert parallelism's all-to-all
     # bytes. routing[rank][call][e]: kept assignments to expert e of each MoE call (block, microbatch,
     # in the order run) of the step, on every global rank, as measured in a run; None: a layout
-    # never run, whose all-to-alls theory figures under uniform routing (parallel/theory.py, ep).
+    # never run, whose all-to-alls theory figures under uniform routing (parallel/moe/theory.py).
     routing: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     cp_kind: str = "ring"  # attention across the cp ranks (dims.cp > 1): "ring" or "a2a" (all-to-all)
     recompute: str = "none"  # train.recompute: none | selective (attention cores) | full (every Block)

@@ -3,7 +3,7 @@
 A `StrategySpec` is all the rest of the project knows about a strategy. The training loop builds
 it (`build`), plan.py checks a layout against it (`layout rules`, then `check`), the summary
 compares a run with its closed forms (`comm`, `model_state`, `local_parameters`: functions of
-parallel/theory.py on the model and the `Layout`), and the comparison pairs it with its PyTorch
+the families' theory.py on the model and the `Layout`), and the comparison pairs it with its PyTorch
 counterpart (`counterpart`). Nothing else branches on a strategy's name.
 
 Adding a strategy is one module in its family (the Strategy subclass) and one entry here:
@@ -226,12 +226,12 @@ def layout_of(dims: ParallelDims | Layout, **options) -> Layout:
 
 
 def expected_comm(name: str, cfg: GPTConfig, dims: ParallelDims | Layout, **options) -> dict:
-    """theory.py's traffic of strategy `name` per step on this model and layout (the summary's expected_comm)."""
+    """The closed-form traffic of strategy `name` per step on this model and layout (the summary's expected_comm)."""
     return spec_of(name).comm(cfg, layout_of(dims, **options))
 
 
 def model_state_bytes(name: str, cfg: GPTConfig, dims: ParallelDims | Layout, **options) -> dict | None:
-    """theory.py's model-state bytes per rank of strategy `name` (None where it has no one formula)."""
+    """The closed-form model-state bytes per rank of strategy `name` (None where it has no one formula)."""
     return spec_of(name).model_state(cfg, layout_of(dims, **options))
 
 

@@ -1,16 +1,25 @@
 """The registry's entries: every strategy of the project and PyTorch's own, in one table.
 
 Each entry says how the strategy is built from the full model, the validated plan and the run's
-communicators (parallel/dist/groups.py's DistContext), which closed forms of parallel/theory.py
-its traffic and memory must equal, and which layout rules apply (parallel/registry.py).
+communicators (parallel/dist/groups.py's DistContext), which closed forms (parallel/algebra.py
+and the families' theory.py files) its traffic and memory must equal, and which layout rules apply
+(parallel/registry.py).
 """
 
 from __future__ import annotations
 
-from parallel import theory
+from parallel import activations, algebra
+from parallel.baselines import theory as baselines_theory
+from parallel.compose import theory as compose_theory
+from parallel.cp import theory as cp_theory
 from parallel.dist.dims import LayoutError
+from parallel.dp import theory as dp_theory
+from parallel.moe import theory as moe_theory
+from parallel.pp import theory as pp_theory
 from parallel.registry import REGISTRY, ConfigError, Options, StrategySpec, register
 from parallel.strategy import SingleProcess, make_optimizer
+from parallel.tp import theory as tp_theory
+from parallel.zero import theory as zero_theory
 
 
 def _optimizer(plan):
@@ -21,9 +30,9 @@ def _optimizer(plan):
 register(StrategySpec(
     name="single", description="one process, no communication: the reference every strategy is compared with",
     build=lambda model, plan, ctx: SingleProcess(model, make_optimizer(model, plan.lr, plan.weight_decay)),
-    comm=theory.no_comm, model_state=theory.replicated_model_state_bytes,
-    local_parameters=theory.tp_local_parameter_count, max_world=1, dims=frozenset(), moe=True,
-    activations=theory.activation_bytes, recompute=True,
+    comm=algebra.no_comm, model_state=dp_theory.replicated_model_state_bytes,
+    local_parameters=algebra.tp_local_parameter_count, max_world=1, dims=frozenset(), moe=True,
+    activations=activations.activation_bytes, recompute=True,
 ))
 
 
@@ -43,10 +52,10 @@ def _build_dp(model, plan, ctx):
 
 register(StrategySpec(
     name="dp", description="data parallel, hand-written: gradients all-reduced over dp (naive, or bucketed as DDP)",
-    build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
-    local_parameters=theory.tp_local_parameter_count, grad_sync=True, zero_dp=True,
+    build=_build_dp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
+    local_parameters=algebra.tp_local_parameter_count, grad_sync=True, zero_dp=True,
     route=lambda dims, options: _to_single_in_one_process(dims, options), counterpart="torch_ddp", moe=True,
-    activations=theory.activation_bytes, recompute=True,
+    activations=activations.activation_bytes, recompute=True,
 ))
 
 
@@ -69,13 +78,13 @@ for _stage, _what, _build in ((1, "optimizer state", _build_zero(1)),
                               (3, "optimizer state, gradients and parameters", _build_zero3)):
     register(StrategySpec(
         name=f"zero{_stage}", description=f"ZeRO stage {_stage}: {_what} sharded over dp",
-        build=_build, comm=lambda cfg, layout, stage=_stage: theory.zero_comm(cfg, layout, stage),
-        model_state=lambda cfg, layout, stage=_stage: theory.zero_model_state_bytes(cfg, layout, stage),
-        local_parameters=theory.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
+        build=_build, comm=lambda cfg, layout, stage=_stage: zero_theory.zero_comm(cfg, layout, stage),
+        model_state=lambda cfg, layout, stage=_stage: zero_theory.zero_model_state_bytes(cfg, layout, stage),
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
         counterpart="torch_fsdp2" if _stage == 3 else "torch_ddp", moe=True,
         # ZeRO-1/2 run the whole model's forward as dp does (recomputation and the activation formula
         # apply); zero3's hooks gather each part's parameters around one forward per backward.
-        activations=theory.activation_bytes if _stage < 3 else (lambda cfg, layout: None), recompute=_stage < 3,
+        activations=activations.activation_bytes if _stage < 3 else (lambda cfg, layout: None), recompute=_stage < 3,
     ))
 
 
@@ -118,20 +127,21 @@ PP_NO_MOE = ("a pipeline stage that holds MoE blocks must back-propagate their b
 
 register(StrategySpec(
     name="tp", description="tensor parallel (Megatron), optionally with sequence parallelism; dp across tp groups",
-    build=_build_tp, comm=theory.tp_comm, local_parameters=theory.tp_local_parameter_count,
+    build=_build_tp, comm=tp_theory.tp_comm, local_parameters=algebra.tp_local_parameter_count,
     dims=frozenset({"dp", "tp"}), tensor_parallel=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
     route=_tp_route, counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True,
 ))
 register(StrategySpec(
     name="pp", description="pipeline parallel: GPipe, 1F1B, interleaved, ZB-H1, ZB-V or DualPipeV, schedules as data",
-    build=_build_mesh3d, comm=theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
+    build=_build_mesh3d, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
     grad_sync=True, zero_dp=True, route=_pp_route, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
 ))
 register(StrategySpec(
     name="3d", description="dp x cp x tp x pp on one mesh: tensor-parallel pipeline stages, context-parallel "
     "attention, dp or ZeRO-1/2 on top",
-    build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
-    local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
+    build=_build_mesh3d, comm=compose_theory.mesh3d_comm,
+    model_state=compose_theory.mesh3d_first_stage_model_state_bytes,
+    local_parameters=compose_theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
     tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True, recompute=True,
     route=lambda dims, options: _to_single_in_one_process(dims, options), moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}",
 ))
@@ -195,30 +205,30 @@ def _torch_pp_check(dims, options):
 BASELINE = frozenset({"baseline"})
 register(StrategySpec(
     name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp, zero1, zero2)",
-    build=_build_torch_ddp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
-    local_parameters=theory.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+    build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
+    local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
     tags=BASELINE, moe=True,
 ))
 register(StrategySpec(
     name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
-    build=_build_accelerate_ddp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
-    local_parameters=theory.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+    build=_build_accelerate_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
+    local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
     tags=BASELINE, moe=True,
 ))
 register(StrategySpec(
     name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
-    build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=theory.tp_local_parameter_count,
+    build=_build_torch_fsdp2, comm=baselines_theory.fsdp2_comm, local_parameters=algebra.tp_local_parameter_count,
     min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True,
 ))
 register(StrategySpec(
     name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
-    build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=theory.tp_local_parameter_count,
+    build=_build_torch_tp, comm=baselines_theory.torch_tp_comm, local_parameters=algebra.tp_local_parameter_count,
     dims=frozenset({"dp", "tp"}), min_world=2, tensor_parallel=True, check=_torch_tp_check, tags=BASELINE,
     moe_refusal="DTensor's plan here (torchtitan's) shards the dense MLP and has no plan for an MoE block's experts",
 ))
 register(StrategySpec(
     name="torch_pp", description="torch.distributed.pipelining's schedules on the same chunks (the baseline for pp)",
-    build=_build_torch_pp, comm=theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
+    build=_build_torch_pp, comm=pp_theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
     check=_torch_pp_check, schedule_check=_torch_pp_schedule_check, tags=BASELINE,
     moe_refusal="torch.distributed.pipelining back-propagates the last stage's loss only, not a stage's balancing loss",
 ))
@@ -261,8 +271,8 @@ def _ep_check_model(model, dims):
 register(StrategySpec(
     name="ep", description="expert parallelism: each MoE block's experts sharded over ep ranks, tokens carried by "
                            "all-to-all; inside dp (dense gradients over dp, experts' over edp)",
-    build=_build_ep, comm=theory.ep_comm, model_state=theory.ep_model_state_bytes,
-    local_parameters=theory.ep_local_parameter_count, dims=frozenset({"dp", "ep"}), min_world=2, grad_sync=True,
+    build=_build_ep, comm=moe_theory.ep_comm, model_state=moe_theory.ep_model_state_bytes,
+    local_parameters=moe_theory.ep_local_parameter_count, dims=frozenset({"dp", "ep"}), min_world=2, grad_sync=True,
     check=_ep_check, check_model=_ep_check_model, route=_ep_route, moe=True,
 ))
 
@@ -289,23 +299,21 @@ for _name, _kind, _what in (("cp", "ring", "ring attention: K, V blocks passed a
                             ("cp_a2a", "a2a", "all-to-all (Ulysses): tokens traded for heads around attention")):
     register(StrategySpec(
         name=_name, description=f"context parallel, {_what}; gradients summed over dp x cp",
-        build=_build_cp, comm=theory.cp_comm, model_state=theory.cp_model_state_bytes,
-        local_parameters=theory.tp_local_parameter_count, activations=theory.activation_bytes,
+        build=_build_cp, comm=cp_theory.cp_comm, model_state=cp_theory.cp_model_state_bytes,
+        local_parameters=algebra.tp_local_parameter_count, activations=activations.activation_bytes,
         dims=frozenset({"dp", "cp"}), min_world=2, grad_sync=True, zero_dp=True, recompute=True, cp_kind=_kind,
         route=_cp_route,
     ))
 
 
-# -- activation memory: the bytes each rank saves for backward (parallel/planner/memory.py) ----------
+# -- activation memory: the bytes each rank saves for backward (parallel/activations.py) ---------------
 # Measured on every run (parallel/report/activations.py) and checked against this formula by
 # tests/test_planner_memory.py. PyTorch's DTensor TP (its loss runs on the all-gathered logits) and
 # pipelining (its first stage holds more: +17% at 4 stages) save more than ours: they have none.
 def _with_activations(name: str) -> None:
     from dataclasses import replace
 
-    from parallel.planner.memory import registry_activations
-
-    REGISTRY[name] = replace(REGISTRY[name], activations=registry_activations)
+    REGISTRY[name] = replace(REGISTRY[name], activations=pp_theory.pipeline_activations)
 
 
 for _name in ("single", "dp", "zero1", "zero2", "zero3", "tp", "pp", "3d",

@@ -10,7 +10,7 @@ With dp > 1 (a 2-D mesh dp x tp), each rank's local gradient shards are summed o
 all-reduce of one flat buffer after backward, through the communication log: a DDP without
 bucketing or overlap, so what is compared over tp is DTensor against Megatron.
 
-What it sends that Megatron does not (see theory.expected_comm("torch_tp") for the exact count):
+What it sends that Megatron does not (see registry.expected_comm("torch_tp") for the exact count):
 q, k and v each take the block input as their own Replicate DTensor, so its gradient is
 all-reduced three times per layer, not once; the MLP's fc input is all-reduced too (4 per layer
 backward against Megatron's 2); and the head all-gathers the full logits (b·s·V) where Megatron's

@@ -93,7 +93,7 @@ def time_breakdown(rows: list[dict], path: Path) -> None:
 
 def bytes_per_step(rows: list[dict], summaries: dict[str, dict], path: Path) -> None:
     """Two stacked bar charts of one step's bytes sent (all ranks): by op and by group; a black
-    mark where theory.py's closed form puts the total."""
+    mark where the closed form puts the total."""
     plt = _pyplot()
     ok = [r for r in rows if r["status"] == "ok" and r["strategy"] in summaries]
     names = [r["strategy"] for r in ok]

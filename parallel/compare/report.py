@@ -205,7 +205,7 @@ How to read the columns (MB: 10^6 bytes, for traffic and memory alike):
   matmul measured on this machine (all cores; per GPU on GPUs).
 - **MB/step**, **theory MB**: bytes all ranks sent in one step (ring convention: an all-reduce of
   S bytes over N ranks sends 2(N-1)/N·S per rank), measured by the communication log, and
-  parallel/theory.py's closed form; **= theory**: equal to the byte.
+  the families' theory.py closed form; **= theory**: equal to the byte.
 - **exposed comm**: share of the step a rank spent blocked in communication (not hidden behind
   compute), mean over ranks, from the communication log; `-` where PyTorch waits internally, out of
   the log's sight (DDP's comm hook futures).

@@ -305,7 +305,7 @@ def part_names(n_layers: int) -> list[str]:
 
     A part is the unit the strategies cut, shard and tag by: a pipeline stage holds whole parts,
     ZeRO keeps one flat buffer per part, FSDP2 wraps each Block, and gradients are tagged
-    `grads/<part>`. theory.part_parameter_counts gives each part's size in closed form.
+    `grads/<part>`. algebra.part_parameter_counts gives each part's size in closed form.
     """
     return ["embed", *(f"blocks.{i}" for i in range(n_layers)), "head"]
 

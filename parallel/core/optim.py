@@ -1,6 +1,6 @@
 """AdamW written out: the arithmetic of torch.optim.AdamW (single-tensor path), in a page.
 
-Why not torch.optim.AdamW itself: it gives the same numbers (tests/test_optim.py checks that
+Why not torch.optim.AdamW itself: it gives the same numbers (tests/unit/test_optim.py checks that
 step by step), but constructing it imports torch._dynamo, about two seconds of CPU per process.
 With four ranks on two cores that is most of a short test run. And the sharded strategies need
 an optimizer whose state is plainly one tensor per parameter, which this is.

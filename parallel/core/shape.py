@@ -14,7 +14,7 @@ planner fields describe what the sandbox GPT does not have:
     bias                  biases on the linears (GPT: yes; Llama: none)
 
 A preset that leaves them all at the GPT's values is a trainable model (`trainable`): its
-`gpt_config()` is exactly what launch.train builds, so every closed form of parallel/theory.py
+`gpt_config()` is exactly what launch.train builds, so every closed form (parallel/algebra.py, the families' theory.py)
 and the registry applies to it unchanged. A preset that sets any of them is a shape the
 planner plans but the sandbox cannot train; `gpt_config()` is then its *carrier*: the GPT with the
 same layers, width, heads, vocabulary and sequence, whose traffic and layout rules the planner
@@ -127,7 +127,7 @@ class ModelShape:
             + MLP  gated: 2·(h·f + f)/t (gate, up) + f·h/t + h (down)   plain: (h·f + f)/t + f·h/t + h
 
         biases only where `bias` (the row-parallel biases, added after the sum, are whole on every
-        rank). For the GPT's fields this is theory.tp_shard_parameter_count's per-layer term.
+        rank). For the GPT's fields this is algebra.tp_shard_parameter_count's per-layer term.
         """
         h, hkv, f, nb = self.gpt.d_model, self.kv_width, self.ffn, int(self.bias)
         attention = (h * h + nb * h) // t + 2 * (h * hkv + nb * hkv) // t + h * h // t + nb * h
@@ -147,11 +147,11 @@ class ModelShape:
         return self.norm_parameters + (rows if (not self.tied_head or copy_of_tied) else 0)
 
     def parameter_count(self) -> int:
-        """Ψ: equal to theory.parameter_count for a trainable (dense) shape."""
+        """Ψ: equal to algebra.parameter_count for a trainable (dense) shape."""
         return self.embedding_parameters() + self.gpt.n_layers * self.layer_parameters() + self.head_parameters()
 
     def stage_parameters(self, t: int, layers: int, first: bool, last: bool, stages: int = 1) -> int:
-        """What one rank of a pipeline stage holds (theory.stage_shard_parameter_count for the GPT):
+        """What one rank of a pipeline stage holds (compose.theory.stage_shard_parameter_count for the GPT):
         its blocks, the embedding on the first stage, the final norm and head on the last (with a
         tied head and several stages, the last stage's copy of the token rows)."""
         return (layers * self.layer_parameters(t) + (self.embedding_parameters(t) if first else 0)

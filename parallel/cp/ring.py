@@ -24,7 +24,7 @@ Bytes each rank sends per layer and microbatch (tags `<tag>/fwd`, `<tag>/bwd`):
     forward   (cp − 1) sends of K and V      2·b·a·(s/cp)·d elements of the activation dtype
     backward  (cp − 1) sends of K and V again, and (cp − 1) sends of the dK, dV accumulator, in fp32
               (in float64 for float64 activations: the accumulator is never narrower than fp32)
-(parallel/cp/traffic.py; derivation in docs/theory/context.md).
+(parallel/cp/theory.py; derivation in docs/theory/context.md).
 """
 
 from __future__ import annotations

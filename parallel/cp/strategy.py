@@ -13,8 +13,8 @@ over the d·cp ranks of the "dp_cp" group, and that is the group its gradients a
 the usual gradient syncs (parallel/dp/sync.py, naive or bucketed) or, with parallel.zero = 1 or 2,
 a ZeroOptimizer that shards over those d·cp ranks.
 
-Per rank per step, in bytes (parallel/theory.py `cp_comm`, docs/theory/context.md):
-    attention  L·m·(fwd + bwd) of parallel/cp/traffic.py, fwd twice under recomputation
+Per rank per step, in bytes (parallel/cp/theory.py `cp_comm`, docs/theory/context.md):
+    attention  L·m·(fwd + bwd) of parallel/cp/theory.py, fwd twice under recomputation
     gradients  2(n − 1)/n·Ψ·4 all-reduced over n = d·cp ranks (ZeRO: (n − 1)/n·(G + P))
 
 With tensor and pipeline parallelism on one mesh the same cut of the batch stands in front of the

@@ -17,7 +17,7 @@ unchanged, and a second permutation puts the output back before it leaves.
 
 Bytes: an all-to-all of a rank's input S sends (cp − 1)/cp·S (the part addressed to itself stays
 home). Per layer and microbatch, forward and backward alike: (cp − 1)/cp·4·b·(s/cp)·a·d elements
-(Q, K, V in, the output back). See parallel/cp/traffic.py and docs/theory/context.md.
+(Q, K, V in, the output back). See parallel/cp/theory.py and docs/theory/context.md.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ not exchanged again. An expert's weight gradient is complete on its one rank aft
 has seen every token routed to it.
 
 Tags: `ep/<block>/counts`, `ep/<block>/dispatch/fwd|bwd`, `ep/<block>/combine/fwd|bwd`, with
-<block> as in the parameter names (`blocks.2.mlp`). parallel/moe/traffic.py gives the exact bytes
+<block> as in the parameter names (`blocks.2.mlp`). parallel/moe/theory.py gives the exact bytes
 of each from the routing counts.
 """
 

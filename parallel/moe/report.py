@@ -28,7 +28,7 @@ from pathlib import Path
 
 from parallel.core.routing import expert_capacity
 from parallel.layout import Layout
-from parallel.moe.traffic import rank_rows
+from parallel.moe.theory import ep_all_to_all_exact, ep_all_to_all_uniform_bytes, rank_rows
 
 PLOT = "routing.png"
 
@@ -71,15 +71,13 @@ def skew(counts: list[int]) -> float:
 
 def _all_to_all_block(plan, layout: Layout, rank_reports: list[dict], n_steps: int) -> dict:
     """Measured (the log's ep group) against exact (theory on that step's routing), every step."""
-    from parallel import theory
-
     exact, measured = [], []
     for i in range(n_steps):
         step_layout = replace(layout, routing=measured_routing(rank_reports, i))
-        exact.append(theory.ep_all_to_all_exact(plan.model, step_layout)[1])
+        exact.append(ep_all_to_all_exact(plan.model, step_layout)[1])
         measured.append(sum((t.sent_bytes for r in rank_reports for (op, group, _tag), t in r["traffic"][i].items()
                              if op == "all_to_all" and group == "ep"), Fraction(0)))
-    uniform = theory.ep_all_to_all_uniform_bytes(plan.model, layout) * plan.dims.world_size
+    uniform = ep_all_to_all_uniform_bytes(plan.model, layout) * plan.dims.world_size
     return {
         "measured_bytes_by_step": [float(b) for b in measured],
         "exact_bytes_by_step": [float(b) for b in exact],
@@ -131,7 +129,7 @@ def routing_block(plan, rank_reports: list[dict], run_dir: Path | None) -> dict:
 
 
 def _expert_rank_rows(plan, ranks: list[list[list[dict]]]) -> dict:
-    """Rows each rank's experts computed in the last step (R_r of parallel/moe/traffic.py, summed over
+    """Rows each rank's experts computed in the last step (R_r of parallel/moe/theory.py, summed over
     its MoE calls), and the busiest rank's over the mean."""
     rows = [0] * plan.dims.world_size
     for group in plan.dims.group_ranks("ep"):

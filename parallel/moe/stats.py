@@ -5,7 +5,7 @@ expert-parallel one) and records, for each call in a training step (one MoE bloc
 microbatch, in the order they ran), the assignments per expert before dropping (`routed`) and
 after (`kept`), of this rank's tokens. Every strategy's rank reports them; the summary adds them up
 over ranks (parallel/moe/report.py) and, under expert parallelism, theory turns the kept counts
-into the step's exact all-to-all bytes (parallel/theory.py, ep_comm).
+into the step's exact all-to-all bytes (parallel/moe/theory.py, ep_comm).
 
 The counts are read with `.tolist()`; the MoE layer already reads them to the host to split its
 rows by expert, so this adds no device synchronisation of its own.

@@ -9,7 +9,7 @@ The row's names are the contract tools read (plan.json):
                             the most (a pipeline's stages differ); null parts where no formula covers it
     fits                    total <= the device's usable bytes (capacity - runtime, less the headroom)
     over_bytes              how far past the usable bytes it is (negative: room left)
-    bytes_per_step          intra_node, inter_node: all ranks' bytes per optimizer step (theory.py)
+    bytes_per_step          intra_node, inter_node: all ranks' bytes per optimizer step (the closed forms)
     step_time_s             compute, exposed_comm, bubble, total
     tokens_per_s, mfu       global tokens per step / total; model FLOPs per second / peak (a fraction)
 """

@@ -116,7 +116,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         "How to read it: **mem** is the device that holds the most (a pipeline's first stage, usually), split into "
         "parameters / gradients / optimizer state / saved activations / transient buffers; **fits** compares it "
         "with the usable memory (capacity less the runtime, less the headroom); **intra/inter GB** are all ranks' "
-        "bytes per optimizer step on links inside a node and between nodes (theory.py's closed forms); **step s** "
+        "bytes per optimizer step on links inside a node and between nodes (the closed forms); **step s** "
         "splits into compute, exposed communication and pipeline bubble.",
         "",
     ]

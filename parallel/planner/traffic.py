@@ -1,4 +1,4 @@
-"""Bytes per step, by group and by link class, from the registry's closed forms (parallel/theory.py).
+"""Bytes per step, by group and by link class, from the registry's closed forms (the families' theory.py).
 
 The registry's `comm` gives a layout's traffic per step summed over all ranks, by op and, where
 a strategy has several groups, by group (`by_group`). Where it has no `by_group`, the group is
@@ -12,7 +12,7 @@ reduce-scatters equal amounts, so the dp group's all-gathers less its reduce-sca
 the step's all-gathers less all of its reduce-scatters, which with their sum (by_group) fixes both.
 
 Model shapes the sandbox GPT does not have (grouped-query attention, a gated MLP, a tied head:
-parallel/core/shape.py) run theory.py on their carrier GPT (same layers, width, heads,
+parallel/core/shape.py) run the closed forms on their carrier GPT (same layers, width, heads,
 vocabulary, sequence). Tensor-parallel and pipeline bytes depend only on those (b·s·h per
 activation); the dp group's bytes are proportional to the parameters each rank syncs, so they are
 scaled by Ψ_t(shape) / Ψ_t(carrier), Ψ_t the parameters on one tp rank summed over stages. For a
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from parallel import theory
+from parallel.algebra import tp_shard_parameter_count
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
@@ -95,7 +95,7 @@ def shape_factor(shape: ModelShape, layout: Layout, stage_layers: list[int]) -> 
         return Fraction(1)
     t, p = layout.dims.tp, layout.dims.pp
     mine = sum(shape.stage_parameters(t, n, r == 0, r == p - 1, p) for r, n in enumerate(stage_layers))
-    carrier = theory.tp_shard_parameter_count(shape.gpt_config(), t)
+    carrier = tp_shard_parameter_count(shape.gpt_config(), t)
     return Fraction(mine, carrier)
 
 

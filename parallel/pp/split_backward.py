@@ -14,7 +14,7 @@ different times (Qi et al. 2023, arXiv 2401.10241, §2):
 
 Nothing is computed twice: autograd runs a node only for the outputs its walk needs, so B gets
 a matmul's input gradient from the fork and W its weight gradient. The two halves do the whole
-backward's arithmetic on the same numbers (tests/test_pp_split_backward.py compares them).
+backward's arithmetic on the same numbers (tests/unit/test_pp_split_backward.py compares them).
 
 The graph outlives B (autograd.grad(..., retain_graph=True)): what the forward saved is held
 until W has run, and then released, which is what the simulator counts (activations held until

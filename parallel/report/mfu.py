@@ -27,12 +27,12 @@ import time
 
 import torch
 
+from parallel.algebra import active_parameter_count
 from parallel.core.model import GPTConfig
-from parallel.theory import active_parameter_count
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:
-    """N: every parameter a token uses but the token and position embedding tables (theory.py's
+    """N: every parameter a token uses but the token and position embedding tables (parallel/algebra.py's
     active count, Ψ for a dense model, minus them)."""
     return active_parameter_count(cfg) - cfg.padded_vocab_size * cfg.d_model - cfg.seq_len * cfg.d_model
 

@@ -15,7 +15,7 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       sent_bytes_per_step, by_op / by_group / by_tag (calls, payload_bytes,
                       sent_bytes, seconds), by_tag_op (the same per tag and op: the per-layer
                       collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
-  expected_comm       parallel/theory.py's closed form in the same fields
+  expected_comm       the strategy's closed form (its family's theory.py) in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
   mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
@@ -48,12 +48,12 @@ from pathlib import Path
 
 import torch
 
+from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.moe.report import routing_block, with_measured_routing
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.report.trace import write_run_trace
-from parallel.theory import parameter_count
 
 SCHEMA_VERSION = 1
 
@@ -238,7 +238,7 @@ def summarize_memory(rank_reports: list[dict], formula: dict | None,
     saved for backward at the last step's peak (parallel/report/activations.py), with the
     allocator's peak (CUDA on GPU, RSS on CPU); beside them the strategy's closed forms (`theory`:
     model_state_bytes, activation_bytes per rank) and whether every rank's model state equals its
-    formula exactly. (`formula` is theory.model_state_bytes under its first name.)"""
+    formula exactly. (`formula` is registry.model_state_bytes under its first name.)"""
     by_rank = []
     for r in rank_reports:
         state = r["model_state"]

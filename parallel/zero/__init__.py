@@ -26,7 +26,7 @@ The unit of sharding is a *part* of the model, the pieces model.py is made of: t
 Block, the head (`_part_of` in dp.py names a parameter's part). Each part's parameters live in one
 flat fp32 buffer, padded with zeros to a multiple of N so it splits into N equal shards; rank r
 owns elements [r·S, (r+1)·S) of every part, S = padded / N. Padding is why the bytes moved and held
-are computed on Ψ_pad = Σ_parts ceil(Ψ_part / N)·N (theory.zero_padded_parameter_count).
+are computed on Ψ_pad = Σ_parts ceil(Ψ_part / N)·N (algebra.zero_padded_parameter_count).
 
 The optimizer sees only its shard: parallel/core/optim.py's AdamW over the pieces of the shard, one
 piece per parameter the shard overlaps (and one for the padding), each piece in the weight-decay

@@ -9,16 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from parallel.algebra import padded
 from parallel.core.model import part_of
 from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
 
 BETAS, EPS = (0.9, 0.95), 1e-8  # as strategy.make_optimizer
-
-
-def padded_size(numel: int, world: int) -> int:
-    """The smallest multiple of `world` that holds `numel` elements."""
-    return -(-numel // world) * world
 
 
 class MemoryMeter:
@@ -57,7 +53,7 @@ class Part:
             self.offsets.append(offset)
             offset += p.numel()
         self.numel = offset
-        self.padded = padded_size(self.numel, world)
+        self.padded = padded(self.numel, world)  # the smallest multiple of world that holds it
         self.shard_numel = self.padded // world
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         p0 = self.params[0]

@@ -4,7 +4,7 @@ activation formula, the bytes saved for backward, measured on every rank, agains
 For each layout of LAYOUTS, in one job (each on its own device mesh over the same 4 processes): build
 the strategy as launch.train does, train two steps under the ActivationMeter (train.py's meter:
 saved-tensor hooks, distinct storages, parameters left out) and compare the last step's peak on
-every rank with the registry's `activations` (parallel/planner/memory.py) and the model state
+every rank with the registry's `activations` (parallel/activations.py) and the model state
 each rank holds with the planner's `model_state_bytes` for its stage (for what the planner plans:
 PyTorch's own baselines keep their model state their own way). Rank 0 prints one line per
 layout: `<label> measured=[...] formula=[...] state=[...] state_formula=[...]`, then `done`.

@@ -6,18 +6,18 @@ project's own entry point, `launch.train`, with no other file of the project cha
 
     torchrun --standalone --nproc-per-node 2 tests/helpers/toy_strategy.py parallel=dp parallel.name=dp_flat
 
-tests/runs/test_registry.py runs it and checks it against the single-process run and theory.py.
+tests/runs/test_registry.py runs it and checks it against the single-process run and the closed forms.
 """
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's code
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's code
 
 import torch  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
-from parallel import theory  # noqa: E402
+from parallel.dp import theory  # noqa: E402
 from parallel.registry import StrategySpec, register  # noqa: E402
 from parallel.strategy import GradSync, Strategy, make_optimizer  # noqa: E402
 

@@ -32,7 +32,7 @@ from parallel.cp.layout import (
     validate,
 )
 from parallel.cp.ring import RingAttentionCore
-from parallel.cp.traffic import ring_layer_traffic, step_sent, ulysses_layer_traffic
+from parallel.cp.theory import ring_layer_traffic, step_sent, ulysses_layer_traffic
 from parallel.cp.transform import parallelize_cp
 from parallel.cp.ulysses import UlyssesAttentionCore
 from parallel.dist.comm import CommLog, Communicator

@@ -1,7 +1,7 @@
 """Expert parallelism at the layer level, on real gloo groups of 2 and 4 ranks in one pytest process:
 the all-to-all in the communication log, an MoE layer with its experts sharded over the ep ranks
 against the unsharded layer (outputs, input and weight gradients, top-1 and top-2, with drops), and
-every logged byte against the exact figure from the routing counts (parallel/moe/traffic.py)."""
+every logged byte against the exact figure from the routing counts (parallel/moe/theory.py)."""
 
 import copy
 import os
@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.comm import CommLog, Communicator, ring_bytes_sent, summarize_traffic
 from parallel.moe.expert_parallel import ExpertParallelMoE, local_expert_range
-from parallel.moe.traffic import CALLS, exact_sent_per_rank, layer_call_bytes, rank_rows, uniform_sent_per_rank
+from parallel.moe.theory import CALLS, exact_sent_per_rank, layer_call_bytes, rank_rows, uniform_sent_per_rank
 
 H, S, EXPERTS = 16, 8, 8
 BASE = GPTConfig(seq_len=S, n_layers=1, d_model=H, n_heads=2, moe_experts=EXPERTS, moe_aux_weight=0.05)

@@ -2,10 +2,10 @@
 
 Each case trains the tiny model (s = 32, L = 4, h = 64, 4 heads) for 6 steps on gloo and checks at once:
   * per-step losses within 1e-5 relative of the single-process run and the same final parameters;
-  * the bytes per step equal parallel/theory.py exactly: in total, op by op (payload and sent) and
+  * the bytes per step equal parallel/cp/theory.py exactly: in total, op by op (payload and sent) and
     group by group (cp, dp_cp, tp, pp), and the attention's calls per layer (the ring's sends, the
     all-to-alls, twice the forward's under recomputation);
-  * the bytes saved for backward, measured on every rank, equal theory.activation_bytes exactly
+  * the bytes saved for backward, measured on every rank, equal activations.activation_bytes exactly
     where the registry has the formula (cp, cp_a2a); the model state equals its formula.
 Recomputation is spread over the cases so that each mode runs on cp and on tp (none, selective,
 full): what it changes in memory is checked against the formula here, and in one process, for

@@ -2,7 +2,7 @@
 
 Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
   * per-step losses within 1e-5 relative of the single-process run, and the same final parameters;
-  * the bytes the communication log recorded per step equal parallel/theory.py exactly, and the
+  * the bytes the communication log recorded per step equal parallel/dp/theory.py exactly, and the
     closed form 2(N-1)/N * Ψ * 4 bytes per rank written out here from docs/theory/data-parallel.md;
   * how the traffic was sent (one call per gradient for naive, one per bucket for bucketed);
   * that every rank saw the same data as the single run.
@@ -21,7 +21,7 @@ SMALL_BUCKETS = "parallel.bucket_mb=0.1"
 
 def check_dp_traffic(s, world):
     comm, expected = s["comm"], s["expected_comm"]
-    # Closed form, written out independently of theory.py: 2(N-1)/N * Ψ * 4 bytes per rank.
+    # Closed form, written out independently of parallel/dp/theory.py: 2(N-1)/N * Ψ * 4 bytes per rank.
     psi = s["model"]["parameters"]
     assert psi == s["model"]["params_formula"]
     per_rank = Fraction(2 * (world - 1), world) * psi * 4

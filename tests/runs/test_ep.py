@@ -21,20 +21,20 @@ import torch
 from launcher import assert_ok, run_train
 from test_layout import plan_for
 
+from parallel.algebra import parameter_count
+from parallel.baselines.theory import fsdp2_group_padded_counts
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.layout import Layout
-from parallel.plan import ConfigError
-from parallel.registry import expected_comm
-from parallel.theory import (
+from parallel.moe.theory import (
     ep_all_to_all_pair_bytes_uniform,
     ep_all_to_all_uniform_bytes,
     ep_comm,
     ep_model_state_bytes,
     ep_shard_parameter_count,
-    fsdp2_group_padded_counts,
-    parameter_count,
 )
+from parallel.plan import ConfigError
+from parallel.registry import expected_comm
 
 MOE = ["model=tiny_moe", "train.steps=5", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
        "train.peak_flops=1e11", "train.save_final=true", "train.save_grads=true"]

@@ -5,7 +5,7 @@ Each multi-process case trains the tiny model for 6 steps under torchrun on gloo
     (gathered over tp, then over the stages) and the same data;
   * step 0's full-model gradients equal the single run's, and every replicated gradient is the
     same on all tp ranks;
-  * the bytes per step equal parallel/theory.py exactly, op by op, group by group and rank by
+  * the bytes per step equal parallel/compose/theory.py exactly, op by op, group by group and rank by
     rank (ranks of different stages send different amounts);
   * each block's tp collectives ran only on the d·t ranks of the stage that holds the block;
   * each rank ran exactly its schedule's list.

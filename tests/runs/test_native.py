@@ -1,7 +1,7 @@
 """PyTorch's own parallelism as strategies (parallel/baselines/): the same model, data, init and
 optimizer as ours, so the same losses and final parameters as the single-process run, and their
 traffic, counted around DTensor's and pipelining's communication calls or through DDP's comm hook,
-equal to theory.py's figure."""
+equal to its closed form's figure."""
 
 import pytest
 from launcher import TINY, assert_ok, check_matches_single, run_train

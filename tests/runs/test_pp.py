@@ -5,7 +5,7 @@ Each case trains the tiny model (4 layers) for 6 steps under torchrun on gloo an
     (gathered from the stages) and the same data;
   * step 0's full-model gradients equal the single run's (the microbatch losses are scaled by the
     global token count, not the microbatch's: otherwise they would be m times too large);
-  * the bytes per step equal parallel/theory.py exactly and 2·m·(v·p-1)·b·s·h·4 written out here;
+  * the bytes per step equal parallel/pp/theory.py exactly and 2·m·(v·p-1)·b·s·h·4 written out here;
   * the order each rank executed is exactly its schedule's list;
   * the run reported the bubble beside the simulator's and the closed form, and its time breakdown
     (waiting for the neighbour stage is the bubble) and trace.json of every rank add up.

@@ -4,7 +4,7 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks in
   * per-step losses within 1e-5 relative of the single-process run, the same final parameters and
     the same data; step 0's full-model gradients equal the single run's (B and W together are the
     whole backward, and each W lands in the gradient the dp sync and the optimizer use);
-  * the bytes per step equal parallel/theory.py exactly and 2·m·crossings·b·s·h·4 written out
+  * the bytes per step equal the closed forms exactly and 2·m·crossings·b·s·h·4 written out
     here, crossings = p-1 on the loop and 2(p-1) on the V (whose turn, inside rank p-1, sends
     nothing), with 2·m sends per crossing;
   * the order each rank executed is exactly its schedule's list (W included);

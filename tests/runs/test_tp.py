@@ -5,7 +5,7 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
     (gathered from the shards) and the same data;
   * step 0's full-model gradients (gathered, after every sync) equal the single run's, and every
     replicated gradient is identical on all tp ranks (complete, not partial);
-  * the bytes per step equal parallel/theory.py exactly, and docs/theory/tensor-parallel.md's closed form written
+  * the bytes per step equal parallel/tp/theory.py exactly, and docs/theory/tensor-parallel.md's closed form written
     out here a second time;
   * the Megatron count per layer, read off summary.json's comm.by_tag_op and metrics.jsonl.
 """

@@ -2,7 +2,7 @@
 
 Each multi-process case trains the tiny model for 6 steps under torchrun on gloo and checks:
   * per-step losses within 1e-5 relative of the single-process run, and the same final parameters;
-  * the bytes logged per step equal theory.py exactly, and the ZeRO paper's closed form written
+  * the bytes logged per step equal parallel/zero/theory.py exactly, and the ZeRO paper's closed form written
     out here: (N-1)/N·(G + P) per rank for stages 1 and 2 (m·G + P for stage 2 with m
     microbatches: it reduce-scatters every microbatch), m·(N-1)/N·(2P + G) for stage 3, with
     P = G = 4·Ψ_pad bytes and Ψ_pad = Σ_parts ceil(Ψ_part/N)·N;

@@ -1,4 +1,4 @@
-"""The planner (parallel/planner/, launch/plan.py) without training: its counts against theory.py,
+"""The planner (parallel/planner/, launch/plan.py) without training: its counts against the closed forms,
 its enumeration against plan.py, its bytes per link class against theory's totals, its time model
 on a synthetic profile worked out by hand, and the command line.
 
@@ -21,10 +21,12 @@ from launcher import CPU_ONLY, PROJECT_ROOT
 from omegaconf import OmegaConf
 
 from launch.config import CONFIG_DIR
-from parallel import theory
+from parallel import algebra
+from parallel.compose import theory as compose_theory
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
 from parallel.dist.groups import LaunchEnv
+from parallel.dp.theory import dp_comm
 from parallel.layout import Layout
 from parallel.plan import ConfigError, build_plan, model_config
 from parallel.planner import memory
@@ -36,6 +38,7 @@ from parallel.planner.timing import forward_flops_per_token, step_time
 from parallel.planner.traffic import bytes_by_link, layout_traffic
 from parallel.registry import REGISTRY, StrategySpec, register
 from parallel.report.mfu import flops_per_token
+from parallel.zero.theory import zero_model_state_bytes
 
 
 def preset(name: str) -> dict:
@@ -54,12 +57,12 @@ def test_trainable_shapes_count_what_theory_counts(name):
     shape = ModelShape.from_preset(preset(name))
     cfg = shape.gpt_config()
     assert shape.trainable and shape.differences() == []
-    assert shape.parameter_count() == theory.parameter_count(cfg)
+    assert shape.parameter_count() == algebra.parameter_count(cfg)
     assert shape.flops_per_token() == flops_per_token(cfg)
     for t in (1, 2, 4):
         for layers, first, last in ((cfg.n_layers, True, True), (1, True, False), (2, False, True), (1, False, False)):
             assert shape.stage_parameters(t, layers, first, last, 2) == \
-                theory.stage_shard_parameter_count(cfg, t, layers, first, last)
+                compose_theory.stage_shard_parameter_count(cfg, t, layers, first, last)
 
 
 def test_planner_shapes_count_their_published_sizes():
@@ -87,13 +90,13 @@ def test_model_state_equals_theory_for_every_stage_and_zero_stage():
             layout = Layout(dims=dims, zero=zero)
             for r in range(pp):
                 mine = memory.model_state_bytes(shape, layout, zero, "fp32", r)
-                want = theory.mesh3d_model_state_bytes(cfg, dims, r, zero)
+                want = compose_theory.mesh3d_model_state_bytes(cfg, dims, r, zero)
                 assert (mine["params"], mine["grads"], mine["optimizer"]) == \
                     (want["param_bytes"], want["grad_bytes"], want["optimizer_bytes"]), (dp, tp, pp, zero, r)
     for stage in (1, 2, 3):
         layout = Layout(dims=ParallelDims(world_size=4, dp=4))
         mine = memory.model_state_bytes(shape, layout, stage, "fp32", 0)
-        want = theory.zero_model_state_bytes(cfg, layout, stage)
+        want = zero_model_state_bytes(cfg, layout, stage)
         assert (mine["params"], mine["grads"], mine["optimizer"]) == \
             (want["param_bytes"], want["grad_bytes"], want["optimizer_bytes"])
 
@@ -159,7 +162,7 @@ def test_a_strategy_registered_without_an_activation_formula_gets_rows_saying_so
     """A new registry entry enters the search with its layout rules; with no activation formula its
     rows keep the bytes and the time but say that memory is not known (fits: null)."""
     spec = register(StrategySpec(name="planner_toy", description="dp without an activation formula",
-                                 build=lambda model, plan, ctx: None, comm=theory.dp_comm, min_world=2))
+                                 build=lambda model, plan, ctx: None, comm=dp_comm, min_world=2))
     try:
         shape = ModelShape.from_preset(preset("tiny"))
         found = enumerate_layouts(shape, base, 2, 8, SMALL_SPACE, only=["planner_toy"])
@@ -209,7 +212,7 @@ def _traffic(base, name: str, dims: ParallelDims, algorithm: str, gpus_per_node:
 
 
 def test_bytes_per_link_class_split_theorys_total_exactly(base):
-    """8 ranks on 2 nodes of 4: the two classes sum to theory.py's figure to the byte, and each group
+    """8 ranks on 2 nodes of 4: the two classes sum to the closed form's figure to the byte, and each group
     crosses nodes as its ranks sit (tp innermost, pp outermost)."""
     for name, dims, options in (("dp", ParallelDims(8, 8), {}), ("zero3", ParallelDims(8, 8), {}),
                                 ("tp", ParallelDims(8, 2, 4), {}), ("3d", ParallelDims(8, 2, 2, 2), {}),
@@ -272,7 +275,7 @@ def test_time_model_by_hand(base):
     shape, plan, traffic, t = _time(base, "dp", ParallelDims(4, 4), cluster)
     b = plan.microbatch_size
     forward = b * s * forward_flops_per_token(shape, 1, 4, True) / 1e12
-    dp_seconds = 2 * 3 / 4 * theory.parameter_count(plan.model) * 4 / 1e9
+    dp_seconds = 2 * 3 / 4 * algebra.parameter_count(plan.model) * 4 / 1e9
     assert t.compute == pytest.approx(3 * forward) and t.bubble == 0
     assert t.exposed_comm == pytest.approx(dp_seconds) and t.total == pytest.approx(3 * forward + dp_seconds)
     # ZeRO-1: the reduce-scatter waits for the schedule and the all-gather for the step: all exposed, the

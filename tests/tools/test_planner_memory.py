@@ -1,4 +1,4 @@
-"""Activation memory: the registry's formula (parallel/planner/memory.py) against the bytes autograd
+"""Activation memory: the registry's formula (parallel/activations.py) against the bytes autograd
 really saves, measured on every rank, for every strategy that has a formula; and the planner's
 model-state formula against the tensors each rank holds.
 
@@ -57,13 +57,13 @@ def test_strategies_without_a_formula_say_so():
 
 
 def test_the_two_activation_derivations_agree_where_both_apply():
-    """The planner's walk (pipelines, tp) and theory.activation_bytes (cp, recomputation) derive the
-    same bytes where both apply: one stage, no tp, no cp, no recomputation."""
+    """The walk (pipelines, tp) and activations.activation_bytes (cp, recomputation), both in
+    parallel/activations.py, derive the same bytes where both apply: one stage, no tp, no cp, no recomputation."""
+    from parallel.activations import activation_bytes
     from parallel.core.model import GPTConfig
     from parallel.dist.dims import ParallelDims
     from parallel.layout import Layout
     from parallel.planner.memory import activation_bytes_by_rank
-    from parallel.theory import activation_bytes
 
     cfg = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
     for world, b, m in ((1, 16, 1), (2, 8, 1), (2, 4, 2), (4, 4, 1)):

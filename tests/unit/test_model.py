@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from parallel.algebra import parameter_count
 from parallel.core.model import GPT, GPTConfig, count_parameters, token_loss_sum
-from parallel.theory import parameter_count
 
 TINY = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 PRESETS = {

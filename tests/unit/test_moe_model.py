@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import yaml
 
+from parallel.algebra import active_parameter_count, parameter_count, part_parameter_counts, tp_shard_parameter_count
 from parallel.core.model import (
     GPT,
     MLP,
@@ -27,13 +28,7 @@ from parallel.core.optim import AdamW
 from parallel.core.routing import expert_capacity, route
 from parallel.core.shape import PLANNER_DEFAULTS
 from parallel.moe.expert_parallel import shard_experts
-from parallel.theory import (
-    active_parameter_count,
-    ep_shard_parameter_count,
-    parameter_count,
-    part_parameter_counts,
-    tp_shard_parameter_count,
-)
+from parallel.moe.theory import ep_shard_parameter_count
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 TINY = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)

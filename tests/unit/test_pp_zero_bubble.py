@@ -23,7 +23,7 @@ from parallel.pp.bubble import closed_form_bubble, closed_form_idle, has_closed_
 from parallel.pp.placement import Placement
 from parallel.pp.schedules import ScheduleError, build_schedule, compute_only, schedule_placement
 from parallel.pp.simulator import ScheduleInvalid, simulate, simulate_schedule, split_costs
-from parallel.theory import pipeline_p2p_bytes
+from parallel.pp.theory import pipeline_p2p_bytes
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "zbh1": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 GRID = [(p, m) for p in range(1, 9) for m in range(1, 17)]
@@ -252,7 +252,7 @@ def sends_in_lists(schedule, p, m, v):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbh1", "zbv", "dualpipev"])
 def test_traffic_equals_the_sends_in_the_lists(schedule):
-    from parallel.pp.traffic import (
+    from parallel.pp.theory import (
         boundary_bytes,
         p2p_bytes_per_step,
         p2p_links,
@@ -277,7 +277,7 @@ def test_traffic_equals_the_sends_in_the_lists(schedule):
 
 
 def test_v_traffic_by_rank():
-    from parallel.pp.traffic import p2p_sent_by_rank
+    from parallel.pp.theory import p2p_sent_by_rank
 
     # The ends talk on one link per arm, the inner ranks on two: each inner rank sends twice as much.
     assert p2p_sent_by_rank("zbv", 4, 8, 2, 1) == [16, 32, 32, 16]
@@ -387,7 +387,7 @@ def test_plan_accepts_what_composes_with_w(world, overrides):
     assert plan_error(world, *overrides) == ""
 
 
-# -- theory.py on the V: what each rank holds and sends, counted on the model itself ------------------
+# -- the closed forms on the V: what each rank holds and sends, counted on the model itself ------------------
 
 @pytest.mark.parametrize("d,t,p,m,sp,zero", [(1, 2, 2, 4, True, 0), (2, 1, 2, 4, False, 0), (1, 1, 4, 8, False, 0),
                                            (2, 1, 2, 4, False, 1)])
@@ -396,12 +396,12 @@ def test_3d_theory_on_the_v_written_out(d, t, p, m, sp, zero):
     parameters, tp bytes and pp sends, against the chunks split_model gives each rank."""
     from types import SimpleNamespace
 
+    from parallel.compose.theory import mesh3d_local_parameter_count, stage_ends, stage_layers
     from parallel.core.model import GPT, part_of
     from parallel.dist.dims import ParallelDims
     from parallel.pp.split import split_model
-    from parallel.pp.traffic import p2p_sent_by_rank
+    from parallel.pp.theory import p2p_sent_by_rank
     from parallel.registry import expected_comm
-    from parallel.theory import mesh3d_local_parameter_count, stage_ends, stage_layers
     from parallel.tp.layers import parallelize_tp
 
     cfg = GPTConfig(seq_len=32, n_layers=8, d_model=64, n_heads=4)

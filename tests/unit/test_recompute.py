@@ -2,11 +2,11 @@
 
 * The recompute transform (parallel/core/recompute.py) leaves the loss and every gradient as they were
   (measured: bit-identical; asserted within 1e-6), with dropout too (the random state is replayed),
-  and the bytes the ActivationMeter measures equal theory.activation_terms exactly for
+  and the bytes the ActivationMeter measures equal activations.activation_terms exactly for
   none / selective / full, on two shapes.
 * The closed forms recomputation changes: tensor parallelism's 8 -> 12 units of b·s·h·(t−1)/t per
   layer under `full` (nothing more under `selective`), the ring's and the all-to-all's forward
-  bytes counted twice; written out by hand here against parallel/theory.py.
+  bytes counted twice; written out by hand here against parallel/cp/theory.py.
 * The plan: each layout or model that context parallelism or recomputation cannot run is refused
   with its one line before any process group; the routes put cp with tp or pp on the one mesh.
 """
@@ -18,9 +18,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
 
-from parallel import theory
+from parallel import activations, algebra
 from parallel.core.model import GPT, GPTConfig, token_loss_sum
 from parallel.core.recompute import apply_recompute
+from parallel.cp import theory as cp_theory
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.layout import Layout
@@ -59,7 +60,7 @@ def test_recomputation_keeps_the_numbers_and_saves_what_the_formula_says(cfg, b,
         torch.testing.assert_close(mode_grads, grads, rtol=1e-6, atol=0)
         layout = Layout(ParallelDims(world_size=1, dp=1), microbatch_size=b, microbatches=global_batch // b,
                         recompute=mode)
-        assert peak == theory.activation_terms(cfg, layout)["peak"], mode
+        assert peak == activations.activation_terms(cfg, layout)["peak"], mode
     peaks = [results[mode][2] for mode in MODES]
     assert peaks[0] > peaks[1] > peaks[2]
 
@@ -72,7 +73,7 @@ def test_recomputation_replays_dropout():
         assert mode_loss == loss
         torch.testing.assert_close(mode_grads, grads, rtol=1e-6, atol=0)
     # Dropout is outside what the activation formula derives: no formula rather than a wrong one.
-    assert theory.activation_terms(cfg, Layout(ParallelDims(world_size=1, dp=1))) is None
+    assert activations.activation_terms(cfg, Layout(ParallelDims(world_size=1, dp=1))) is None
 
 
 # -- the closed forms recomputation changes ----------------------------------------------------------
@@ -97,26 +98,26 @@ def test_recomputation_sends_the_cp_forward_again(cp):
     b, m, d = 2, 2, 2
     dims = ParallelDims.resolve(d * cp, dp=d, cp=cp)
     u = b * A * (S // cp) * D  # one of a rank's Q, K, V
-    grads = 2 * Fraction(d * cp - 1, d * cp) * theory.parameter_count(CFG) * 4  # over dp x cp, per rank
+    grads = 2 * Fraction(d * cp - 1, d * cp) * algebra.parameter_count(CFG) * 4  # over dp x cp, per rank
     ring_fwd, ring_bwd = (cp - 1) * 2 * u * 4, (cp - 1) * 2 * u * (4 + 4)
     a2a = Fraction(cp - 1, cp) * 4 * u * 4  # each way
     for mode, forwards in (("none", 1), ("selective", 2), ("full", 2)):
         layout = Layout(dims, microbatch_size=b, microbatches=m, recompute=mode)
-        ring = theory.cp_comm(CFG, layout)
+        ring = cp_theory.cp_comm(CFG, layout)
         per_rank = L * m * (forwards * ring_fwd + ring_bwd) + grads
         assert Fraction(ring["sent_bytes_per_step_exact"]) == per_rank * d * cp
         assert Fraction(ring["by_group"]["dp_cp"]["sent_bytes_exact"]) == grads * d * cp
-        ulysses = theory.cp_comm(CFG, Layout(dims, microbatch_size=b, microbatches=m, recompute=mode, cp_kind="a2a"))
+        ulysses = cp_theory.cp_comm(CFG, Layout(dims, microbatch_size=b, microbatches=m, recompute=mode, cp_kind="a2a"))
         assert Fraction(ulysses["by_group"]["cp"]["sent_bytes_exact"]) == L * m * (forwards + 1) * a2a * d * cp
 
 
 def test_zero_over_dp_x_cp_shards_over_every_replica():
     dims = ParallelDims.resolve(4, dp=2, cp=2)
     for stage, scatters in ((1, 1), (2, 2)):
-        fig = theory.cp_comm(CFG, Layout(dims, microbatch_size=4, microbatches=2, zero=stage))
-        padded = theory.zero_padded_parameter_count(CFG, 4) * 4
+        fig = cp_theory.cp_comm(CFG, Layout(dims, microbatch_size=4, microbatches=2, zero=stage))
+        padded = algebra.zero_padded_parameter_count(CFG, 4) * 4
         assert Fraction(fig["by_group"]["dp_cp"]["sent_bytes_exact"]) == Fraction(3, 4) * (1 + scatters) * padded * 4
-        state = theory.cp_model_state_bytes(CFG, Layout(dims, zero=stage))
+        state = cp_theory.cp_model_state_bytes(CFG, Layout(dims, zero=stage))
         assert state["optimizer_bytes"] == 2 * padded // 4
 
 

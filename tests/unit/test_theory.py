@@ -1,15 +1,16 @@
-"""theory.py against the formulas of docs/theory/, written out here a second time."""
+"""The closed forms (parallel/algebra.py and the families' theory.py) against the formulas of
+docs/theory/, written out here a second time."""
 
 from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
 
+from parallel.algebra import parameter_count, tp_shard_parameter_count
 from parallel.core.model import GPT, GPTConfig, count_parameters
 from parallel.dist.comm import ring_bytes_sent
 from parallel.dist.dims import ParallelDims
 from parallel.registry import expected_comm
-from parallel.theory import parameter_count, tp_shard_parameter_count
 from parallel.tp.layers import parallelize_tp
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
@@ -194,8 +195,8 @@ def test_3d_without_tp_is_pp_and_without_pp_is_tp():
                              sequence_parallel=sp)["by_op"] == tp["by_op"]
 
 # -- ZeRO and FSDP2 ---------------------------------------------------------------------------------
+from parallel.algebra import part_parameter_counts, zero_padded_parameter_count  # noqa: E402
 from parallel.registry import model_state_bytes  # noqa: E402
-from parallel.theory import part_parameter_counts, zero_padded_parameter_count  # noqa: E402
 
 
 def test_parts_add_up_to_the_whole_model():
@@ -281,7 +282,7 @@ def _stage_part_sizes(t, p, v=1):
     (3, 2, 1, 1, 2, 2, False, 2), (3, 2, 2, 1, 2, 2, False, 1),  # dp 3: parts padded to multiples of 3
 ])
 def test_3d_with_zero_dp_written_out(d, t, p, v, b, m, sp, zero):
-    from parallel.theory import mesh3d_model_state_bytes
+    from parallel.compose.theory import mesh3d_model_state_bytes
     dims = ParallelDims.resolve(d * t * p, dp=d, tp=t, pp=p)
     kw = dict(microbatch_size=b, microbatches=m, virtual=v, sequence_parallel=sp)
     plain, fig = expected_comm("3d", CFG, dims, **kw), expected_comm("3d", CFG, dims, **kw, zero=zero)

@@ -1,0 +1,193 @@
+"""The algebra every family's closed forms share, written once: byte sizes, the GPT's parameter
+counts and their parts, padding, ring factors and the per-op/per-group figure a summary compares.
+
+Each family's theory.py (parallel/dp/theory.py, parallel/tp/theory.py, ...) builds its traffic and
+model state from these; derivations, with sources, in docs/theory/. Like every theory file, this
+one is deliberately independent of the code it checks: parameter counts come from the GPT
+formula, not from summing the model's tensors, and bytes from the per-strategy formulas, not from
+the communication log's per-call arithmetic. Bytes are exact Fractions so that a test can assert
+equality to the byte.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from parallel.core.model import GPTConfig
+from parallel.dist.dims import ParallelDims
+from parallel.layout import FP32_BYTES as FP32_BYTES  # re-exported: fp32 parameters, gradients, losses
+from parallel.layout import Layout
+
+ID_BYTES = 8  # token ids, targets and positions are int64
+
+
+def padded(count: int, n: int) -> int:
+    """The smallest multiple of n that holds `count` elements: ceil(count / n)·n (ZeRO's and FSDP2's
+    flat shards, whose n pieces are all the same size)."""
+    return -(-count // n) * n
+
+
+# -- parameter counts -------------------------------------------------------------------------------
+def refuse_moe(cfg: GPTConfig, what: str) -> None:
+    """Formulas written for the dense block only: say so rather than return a wrong count."""
+    if cfg.moe_experts:
+        raise ValueError(
+            f"theory has no {what} for a mixture-of-experts model (model.moe_experts={cfg.moe_experts}): "
+            "they are written for the dense block; use model.moe_experts=0"
+        )
+
+
+def expert_parameters(cfg: GPTConfig) -> int:
+    """One expert: an MLP of the dense shape, 2f·h + f + h (fc h->f and proj f->h with their biases)."""
+    h, f = cfg.d_model, cfg.d_ff
+    return 2 * f * h + f + h
+
+
+def moe_extra_parameters(cfg: GPTConfig) -> int:
+    """What an MoE block holds beyond the dense block: (E-1) more MLPs of 2f·h + f + h (f = mlp_ratio·h)
+    and the router's h·E weights (no bias, as in Switch)."""
+    return (cfg.moe_experts - 1) * expert_parameters(cfg) + cfg.d_model * cfg.moe_experts
+
+
+def parameter_count(cfg: GPTConfig) -> int:
+    """Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head), V the padded vocabulary,
+    plus L_moe·[(E-1)·(8h² + 5h) + h·E] with experts.
+
+    Per layer: Q, K, V and output projections 4h² + 4h, MLP 8h² + 5h (fc with bias 4h, proj with
+    bias h), two LayerNorms 4h. The final LayerNorm adds 2h; the untied head V·h (no bias).
+    Each of the L_moe MoE blocks holds E MLPs instead of one, and a router of h·E (no bias).
+    """
+    V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
+    # The formula assumes the MLP is 4h wide; a different ratio changes the 12h² + 13h term.
+    mlp = 2 * cfg.mlp_ratio * h * h + cfg.mlp_ratio * h + h
+    per_layer = 4 * h * h + 4 * h + mlp + 4 * h
+    return V * h + s * h + L * per_layer + 2 * h + V * h + len(cfg.moe_blocks) * moe_extra_parameters(cfg)
+
+
+def tp_layer_parameter_count(cfg: GPTConfig, t: int) -> int:
+    """One dense block on one of t tensor-parallel ranks, f = mlp_ratio·h the MLP width:
+
+        4h (two norms) + 3(h² + h)/t (Q, K, V: columns and their bias)
+        + h²/t + h (output projection: its input columns, the full bias)
+        + (f·h + f)/t (fc: columns and bias) + f·h/t + h (proj: input columns, full bias)
+    """
+    h, f = cfg.d_model, cfg.d_ff
+    return 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
+
+
+def embedding_parameter_count(cfg: GPTConfig, t: int = 1) -> int:
+    """The embedding on one of t tp ranks: token rows V·h/t (vocab-parallel) and positions s·h (replicated)."""
+    return cfg.padded_vocab_size * cfg.d_model // t + cfg.seq_len * cfg.d_model
+
+
+def head_parameter_count(cfg: GPTConfig, t: int = 1) -> int:
+    """The final LayerNorm 2h and the untied head's V·h/t rows (no bias) on one of t tp ranks."""
+    return 2 * cfg.d_model + cfg.padded_vocab_size * cfg.d_model // t
+
+
+def tp_shard_parameter_count(cfg: GPTConfig, t: int) -> int:
+    """Ψ_t, the parameters one tensor-parallel rank holds (Ψ_1 = Ψ):
+
+        V·h/t (token rows) + s·h (positions, replicated) + 2h (final norm) + V·h/t (head rows)
+        + L·`tp_layer_parameter_count`
+    """
+    if cfg.moe_experts:
+        if t == 1:
+            return parameter_count(cfg)
+        refuse_moe(cfg, "tensor-parallel shard counts")
+    return embedding_parameter_count(cfg, t) + cfg.n_layers * tp_layer_parameter_count(cfg, t) \
+        + head_parameter_count(cfg, t)
+
+
+def tp_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+    """What rank 0 holds when the model is cut over tp only (Ψ_t; Ψ without tp): the registry's
+    `local_parameters` of every strategy that does not pipeline or shard experts."""
+    return tp_shard_parameter_count(cfg, layout.dims.tp)
+
+
+def sequence_sharded_parameter_count(cfg: GPTConfig) -> int:
+    """Replicated parameters whose gradient is partial under sequence parallelism: per layer two
+    LayerNorms (4h) and two row-parallel biases (2h, added after the reduce-scatter), the final
+    LayerNorm (2h) and the position table (s·h, each rank adds only its piece's positions)."""
+    refuse_moe(cfg, "sequence-parallel parameter counts")
+    h, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
+    return L * 6 * h + 2 * h + s * h
+
+
+def part_parameter_counts(cfg: GPTConfig) -> list[int]:
+    """Parameters of each part of the GPT, in forward order: the embedding V·h + s·h, each Block
+    12h² + 13h (for an MLP 4h wide; an MoE block (E-1)·(8h² + 5h) + h·E more), the head 2h + V·h
+    (final LayerNorm and the untied LM head)."""
+    block = tp_layer_parameter_count(cfg, 1)
+    blocks = [block + (moe_extra_parameters(cfg) if cfg.is_moe_block(i) else 0) for i in range(cfg.n_layers)]
+    return [embedding_parameter_count(cfg), *blocks, head_parameter_count(cfg)]
+
+
+def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
+    """Ψ_pad: ZeRO shards each part's flat buffer, padded to a multiple of the dp size n, so the
+    bytes it moves and holds are computed on Σ_parts ceil(Ψ_part / n)·n (Ψ_pad = Ψ for n = 1)."""
+    return sum(padded(count, n) for count in part_parameter_counts(cfg))
+
+
+def active_parameter_count(cfg: GPTConfig) -> int:
+    """Parameters one token's forward multiplies by: Ψ less the E-k experts of each MoE block it does
+    not go to, L_moe·(E-k)·(2f·h + f + h) (Ψ for a dense model). The FLOPs per token follow it."""
+    if not cfg.moe_experts:
+        return parameter_count(cfg)
+    return parameter_count(cfg) - len(cfg.moe_blocks) * (cfg.moe_experts - cfg.moe_top_k) * expert_parameters(cfg)
+
+
+def replica_group_size(dims: ParallelDims) -> int:
+    """The ranks that hold the same parameters and sum their gradients: dp, times cp when the
+    sequence is split too (context parallelism replicates every weight over its cp ranks)."""
+    return dims.dp * dims.cp
+
+
+# -- ring factors -----------------------------------------------------------------------------------
+def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
+    """A ring all-reduce of S bytes over n ranks: each rank sends 2(n-1)/n·S (nothing alone)."""
+    return Fraction(2 * (n - 1), n) * payload_bytes if n > 1 else Fraction(0)
+
+
+def gather_or_scatter_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
+    """A ring all-gather (of S bytes of output) or reduce-scatter (of S bytes of input): (n-1)/n·S."""
+    return Fraction(n - 1, n) * payload_bytes
+
+
+# -- the figures a summary compares -------------------------------------------------------------------
+def figure(totals_by_op: dict[str, tuple[int, Fraction]], ranks: int, by_group: dict[str, Fraction] | None = None,
+           extra: dict | None = None) -> dict:
+    """(payload, sent) per op summed over all ranks, and the sent bytes per group summed over all
+    ranks (the groups that send nothing left out) -> the summary's expected_comm block."""
+    by_op = {
+        op: {"payload_bytes": payload, "sent_bytes": float(sent), "sent_bytes_exact": str(sent)}
+        for op, (payload, sent) in totals_by_op.items()
+    }
+    total = sum((sent for _, sent in totals_by_op.values()), Fraction(0))
+    groups = {} if by_group is None else {
+        "by_group": {g: {"sent_bytes": float(v), "sent_bytes_exact": str(v)} for g, v in by_group.items() if v}}
+    return {
+        "sent_bytes_per_step": float(total),
+        "sent_bytes_per_step_exact": str(total),
+        "sent_bytes_per_rank_per_step": float(total / ranks),  # the mean, where ranks differ
+        "by_op": by_op,
+        **groups,
+        **(extra or {}),
+    }
+
+
+def all_ranks(per_rank: dict[str, tuple[int, Fraction]], ranks: int) -> dict[str, tuple[int, Fraction]]:
+    """(payload, sent) per op of one rank, where every rank is alike, summed over all ranks."""
+    return {op: (payload * ranks, sent * ranks) for op, (payload, sent) in per_rank.items()}
+
+
+def no_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """One process: nothing crosses between ranks."""
+    return figure({}, layout.dims.world_size)
+
+
+def state_figures(params: int, grads: int, state: int, counted: int) -> dict:
+    """One rank's model state: parameters, gradients and optimizer state in bytes, their total, and
+    the parameters counted (the summary's memory.theory.model_state_bytes)."""
+    figures = {"param_bytes": params, "grad_bytes": grads, "optimizer_bytes": state}
+    return {**figures, "total_bytes": params + grads + state, "parameters_counted": counted}

@@ -1,0 +1,86 @@
+"""PyTorch's own, in closed form: FSDP2's and DTensor tensor parallelism's traffic per step.
+
+Each is what torch's implementation sends, counted from its plan (not from the hand-written
+strategies' counts); like every theory file, independent of the code and the log it checks.
+"""
+
+from __future__ import annotations
+
+from parallel.algebra import (
+    all_ranks,
+    all_reduce_sent_per_rank,
+    figure,
+    gather_or_scatter_sent_per_rank,
+    padded,
+    tp_shard_parameter_count,
+)
+from parallel.core.model import GPTConfig
+from parallel.layout import Layout
+
+
+def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
+    """Elements FSDP2 all-gathers and reduce-scatters per parameter group (torch 2.13,
+    _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
+    rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
+    elements. Groups: each Block, and the root (embedding and head). An MoE block holds E MLPs
+    and its router (E, h) instead of one MLP."""
+    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.mlp_ratio * cfg.d_model
+
+    def rows(d0: int, rest: int = 1) -> int:
+        return padded(d0, n) * rest
+
+    attention = (4 * rows(h)                    # ln1, ln2 weight and bias
+                 + 4 * (rows(h, h) + rows(h)))  # q, k, v, attention proj
+    mlp = rows(f, h) + rows(f) + rows(h, f) + rows(h)  # fc, proj
+    moe_mlp = rows(cfg.moe_experts, h) + cfg.moe_experts * mlp  # router, experts
+    blocks = {f"blocks.{i}": attention + (moe_mlp if cfg.is_moe_block(i) else mlp) for i in range(cfg.n_layers)}
+    root = rows(V, h) + rows(s, h) + 2 * rows(h) + rows(V, h)
+    return {**blocks, "root": root}
+
+
+def fsdp2_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """torch_fsdp2 (fully_shard per Block and on the root), per microbatch: each Block's group
+    all-gathered before forward and again before backward, the root's once (FSDP2 keeps the root
+    unsharded between its forward and backward), every group's gradients reduce-scattered once:
+    (N-1)/N·(2·P_blocks + P_root + G) per rank and microbatch, on FSDP2's padded sizes."""
+    n, m, B = layout.dims.dp, layout.microbatches, layout.dtype_bytes
+    groups = fsdp2_group_padded_counts(cfg, n)
+    blocks = sum(v for k, v in groups.items() if k != "root") * B
+    root = groups["root"] * B
+    per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
+                for op, payload in (("all_gather", m * (2 * blocks + root)), ("reduce_scatter", m * (blocks + root)))}
+    ranks = layout.dims.world_size
+    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": sum(groups.values())})
+
+
+def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """PyTorch DTensor tensor parallelism with parallel/baselines/dtensor_tp.py's plan (not Megatron's count).
+
+    Per microbatch, with A = b·s·h·B the bytes of one activation:
+
+      embedding   forward: the vocabulary-sharded lookups summed (RowwiseParallel)       1 all-reduce
+      each layer  forward: attention and MLP outputs summed (RowwiseParallel)            2 all-reduces
+                  backward: the input gradients of q, k, v and fc, each a ColwiseParallel
+                  whose Replicate input gets its own Partial gradient                      4 all-reduces
+      head        forward: the full logits all-gathered (output_layouts=Replicate())      b·s·V·B
+                  backward: its input gradient summed                                     1 all-reduce
+
+    so (6L + 2)·A all-reduced over tp against Megatron's (4L + 2)·A, and b·s·V·B gathered where
+    Megatron's vocab-parallel loss all-reduces 3·b·s fp32 values. With dp > 1 the local shards
+    (Ψ_t, the same as Megatron's) are summed over dp.
+    """
+    dims, b, m, B = layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes
+    t, d = dims.tp, dims.dp
+    activation = b * cfg.seq_len * cfg.d_model * B
+    reduced = (6 * cfg.n_layers + 2) * m * activation
+    logits = m * b * cfg.seq_len * cfg.padded_vocab_size * B
+    dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
+    tp_sent = all_reduce_sent_per_rank(t, reduced) + gather_or_scatter_sent_per_rank(t, logits)
+    dp_sent = all_reduce_sent_per_rank(d, dp_grads)
+    ranks = dims.world_size
+    by_op = {
+        "all_reduce": (reduced + dp_grads, all_reduce_sent_per_rank(t, reduced) + dp_sent),
+        "all_gather": (logits, gather_or_scatter_sent_per_rank(t, logits)),
+    }
+    return figure(all_ranks(by_op, ranks), ranks, {"tp": tp_sent * ranks, "dp": dp_sent * ranks},
+                  {"activation_bytes": activation})

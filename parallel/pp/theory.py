@@ -1,0 +1,117 @@
+"""Pipeline parallelism's closed forms: the p2p traffic per step, from the schedule's placement alone
+(the bubble's are parallel/pp/bubble.py's).
+
+Each microbatch crosses every boundary between consecutive virtual stages once forward (its
+activation, b·s·h values) and once backward (the gradient of that activation, the same size)
+(Narayanan et al. 2021 §3.2). A boundary inside one rank sends nothing. The order of the actions
+does not change the bytes, only who sends them to whom, which the placement says:
+
+    loop placement (gpipe, 1f1b, interleaved_1f1b, zbh1):  v·p - 1 crossings (p > 1)
+    V placement (zbv, dualpipev):                          2(p - 1) crossings: the turn from
+                                                           stage p-1 to p stays on rank p-1
+
+    bytes per step = 2 · m · crossings · b·s·h·B      (B bytes per value)
+
+In the V, rank r sends down the first arm to r+1 and up the second arm to r-1 (both directions,
+forward and backward), so ranks 1..p-2 send twice what the ends do; in the loop every rank sends
+to r+1 forward and r-1 backward, and with v > 1 the ends also wrap around (p-1 -> 0 and back).
+
+Like every theory file, independent of the code it checks: bytes from the placement and the
+shape, not from the executor's sends or the communication log.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+from functools import lru_cache
+
+from parallel.activations import registry_activations
+from parallel.algebra import FP32_BYTES, all_reduce_sent_per_rank, figure, parameter_count
+from parallel.core.model import GPTConfig
+from parallel.layout import Layout
+from parallel.pp.schedules import F, build_schedule, compute_only, schedule_placement, virtual_stage
+from parallel.pp.split import layer_counts
+
+
+def boundary_bytes(microbatch_size: int, seq_len: int, d_model: int, dtype_bytes: int) -> int:
+    """One microbatch's activation at a stage boundary: b·s·h·B."""
+    return microbatch_size * seq_len * d_model * dtype_bytes
+
+
+def p2p_links(schedule: str, stages: int, microbatches: int, virtual: int, boundary: int) -> dict[tuple[int, int], int]:
+    """Bytes each (sender, receiver) pair of pipeline ranks exchanges per step."""
+    place = schedule_placement(schedule, stages, virtual)
+    links: Counter = Counter()
+    for vs in range(place.vstages - 1):
+        if place.crosses(vs):
+            low, high = place.rank_of(vs), place.rank_of(vs + 1)
+            links[low, high] += microbatches * boundary   # the activation, forward
+            links[high, low] += microbatches * boundary   # its gradient, backward
+    return dict(links)
+
+
+def p2p_sent_by_rank(schedule: str, stages: int, microbatches: int, virtual: int, boundary: int) -> list[int]:
+    """Bytes each pipeline rank sends per step."""
+    sent = [0] * stages
+    for (src, _), n in p2p_links(schedule, stages, microbatches, virtual, boundary).items():
+        sent[src] += n
+    return sent
+
+
+def p2p_bytes_per_step(schedule: str, stages: int, microbatches: int, virtual: int, boundary: int) -> int:
+    """2 · m · crossings · boundary bytes for one pipeline."""
+    return 2 * microbatches * schedule_placement(schedule, stages, virtual).crossings() * boundary
+
+
+def pipeline_p2p_bytes(model_cfg: GPTConfig, microbatch_size: int, microbatches: int, stages: int, virtual: int,
+                       dtype_bytes: int = FP32_BYTES) -> int:
+    """Narayanan §3.2: b·s·h·B per microbatch per stage boundary in each direction, so
+    2·m·(v·p-1)·b·s·h·B per step for one pipeline (v = 1 for GPipe and 1F1B)."""
+    activation = boundary_bytes(microbatch_size, model_cfg.seq_len, model_cfg.d_model, dtype_bytes)
+    return 2 * microbatches * (virtual * stages - 1) * activation
+
+
+def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """pp and torch_pp (torch's stages send the same activations and gradients): every activation
+    and its gradient crosses each boundary between ranks once per microbatch (sends; a receive sends
+    nothing), 2·m·crossings·b·s·h·B per pipeline with the schedule's placement's crossings (v·p-1 on
+    the loop, 2(p-1) on the V: `p2p_bytes_per_step`), in each of the dp pipelines; with dp > 1
+    each stage then all-reduces its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per
+    pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
+    dims, B = layout.dims, layout.dtype_bytes
+    boundary = boundary_bytes(layout.microbatch_size, cfg.seq_len, cfg.d_model, B)
+    p2p = p2p_bytes_per_step(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages, boundary) * dims.dp
+    totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))} if p2p else {}
+    if dims.dp > 1:
+        grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
+        totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
+    return figure(totals, dims.world_size)
+
+
+# -- activations: what a rank holds while its schedule runs ---------------------------------------------
+def stage_layer_counts(n_layers: int, layout: Layout) -> list[int]:
+    """Blocks of each virtual stage (an even split, or the layout's pp_layers)."""
+    explicit = list(layout.pp_layers) if layout.pp_layers is not None else None
+    return layer_counts(n_layers, layout.dims.pp * layout.virtual_stages, explicit)
+
+
+@lru_cache(maxsize=1024)
+def schedule_walk(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    """Each rank's forwards and backwards in the schedule's order, as (is_forward, virtual stage):
+    the lists the simulator checks and the executor runs (built once per schedule and shape)."""
+    return tuple(tuple((a.op == F, virtual_stage(r, a.chunk, p)) for a in compute_only(actions))
+                 for r, actions in enumerate(build_schedule(schedule, p, m, v)))
+
+
+def pipeline_walk(layout: Layout) -> tuple[tuple[tuple[bool, int], ...], ...] | None:
+    """`schedule_walk` of the layout's schedule, or None without a pipeline."""
+    dims = layout.dims
+    return schedule_walk(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages) if dims.pp > 1 else None
+
+
+def pipeline_activations(cfg: GPTConfig, layout: Layout) -> list[int] | None:
+    """The registry's `activations` (parallel/activations.py's `registry_activations`), given the
+    layout's virtual stages and, in a pipeline, its schedule's walk."""
+    return registry_activations(cfg, layout, layers=stage_layer_counts(cfg.n_layers, layout),
+                                walk=pipeline_walk(layout))

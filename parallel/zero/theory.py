@@ -1,0 +1,54 @@
+"""ZeRO's closed forms: its traffic per step and the model state each rank keeps (docs/theory/).
+
+Like every theory file, independent of the code it checks: the padded count Ψ_pad comes from the
+GPT's parts in closed form (parallel/algebra.py), not from the flat buffers zero/shards.py builds.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from parallel.algebra import (
+    all_ranks,
+    figure,
+    gather_or_scatter_sent_per_rank,
+    state_figures,
+    zero_padded_parameter_count,
+)
+from parallel.core.model import GPTConfig
+from parallel.layout import Layout
+
+
+def zero_comm(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
+    """ZeRO over N = dp ranks (Rajbhandari et al. §7), on the padded flat buffers (Ψ_pad·B bytes
+    of gradients G and of parameters P); a reduce-scatter or all-gather of S bytes sends
+    (N-1)/N·S per rank:
+
+      zero1   G reduce-scattered once per step, P all-gathered after the step: (N-1)/N·(G + P)
+      zero2   each microbatch's G reduce-scattered as its parts finish backward, P all-gathered
+              after the step: (N-1)/N·(m·G + P); with m = 1 the paper's (N-1)/N·(G + P)
+      zero3   per microbatch, P all-gathered before forward and again before backward, G
+              reduce-scattered: m·(N-1)/N·(2P + G)
+    """
+    n, m = layout.dims.dp, layout.microbatches
+    size = zero_padded_parameter_count(cfg, n) * layout.dtype_bytes
+    gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[stage]
+    per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
+                for op, payload in (("all_gather", gathers * size), ("reduce_scatter", scatters * size))}
+    ranks = layout.dims.world_size
+    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": zero_padded_parameter_count(cfg, n)})
+
+
+def zero_model_state_bytes(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
+    """ZeRO over the N dp ranks (Rajbhandari et al. 2019, §5): stage 1 shards Adam's state, stage 2
+    also the gradients, stage 3 also the parameters, each on the padded count Ψ_pad:
+
+        zero1  4Ψ + 4Ψ + 8Ψ/N     zero2  4Ψ + 4Ψ/N + 8Ψ/N     zero3  (4Ψ + 4Ψ + 8Ψ)/N   (Ψ = Ψ_pad)
+    """
+    n, B = layout.dims.dp, layout.dtype_bytes
+    psi = zero_padded_parameter_count(cfg, n)
+    state = Fraction(2 * psi * B, n)
+    grads = Fraction(psi * B, n) if stage >= 2 else psi * B
+    params = Fraction(psi * B, n) if stage >= 3 else psi * B
+    assert all(Fraction(v).denominator == 1 for v in (params, grads, state))  # Ψ_pad divides by n
+    return state_figures(int(params), int(grads), int(state), psi)
