@@ -195,6 +195,15 @@ def run_command_on(network: Network, strategy: str, world: int, overrides: list[
     return [sys.executable, "-m", "launch.run", *network.launch_overrides(), f"parallel={strategy}", *overrides]
 
 
+def tensorboard_override(cfg: DictConfig, sweep_dir: Path, run_dir: Path) -> list[str]:
+    """With train.tensorboard=true, each run's events go to <sweep dir>/tensorboard/<strategy> (or
+    <round>/<strategy>), one TensorBoard run per strategy: `tensorboard --logdir <sweep dir>/tensorboard`
+    overlays them. A train.tensorboard_dir given to the sweep is overridden per run."""
+    if not cfg.train.get("tensorboard", False):
+        return []
+    return [f"train.tensorboard_dir={sweep_dir / 'tensorboard' / run_dir.relative_to(sweep_dir)}"]
+
+
 def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str], peak: float,
                   command: str, multi: bool) -> tuple[list[dict], dict[str, dict], dict]:
     """Every strategy (every round) on one network: its runs under `sweep_dir`, its results, report and
@@ -223,7 +232,8 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
             if missing:
                 status, error, seconds = "failed", missing, 0.0
             else:
-                cmd = run_command_on(network, strategy, world, [*common, f"run.dir={run_dir}"])
+                cmd = run_command_on(network, strategy, world, [*common, f"run.dir={run_dir}",
+                                                                *tensorboard_override(cfg, sweep_dir, run_dir)])
                 status, error, seconds = run_one(cmd, run_dir, c.timeout_s)
                 if network.emulated:
                     remove_leftovers()  # a launch.run stopped past its grace period leaves its namespaces

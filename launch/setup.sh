@@ -32,5 +32,5 @@ else
     pip_install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$spec"
 fi
 
-pip_install -e ".[dev]"
+pip_install -e ".[dev,tensorboard]"
 echo "setup: done. Activate with: source $VENV/bin/activate"

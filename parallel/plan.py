@@ -23,6 +23,7 @@ from parallel.pp.split import SplitError, layer_counts
 from parallel.registry import ConfigError, Options, StrategySpec, check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
+from parallel.report.tensorboard import option_error
 
 __all__ = ["ConfigError", "LayoutError", "RunPlan", "build_plan", "model_config"]
 
@@ -68,6 +69,8 @@ class RunPlan:
     start_step: int = 0
     check_finite: bool = True
     fail_mode: str | None = None
+    tensorboard: bool = False  # train.tensorboard: event files by rank 0 (parallel/report/tensorboard.py)
+    tensorboard_dir: str | None = None  # null: <run dir>/tensorboard
     fail_at_step: int | None = None
     fail_rank: int = 0
     warmup_default: bool = False  # train.warmup_steps was null: default_warmup_steps of the steps run
@@ -171,6 +174,9 @@ def _check_numbers(cfg) -> None:
                         ("comm.time", cfg.comm.time), ("run.timeline", cfg.run.get("timeline", True))]:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")
+    tensorboard_error = option_error(t.get("tensorboard", False), t.get("tensorboard_dir"))
+    if tensorboard_error:
+        raise ConfigError(tensorboard_error)
 
 
 def _check_faults(t, world_size: int) -> None:
@@ -397,6 +403,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         fail_mode=t.fail_mode,
         fail_at_step=t.fail_at_step,
         fail_rank=t.fail_rank,
+        tensorboard=bool(t.get("tensorboard", False)),
+        tensorboard_dir=t.get("tensorboard_dir"),
     )
 
 

@@ -13,7 +13,7 @@ Adding a strategy is one module in its family (the Strategy subclass) and one en
         comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes, min_world=2,
     ))
 
-and a preset conf/parallel/my_dp.yaml with `name: my_dp` (tests/test_registry.py does exactly this).
+and a preset conf/parallel/my_dp.yaml with `name: my_dp` (tests/runs/test_registry.py does exactly this).
 """
 
 from __future__ import annotations

@@ -308,7 +308,7 @@ for _name, _kind, _what in (("cp", "ring", "ring attention: K, V blocks passed a
 
 # -- activation memory: the bytes each rank saves for backward (parallel/activations.py) ---------------
 # Measured on every run (parallel/report/activations.py) and checked against this formula by
-# tests/test_planner_memory.py. PyTorch's DTensor TP (its loss runs on the all-gathered logits) and
+# tests/tools/test_planner_memory.py. PyTorch's DTensor TP (its loss runs on the all-gathered logits) and
 # pipelining (its first stage holds more: +17% at 4 stages) save more than ours: they have none.
 def _with_activations(name: str) -> None:
     from dataclasses import replace

@@ -39,6 +39,7 @@ from parallel.report.metrics import (
     write_json,
 )
 from parallel.report.summary import build_summary
+from parallel.report.tensorboard import TensorBoardWriter
 from parallel.strategy import NonFiniteLoss, Strategy
 
 log = logging.getLogger("parallel")
@@ -147,6 +148,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     plan, ctx, strategy = run.plan, run.ctx, run.strategy
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
+    board = TensorBoardWriter.open(plan.tensorboard, plan.tensorboard_dir, run.run_dir) if ctx.is_rank0 else None
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
     clock = ctx.log.clock = timer.clock  # it stamps the step's phases and calls too, on the step's own axis
@@ -187,17 +189,22 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         if metrics is not None:
             warmup = step - plan.start_step < plan.warmup_steps
             sent = float(summarize_traffic(traffic)["total"].sent_bytes)
-            metrics.write({
+            record = {
                 "step": step, "loss": loss, "step_time_s": seconds, "warmup": warmup,
                 "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
                 "data_checksum": global_batch.checksum(), "rank0_calls": calls_by_tag_op(traffic),
-            })
+            }
+            metrics.write(record)
+            if board is not None:
+                board.write(record, run.breakdowns[-1], summarize_traffic(traffic))
             log.info(step_line(step, loss, seconds, sent, None if warmup else plan.tokens_per_step / seconds))
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
             _save_checkpoint(run, checkpoint_root, step + 1)
     strategy.close()
     if metrics is not None:
         metrics.close()
+    if board is not None:
+        board.close()
 
 
 def _guarded_step(run: Run, step: int, microbatches, global_tokens: int) -> torch.Tensor:

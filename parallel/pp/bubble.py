@@ -12,7 +12,7 @@ Every rank does the same work per step, m(F + B + W), so every rank is idle for 
 
 The idle times below are what the schedules in schedules.py and zero_bubble.py take when each
 action costs exactly its time and messages are free; the simulator reproduces them exactly for
-every p <= 8, m <= 16 (tests/test_pp_zero_bubble.py). Where they come from, with sources:
+every p <= 8, m <= 16 (tests/unit/test_pp_zero_bubble.py). Where they come from, with sources:
 docs/theory/pipeline.md.
 """
 

@@ -1,6 +1,7 @@
 """The Slurm script, the Docker files and the compose file, checked as far as this machine allows.
 
-Neither Slurm nor a Docker engine runs here. What is checked: the sbatch script is valid bash,
+Without Slurm or a container engine (tests/tools/test_slurm.py and tests/tools/test_containers.py run them
+where they are installed), what can be checked: the sbatch script is valid bash,
 its #SBATCH lines are where Slurm reads them, and run with stand-ins for `scontrol` and `srun`
 (which only report what they were given) it starts exactly the torchrun command line that
 tests/tools/test_multinode.py runs for real; the compose file starts the same command line, with its
@@ -12,7 +13,9 @@ import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT, multinode_command
@@ -112,8 +115,10 @@ def test_cpu_image_pins_the_torch_of_setup_sh():
     setup_pin = re.search(r"spec=\$\{TORCH_SPEC:-torch==([\d.]+)\}", (PROJECT_ROOT / "launch" / "setup.sh").read_text())
     assert setup_pin and args["TORCH_VERSION"] == setup_pin.group(1)
     runs = [a for op, a in instructions if op == "RUN"]
-    assert any("--index-url https://download.pytorch.org/whl/cpu" in r and '"torch==${TORCH_VERSION}"' in r
-               for r in runs)
+    # torch's source is a build argument: PyTorch's CPU index by default, a wheel directory offline.
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert any('--index-url "${TORCH_INDEX_URL}"' in r and '"torch==${TORCH_VERSION}"' in r for r in runs)
+    assert any('--no-index --find-links "/context/${TORCH_WHEELS}"' in r for r in runs)
     assert ("CMD", '["python", "-m", "launch.compare"]') in instructions
     _check_copies_exist(instructions)
 
@@ -138,3 +143,49 @@ def test_every_code_directory_is_an_installed_package():
                  for top in ("parallel", "launch") for d in [PROJECT_ROOT / top, *(PROJECT_ROOT / top).rglob("*")]
                  if d.is_dir() and any(d.glob("*.py"))}
     assert with_code <= found, f"not packages (add an __init__.py): {sorted(with_code - found)}"
+
+
+# -- lint: what can be checked of a Dockerfile without building it -----------------------------------
+
+def _lint_steps(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile.cpu", "Dockerfile.cuda"])
+def test_dockerfile_lint(dockerfile):
+    """What can be checked of a Dockerfile without building it (Dockerfile.cuda is never built here)."""
+    steps = _lint_steps(PROJECT_ROOT / "docker" / dockerfile)
+    assert steps[0][0] in ("FROM", "ARG") and any(w == "FROM" for w, _ in steps)
+    copied = []
+    for word, rest in steps:
+        if word == "COPY" and not rest.startswith("--from"):
+            *sources, _dest = rest.split()
+            copied += sources
+    for source in copied:
+        assert (PROJECT_ROOT / source).exists(), f"{dockerfile}: COPY {source}: no such file in the build context"
+    # setup.py names the packages; without it pip stops at "Multiple top-level packages discovered".
+    assert {"pyproject.toml", "setup.py", "README.md"} <= set(copied)
+    # Every directory the package needs is copied (setup.py's packages and the Hydra configs).
+    assert {"parallel/", "launch/", "conf/"} <= set(copied)
+    # Every ${VAR} used is an ARG or ENV declared before the use.
+    declared = set()
+    for word, rest in steps:
+        if word == "RUN" or word == "FROM":
+            for var in re.findall(r"\$\{?([A-Z_][A-Z0-9_]*)", rest):
+                assert var in declared, f"{dockerfile}: ${var} used in {word} before an ARG/ENV declares it"
+        if word == "ARG":
+            declared.add(rest.split("=")[0])
+        if word == "ENV":
+            declared.update(k for k in re.findall(r"([A-Z_][A-Z0-9_]*)=", rest))
+    # Nothing the build needs is excluded from the context by .dockerignore.
+    ignored = [p.strip() for p in (PROJECT_ROOT / ".dockerignore").read_text().splitlines()
+               if p.strip() and not p.startswith("#")]
+    for source in copied:
+        assert source.rstrip("/") not in ignored, f"{source} is copied but .dockerignore excludes it"
