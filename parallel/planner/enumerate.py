@@ -24,9 +24,11 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import product
+from math import prod
 
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import LayoutError
+from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, build_plan
 from parallel.pp.schedules import SCHEDULES, build_schedule
@@ -117,18 +119,32 @@ def zero_stage(strategy: str, plan: RunPlan) -> int:
     return 0
 
 
+def _mesh_sizes(names: list[str], world: int, allowed) -> list[dict]:
+    """Every choice of a divisor for each of `names` in turn (1 where the spec does not allow it)
+    whose product divides `world`; the first name varies slowest."""
+    if not names:
+        return [{}]
+    first, rest = names[0], names[1:]
+    return [{first: size, **more} for size in (divisors(world) if first in allowed else [1])
+            for more in _mesh_sizes(rest, world // size, allowed)]
+
+
 def _dim_choices(spec, world: int) -> list[dict]:
-    """Every (dp, tp, pp, cp, ep) with dp·tp·pp·cp = world and ep | dp, along the dimensions the spec allows."""
+    """Every layout's sizes (dims.SIZES: dp, tp, pp, cp, ep) along the dimensions the spec allows:
+    the mesh's sizes multiply to the world (dp is what the others leave, as ParallelDims.resolve
+    derives it), and a size carved out of another (ep out of dp) divides it."""
     allowed = spec.dims
+    given = [n for n in SIZES if DIM[n].mesh and n != LEFTOVER]  # tp, pp, cp
+    carved = [n for n in SIZES if DIM[n].inside]  # ep
     out = []
-    for tp in divisors(world) if "tp" in allowed else [1]:
-        for pp in divisors(world // tp) if "pp" in allowed else [1]:
-            for cp in divisors(world // (tp * pp)) if "cp" in allowed else [1]:
-                dp = world // (tp * pp * cp)
-                if dp > 1 and "dp" not in allowed:
-                    continue
-                for ep in divisors(dp) if "ep" in allowed else [1]:
-                    out.append({"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep})
+    for sizes in _mesh_sizes(given, world, allowed):
+        left = world // prod(sizes.values())
+        if left > 1 and LEFTOVER not in allowed:
+            continue
+        sizes[LEFTOVER] = left
+        for inner in product(*[divisors(sizes[DIM[n].inside]) if n in allowed else [1] for n in carved]):
+            chosen = {**sizes, **dict(zip(carved, inner))}
+            out.append({n: chosen[n] for n in SIZES})
     return out
 
 
