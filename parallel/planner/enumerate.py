@@ -21,7 +21,6 @@ have: grouped-query attention splits K and V heads whole, so tp must divide the 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import product
@@ -31,7 +30,7 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, build_plan
-from parallel.pp.schedules import SCHEDULES, build_schedule
+from parallel.pp.schedules import SCHEDULES, built_schedule
 from parallel.registry import REGISTRY, Options, resolve
 
 
@@ -57,7 +56,7 @@ class Space:
 
     zero: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (False, True)
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    schedules: tuple[str, ...] = field(default_factory=lambda: tuple(SCHEDULES))  # those registered by then
     virtual_stages: tuple[int, ...] = (1, 2, 4)
     max_microbatches: int = 64
     grad_sync: tuple[str, ...] = ("bucketed",)  # each refused one falls back to naive
@@ -190,32 +189,12 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
     return None
 
 
-@contextmanager
-def schedules_built_once():
-    """build_plan checks a pipeline by building its schedule (parallel.plan.build_schedule); the
-    search asks that of the same (schedule, p, m, v) for every ZeRO stage and option, thousands of
-    times for a large world. For the length of the search plan.py's name is bound to the same
-    function answering from a cache of its own results (fresh lists each time; a refusal is raised
-    again each time, with its message)."""
-    import parallel.plan as plan_module
-
-    original = plan_module.build_schedule
-
-    @lru_cache(maxsize=128)
-    def built(name: str, p: int, m: int, v: int) -> tuple:
-        return tuple(tuple(actions) for actions in original(name, p, m, v))
-
-    plan_module.build_schedule = lambda name, p, m, v=1: [list(actions) for actions in built(name, p, m, v)]
-    try:
-        yield
-    finally:
-        plan_module.build_schedule = original
-
-
 def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
                       only: list[str] | None = None) -> Enumeration:
-    with schedules_built_once():
-        return _enumerate(shape, base, world, global_batch, space, only)
+    """build_plan checks a pipeline by building its schedule; the search asks that of the same
+    (schedule, p, m, v) for every ZeRO stage and option, thousands of times for a large world, and
+    parallel/pp/schedules.py answers the repeats from its cache (`built_schedule`)."""
+    return _enumerate(shape, base, world, global_batch, space, only)
 
 
 def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
@@ -278,7 +257,7 @@ def _candidate(requested: str, plan: RunPlan, request: dict) -> Candidate:
 @lru_cache(maxsize=4096)
 def schedule_identity(schedule: str, p: int, m: int, v: int) -> int:
     """The identity of the action lists a schedule gives (interleaved with one chunk is 1F1B's)."""
-    return hash(tuple(tuple(actions) for actions in build_schedule(schedule, p, m, v)))
+    return hash(built_schedule(schedule, p, m, v))
 
 
 def _preferred(c: Candidate) -> tuple:
