@@ -3,11 +3,11 @@
 The GPT is cut into exactly the chunks `pp/split.py` gives our executor (same layers per virtual
 stage, on the schedule's own placement: chunk c of rank r is virtual stage c·p + r on the loop,
 r and 2p-1-r on the V); each becomes a PipelineStage, driven by torch's schedule of the same
-name (`TORCH_SCHEDULES`): ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, and the
-zero-bubble ones, ScheduleInterleavedZeroBubble (ZB-H1 with one stage per rank: its order is
-our zbh1's), ScheduleZBVZeroBubble and ScheduleDualPipeV. The V schedules need each rank to
-hold stages r and 2p-1-r and do not check it (loop-placed stages crash one rank and hang
-another), so the stages are built on the V here. The loss is the project's
+order (the schedule record's `torch_class`, parallel/pp/schedules.py): ScheduleGPipe,
+Schedule1F1B, ScheduleInterleaved1F1B, and the zero-bubble ones, ScheduleInterleavedZeroBubble
+(ZB-H1 with one stage per rank: its order is our zbh1's), ScheduleZBVZeroBubble and
+ScheduleDualPipeV. The V schedules need each rank to hold stages r and 2p-1-r and do not check it
+(loop-placed stages crash one rank and hang another), so the stages are built on the V here. The loss is the project's
 (summed token loss / global tokens) with scale_grads=False, because that loss is already divided
 by the global token count; the optimizer is the project's AdamW over this rank's chunks.
 
@@ -29,30 +29,29 @@ from parallel.baselines.counting import PipelineP2PCounter
 from parallel.core.data import Batch
 from parallel.core.model import GPT, token_loss_sum
 from parallel.dist.comm import CommLog, Communicator
-from parallel.pp.schedules import ScheduleError, schedule_placement
+from parallel.pp.schedules import SCHEDULES, ScheduleError, schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import Strategy, make_optimizer
 
-# Our schedule name -> torch.distributed.pipelining's class of the same order.
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
-                   "dualpipev": "ScheduleDualPipeV"}
-SINGLE_STAGE = ("gpipe", "1f1b")  # the classes given one stage; the others take a list, even of one
+
+def torch_schedules() -> list[str]:
+    """Our schedules that have a torch.distributed.pipelining counterpart (their records' `torch_class`)."""
+    return [name for name, s in SCHEDULES.items() if s.torch_class is not None]
 
 
 def torch_schedule_class(schedule: str):
     from torch.distributed import pipelining
 
-    return getattr(pipelining, TORCH_SCHEDULES[schedule])
+    return getattr(pipelining, SCHEDULES[schedule].torch_class)
 
 
 def check_torch_schedule(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
     """What torch refuses beyond our schedule's own rules (plan.py asks before any process group):
     ScheduleInterleavedZeroBubble runs microbatches in rounds of max(1, m // p) and needs m to be a
     multiple of the number of rounds (torch 2.13, schedules.py)."""
-    if schedule not in TORCH_SCHEDULES:
+    if schedule not in torch_schedules():
         raise ScheduleError(f"parallel.schedule={schedule!r} has no torch.distributed.pipelining counterpart: "
-                            f"choose one of {', '.join(TORCH_SCHEDULES)}")
+                            f"choose one of {', '.join(torch_schedules())}")
     rounds = max(1, microbatches // stages)
     if schedule == "zbh1" and microbatches % rounds:
         fits = [n for n in range(microbatches, 0, -1) if n % max(1, n // stages) == 0][0]
@@ -71,6 +70,7 @@ class TorchPipeline(Strategy):
     def __init__(self, model: GPT, schedule: str, pp_comm: Communicator, microbatches: int, virtual: int,
                  pp_layers, lr: float, weight_decay: float, device: torch.device, log: CommLog | None = None):
         from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         self._full_parameters = sum(p.numel() for p in model.parameters())
         p = pp_comm.size
@@ -90,7 +90,8 @@ class TorchPipeline(Strategy):
             return token_loss_sum(logits, targets) / self.global_tokens
 
         cls = torch_schedule_class(schedule)
-        stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
+        # torch's single-stage classes (GPipe, 1F1B) take the one stage; the others a list, even of one.
+        stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
         self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:

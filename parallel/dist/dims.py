@@ -1,4 +1,19 @@
-"""The parallel layout: how many ranks along each dimension, validated before any process group.
+"""The parallel layout's dimensions, declared once, and the layout itself, validated before any group.
+
+Every dimension of the project is one row of `DIMS`, innermost first; everything else (the layout's
+sizes, the device mesh, the process groups, the planner's search) iterates over these rows:
+
+    name   mesh  splits                                   a group: the ranks that share
+    tp     yes   each layer's weights (heads, MLP width,  pp, dp, cp   (neighbours: one node)
+                 vocabulary)
+    cp     yes   the sequence                             pp, dp, tp
+    ep     no    the experts of each MoE layer            pp, cp, tp, edp  (ep consecutive dp ranks)
+    dp     yes   the batch                                pp, cp, tp
+    pp     yes   the layers                               dp, cp, tp
+    edp    no    (the ranks that hold the same experts    pp, cp, tp, ep   (made where ep > 1)
+                 and sum their gradients)
+    dp_cp  no    (dp and cp together: the ranks that sum  pp, tp           (made where cp > 1)
+                 gradients when the sequence is split)
 
 Rank order puts tp innermost, then cp, then dp, then pp outermost (Megatron's order), so that the
 ranks of one tensor-parallel group are neighbours and stay inside one node, and context-parallel
@@ -6,20 +21,65 @@ neighbours (ring attention's point-to-point traffic) come next:
 
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
-which is exactly the row-major order of a device mesh of shape (pp, dp, cp, tp).
+which is exactly the row-major order of a device mesh of shape (pp, dp, cp, tp) (`MESH_DIMS`).
 
-Expert parallelism is not a dimension of its own: the ep ranks of an MoE layer are `ep`
+Expert parallelism is not a dimension of the mesh: the ep ranks of an MoE layer are `ep`
 consecutive dp ranks (ep divides dp), as Megatron-Core carves expert parallelism out of data
 parallelism. A rank's expert-parallel index is dp_rank % ep, and the ranks that hold the same
 experts (and sum their gradients) share dp_rank // ep (`edp`, expert data parallel).
+
+The dimensions with a size of their own (`SIZES`: parallel.dp, .tp, .pp, .cp, .ep) are the fields
+of `ParallelDims`, in the order every message and command line names them; a row with a size and
+no field (or a field with no row) fails at import. A new dimension is a row here and a field of
+`ParallelDims` (and its place in `coordinates` if it is carved out of another, as ep is out of dp).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from math import gcd as _gcd
 
-MESH_DIM_NAMES = ("pp", "dp", "cp", "tp")
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension: its name, what it splits, and how its groups are formed."""
+
+    name: str
+    splits: str
+    mesh: bool  # a dimension of the device mesh (its groups are the mesh's own) or a derived group
+    sized: bool = True  # a size of its own, parallel.<name> (edp and dp_cp have none: they are read off dp, ep, cp)
+    shares: tuple[str, ...] = ()  # derived groups: the coordinates all ranks of one group have in common
+    made_when: str | None = None  # derived groups: the size that must exceed 1 for the group to be made
+    inside: str | None = None  # a size carved out of another mesh dimension's ranks (ep out of dp): divides it
+
+
+# Innermost first: the mesh's rows in this order are its rank order (tp fastest).
+DIMS: tuple[Dim, ...] = (
+    Dim("tp", "each layer's weights (heads, MLP width, vocabulary)", mesh=True),
+    Dim("cp", "the sequence", mesh=True),
+    Dim("ep", "the experts of each MoE layer (ep consecutive dp ranks)", mesh=False,
+        shares=("pp", "cp", "tp", "edp"), made_when="ep", inside="dp"),
+    Dim("dp", "the batch", mesh=True),
+    Dim("pp", "the layers", mesh=True),
+    Dim("edp", "nothing: the dp ranks that hold the same experts and sum their gradients", mesh=False, sized=False,
+        shares=("pp", "cp", "tp", "ep"), made_when="ep"),
+    Dim("dp_cp", "nothing: dp and cp together, the ranks that sum gradients when the sequence is split",
+        mesh=False, sized=False, shares=("pp", "tp"), made_when="cp"),
+)
+DIM = {d.name: d for d in DIMS}
+MESH_DIMS: tuple[str, ...] = tuple(d.name for d in reversed(DIMS) if d.mesh)  # (pp, dp, cp, tp): outermost first
+MESH_DIM_NAMES = MESH_DIMS  # the DeviceMesh's dim names (the name build_device_mesh always used)
+DERIVED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if not d.mesh)  # (ep, edp, dp_cp): made by enumeration
+SIZED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if d.sized)  # (tp, cp, ep, dp, pp): innermost first
+# The dimension a layout's world leaves when the others are given (ParallelDims.resolve, the planner's search).
+LEFTOVER = "dp"
+
+
+def shared_coordinates(name: str) -> tuple[str, ...]:
+    """The coordinates every rank of one `name` group has in common: a mesh dimension's groups
+    share every other mesh coordinate; a derived group's are declared in its row."""
+    d = DIM[name]
+    return tuple(n for n in MESH_DIMS if n != name) if d.mesh else d.shares
 
 
 class LayoutError(ValueError):
@@ -42,6 +102,8 @@ def _product(names: list[str], values: list[int]) -> str:
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """How many ranks along each sized dimension of `DIMS` (one field each), and the world they fill."""
+
     world_size: int
     dp: int
     tp: int = 1
@@ -61,7 +123,11 @@ class ParallelDims:
         world_size = _positive_int("world size", world_size)
         tp = _positive_int("parallel.tp", tp)
         cp = _positive_int("parallel.cp", cp)
-        inner_names, inner = (["cp", "tp"], [cp, tp]) if cp > 1 else (["tp"], [tp])
+        # The mesh dimensions inside dp (cp, tp): named in the messages where used, the innermost always.
+        given = {"cp": cp, "tp": tp}
+        inner_dims = [n for n in MESH_DIMS if n not in (LEFTOVER, "pp")]
+        inner_names = [n for n in inner_dims if given[n] > 1 or n == inner_dims[-1]]
+        inner = [given[n] for n in inner_names]
         inner_size = cp * tp
         if pp is None:
             dp = 1 if dp is None else _positive_int("parallel.dp", dp)
@@ -82,8 +148,7 @@ class ParallelDims:
         dp = _positive_int("parallel.dp", dp)
         if dp * inner_size * pp != world_size:
             n = dp * inner_size * pp
-            names = ["dp", *inner_names, "pp"] if cp > 1 else ["dp", "tp", "pp"]
-            values = [dp, *inner, pp] if cp > 1 else [dp, tp, pp]
+            names, values = ["dp", *inner_names, "pp"], [dp, *inner, pp]
             raise LayoutError(
                 f"world size {world_size} != {_product(names, values)}: "
                 f"launch {n} processes (torchrun --nproc-per-node {n}) or leave parallel.dp unset to derive it"
@@ -97,39 +162,43 @@ class ParallelDims:
         return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp, self.cp, self.tp)
+    def mesh_shape(self) -> tuple[int, ...]:
+        """The sizes of `MESH_DIMS`, outermost first: (pp, dp, cp, tp)."""
+        return tuple(getattr(self, n) for n in MESH_DIMS)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """(pp, dp, cp, tp) position of a global rank, and its ep and edp indices within dp."""
-        tp = rank % self.tp
-        cp = (rank // self.tp) % self.cp
-        dp = (rank // (self.tp * self.cp)) % self.dp
-        pp = rank // (self.dp * self.cp * self.tp)
-        return {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": dp % self.ep, "edp": dp // self.ep}
+        inner_first: dict[str, int] = {}
+        rest = rank
+        for name in reversed(MESH_DIMS):  # tp varies fastest
+            rest, inner_first[name] = divmod(rest, getattr(self, name))
+        c = {name: inner_first[name] for name in MESH_DIMS}
+        # ep is carved out of dp: ep consecutive dp ranks, and across them those with the same experts.
+        c["ep"], c["edp"] = c["dp"] % self.ep, c["dp"] // self.ep
+        return c
 
     def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        at = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        rank = 0
+        for name in MESH_DIMS:
+            rank = rank * getattr(self, name) + at[name]
+        return rank
 
     def group_ranks(self, name: str) -> list[list[int]]:
-        """Every group of dimension `name` as its global ranks: "pp", "dp", "cp", "tp" (the mesh's),
-        "ep" (ep consecutive dp ranks), "edp" (the dp ranks holding the same experts), "dp_cp" (dp
-        and cp together: the ranks that sum gradients when the sequence is split too)."""
+        """Every group of dimension `name` (a row of `DIMS`) as its global ranks: the ranks that
+        share the coordinates `shared_coordinates(name)` gives."""
+        if name not in DIM:
+            raise ValueError(f"no group dimension {name!r}: choose one of {', '.join(DIM)}")
+        shared = shared_coordinates(name)
         groups: dict[tuple, list[int]] = {}
         for rank in range(self.world_size):
             c = self.coordinates(rank)
-            if name in ("pp", "dp", "cp", "tp"):
-                key = tuple(v for k, v in c.items() if k in ("pp", "dp", "cp", "tp") and k != name)
-            elif name == "ep":
-                key = (c["pp"], c["cp"], c["tp"], c["edp"])
-            elif name == "edp":
-                key = (c["pp"], c["cp"], c["tp"], c["ep"])
-            elif name == "dp_cp":
-                key = (c["pp"], c["tp"])
-            else:
-                raise ValueError(f"no group dimension {name!r}")
-            groups.setdefault(key, []).append(rank)
+            groups.setdefault(tuple(c[k] for k in shared), []).append(rank)
         return list(groups.values())
+
+    def groups_in_use(self) -> tuple[str, ...]:
+        """The derived groups this layout needs made (their `made_when` size exceeds 1), in `DIMS` order."""
+        return tuple(n for n in DERIVED_DIMS if getattr(self, DIM[n].made_when) > 1)
 
     def check_batch(self, global_batch: int, microbatches: int) -> None:
         """The global batch must split evenly into dp slices and then microbatches."""
@@ -201,12 +270,19 @@ class ParallelDims:
         return asdict(self)
 
 
+# The sizes, in the order the dataclass declares them (parallel.dp, tp, pp, cp, ep: how messages and
+# command lines name them); each is a sized row of DIMS.
+SIZES: tuple[str, ...] = tuple(f.name for f in fields(ParallelDims) if f.name != "world_size")
+if set(SIZES) != set(SIZED_DIMS):
+    raise ImportError(f"ParallelDims fields {SIZES} are not the sized rows of DIMS {SIZED_DIMS}")
+
+
 def build_device_mesh(dims: ParallelDims, device_type: str):
-    """A (pp, dp, cp, tp) DeviceMesh with named dims; each sub-group is reachable as mesh["dp"] etc.
+    """A (pp, dp, cp, tp) DeviceMesh (`MESH_DIMS`) with named dims; each sub-group is reachable as mesh["dp"] etc.
 
     Sharing one named mesh lets PyTorch's own DDP, FSDP2 and DTensor baselines run on exactly
     the groups the hand-written strategies use.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)

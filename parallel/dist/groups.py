@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.dist.comm import CommLog, Communicator
-from parallel.dist.dims import LayoutError, ParallelDims, build_device_mesh
+from parallel.dist.dims import MESH_DIMS, LayoutError, ParallelDims, build_device_mesh
 
 
 @dataclass(frozen=True)
@@ -144,13 +144,11 @@ def add_layout_groups(ctx: DistContext) -> DistContext:
     the default group.)"""
     ctx.mesh = build_device_mesh(ctx.dims, ctx.device.type)
     ctx.comms["world"] = Communicator("world", dist.group.WORLD, ctx.log)
-    for name in ("pp", "dp", "cp", "tp"):
+    for name in MESH_DIMS:
         ctx.comms[name] = Communicator(name, ctx.mesh[name].get_group(), ctx.log)
-    # Groups that are not dimensions of the mesh, made only where the layout uses them: expert
-    # parallelism (ep consecutive dp ranks, and across them the ranks holding the same experts),
-    # and dp with cp together (the gradient sum when the sequence is split too).
-    derived = [*(("ep", "edp") if ctx.dims.ep > 1 else ()), *(("dp_cp",) if ctx.dims.cp > 1 else ())]
-    for name in derived:
+    # The groups that are not dimensions of the mesh (dims.DIMS' derived rows: expert parallelism's
+    # ep and edp, dp with cp together), made only where the layout uses them.
+    for name in ctx.dims.groups_in_use():
         mine, _ = dist.new_subgroups_by_enumeration(ctx.dims.group_ranks(name))
         ctx.comms[name] = Communicator(name, mine, ctx.log)
     return ctx

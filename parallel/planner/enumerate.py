@@ -21,15 +21,16 @@ have: grouped-query attention splits K and V heads whole, so tp must divide the 
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
+from itertools import product
+from math import prod
 
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import LayoutError
+from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, build_plan
-from parallel.pp.schedules import SCHEDULES, build_schedule
+from parallel.pp.schedules import SCHEDULES, built_schedule
 from parallel.registry import REGISTRY, Options, resolve
 
 
@@ -55,7 +56,7 @@ class Space:
 
     zero: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (False, True)
-    schedules: tuple[str, ...] = tuple(SCHEDULES)
+    schedules: tuple[str, ...] = field(default_factory=lambda: tuple(SCHEDULES))  # those registered by then
     virtual_stages: tuple[int, ...] = (1, 2, 4)
     max_microbatches: int = 64
     grad_sync: tuple[str, ...] = ("bucketed",)  # each refused one falls back to naive
@@ -117,18 +118,32 @@ def zero_stage(strategy: str, plan: RunPlan) -> int:
     return 0
 
 
+def _mesh_sizes(names: list[str], world: int, allowed) -> list[dict]:
+    """Every choice of a divisor for each of `names` in turn (1 where the spec does not allow it)
+    whose product divides `world`; the first name varies slowest."""
+    if not names:
+        return [{}]
+    first, rest = names[0], names[1:]
+    return [{first: size, **more} for size in (divisors(world) if first in allowed else [1])
+            for more in _mesh_sizes(rest, world // size, allowed)]
+
+
 def _dim_choices(spec, world: int) -> list[dict]:
-    """Every (dp, tp, pp, cp, ep) with dp·tp·pp·cp = world and ep | dp, along the dimensions the spec allows."""
+    """Every layout's sizes (dims.SIZES: dp, tp, pp, cp, ep) along the dimensions the spec allows:
+    the mesh's sizes multiply to the world (dp is what the others leave, as ParallelDims.resolve
+    derives it), and a size carved out of another (ep out of dp) divides it."""
     allowed = spec.dims
+    given = [n for n in SIZES if DIM[n].mesh and n != LEFTOVER]  # tp, pp, cp
+    carved = [n for n in SIZES if DIM[n].inside]  # ep
     out = []
-    for tp in divisors(world) if "tp" in allowed else [1]:
-        for pp in divisors(world // tp) if "pp" in allowed else [1]:
-            for cp in divisors(world // (tp * pp)) if "cp" in allowed else [1]:
-                dp = world // (tp * pp * cp)
-                if dp > 1 and "dp" not in allowed:
-                    continue
-                for ep in divisors(dp) if "ep" in allowed else [1]:
-                    out.append({"dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep})
+    for sizes in _mesh_sizes(given, world, allowed):
+        left = world // prod(sizes.values())
+        if left > 1 and LEFTOVER not in allowed:
+            continue
+        sizes[LEFTOVER] = left
+        for inner in product(*[divisors(sizes[DIM[n].inside]) if n in allowed else [1] for n in carved]):
+            chosen = {**sizes, **dict(zip(carved, inner))}
+            out.append({n: chosen[n] for n in SIZES})
     return out
 
 
@@ -174,32 +189,12 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
     return None
 
 
-@contextmanager
-def schedules_built_once():
-    """build_plan checks a pipeline by building its schedule (parallel.plan.build_schedule); the
-    search asks that of the same (schedule, p, m, v) for every ZeRO stage and option, thousands of
-    times for a large world. For the length of the search plan.py's name is bound to the same
-    function answering from a cache of its own results (fresh lists each time; a refusal is raised
-    again each time, with its message)."""
-    import parallel.plan as plan_module
-
-    original = plan_module.build_schedule
-
-    @lru_cache(maxsize=128)
-    def built(name: str, p: int, m: int, v: int) -> tuple:
-        return tuple(tuple(actions) for actions in original(name, p, m, v))
-
-    plan_module.build_schedule = lambda name, p, m, v=1: [list(actions) for actions in built(name, p, m, v)]
-    try:
-        yield
-    finally:
-        plan_module.build_schedule = original
-
-
 def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
                       only: list[str] | None = None) -> Enumeration:
-    with schedules_built_once():
-        return _enumerate(shape, base, world, global_batch, space, only)
+    """build_plan checks a pipeline by building its schedule; the search asks that of the same
+    (schedule, p, m, v) for every ZeRO stage and option, thousands of times for a large world, and
+    parallel/pp/schedules.py answers the repeats from its cache (`built_schedule`)."""
+    return _enumerate(shape, base, world, global_batch, space, only)
 
 
 def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
@@ -262,7 +257,7 @@ def _candidate(requested: str, plan: RunPlan, request: dict) -> Candidate:
 @lru_cache(maxsize=4096)
 def schedule_identity(schedule: str, p: int, m: int, v: int) -> int:
     """The identity of the action lists a schedule gives (interleaved with one chunk is 1F1B's)."""
-    return hash(tuple(tuple(actions) for actions in build_schedule(schedule, p, m, v)))
+    return hash(built_schedule(schedule, p, m, v))
 
 
 def _preferred(c: Candidate) -> tuple:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.core.shape import ModelShape
+from parallel.dist.dims import SIZES
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
 from parallel.planner.predict import predict_row
@@ -85,7 +86,7 @@ def run_overrides(candidate: Candidate, preset: str | None) -> list[str]:
     """The launch.train overrides that run exactly this layout."""
     request, plan = candidate.request, candidate.plan
     out = [f"parallel={preset or candidate.requested}"]
-    for key in ("dp", "tp", "pp", "cp", "ep"):
+    for key in SIZES:
         if key in request:
             out.append(f"parallel.{key}={request[key]}")
     out += [f"parallel.microbatches={plan.microbatches}", f"parallel.zero={request['zero']}",

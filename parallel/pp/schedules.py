@@ -1,17 +1,50 @@
-"""Pipeline schedules as data.
+"""Pipeline schedules as data: each one a record, `Schedule`, in one table, `SCHEDULES`.
 
-A schedule is a pure function `(stages, microbatches, virtual) -> one list of actions per rank`.
-Nothing here communicates or computes: the simulator (simulator.py) runs these lists with given
-costs to prove them correct and predict the bubble, the executor runs the very same lists with
-real sends and receives, and the timeline draws them.
+A schedule's builder is a pure function `(stages, microbatches, virtual) -> one list of actions
+per rank`. Nothing here communicates or computes: the simulator (simulator.py) runs these lists
+with given costs to prove them correct and predict the bubble, the executor runs the very same
+lists with real sends and receives, the timeline draws them and the planner times them.
 
-The vocabulary (F, B, W, the sends and receives) is in actions.py; which rank holds which virtual
-stage is each schedule's placement (placement.py, `schedule_placement` below). This file holds the
-schedules with one whole backward per microbatch and chunk (GPipe, 1F1B, interleaved 1F1B, all on
-the loop placement); zero_bubble.py holds those that split it (ZB-H1, ZB-V, DualPipeV).
+A record holds everything the rest of the project reads of a schedule:
+
+    name         parallel.schedule
+    build        the builder: the action lists
+    placement    which rank holds which virtual stage (placement.py: the loop, or the V)
+    idle         its bubble in closed form: the idle time each chain of dependent actions forces
+                 (a rank's idle is their max), or None where no closed form is known (the run then
+                 trains and reports "no closed form"; the simulator's bubble stands alone)
+    torch_class  torch.distributed.pipelining's class of the same order (the torch_pp baseline), or None
+
+A new schedule is one record (and its builder and formula beside it) passed to `register_schedule`,
+plus a preset in conf/parallel/. The vocabulary (F, B, W, the sends and receives) is in actions.py.
+This file holds the schedules with one whole backward per microbatch and chunk (GPipe, 1F1B,
+interleaved 1F1B, all on the loop placement); zero_bubble.py holds the builders and formulas of
+those that split it (ZB-H1, ZB-V, DualPipeV).
+
+The bubble. F, B and W are the times of one microbatch through a rank's whole share of the model:
+forward, input-gradient backward, weight-gradient backward (so B + W is the whole backward, which
+the schedules that do not split it run as one action). Every rank does the same work per step,
+m(F + B + W), so every rank is idle for the same time (makespan - work), and the bubble, the idle
+share of all rank-time, is
+
+    bubble = idle / (m(F + B + W) + idle).
+
+(The functions take these times as time_f, time_b, time_w: F, B and W are the actions' names.)
+
+The idle times are what the schedules take when each action costs exactly its time and messages
+are free; the simulator reproduces them exactly for every p <= 8, m <= 16
+(tests/test_pp_zero_bubble.py). Where they come from, with sources: docs/theory/pipeline.md.
+
+Building is cached (`built_schedule`): the planner's search asks plan.py to check the same
+(schedule, p, m, v) thousands of times, and every caller gets fresh lists of the same actions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
 
 from parallel.pp.actions import (  # noqa: F401  (re-exported: the vocabulary is used as schedules.F, ...)
     COMM,
@@ -31,7 +64,7 @@ from parallel.pp.actions import (  # noqa: F401  (re-exported: the vocabulary is
     with_comm,
 )
 from parallel.pp.placement import LOOP, Placement, V
-from parallel.pp.zero_bubble import dualpipe_v, zb_h1, zb_v
+from parallel.pp.zero_bubble import dualpipe_v, dualpipe_v_idle, zb_h1, zb_h1_idle, zb_v, zb_v_idle
 
 
 def virtual_stage(rank: int, chunk: int, stages: int) -> int:
@@ -50,6 +83,12 @@ def _with_comm(compute: list[Action], rank: int, stages: int, virtual: int) -> l
 
 def _check(stages: int, microbatches: int, virtual: int) -> None:
     check_sizes(stages, microbatches, virtual)
+
+
+def loop_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
+    """GPipe, 1F1B and interleaved 1F1B (m a multiple of p): (p-1)(F + B + W)/v (Huang 2018;
+    Narayanan 2021 §2.2.1, §2.2.2). With W = 0: bubble (p-1)/(m+p-1), interleaved (p-1)/(v·m+p-1)."""
+    return [(stages - 1) * (time_f + time_b + time_w) / Fraction(virtual)]
 
 
 def gpipe(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -130,18 +169,119 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int = 2) -> list[l
     return plans
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved_1f1b": interleaved_1f1b,
-             "zbh1": zb_h1, "zbv": zb_v, "dualpipev": dualpipe_v}
-V_SHAPED = ("zbv", "dualpipev")  # the schedules on the V placement; every other one loops
+@dataclass(frozen=True)
+class Schedule:
+    """One pipeline schedule (the fields: this module's docstring)."""
+
+    name: str
+    build: Callable[[int, int, int], list[list[Action]]]
+    placement: str = LOOP
+    # (stages, microbatches, virtual, time_f, time_b, time_w) -> the idle chains, or None for sizes it does not
+    # cover (ZB-V below m = 2p-1); None itself: no closed form at all.
+    idle: Callable[..., list | None] | None = None
+    torch_class: str | None = None
+
+
+SCHEDULES: dict[str, Schedule] = {}
+
+
+def register_schedule(schedule: Schedule) -> Schedule:
+    """Add a schedule: plan.py accepts parallel.schedule=<its name>, the executor runs it, the
+    simulator and the timeline read it, the planner searches it. A name is registered once."""
+    if schedule.name in SCHEDULES:
+        raise ValueError(f"schedule {schedule.name!r} is registered twice")
+    Placement(1, 2 if schedule.placement == V else 1, schedule.placement)  # refuses an unknown placement
+    SCHEDULES[schedule.name] = schedule
+    built_schedule.cache_clear()
+    return schedule
+
+
+def unregister_schedule(name: str) -> None:
+    """Take a registered schedule out again (a test that adds one for its own length)."""
+    del SCHEDULES[name]
+    built_schedule.cache_clear()
+
+
+def schedule_of(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ScheduleError(f"parallel.schedule={name!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
 
 
 def schedule_placement(name: str, stages: int, virtual: int = 1) -> Placement:
     """Which rank holds which virtual stage under schedule `name` (the simulator, the executor and
     the traffic formulas all ask this, never `vstage % p`)."""
-    return Placement(stages, virtual, V if name in V_SHAPED else LOOP)
+    return Placement(stages, virtual, schedule_of(name).placement)
+
+
+@lru_cache(maxsize=128)
+def built_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
+    """The action lists, built once per (name, p, m, v) and kept immutable (a refusal is not kept:
+    it is raised again, with its message, each time)."""
+    return tuple(tuple(actions) for actions in schedule_of(name).build(stages, microbatches, virtual))
 
 
 def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
-    if name not in SCHEDULES:
-        raise ScheduleError(f"parallel.schedule={name!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
-    return SCHEDULES[name](stages, microbatches, virtual)
+    """One fresh list of actions per rank (the cached ones, copied: a caller may change its own)."""
+    return [list(actions) for actions in built_schedule(name, stages, microbatches, virtual)]
+
+
+# -- the bubble in closed form, from the record's `idle` ------------------------------------------------
+def _idle(name: str, stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list | None:
+    idle = schedule_of(name).idle
+    return None if idle is None else idle(stages, microbatches, virtual, time_f, time_b, time_w)
+
+
+def has_closed_form(name: str, stages: int, microbatches: int, virtual: int = 1) -> bool:
+    """Whether a closed form is claimed for these sizes (ZB-V: only from m = 2p-1 on; a schedule
+    without an `idle` formula: never)."""
+    return _idle(name, stages, microbatches, virtual, 1, 1, 1) is not None
+
+
+def closed_form_note(name: str, stages: int, microbatches: int, virtual: int = 1) -> str | None:
+    """None where a closed form is claimed, else what the summary says instead of a number."""
+    if schedule_of(name).idle is None:
+        return f"no closed form: schedule {name} has none (its bubble is simulated only)"
+    if not has_closed_form(name, stages, microbatches, virtual):
+        return f"no closed form for {name} at p={stages}, m={microbatches} (its bubble is simulated only)"
+    return None
+
+
+def idle_terms(name: str, stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
+    """The idle time each candidate chain of dependent actions forces; a rank's idle is their max."""
+    terms = _idle(name, stages, microbatches, virtual, time_f, time_b, time_w)
+    if terms is None:
+        raise ValueError(closed_form_note(name, stages, microbatches, virtual) + ": simulate it")
+    return terms
+
+
+def closed_form_idle(name: str, stages: int, microbatches: int, virtual: int, time_f, time_b, time_w):
+    """Each rank's idle time in one step (the longest chain's); None where no closed form is claimed."""
+    terms = _idle(name, stages, microbatches, virtual, time_f, time_b, time_w)
+    return None if terms is None else max(terms)
+
+
+def closed_form_bubble(name: str, stages: int, microbatches: int, virtual: int, time_f, time_b,
+                       time_w) -> Fraction | None:
+    """The idle share of all rank-time: idle / (m(F+B+W) + idle); None where no closed form is claimed."""
+    idle = closed_form_idle(name, stages, microbatches, virtual, time_f, time_b, time_w)
+    if idle is None:
+        return None
+    work = microbatches * (Fraction(time_f) + Fraction(time_b) + Fraction(time_w))
+    return Fraction(idle) / (work + Fraction(idle))
+
+
+for _schedule in (
+    Schedule("gpipe", gpipe, LOOP, loop_idle, torch_class="ScheduleGPipe"),
+    Schedule("1f1b", one_f_one_b, LOOP, loop_idle, torch_class="Schedule1F1B"),
+    Schedule("interleaved_1f1b", interleaved_1f1b, LOOP, loop_idle, torch_class="ScheduleInterleaved1F1B"),
+    # ZB-H1 with one stage per rank is torch's interleaved zero-bubble schedule's order.
+    Schedule("zbh1", zb_h1, LOOP, zb_h1_idle, torch_class="ScheduleInterleavedZeroBubble"),
+    Schedule("zbv", zb_v, V, zb_v_idle, torch_class="ScheduleZBVZeroBubble"),
+    Schedule("dualpipev", dualpipe_v, V, dualpipe_v_idle, torch_class="ScheduleDualPipeV"),
+):
+    register_schedule(_schedule)
+
+# The built-in schedules on the V placement (plan.py's messages read it; a schedule's own record
+# says it: `SCHEDULES[name].placement == V`).
+V_SHAPED = tuple(name for name, s in SCHEDULES.items() if s.placement == V)

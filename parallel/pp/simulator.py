@@ -12,8 +12,8 @@ proves, for the lists it is given, that
   that neighbour sent them (two ranks' messages are matched in posting order, gloo and NCCL
   alike: actions.py), and no message is left unreceived;
 
-and it measures what the closed forms (bubble.py) predict: the bubble (the share of rank-time
-spent idle) and the most activations each rank holds at once. A microbatch's activations on a
+and it measures what the closed forms (each schedule's `idle`, schedules.py) predict: the bubble
+(the share of rank-time spent idle) and the most activations each rank holds at once. A microbatch's activations on a
 chunk are held from its F until its backward is complete: until B when B is the whole backward,
 until W when the backward is split (W needs the layer inputs the forward saved).
 """
@@ -71,7 +71,7 @@ class SimResult:
         """The chain of actions that sets the makespan, first to last: each waited for the one
         before it, either the rank's previous action or (for a receive that waited) the send of
         its message. Its compute times add up to the makespan when messages are free: this is how
-        the closed forms in bubble.py were read off, one chain per term."""
+        the closed forms (schedules.py, zero_bubble.py) were read off, one chain per term."""
         span = max(self.spans, key=lambda s: s.end)
         chain = [span]
         while span.after is not None:

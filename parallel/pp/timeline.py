@@ -13,8 +13,13 @@ The colours are shared with the run's timeline of every rank (parallel/report/tr
 
 from __future__ import annotations
 
-from parallel.pp.bubble import closed_form_bubble
-from parallel.pp.schedules import build_schedule, schedule_placement, splits_backward
+from parallel.pp.schedules import (
+    build_schedule,
+    closed_form_bubble,
+    closed_form_note,
+    schedule_placement,
+    splits_backward,
+)
 from parallel.pp.simulator import simulate, split_costs
 
 # "backward" is B: the whole backward, or in a zero-bubble schedule only the input gradient, whose
@@ -33,8 +38,8 @@ def measured_bubble(rank_spans: list[list[dict]]) -> float:
 
 
 def mean_times(rank_spans: list[list[dict]], virtual: int) -> tuple[float, float, float]:
-    """This run's mean F, B and W times per rank's whole share (a chunk's times v), as bubble.py
-    takes them; W is 0 where the schedule does not split the backward (B is then all of it)."""
+    """This run's mean F, B and W times per rank's whole share (a chunk's times v), as the closed
+    forms (schedules.py) take them; W is 0 where the schedule does not split the backward (B is then all of it)."""
     def mean(kind):
         times = [s["end"] - s["start"] for spans in rank_spans for s in spans if s["kind"] == kind]
         return sum(times) / len(times) * virtual if times else 0.0
@@ -55,7 +60,8 @@ def simulated_bubble(rank_spans: list[list[dict]], schedule: str, stages: int, m
 
 def pipeline_report(rank_spans: list[list[dict]], schedule: str, stages: int, microbatches: int, virtual: int) -> dict:
     """The bubble figures for summary.json: measured on this run's spans, simulated with its mean F,
-    B and W times, and bubble.py's closed form with the same times (None where none is claimed:
+    B and W times, and the schedule's closed form with the same times (None where none is claimed,
+    and `bubble_closed_form_note` then says "no closed form" and why: a schedule with no formula,
     ZB-V below m = 2p-1). The run's trace.json and timeline.png, of every rank, are drawn by
     parallel/report/trace.py."""
     bubble = measured_bubble(rank_spans)
@@ -65,6 +71,7 @@ def pipeline_report(rank_spans: list[list[dict]], schedule: str, stages: int, mi
         "schedule": schedule, "stages": stages, "microbatches": microbatches, "virtual_stages": virtual,
         "bubble_measured": bubble, "bubble_simulated": sim["bubble"],
         "bubble_closed_form": None if closed is None else float(closed),
+        "bubble_closed_form_note": closed_form_note(schedule, stages, microbatches, virtual),
         "splits_backward": sim["splits_backward"], "peak_activations_simulated": sim["peak_activations"],
         "mean_forward_s": sim["forward_s"], "mean_backward_s": sim["backward_s"], "mean_weight_s": sim["weight_s"],
     }

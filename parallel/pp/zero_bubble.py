@@ -7,7 +7,8 @@ waiting (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv 2401.10241). 
 memory: what W needs (the layer inputs) stays held from F until W, not until B.
 
 Three schedules, each a pure function (stages, microbatches, virtual) -> actions per rank like
-those in schedules.py; their bubbles in closed form are in bubble.py and docs/theory/pipeline.md.
+those in schedules.py, each with its bubble in closed form beside it (`*_idle`: the idle time each
+chain of dependent actions forces; docs/theory/pipeline.md derives them).
 
 * zbh1      ZB-H1 (Qi §3.1): 1F1B's warm-up and steady state, but rank r runs each W r steps
             after its B; the W held back fill the cool-down. Every rank holds at most p
@@ -25,6 +26,7 @@ those in schedules.py; their bubbles in closed form are in bubble.py and docs/th
 from __future__ import annotations
 
 from collections import Counter
+from fractions import Fraction
 
 from parallel.pp.actions import Action, B, F, ScheduleError, W, check_sizes, in_send_order, with_comm
 from parallel.pp.placement import LOOP, Placement, V
@@ -65,7 +67,7 @@ def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     remaining B; each W comes r B's after its own B (W_k right after B_{k+r}), and the last r
     follow the last B. Rank r thus holds at most p microbatches (F done, W not yet): 1F1B's peak.
     The W held back fill the time a rank waits in 1F1B's cool-down: idle (p-1)(F+B-W) instead of
-    (p-1)(F+B+W) (for m >= p and W no longer than F or B; bubble.py has every case).
+    (p-1)(F+B+W) (for m >= p and W no longer than F or B; zb_h1_idle has every case).
     """
     check_sizes(stages, microbatches, virtual)
     if virtual != 1:
@@ -88,6 +90,15 @@ def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
             order.w()
         plans.append(with_comm(order.actions, r, Placement(p, 1, LOOP)))
     return plans
+
+
+def zb_h1_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
+    """(p-1)(F+B) - (k-1)W, (p-1)F + (p-k)B, (p-1)B + (p-k)F with k = min(m, p); their max is
+    Qi et al. 2023 §3.1's (p-1)(F + B - W) when m >= p, W <= F, W <= B."""
+    p, m = stages, microbatches
+    k = min(m, p)
+    f, b, w = time_f, time_b, time_w
+    return [(p - 1) * (f + b) - (k - 1) * w, (p - 1) * f + (p - k) * b, (p - 1) * b + (p - k) * f]
 
 
 def _check_v(name: str, stages: int, microbatches: int, virtual: int) -> Placement:
@@ -144,6 +155,21 @@ def zb_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]
     return in_send_order(plans, placement)
 
 
+def zb_v_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list | None:
+    """Eight chains in chunk times f, b, w = F/2, B/2, W/2 (docs/theory/pipeline.md names each);
+    p = 1: 0. ZB-V's order changes shape below m = 2p - 1 (it is built for 2p - 1 and cut down):
+    there no closed form is claimed (None) and the simulator gives the bubble."""
+    p, m = stages, microbatches
+    if m < 2 * p - 1:
+        return None
+    if p == 1:
+        return [0 * time_f]  # both chunks on one rank: nothing to wait for
+    f, b, w = Fraction(time_f) / 2, Fraction(time_b) / 2, Fraction(time_w) / 2
+    return [(p - 1) * b, b + (p - 2) * w, f + (p - 2) * w, (2 * p - 3) * f - (p - 2) * b,
+            2 * (p - 1) * (b - w), 2 * (p - 1) * f - (p - 1) * b - w, 2 * (p - 1) * f - (2 * p - 1) * w,
+            (2 * p - 3) * f + b - 2 * (p - 1) * w]
+
+
 def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]:
     """DualPipeV (DeepSeek-V3 report §3.2.1 folded onto p ranks), in PyTorch's ScheduleDualPipeV
     order, DeepSeek's eight steps. "F0 & B1" is a forward of chunk 0 paired with the whole backward
@@ -197,3 +223,14 @@ def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Ac
             o.w()
         plans.append(with_comm(o.actions, r, placement))
     return in_send_order(plans, placement)
+
+
+def dualpipe_v_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
+    """Seven chains in chunk times f, b, w = F/2, B/2, W/2 (docs/theory/pipeline.md names each),
+    for every m it accepts (m >= 2p); p = 1: 0."""
+    p = stages
+    if p == 1:
+        return [0 * time_f]
+    f, b, w = Fraction(time_f) / 2, Fraction(time_b) / 2, Fraction(time_w) / 2
+    return [(p - 1) * f, 2 * (p - 1) * b - (p - 1) * w - f, (p - 1) * (f + b - w), (p - 1) * b - f,
+            2 * (p - 1) * f - (p - 1) * (b + w), 2 * (p - 1) * f - (2 * p - 1) * w, (2 * p - 3) * (f - w) + b]

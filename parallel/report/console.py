@@ -31,7 +31,7 @@ def log_summary(summary: dict) -> None:
              memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
     if "pipeline" in summary:
         pipe = summary["pipeline"]
-        closed = pipe["bubble_closed_form"]  # None where bubble.py claims no closed form (ZB-V below m = 2p-1)
+        closed = pipe["bubble_closed_form"]  # None where the schedule claims no closed form (ZB-V below m = 2p-1)
         log.info("pipeline %s: bubble measured %.1f%% | simulated %.1f%% | closed form %s (measured: every moment "
                  "a stage did not compute, p2p and waiting for a core included; simulated: the schedule alone)",
                  pipe["schedule"], 100 * pipe["bubble_measured"], 100 * pipe["bubble_simulated"],

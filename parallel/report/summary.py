@@ -24,8 +24,9 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
                       `formula` (the strategy's model_state formula, ZeRO paper) and `matches_formula`
   first_step          losses[i] is step first_step + i (non-zero when resumed)
-  pipeline            pipelined strategies: schedule, measured / simulated / closed-form bubble,
-                      executed order by rank (parallel/pp/timeline.py)
+  pipeline            pipelined strategies: schedule, measured / simulated / closed-form bubble
+                      (null where none is claimed, and bubble_closed_form_note says "no closed
+                      form" and why), executed order by rank (parallel/pp/timeline.py)
   moe                 mixture-of-experts models: tokens per expert per step, skew, dropped
                       assignments, routing.png; under expert parallelism the all-to-all bytes
                       measured against the exact figure from each step's routing

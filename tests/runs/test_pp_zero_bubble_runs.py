@@ -25,8 +25,7 @@ import pytest
 from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
 from test_pp_zero_bubble import expected_peaks
 
-from parallel.pp.bubble import closed_form_bubble, has_closed_form
-from parallel.pp.schedules import build_schedule
+from parallel.pp.schedules import build_schedule, closed_form_bubble, has_closed_form
 from parallel.pp.simulator import simulate_schedule, split_costs
 
 S, H = 32, 64  # the tiny model's sequence length and width

@@ -4,7 +4,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
 
-from parallel.dist.dims import LayoutError, ParallelDims
+import parallel.dist.dims as dims_module
+from parallel.dist.dims import DIMS, MESH_DIMS, SIZES, LayoutError, ParallelDims, shared_coordinates
 from parallel.dist.groups import LaunchEnv, choose_backend, threads_per_rank
 from parallel.plan import ConfigError, build_plan
 
@@ -42,6 +43,22 @@ def test_cp_sits_between_tp_and_dp(dp, cp, tp, pp):
     for name in ("pp", "dp", "cp", "tp", "dp_cp"):
         groups = dims.group_ranks(name)
         assert sorted(r for g in groups for r in g) == list(range(dims.world_size))
+
+
+def test_the_dimensions_are_declared_once():
+    """One row per dimension in DIMS, and the module docstring's table shows every row; the mesh's
+    rows innermost first are its rank order; every size is a ParallelDims field and back."""
+    doc = dims_module.__doc__
+    table = doc[doc.index("    name   mesh"):].split("\n\n")[0].splitlines()[1:]
+    assert [line.split()[0] for line in table if not line.startswith("     ")] == [d.name for d in DIMS]
+    assert MESH_DIMS == ("pp", "dp", "cp", "tp") and SIZES == ("dp", "tp", "pp", "cp", "ep")
+    dims = ParallelDims.resolve(16, dp=4, tp=2, cp=2, ep=2)
+    assert dims.mesh_shape == (1, 4, 2, 2) and dims.groups_in_use() == ("ep", "edp", "dp_cp")
+    for d in DIMS:  # every group of every row: the ranks that share its coordinates, covering the world once
+        groups = dims.group_ranks(d.name)
+        assert sorted(r for g in groups for r in g) == list(range(16)), d.name
+        for g in groups:
+            assert len({tuple(dims.coordinates(r)[k] for k in shared_coordinates(d.name)) for r in g}) == 1
 
 
 def test_ep_is_carved_out_of_dp():

@@ -3,6 +3,10 @@
 For every valid input: the lists finish without deadlock, every microbatch runs F then B exactly
 once on every virtual stage, the bubble equals the closed form (docs/theory/pipeline.md), and the activations
 held per rank stay within each schedule's bound.
+
+A schedule is a record (pp/schedules.py): a new one registered at run time
+(tests/helpers/custom_schedule.py, without a closed form) is run by the simulator here, and trained
+under torchrun as the single run in tests/runs/test_pp.py.
 """
 
 from fractions import Fraction
@@ -11,18 +15,27 @@ import pytest
 
 from parallel.pp.schedules import (
     RECV_F,
+    SCHEDULES,
     SEND_F,
     Action,
     B,
     F,
+    Schedule,
     ScheduleError,
     build_schedule,
+    built_schedule,
+    closed_form_bubble,
+    closed_form_note,
     compute_only,
     gpipe,
+    has_closed_form,
     interleaved_1f1b,
     one_f_one_b,
+    register_schedule,
+    schedule_placement,
+    unregister_schedule,
 )
-from parallel.pp.simulator import ScheduleInvalid, simulate, unit_costs
+from parallel.pp.simulator import ScheduleInvalid, simulate, simulate_schedule, unit_costs
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16)]
 COSTS = {"F=B": unit_costs(1.0, 1.0), "B=2F": unit_costs(1.0, 2.0)}
@@ -110,3 +123,52 @@ def test_simulator_catches_a_missing_backward_and_a_repeat():
     repeated = [plans[0] + [Action(F, 0)], plans[1]]
     with pytest.raises(ScheduleInvalid, match="twice"):
         simulate(repeated, 2)
+
+
+# -- a schedule is a record ------------------------------------------------------------------------------
+def test_every_schedule_is_a_record_read_by_every_reader():
+    """The executor, simulator, timeline and planner all read SCHEDULES: each record builds lists the
+    simulator runs, on its own placement, and has its closed form or none."""
+    for name, record in SCHEDULES.items():
+        assert record.name == name
+        v = 2 if record.placement == "v" or name == "interleaved_1f1b" else 1
+        result = simulate_schedule(name, 2, 4, v)
+        assert 0 <= result.bubble_fraction < 1
+        assert schedule_placement(name, 2, v).shape == record.placement
+        assert (record.idle is None) == (closed_form_note(name, 2, 4, v) is not None)
+
+
+def test_building_is_cached_and_every_caller_gets_its_own_lists():
+    first = build_schedule("1f1b", 4, 8)
+    first[0].clear()
+    assert build_schedule("1f1b", 4, 8) == one_f_one_b(4, 8) and built_schedule("1f1b", 4, 8) is \
+        built_schedule("1f1b", 4, 8)
+    with pytest.raises(ScheduleError, match="is not a multiple"):  # a refusal is raised again each time
+        build_schedule("interleaved_1f1b", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="is not a multiple"):
+        build_schedule("interleaved_1f1b", 4, 6, 2)
+
+
+@pytest.fixture
+def gpipe_lifo():
+    """tests/helpers/custom_schedule.py's record, registered for the length of one test."""
+    from custom_schedule import GPIPE_LIFO
+
+    register_schedule(GPIPE_LIFO)
+    yield GPIPE_LIFO
+    unregister_schedule(GPIPE_LIFO.name)
+
+
+def test_a_schedule_without_a_closed_form_says_so(gpipe_lifo):
+    """A schedule registered without `idle` runs everywhere and has no closed form (not a crash)."""
+    assert SCHEDULES["gpipe_lifo"] is gpipe_lifo
+    assert closed_form_bubble("gpipe_lifo", 4, 8, 1, 1, 2, 0) is None and not has_closed_form("gpipe_lifo", 4, 8)
+    assert closed_form_note("gpipe_lifo", 4, 8).startswith("no closed form")
+    # The simulator runs it: GPipe's bubble (the backwards of one rank wait for the same chain).
+    assert simulate_schedule("gpipe_lifo", 4, 8).bubble_fraction == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match="registered twice"):
+        register_schedule(Schedule("gpipe_lifo", gpipe))
+    from parallel.baselines.pipelining import check_torch_schedule
+
+    with pytest.raises(ScheduleError, match="has no torch.distributed.pipelining counterpart"):
+        check_torch_schedule("gpipe_lifo", 2, 4, 1)

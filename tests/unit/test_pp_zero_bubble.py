@@ -3,7 +3,7 @@
 For every schedule, p <= 8 and m <= 16 wherever the schedule accepts (p, m), and F, B, W times
 given separately: the lists finish without deadlock; every microbatch runs F, then B, then W
 exactly once on every virtual stage (the simulator raises otherwise); each rank's idle time equals
-bubble.py's closed form exactly (Fractions), every term of each form being the longest somewhere
+the closed form of its record (pp/schedules.py) exactly (Fractions), every term of each form being the longest somewhere
 in the grid; the activations held per rank equal the stated count and stay within the paper's
 bound. The orders equal PyTorch 2.13's own schedules'. Then the placement, the traffic formulas
 against the sends in the lists, and the orders of small cases written out. No processes: ~10 s,
@@ -19,9 +19,17 @@ import pytest
 
 from parallel.core.model import GPTConfig
 from parallel.pp.actions import RECV_F, SEND_B, SEND_F, Action, B, F, W
-from parallel.pp.bubble import closed_form_bubble, closed_form_idle, has_closed_form, idle_terms
 from parallel.pp.placement import Placement
-from parallel.pp.schedules import ScheduleError, build_schedule, compute_only, schedule_placement
+from parallel.pp.schedules import (
+    ScheduleError,
+    build_schedule,
+    closed_form_bubble,
+    closed_form_idle,
+    compute_only,
+    has_closed_form,
+    idle_terms,
+    schedule_placement,
+)
 from parallel.pp.simulator import ScheduleInvalid, simulate, simulate_schedule, split_costs
 from parallel.pp.theory import pipeline_p2p_bytes
 
