@@ -25,12 +25,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from parallel.compose.route import resolve
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, build_plan
 from parallel.pp.schedules import SCHEDULES, build_schedule
-from parallel.registry import REGISTRY, Options, resolve
+from parallel.registry import REGISTRY, Options
 
 
 class Config(dict):
