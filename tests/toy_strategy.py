@@ -1,8 +1,11 @@
 """The README's worked example: a new strategy is one module and one registry entry.
 
 `dp_flat` is data parallelism with one flat all-reduce of every gradient after backward (what a
-first DDP would do before buckets). It is written here, registered here, and trained by the
-project's own entry point, `launch.train`, with no other file of the project changed:
+first DDP would do before buckets). A strategy of the project's own would be a module in its
+family's folder and an entry in the family's `ENTRIES` (parallel/dp/__init__.py); this one lives
+outside the project, so it is registered at run time, with `register`. It is written here,
+registered here, and trained by the project's own entry point, `launch.train`, with no other file
+of the project changed:
 
     torchrun --standalone --nproc-per-node 2 tests/toy_strategy.py parallel=dp parallel.name=dp_flat
 
@@ -18,7 +21,8 @@ import torch  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
 from parallel import theory  # noqa: E402
-from parallel.registry import StrategySpec, register  # noqa: E402
+from parallel.registry import register  # noqa: E402
+from parallel.spec import StrategySpec  # noqa: E402
 from parallel.strategy import GradSync, Strategy, make_optimizer  # noqa: E402
 
 

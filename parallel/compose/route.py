@@ -28,14 +28,14 @@ row matches or a row says `itself`. `zero_dp=true` matches every entry whose rec
 tp, pp, 3d, cp, cp_a2a; a strategy registered at run time too), `zero_dp=false` every other one.
 
 What the rows mean. Over one rank a dimension cuts nothing: tp over one rank is dp (and sequence
-parallelism over one rank nothing either: the options are dp's defaults), cp over one rank is dp, ep over one rank is dp, and dp
-(or a pipeline) in one plain process is the single run, unless ZeRO is asked for, which is then
-refused: there is nothing to shard over. Tensor, pipeline and context parallelism together are the
-one recipe `3d` (parallel/compose/mesh3d.py). parallel.zero = k picks the dp dimension's sync: on
-a pure dp layout it is the strategy `zero<k>` (the stage then in the name, the option 0); under
-context parallelism ZeRO-1/2 shard over the dp·cp ranks inside the strategy that runs (cp, cp_a2a
-or 3d); with tp or pp it is the 3d recipe's ZeroOptimizer over the dp group. ZeRO-3 is a strategy
-of its own and composes with nothing.
+parallelism over one rank nothing either: the options are dp's defaults), cp over one rank is dp,
+ep over one rank is dp, and dp (or a pipeline) in one plain process is the single run, unless ZeRO
+is asked for, which is then refused: there is nothing to shard over. Tensor, pipeline and context
+parallelism together are the one recipe `3d` (parallel/compose/mesh3d.py). parallel.zero = k picks
+the dp dimension's sync: on a pure dp layout it is the strategy `zero<k>` (the stage then in the
+name, the option 0); under context parallelism ZeRO-1/2 shard over the dp·cp ranks inside the
+strategy that runs (cp, cp_a2a or 3d); with tp or pp it is the 3d recipe's ZeroOptimizer over the
+dp group. ZeRO-3 is a strategy of its own (zero3) and composes with no other dimension.
 
 The layout column is `any`, or conditions on the dimensions (world, dp, tp, pp, cp, ep) written
 `d=n` or `d>n`, joined by `and` or by `or`; the zero column `any`, a stage, or a range `a-b`.

@@ -177,12 +177,12 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
 
 @contextmanager
 def schedules_built_once():
-    """build_plan checks a pipeline by building its schedule (parallel.plan.build_schedule); the
+    """build_plan checks a pipeline by building its schedule (parallel.pp.rules.build_schedule); the
     search asks that of the same (schedule, p, m, v) for every ZeRO stage and option, thousands of
-    times for a large world. For the length of the search plan.py's name is bound to the same
+    times for a large world. For the length of the search pp/rules.py's name is bound to the same
     function answering from a cache of its own results (fresh lists each time; a refusal is raised
     again each time, with its message)."""
-    import parallel.plan as plan_module
+    import parallel.pp.rules as plan_module
 
     original = plan_module.build_schedule
 
