@@ -33,7 +33,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contract", ("parallel.strategy", "parallel.spec", "parallel.layout", "parallel.algebra",
                   "parallel.activations")),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
-    ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry", "parallel.strategies")),
+    ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry")),
     ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner")),
     ("tools", ("parallel.compare", "parallel.planner")),
     ("cli", ("launch",)),

@@ -3,6 +3,13 @@
 Everything that can be wrong with a configuration is caught here, on every rank, from the config
 and the torchrun environment alone. A wrong value ends in one sentence that names it, the rule it
 breaks and a fix, and a non-zero exit: never a hang inside a collective.
+
+This file is the order the rules run in. The rules themselves are the registry's that every entry
+shares (parallel/registry.py: world size, dimensions, sequence parallelism, mixtures of experts),
+the entries' own (`check`, `check_model`, `schedule_check`), each family's in its rules.py
+(dp, zero, pp, cp; tp's cut is ParallelDims.check_tensor_parallel), and the configuration's that
+belong to no strategy (numbers, precision, recomputation, faults, checkpoints), here. Which entry
+runs the layout is parallel/compose/route.py's table.
 """
 
 from __future__ import annotations
@@ -10,20 +17,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from parallel.compose.route import resolve
 from parallel.core.model import MOE_FIELDS, GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
+from parallel.cp import rules as cp_rules
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dist.timing import default_warmup_steps
-from parallel.dp.sync import GRAD_SYNCS
+from parallel.dp import rules as dp_rules
 from parallel.layout import Layout
-from parallel.pp.schedules import SCHEDULES, V_SHAPED, ScheduleError, build_schedule
-from parallel.pp.split import SplitError, layer_counts
-from parallel.registry import ConfigError, Options, StrategySpec, check_layout, check_model, resolve, spec_of
+from parallel.pp import rules as pp_rules
+from parallel.registry import check_layout, check_model, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error
+from parallel.spec import ConfigError, Options, StrategySpec
+from parallel.zero import rules as zero_rules
 
 __all__ = ["ConfigError", "LayoutError", "RunPlan", "build_plan", "model_config"]
 
@@ -223,82 +233,12 @@ def _resolve_dims(world_size: int, p) -> ParallelDims:
     return replace(dims, ep=dims.dp) if ep is None else dims
 
 
-def _check_schedule_name(schedule) -> None:
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule={schedule!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
-
-
-def _check_pipeline(model: GPTConfig, dims: ParallelDims, p, spec: StrategySpec) -> None:
-    """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v), and
-    so must the strategy's own runner (PyTorch's schedules refuse some that ours run)."""
-    if p.virtual_stages > 1 and dims.pp < 2:
-        raise LayoutError(
-            f"parallel.virtual_stages={p.virtual_stages} interleaves chunks across pipeline ranks, "
-            f"but parallel.pp={dims.pp}: "
-            "use at least 2 pipeline ranks, or parallel.virtual_stages=1"
-        )
-    try:
-        layer_counts(model.n_layers, dims.pp * p.virtual_stages, list(p.pp_layers) if p.pp_layers is not None else None)
-        build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)
-        if spec.schedule_check is not None:
-            spec.schedule_check(p.schedule, dims.pp, p.microbatches, p.virtual_stages)
-    except (ScheduleError, SplitError) as e:
-        raise ConfigError(str(e)) from None
-
-
-def _check_3d_grad_sync(dims: ParallelDims, p) -> None:
-    """The bucketed sync overlaps with the last microbatch's backward, which with one chunk per rank
-    gives every local parameter its final gradient; with virtual stages a rank's chunks finish
-    their last backward at different times, far apart in the schedule."""
-    if dims.dp > 1 and p.grad_sync == "bucketed" and p.virtual_stages > 1:
-        raise ConfigError(
-            f"parallel.grad_sync=bucketed overlaps the dp all-reduce with the last microbatch's backward, but with "
-            f"parallel.virtual_stages={p.virtual_stages} a rank's chunks finish their backward at different times: "
-            + ("set parallel.grad_sync=naive" if p.schedule in V_SHAPED else
-               "set parallel.grad_sync=naive (or parallel.virtual_stages=1)")
-        )
-
-
-def _check_3d_zero(zero: int, sequence_parallel: bool, dims: ParallelDims, p) -> None:
-    """ZeRO-2 reduce-scatters each part's gradients in backward hooks, as soon as the part has
-    them, every microbatch: right only if those gradients are final for the microbatch there."""
-    if zero != 2:
-        return
-    if sequence_parallel:
-        raise ConfigError(
-            "parallel.zero=2 with parallel.sequence_parallel=true: ZeRO-2 reduce-scatters each part's gradients "
-            "over dp inside backward, but under sequence parallelism the LayerNorm and bias gradients are partial "
-            "sums that are "
-            "completed over tp only after backward; use parallel.zero=1 (it reduces after the tp sum) or "
-            "parallel.sequence_parallel=false"
-        )
-    if p.virtual_stages > 1:
-        raise ConfigError(
-            f"parallel.zero=2 with parallel.virtual_stages={p.virtual_stages}: ZeRO-2 reduces a microbatch's parts "
-            "in backward order within one backward pass, but a rank's chunks run a microbatch's backward at "
-            f"different times of the {p.schedule} schedule; use parallel.zero=1 (it reduces once after the schedule)"
-            + ("" if p.schedule in V_SHAPED else " or parallel.virtual_stages=1")
-        )
-
-
 def _check_precision(precision) -> None:
     if precision not in PRECISIONS:
         raise ConfigError(
             f"train.precision={precision!r} is not one of {', '.join(PRECISIONS)}: use fp32 (the default, what the "
             "exact comparisons with the single run need) or bf16 (autocast with fp32 master weights)"
         )
-
-
-def _check_context_parallel(model: GPTConfig, dims: ParallelDims, options: Options) -> None:
-    """Sequence length, heads and model kind against the cp layout (parallel/cp/strategy.py)."""
-    if dims.cp == 1:
-        return
-    from parallel.cp.strategy import check_context_parallel
-
-    try:
-        check_context_parallel(model, dims.cp, dims.tp, options.cp_kind, options.sequence_parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 def _check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
@@ -329,25 +269,26 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     if requested.pipelined:
         # The schedule is checked whatever the layout runs as (a pipeline preset in one process
         # runs as `single`, but a schedule name it does not know is still a mistake to refuse).
-        _check_schedule_name(p.schedule)
+        pp_rules.check_schedule_name(p.schedule)
     strategy, options = resolve(p.name, dims, Options(bool(p.sequence_parallel), p.zero))
     spec = check_layout(strategy, dims, options)
     check_model(strategy, model, dims)
     sequence_parallel, zero = options.sequence_parallel, options.zero
     if spec.tensor_parallel:
         dims.check_tensor_parallel(model, sequence_parallel)
-    _check_context_parallel(model, dims, options)
+    cp_rules.check_context_parallel(model, dims, options)
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:
-        _check_pipeline(model, dims, p, spec)
+        pp_rules.check_pipeline(model, dims, p.schedule, p.microbatches, p.virtual_stages, p.pp_layers,
+                                spec.schedule_check)
     if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/compose/mesh3d.py)
-        if zero:
-            _check_3d_zero(zero, sequence_parallel, dims, p)  # the ZeroOptimizer replaces grad_sync
+        if zero:  # the ZeroOptimizer replaces grad_sync
+            zero_rules.check_zero_in_pipeline(zero, sequence_parallel, p.virtual_stages, p.schedule,
+                                              pp_rules.v_shaped(p.schedule))
         else:
-            _check_3d_grad_sync(dims, p)
+            pp_rules.check_pipeline_grad_sync(dims, p.grad_sync, p.virtual_stages, p.schedule)
     _check_steps(t.steps, t.warmup_steps)
-    if p.grad_sync not in GRAD_SYNCS:
-        raise ConfigError(f"parallel.grad_sync={p.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")
+    dp_rules.check_grad_sync(p.grad_sync)
     _check_precision(t.precision)
     recompute = t.get("recompute", "none")
     _check_recompute(recompute, strategy, spec)

@@ -1,1 +1,104 @@
-"""baselines"""
+"""PyTorch's own parallelism on the same GPT, data and initialisation: the baselines.
+
+  counting.py    their traffic counted into the project's communication log
+  ddp.py         DistributedDataParallel, bare and under Hugging Face accelerate (for dp, zero1, zero2)
+  fsdp2.py       FSDP2, fully_shard per Block and on the root (for zero3)
+  dtensor_tp.py  DTensor tensor parallelism, torchtitan's plan (for tp)
+  pipelining.py  torch.distributed.pipelining's schedules on the same chunks (for pp)
+  rules.py       their refusals
+  theory.py      the closed forms of the traffic PyTorch's own moves where it differs from ours
+
+Each is a Strategy like ours, so the step loop, the summary and the comparison treat them alike;
+their entries (below) carry the tag "baseline", and ours name them as `counterpart`.
+"""
+
+from __future__ import annotations
+
+from parallel import algebra
+from parallel.activations import registry_activations
+from parallel.baselines import theory
+from parallel.baselines.rules import (
+    TORCH_PP_NO_MOE,
+    TORCH_TP_NO_MOE,
+    check_torch_pp,
+    check_torch_pp_schedule,
+    check_torch_tp,
+)
+from parallel.dp import theory as dp_theory
+from parallel.pp import theory as pp_theory
+from parallel.spec import StrategySpec
+
+
+def _optimizer(plan):
+    from parallel.strategy import make_optimizer
+
+    return lambda module: make_optimizer(module, plan.lr, plan.weight_decay)
+
+
+def _build_torch_ddp(model, plan, ctx):
+    from parallel.baselines.ddp import TorchDDP
+
+    return TorchDDP(model, _optimizer(plan), ctx.comm("dp"), plan.bucket_mb)
+
+
+def _build_accelerate_ddp(model, plan, ctx):
+    from parallel.baselines.ddp import AccelerateDDP
+
+    return AccelerateDDP(model, _optimizer(plan), ctx.comm("dp"), plan.bucket_mb, ctx.device)
+
+
+def _build_torch_fsdp2(model, plan, ctx):
+    from parallel.baselines.fsdp2 import TorchFSDP2
+
+    return TorchFSDP2(model, ctx.mesh["dp"], ctx.comm("dp"), plan.lr, plan.weight_decay)
+
+
+def _build_torch_tp(model, plan, ctx):
+    from parallel.baselines.dtensor_tp import TorchTP
+
+    return TorchTP(model, _optimizer(plan), ctx.mesh["tp"], ctx.comm("tp"), ctx.comm("dp"), ctx.log)
+
+
+def _build_torch_pp(model, plan, ctx):
+    from parallel.baselines.pipelining import TorchPipeline
+
+    return TorchPipeline(model, plan.schedule, ctx.comm("pp"), plan.microbatches, plan.virtual_stages,
+                         list(plan.pp_layers) if plan.pp_layers else None, plan.lr, plan.weight_decay, ctx.device,
+                         ctx.log)
+
+
+BASELINE = frozenset({"baseline"})
+
+# DTensor's TP (its loss runs on the all-gathered logits) and pipelining (its first stage holds
+# more: +17% at 4 stages) save more for backward than ours: they have no activation formula.
+ENTRIES = (
+    StrategySpec(
+        name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp, zero1, zero2)",
+        build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+        tags=BASELINE, moe=True, activations=registry_activations,
+    ),
+    StrategySpec(
+        name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
+        build=_build_accelerate_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+        tags=BASELINE, moe=True, activations=registry_activations,
+    ),
+    StrategySpec(
+        name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
+        build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=algebra.tp_local_parameter_count,
+        min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
+    ),
+    StrategySpec(
+        name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
+        build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=algebra.tp_local_parameter_count,
+        dims=frozenset({"dp", "tp"}), min_world=2, tensor_parallel=True, check=check_torch_tp, tags=BASELINE,
+        moe_refusal=TORCH_TP_NO_MOE,
+    ),
+    StrategySpec(
+        name="torch_pp",
+        description="torch.distributed.pipelining's schedules on the same chunks (the baseline for pp)",
+        build=_build_torch_pp, comm=pp_theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
+        check=check_torch_pp, schedule_check=check_torch_pp_schedule, tags=BASELINE, moe_refusal=TORCH_PP_NO_MOE,
+    ),
+)

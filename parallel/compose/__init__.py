@@ -1,1 +1,45 @@
-"""combined"""
+"""Composition: the families on one mesh, and the one table of what runs.
+
+  mesh3d.py       the recipe: any dp x cp x tp x pp layout, pipeline stages of tensor-parallel
+                  blocks with context-parallel attention, dp or ZeRO-1/2 on top
+  cp_pipeline.py  context parallelism in front of a pipeline (where the cp and pp families meet)
+  route.py        the table from a requested strategy, the layout and the ZeRO stage to the entry
+                  that runs it (`resolve`)
+  theory.py       the recipe's closed forms: every dimension's bytes together, the model state per stage
+
+The entries here are the recipe's: `3d`, and `pp`, which is the recipe with tp = cp = 1 (the pp
+family holds the schedules and the runner, not a strategy of its own).
+"""
+
+from __future__ import annotations
+
+from parallel.compose import theory
+from parallel.pp import theory as pp_theory
+from parallel.pp.rules import PP_NO_MOE
+from parallel.spec import StrategySpec
+from parallel.tp.rules import TP_NO_MOE
+
+
+def _build_mesh3d(model, plan, ctx):
+    from parallel.compose.mesh3d import build_mesh3d
+
+    return build_mesh3d(model, plan, ctx)
+
+
+ENTRIES = (
+    StrategySpec(
+        name="pp",
+        description="pipeline parallel: GPipe, 1F1B, interleaved, ZB-H1, ZB-V or DualPipeV, schedules as data",
+        build=_build_mesh3d, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
+        grad_sync=True, zero_dp=True, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
+        activations=pp_theory.pipeline_activations,
+    ),
+    StrategySpec(
+        name="3d", description="dp x cp x tp x pp on one mesh: tensor-parallel pipeline stages, context-parallel "
+        "attention, dp or ZeRO-1/2 on top",
+        build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
+        local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
+        tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True, recompute=True,
+        moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}", activations=pp_theory.pipeline_activations,
+    ),
+)

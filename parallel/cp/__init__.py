@@ -5,8 +5,40 @@
   ring.py       ring attention: K, V blocks pass around the ring, blocks merged by online softmax
   ulysses.py    all-to-all: sequence-sharded -> head-sharded around an unchanged attention core
   transform.py  the model's embedding and attention cores replaced for one rank
-  traffic.py    the bytes each sends, per layer and microbatch, as closed forms
-  strategy.py   the strategies cp and cp_a2a (dp x cp), and the batch cut in front of a pipeline
+  strategy.py   the strategies cp and cp_a2a (dp x cp)
+  theory.py     the bytes each sends, per layer and microbatch, and the model state, as closed forms
+  rules.py      its refusals (sequence, heads, a mixture of experts), checked by plan.py
 
-Derivations and sources: docs/theory/context.md.
+With tensor or pipeline parallelism too, a cp request runs as the recipe `3d` (the cp kind
+travels in the options: parallel/compose/route.py). Derivations and sources: docs/theory/context.md.
 """
+
+from __future__ import annotations
+
+from parallel import algebra
+from parallel.activations import registry_activations
+from parallel.cp import theory
+from parallel.spec import StrategySpec
+
+
+def _build_cp(model, plan, ctx):
+    from parallel.cp.strategy import ContextParallel
+
+    return ContextParallel(model, ctx.comm("cp"), ctx.comm("dp_cp"), plan.cp_kind, grad_sync=plan.grad_sync,
+                           bucket_mb=plan.bucket_mb, zero=plan.zero, lr=plan.lr, weight_decay=plan.weight_decay)
+
+
+def _entry(name: str, kind: str, what: str) -> StrategySpec:
+    return StrategySpec(
+        name=name, description=f"context parallel, {what}; gradients summed over dp x cp",
+        build=_build_cp, comm=theory.cp_comm, model_state=theory.cp_model_state_bytes,
+        local_parameters=algebra.tp_local_parameter_count,
+        activations=registry_activations, dims=frozenset({"dp", "cp"}), min_world=2, grad_sync=True, zero_dp=True,
+        recompute=True, cp_kind=kind,
+    )
+
+
+ENTRIES = (
+    _entry("cp", "ring", "ring attention: K, V blocks passed around the cp ring"),
+    _entry("cp_a2a", "a2a", "all-to-all (Ulysses): tokens traded for heads around attention"),
+)

@@ -1,1 +1,35 @@
-"""dp"""
+"""Data parallelism: every rank holds the whole model and takes its slice of the batch.
+
+  sync.py       the gradient syncs (naive: one all-reduce per tensor after backward; bucketed:
+                DDP's buckets, all-reduced while backward goes on), shared by every family
+  strategy.py   the strategy `dp`: the model, an optimizer and one of the syncs over the dp group
+  rules.py      its refusals (the sync's name), checked by plan.py before any process group
+  theory.py     its closed forms: traffic 2(n − 1)/n·Ψ·4 per step, the replicated model state
+
+The entry `dp` is below; derivations in docs/theory/data-parallel.md.
+"""
+
+from __future__ import annotations
+
+from parallel import algebra
+from parallel.activations import registry_activations
+from parallel.dp import theory
+from parallel.spec import StrategySpec
+
+
+def _build_dp(model, plan, ctx):
+    from parallel.dp.strategy import DataParallel
+    from parallel.strategy import make_optimizer
+
+    return DataParallel(model, make_optimizer(model, plan.lr, plan.weight_decay), ctx.comm("dp"), plan.grad_sync,
+                        plan.bucket_mb)
+
+
+ENTRIES = (
+    StrategySpec(
+        name="dp", description="data parallel, hand-written: gradients all-reduced over dp (naive, or bucketed as DDP)",
+        build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
+        local_parameters=algebra.tp_local_parameter_count, grad_sync=True, zero_dp=True, counterpart="torch_ddp",
+        moe=True, activations=registry_activations, recompute=True,
+    ),
+)

@@ -30,7 +30,7 @@ from parallel.algebra import tp_shard_parameter_count
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
-from parallel.registry import StrategySpec
+from parallel.spec import StrategySpec
 
 P2P_OPS = ("send", "recv")
 GROUP_DIMS = ("tp", "cp", "ep", "dp", "pp")

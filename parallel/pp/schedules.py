@@ -281,7 +281,3 @@ for _schedule in (
     Schedule("dualpipev", dualpipe_v, V, dualpipe_v_idle, torch_class="ScheduleDualPipeV"),
 ):
     register_schedule(_schedule)
-
-# The built-in schedules on the V placement (plan.py's messages read it; a schedule's own record
-# says it: `SCHEDULES[name].placement == V`).
-V_SHAPED = tuple(name for name, s in SCHEDULES.items() if s.placement == V)

@@ -1,8 +1,13 @@
 """ZeRO (Rajbhandari et al. 2019), stages 1, 2 and 3, written by hand on the communication log.
 
-Modules: shards.py (the flat padded parts, the shard optimizer, the reduce-scatter of
-gradients), optimizer.py (ZeroOptimizer: stages 1 and 2 as a gradient sync + optimizer over any
-dp group), strategy.py (`zero1`, `zero2`), zero3.py (`zero3`).
+  shards.py     the flat padded parts, the shard optimizer, the reduce-scatter of gradients
+  optimizer.py  ZeroOptimizer: stages 1 and 2 as a gradient sync + optimizer over any dp group
+  strategy.py   the strategies `zero1`, `zero2`
+  zero3.py      the strategy `zero3`
+  rules.py      its refusals (where parallel.zero means nothing, ZeRO-2 inside a pipeline)
+  theory.py     its closed forms: the bytes of each stage, the sharded model state
+
+The entries `zero1`, `zero2`, `zero3` are at the end of this file.
 
 Plain data parallelism keeps on every rank the whole model, all its gradients and all the
 optimizer state (fp32 Adam: 4 + 4 + 8 bytes per parameter). ZeRO keeps the same computation but
@@ -23,8 +28,8 @@ lets each of the N data-parallel ranks *own* 1/N of every tensor of model state:
   its backward, freed (with its full gradients) once its gradients are reduce-scattered.
 
 The unit of sharding is a *part* of the model, the pieces model.py is made of: the embedding, each
-Block, the head (`_part_of` in dp.py names a parameter's part). Each part's parameters live in one
-flat fp32 buffer, padded with zeros to a multiple of N so it splits into N equal shards; rank r
+Block, the head (`part_of` in parallel/core/model.py names a parameter's part). Each part's
+parameters live in one flat fp32 buffer, padded with zeros to a multiple of N so it splits into N equal shards; rank r
 owns elements [r·S, (r+1)·S) of every part, S = padded / N. Padding is why the bytes moved and held
 are computed on Ψ_pad = Σ_parts ceil(Ψ_part / N)·N (algebra.zero_padded_parameter_count).
 
@@ -34,3 +39,46 @@ group of its parameter (no decay on biases and LayerNorm weights, as strategy.ma
 AdamW is elementwise, so stepping the pieces does per element the same arithmetic as stepping the
 whole parameters.
 """
+
+from __future__ import annotations
+
+from parallel import algebra
+from parallel.activations import registry_activations
+from parallel.spec import StrategySpec
+from parallel.zero import theory
+
+
+def _build_zero(stage):
+    def build(model, plan, ctx):
+        from parallel.zero.strategy import ZeroDataParallel
+
+        return ZeroDataParallel(model, ctx.comm("dp"), stage, plan.lr, plan.weight_decay)
+    return build
+
+
+def _build_zero3(model, plan, ctx):
+    from parallel.zero.zero3 import Zero3
+
+    return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay)
+
+
+def _entry(stage: int, what: str, build) -> StrategySpec:
+    return StrategySpec(
+        name=f"zero{stage}", description=f"ZeRO stage {stage}: {what} sharded over dp",
+        build=build, comm=lambda cfg, layout: theory.zero_comm(cfg, layout, stage),
+        model_state=lambda cfg, layout: theory.zero_model_state_bytes(cfg, layout, stage),
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
+        counterpart="torch_fsdp2" if stage == 3 else "torch_ddp", moe=True,
+        # Every stage has the activation formula (zero3 too: tests/planner_memory_check.py measures
+        # it). Recomputation is the project's transform of whole blocks: ZeRO-1/2 run the model's
+        # forward as dp does and take it; zero3's hooks gather each part's parameters around one
+        # forward per backward, and it does not.
+        activations=registry_activations, recompute=stage < 3,
+    )
+
+
+ENTRIES = (
+    _entry(1, "optimizer state", _build_zero(1)),
+    _entry(2, "optimizer state and gradients", _build_zero(2)),
+    _entry(3, "optimizer state, gradients and parameters", _build_zero3),
+)

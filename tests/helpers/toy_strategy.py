@@ -1,12 +1,15 @@
 """The README's worked example: a new strategy is one module and one registry entry.
 
 `dp_flat` is data parallelism with one flat all-reduce of every gradient after backward (what a
-first DDP would do before buckets). It is written here, registered here, and trained by the
-project's own entry point, `launch.train`, with no other file of the project changed:
+first DDP would do before buckets). A strategy of the project's own would be a module in its
+family's folder and an entry in the family's `ENTRIES` (parallel/dp/__init__.py); this one lives
+outside the project, so it is registered at run time, with `register`. It is written here,
+registered here, and trained by the project's own entry point, `launch.train`, with no other file
+of the project changed:
 
     torchrun --standalone --nproc-per-node 2 tests/helpers/toy_strategy.py parallel=dp parallel.name=dp_flat
 
-tests/runs/test_registry.py runs it and checks it against the single-process run and the closed forms.
+tests/runs/test_registry.py runs it and checks it against the single-process run and its closed form.
 """
 
 import sys
@@ -17,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout
 import torch  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
 
-from parallel.dp import theory  # noqa: E402
-from parallel.registry import StrategySpec, register  # noqa: E402
+from parallel.dp import theory as dp_theory  # noqa: E402
+from parallel.registry import register  # noqa: E402
+from parallel.spec import StrategySpec  # noqa: E402
 from parallel.strategy import GradSync, Strategy, make_optimizer  # noqa: E402
 
 
@@ -51,8 +55,8 @@ class FlatDataParallel(Strategy):
 register(StrategySpec(
     name="dp_flat", description="data parallel with one flat all-reduce after backward (the registry's worked example)",
     build=lambda model, plan, ctx: FlatDataParallel(model, plan.lr, plan.weight_decay, ctx.comm("dp")),
-    comm=theory.dp_comm,  # one all-reduce of all gradients: exactly dp's bytes
-    model_state=theory.replicated_model_state_bytes,
+    comm=dp_theory.dp_comm,  # one all-reduce of all gradients: exactly dp's bytes
+    model_state=dp_theory.replicated_model_state_bytes,
     min_world=2,
     checkpoints=False,  # to show the refusal; Strategy's defaults would in fact save and load it
 ))

@@ -1,4 +1,5 @@
-"""The registry: one table that the rest of the project reads, and a strategy added in one module."""
+"""The registry: one table that the rest of the project reads, gathered from the families' entries;
+the one table of what runs (parallel/compose/route.py); and a strategy added in one module."""
 
 import subprocess
 import sys
@@ -6,7 +7,8 @@ import sys
 import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, check_matches_single
 
-from parallel.registry import REGISTRY, StrategySpec, register, spec_of
+from parallel.registry import REGISTRY, register, spec_of
+from parallel.spec import StrategySpec
 
 
 def test_every_preset_names_a_registered_strategy():
@@ -27,6 +29,28 @@ def test_counterparts_are_registered_baselines():
     for spec in REGISTRY.values():
         if spec.counterpart is not None:
             assert "baseline" in spec_of(spec.counterpart).tags, spec.name
+
+
+def test_the_registry_is_every_familys_entries_in_order():
+    """REGISTRY is built from each family's ENTRIES (and the reference, single), nothing else."""
+    from parallel import baselines, compose, cp, dp, moe, pp, tp, zero
+    from parallel.registry import SINGLE
+
+    declared = [SINGLE, *(e for family in (dp, zero, tp, pp, compose, baselines, moe, cp) for e in family.ENTRIES)]
+    assert [REGISTRY[s.name] for s in declared] == declared
+    assert [s.name for s in declared] == list(REGISTRY)[:len(declared)]
+
+
+def test_the_route_table_is_read_from_its_docstring():
+    """Every row of compose/route.py's docstring table is a route; a name the registry does not
+    have is refused when the table is read, not in some run."""
+    from parallel.compose import route
+
+    rows = route.__doc__.split("    requested ")[1].split("\n\n")[0].strip().splitlines()[1:]
+    assert len(route.ROUTES) == len(rows) > 10
+    bad = route.__doc__.replace("    ep                 ep=1", "    epp                ep=1")
+    with pytest.raises(AssertionError, match="route table names"):
+        route._parse(bad)
 
 
 def test_a_name_is_registered_once():

@@ -1,0 +1,38 @@
+"""The refusals of PyTorch's own strategies, checked by plan.py before any process group.
+
+What torch's implementation does not do here, said in the project's words: DTensor tensor
+parallelism over one rank or under a pipeline, torch.distributed.pipelining beside dp or tp, the
+schedules torch refuses for some (pp, m) that ours run, and why neither trains a mixture of experts.
+"""
+
+from __future__ import annotations
+
+from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.spec import Options
+
+TORCH_TP_NO_MOE = "DTensor's plan here (torchtitan's) shards the dense MLP and has no plan for an MoE block's experts"
+TORCH_PP_NO_MOE = ("torch.distributed.pipelining back-propagates the last stage's loss only, not a stage's balancing "
+                   "loss")
+
+
+def check_torch_tp(dims: ParallelDims, options: Options) -> None:
+    if dims.pp != 1:
+        raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
+    if dims.tp < 2:
+        raise LayoutError(f"parallel=torch_tp needs parallel.tp >= 2 (got {dims.tp}): "
+                          "DTensor over one rank splits nothing")
+
+
+def check_torch_pp(dims: ParallelDims, options: Options) -> None:
+    if dims.tp != 1 or dims.dp != 1:
+        raise LayoutError(
+            f"parallel=torch_pp runs one torch.distributed.pipelining pipeline over the whole world, but "
+            f"parallel.dp={dims.dp} and parallel.tp={dims.tp}: set parallel.dp=1 parallel.tp=1"
+        )
+
+
+def check_torch_pp_schedule(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
+    """torch's schedules' own rules (parallel/baselines/pipelining.py; it imports torch's pipelining)."""
+    from parallel.baselines.pipelining import check_torch_schedule
+
+    check_torch_schedule(schedule, stages, microbatches, virtual)

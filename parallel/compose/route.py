@@ -1,0 +1,157 @@
+"""What runs: a requested strategy, the layout and the ZeRO stage of its dp dimension -> the entry
+that runs it. This docstring is the table; `resolve` reads it, and nothing else decides.
+
+    requested          layout             zero   runs
+    dp                 world=1            0      single
+    ep                 ep=1               any    dp
+    tp                 pp>1 or cp>1       any    3d
+    tp                 tp=1               any    dp, sequence_parallel=false, cp_kind=ring
+    pp                 tp>1 or cp>1       any    3d
+    pp 3d              world=1            0      single
+    cp cp_a2a          tp>1 or pp>1       any    3d
+    cp cp_a2a          cp=1               any    dp
+    zero_dp=false      any                1-3    refused: no_dp_sync
+    zero_dp=true       cp>1               3      refused: zero3_with_cp
+    zero_dp=true       cp>1               1-2    itself
+    zero_dp=true       dp=1               1-3    refused: one_dp_rank
+    zero_dp=true       tp=1 and pp=1      1-3    zero<k>, zero=0
+    zero_dp=true       any                3      refused: zero3_with_tp_pp
+    zero_dp=true       any                1-2    3d
+
+How to read it. A request starts at its name (`parallel.name`, after the preset) with the options
+plan.py gives (`Options`: sequence parallelism, parallel.zero = k, and the cp kind, which the
+requested entry's `cp_kind` sets: `cp_a2a` asks for the all-to-all wherever its layout runs). The
+first row that matches the current name, the layout and k says where to go: another entry (and
+the options it changes), `itself` (stop here), or `refused` (one of parallel/zero/rules.py's
+refusals, one line that names the fix). From the entry reached the table is read again, until no
+row matches or a row says `itself`. `zero_dp=true` matches every entry whose record says so (dp,
+tp, pp, 3d, cp, cp_a2a; a strategy registered at run time too), `zero_dp=false` every other one.
+
+What the rows mean. Over one rank a dimension cuts nothing: tp over one rank is dp (and sequence
+parallelism over one rank nothing either: the options are dp's defaults), cp over one rank is dp,
+ep over one rank is dp, and dp (or a pipeline) in one plain process is the single run, unless ZeRO
+is asked for, which is then refused: there is nothing to shard over. Tensor, pipeline and context
+parallelism together are the one recipe `3d` (parallel/compose/mesh3d.py). parallel.zero = k picks
+the dp dimension's sync: on a pure dp layout it is the strategy `zero<k>` (the stage then in the
+name, the option 0); under context parallelism ZeRO-1/2 shard over the dp·cp ranks inside the
+strategy that runs (cp, cp_a2a or 3d); with tp or pp it is the 3d recipe's ZeroOptimizer over the
+dp group. ZeRO-3 is a strategy of its own (zero3) and composes with no other dimension.
+
+The layout column is `any`, or conditions on the dimensions (world, dp, tp, pp, cp, ep) written
+`d=n` or `d>n`, joined by `and` or by `or`; the zero column `any`, a stage, or a range `a-b`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+from parallel.dist.dims import ParallelDims
+from parallel.registry import REGISTRY, spec_of
+from parallel.spec import Options
+from parallel.zero import rules as zero_rules
+
+# What a `refused` row names: the refusals of parallel/zero/rules.py, each (name, dims, zero) -> raises.
+REFUSALS = {f.__name__: f for f in (zero_rules.no_dp_sync, zero_rules.zero3_with_cp, zero_rules.one_dp_rank,
+                                    zero_rules.zero3_with_tp_pp)}
+
+
+@dataclass(frozen=True)
+class Route:
+    """One row of the table."""
+
+    names: frozenset | None  # the entries it applies to, or None with `zero_dp` set
+    zero_dp: bool | None  # `zero_dp=true/false`: every entry whose record says so
+    layout: str  # the condition, as written
+    zero: range | None  # the stages it applies to (None: any)
+    runs: str  # an entry, "itself", "zero<k>" or "refused: <refusal>"
+    changes: dict  # the options the row sets, e.g. {"sequence_parallel": False}
+
+    def matches(self, name: str, dims: ParallelDims, zero: int) -> bool:
+        if self.names is not None and name not in self.names:
+            return False
+        if self.zero_dp is not None and spec_of(name).zero_dp != self.zero_dp:
+            return False
+        return (self.zero is None or zero in self.zero) and _holds(self.layout, dims)
+
+
+_TERM = re.compile(r"(world|dp|tp|pp|cp|ep)([=>])(\d+)")
+
+
+def _term(term: str, dims: ParallelDims) -> bool:
+    found = _TERM.fullmatch(term)
+    if found is None:
+        raise ValueError(f"route table: {term!r} is not a condition on a dimension (e.g. tp>1, world=1)")
+    dim, op, n = found.groups()
+    value = dims.world_size if dim == "world" else getattr(dims, dim)
+    return value == int(n) if op == "=" else value > int(n)
+
+
+def _holds(layout: str, dims: ParallelDims) -> bool:
+    if layout == "any":
+        return True
+    if " or " in layout:
+        return any(_term(t, dims) for t in layout.split(" or "))
+    return all(_term(t, dims) for t in layout.split(" and "))
+
+
+def _stages(text: str) -> range | None:
+    if text == "any":
+        return None
+    low, _, high = text.partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
+def _value(text: str):
+    return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
+
+
+def _parse(doc: str) -> tuple[Route, ...]:
+    """The rows between the table's header and the first blank line after it; columns are apart by
+    two spaces or more."""
+    if doc is None:
+        raise ImportError("parallel/compose/route.py reads its table from its docstring: run python without -OO")
+    lines = doc.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == ["requested", "layout", "zero", "runs"])
+    routes = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        requested, layout, zero, runs = re.split(r"\s{2,}", line.strip())
+        flag = requested.partition("zero_dp=")[2]
+        runs, *changes = runs.split(", ")
+        routes.append(Route(
+            names=None if flag else frozenset(requested.split()), zero_dp=_value(flag) if flag else None,
+            layout=layout, zero=_stages(zero), runs=runs,
+            changes=dict((k, _value(v)) for k, v in (c.split("=") for c in changes)),
+        ))
+    for r in routes:  # the table names what exists: a typo fails at import, not in some run
+        targets = {*(r.names or ()), *([] if r.runs in ("itself", "zero<k>") or r.runs.startswith("refused")
+                                       else [r.runs])}
+        assert targets <= set(REGISTRY), f"route table names {targets - set(REGISTRY)}"
+        assert not r.runs.startswith("refused") or r.runs.split(": ")[1] in REFUSALS, r.runs
+    return tuple(routes)
+
+
+ROUTES = _parse(__doc__)
+
+
+def resolve(name: str, dims: ParallelDims, options: Options) -> tuple[str, Options]:
+    """The entry that runs a requested name on this layout, by the table above. Returns (name,
+    options as they apply to it); raises the row's refusal where none can."""
+    spec = spec_of(name)
+    zero_rules.check_stage(options.zero)  # a value that is no stage at all is refused before any row
+    if spec.cp_kind is not None:  # `cp_a2a` asks for the all-to-all wherever its layout is routed
+        options = replace(options, cp_kind=spec.cp_kind)
+    seen = {name}
+    while True:
+        row = next((r for r in ROUTES if r.matches(name, dims, options.zero)), None)
+        if row is None or row.runs in ("itself", name):
+            return name, options
+        if row.runs.startswith("refused: "):
+            REFUSALS[row.runs.removeprefix("refused: ")](name, dims, options.zero)
+        name = f"zero{options.zero}" if row.runs == "zero<k>" else row.runs
+        options = replace(options, **row.changes)
+        if name in seen:
+            raise AssertionError(f"strategy routes loop through {name}")
+        seen.add(name)

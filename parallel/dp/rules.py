@@ -1,0 +1,17 @@
+"""Data parallelism's refusals, checked by plan.py before any process group.
+
+The layout rules that every data-parallel entry shares (world size, the dimensions it splits along)
+are the registry's, read from the entries' fields (parallel/registry.py); what is left here is the
+gradient sync's own option.
+"""
+
+from __future__ import annotations
+
+from parallel.dp.sync import GRAD_SYNCS
+from parallel.spec import ConfigError
+
+
+def check_grad_sync(grad_sync) -> None:
+    """parallel.grad_sync names one of the syncs of parallel/dp/sync.py."""
+    if grad_sync not in GRAD_SYNCS:
+        raise ConfigError(f"parallel.grad_sync={grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")

@@ -1,0 +1,64 @@
+"""Pipeline parallelism's refusals, checked by plan.py before any process group.
+
+For every entry that says `pipelined=True`: the schedule's name, the layers' split into
+pp x virtual pieces, the schedule's own rule on (pp, m, v) and the entry's (PyTorch's schedules
+refuse some that ours run); for the pipeline recipe's dp sync, bucketed all-reduce against virtual
+stages. And why a pipeline refuses a mixture of experts (docs/experts.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from parallel.core.model import GPTConfig
+from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.pp.placement import V
+from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
+from parallel.pp.split import SplitError, layer_counts
+from parallel.spec import ConfigError
+
+PP_NO_MOE = ("a pipeline stage that holds MoE blocks must back-propagate their balancing loss beside the gradient it "
+             "receives, and the pipeline runner back-propagates the last stage's loss only")
+
+
+def check_schedule_name(schedule) -> None:
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule={schedule!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
+
+
+def check_pipeline(model: GPTConfig, dims: ParallelDims, schedule: str, microbatches: int, virtual_stages: int,
+                   pp_layers, schedule_check: Callable | None) -> None:
+    """The layers must split into pp x virtual pieces and the schedule must accept (pp, m, v), and
+    so must the strategy's own runner (`schedule_check`, the entry's: PyTorch's schedules refuse
+    some that ours run)."""
+    if virtual_stages > 1 and dims.pp < 2:
+        raise LayoutError(
+            f"parallel.virtual_stages={virtual_stages} interleaves chunks across pipeline ranks, "
+            f"but parallel.pp={dims.pp}: "
+            "use at least 2 pipeline ranks, or parallel.virtual_stages=1"
+        )
+    try:
+        layer_counts(model.n_layers, dims.pp * virtual_stages, list(pp_layers) if pp_layers is not None else None)
+        build_schedule(schedule, dims.pp, microbatches, virtual_stages)
+        if schedule_check is not None:
+            schedule_check(schedule, dims.pp, microbatches, virtual_stages)
+    except (ScheduleError, SplitError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_pipeline_grad_sync(dims: ParallelDims, grad_sync: str, virtual_stages: int, schedule: str) -> None:
+    """The bucketed sync overlaps with the last microbatch's backward, which with one chunk per rank
+    gives every local parameter its final gradient; with virtual stages a rank's chunks finish
+    their last backward at different times, far apart in the schedule."""
+    if dims.dp > 1 and grad_sync == "bucketed" and virtual_stages > 1:
+        raise ConfigError(
+            f"parallel.grad_sync=bucketed overlaps the dp all-reduce with the last microbatch's backward, but with "
+            f"parallel.virtual_stages={virtual_stages} a rank's chunks finish their backward at different times: "
+            + ("set parallel.grad_sync=naive" if v_shaped(schedule) else
+               "set parallel.grad_sync=naive (or parallel.virtual_stages=1)")
+        )
+
+
+def v_shaped(schedule: str) -> bool:
+    """The schedule runs on the V placement (virtual stages are part of it, not an option)."""
+    return schedule in SCHEDULES and SCHEDULES[schedule].placement == V
