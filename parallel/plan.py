@@ -7,7 +7,7 @@ breaks and a fix, and a non-zero exit: never a hang inside a collective.
 This file is the order the rules run in. The rules themselves are the registry's that every entry
 shares (parallel/registry.py: world size, dimensions, sequence parallelism, mixtures of experts),
 the entries' own (`check`, `check_model`, `schedule_check`), each family's in its rules.py
-(dp, zero, pp, cp; tp's cut is ParallelDims.check_tensor_parallel), and the configuration's that
+(dp, zero, tp, pp, cp), and the configuration's that
 belong to no strategy (numbers, precision, recomputation, faults, checkpoints), here. Which entry
 runs the layout is parallel/compose/route.py's table.
 """
@@ -33,6 +33,7 @@ from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_me
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error
 from parallel.spec import ConfigError, Options, StrategySpec
+from parallel.tp import rules as tp_rules
 from parallel.zero import rules as zero_rules
 
 __all__ = ["ConfigError", "LayoutError", "RunPlan", "build_plan", "model_config"]
@@ -275,7 +276,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     check_model(strategy, model, dims)
     sequence_parallel, zero = options.sequence_parallel, options.zero
     if spec.tensor_parallel:
-        dims.check_tensor_parallel(model, sequence_parallel)
+        tp_rules.check_tensor_parallel(model, dims, sequence_parallel)
     cp_rules.check_context_parallel(model, dims, options)
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:

@@ -29,7 +29,7 @@ from itertools import chain
 from parallel import algebra, baselines, compose, cp, dp, moe, pp, tp, zero
 from parallel.activations import registry_activations
 from parallel.core.model import GPTConfig
-from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dp import theory as dp_theory
 from parallel.layout import Layout
 from parallel.spec import ConfigError, Options, StrategySpec
@@ -100,7 +100,7 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
         )
     if spec.check is not None:
         spec.check(dims, options)
-    extra = [d for d in ("dp", "tp", "pp", "cp", "ep") if getattr(dims, d) > 1 and d not in spec.dims]
+    extra = [d for d in SIZES if getattr(dims, d) > 1 and d not in spec.dims]
     if extra and spec.dims == {"dp"} and set(extra) <= {"tp", "pp"}:
         raise LayoutError(
             f"parallel={name} is data parallel only, but parallel.tp={dims.tp} and parallel.pp={dims.pp}: "

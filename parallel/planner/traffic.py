@@ -28,12 +28,13 @@ from fractions import Fraction
 
 from parallel.algebra import tp_shard_parameter_count
 from parallel.core.shape import ModelShape
+from parallel.dist.dims import SIZED_DIMS
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
 from parallel.spec import StrategySpec
 
 P2P_OPS = ("send", "recv")
-GROUP_DIMS = ("tp", "cp", "ep", "dp", "pp")
+GROUP_DIMS = SIZED_DIMS  # innermost first: tp, cp, ep, dp, pp (parallel/dist/dims.py)
 
 
 class NoTrafficFormula(ValueError):
