@@ -22,7 +22,7 @@ from parallel.core.model import MOE_FIELDS, GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
 from parallel.cp import rules as cp_rules
-from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dist.timing import default_warmup_steps
 from parallel.dp import rules as dp_rules
@@ -229,8 +229,9 @@ def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
 def _resolve_dims(world_size: int, p) -> ParallelDims:
     """The layout from parallel.*; `parallel.ep: null` (the ep preset) means every dp rank is an
     expert-parallel rank: ep = dp, whatever dp the world leaves."""
-    ep = p.get("ep", 1)
-    dims = ParallelDims.resolve(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.get("cp", 1), ep=1 if ep is None else ep)
+    sizes = {d: p.get(d, 1) for d in SIZES}  # every dimension of parallel/dist/dims.py, 1 where unset
+    ep = sizes["ep"]
+    dims = ParallelDims.resolve(world_size, **{**sizes, "ep": 1 if ep is None else ep})
     return replace(dims, ep=dims.dp) if ep is None else dims
 
 

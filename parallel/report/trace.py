@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from parallel.dist.dims import SIZED_DIMS
 from parallel.pp.timeline import COLORS as PIPELINE_COLORS
 
 PHASE_COLORS = {
@@ -36,7 +37,7 @@ PHASE_COLORS = {
 GROUP_COLORS = {"pp": PIPELINE_COLORS["wait"], "dp": "#C44E52", "tp": "#8C564B", "cp": "#17BECF", "ep": "#9467BD",
                 "edp": "#BCBD22", "dp_cp": "#E377C2", "world": "#333333"}
 OTHER_GROUP = "#7F7F7F"
-DIMENSIONS = ("pp", "dp", "cp", "tp", "ep")
+DIMENSIONS = tuple(reversed(SIZED_DIMS))  # outermost first, as rank labels read (parallel/dist/dims.py)
 
 
 def rank_label(rank: int, coords: dict, dims: dict) -> str:
