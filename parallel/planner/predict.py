@@ -19,6 +19,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from parallel.core.shape import ModelShape
+from parallel.dist.dims import SIZES
 from parallel.planner import memory
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate
@@ -65,8 +66,7 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
 
         layout = replace(layout, dtype_bytes=2)  # gradients and activations cross ranks in bf16
     row_layout = {
-        "preset": preset, "strategy": plan.strategy, "dp": dims.dp, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp,
-        "ep": dims.ep, "zero": candidate.zero, "sequence_parallel": layout.sequence_parallel,
+        "preset": preset, "strategy": plan.strategy, **{d: getattr(dims, d) for d in SIZES}, "zero": candidate.zero, "sequence_parallel": layout.sequence_parallel,
         "microbatches": layout.microbatches, "microbatch_size": layout.microbatch_size,
         "schedule": layout.schedule if plan.spec.pipelined and dims.pp > 1 else None,
         "virtual_stages": layout.virtual_stages if plan.spec.pipelined and dims.pp > 1 else None,
