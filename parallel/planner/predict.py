@@ -66,7 +66,8 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
 
         layout = replace(layout, dtype_bytes=2)  # gradients and activations cross ranks in bf16
     row_layout = {
-        "preset": preset, "strategy": plan.strategy, **{d: getattr(dims, d) for d in SIZES}, "zero": candidate.zero, "sequence_parallel": layout.sequence_parallel,
+        "preset": preset, "strategy": plan.strategy, **{d: getattr(dims, d) for d in SIZES}, "zero": candidate.zero,
+        "sequence_parallel": layout.sequence_parallel,
         "microbatches": layout.microbatches, "microbatch_size": layout.microbatch_size,
         "schedule": layout.schedule if plan.spec.pipelined and dims.pp > 1 else None,
         "virtual_stages": layout.virtual_stages if plan.spec.pipelined and dims.pp > 1 else None,
