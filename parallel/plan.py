@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from parallel.compose.route import resolve
 from parallel.core.model import MOE_FIELDS, GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
@@ -28,7 +27,7 @@ from parallel.dist.timing import default_warmup_steps
 from parallel.dp import rules as dp_rules
 from parallel.layout import Layout
 from parallel.pp import rules as pp_rules
-from parallel.registry import check_layout, check_model, spec_of
+from parallel.registry import check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error

@@ -28,6 +28,7 @@ from itertools import chain
 
 from parallel import algebra, baselines, compose, cp, dp, moe, pp, tp, zero
 from parallel.activations import registry_activations
+from parallel.compose import route
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dp import theory as dp_theory
@@ -69,6 +70,9 @@ REGISTRY: dict[str, StrategySpec] = _table(chain(
 ))
 
 
+route.check_names(REGISTRY)  # the table names only entries that exist
+
+
 def register(spec: StrategySpec) -> StrategySpec:
     """A strategy added at run time, from outside the project's families (tests/helpers/toy_strategy.py)."""
     if spec.name in REGISTRY:
@@ -84,6 +88,13 @@ def spec_of(name: str) -> StrategySpec:
 
 
 # -- the layout rules every entry shares ----------------------------------------------------------------
+def resolve(name: str, dims: ParallelDims, options: Options) -> tuple[str, Options]:
+    """The entry that runs a requested name on this layout: parallel/compose/route.py's table read
+    over this registry. Returns (name, options as they apply to it)."""
+    spec_of(name)  # an unknown name is refused by name first
+    return route.resolve(name, dims, options, REGISTRY)
+
+
 def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpec:
     """The spec's generic rules; its own `check` last. Messages name the value and the fix."""
     spec = spec_of(name)

@@ -44,11 +44,11 @@ The layout column is `any`, or conditions on the dimensions (world, dp, tp, pp, 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from parallel.dist.dims import ParallelDims
-from parallel.registry import REGISTRY, spec_of
-from parallel.spec import Options
+from parallel.dist.dims import SIZES, ParallelDims
+from parallel.spec import Options, StrategySpec
 from parallel.zero import rules as zero_rules
 
 # What a `refused` row names: the refusals of parallel/zero/rules.py, each (name, dims, zero) -> raises.
@@ -67,15 +67,15 @@ class Route:
     runs: str  # an entry, "itself", "zero<k>" or "refused: <refusal>"
     changes: dict  # the options the row sets, e.g. {"sequence_parallel": False}
 
-    def matches(self, name: str, dims: ParallelDims, zero: int) -> bool:
-        if self.names is not None and name not in self.names:
+    def matches(self, spec: StrategySpec, dims: ParallelDims, zero: int) -> bool:
+        if self.names is not None and spec.name not in self.names:
             return False
-        if self.zero_dp is not None and spec_of(name).zero_dp != self.zero_dp:
+        if self.zero_dp is not None and spec.zero_dp != self.zero_dp:
             return False
         return (self.zero is None or zero in self.zero) and _holds(self.layout, dims)
 
 
-_TERM = re.compile(r"(world|dp|tp|pp|cp|ep)([=>])(\d+)")
+_TERM = re.compile(rf"(world|{'|'.join(SIZES)})([=>])(\d+)")  # every dimension of parallel/dist/dims.py
 
 
 def _term(term: str, dims: ParallelDims) -> bool:
@@ -125,27 +125,34 @@ def _parse(doc: str) -> tuple[Route, ...]:
             layout=layout, zero=_stages(zero), runs=runs,
             changes=dict((k, _value(v)) for k, v in (c.split("=") for c in changes)),
         ))
-    for r in routes:  # the table names what exists: a typo fails at import, not in some run
-        targets = {*(r.names or ()), *([] if r.runs in ("itself", "zero<k>") or r.runs.startswith("refused")
-                                       else [r.runs])}
-        assert targets <= set(REGISTRY), f"route table names {targets - set(REGISTRY)}"
-        assert not r.runs.startswith("refused") or r.runs.split(": ")[1] in REFUSALS, r.runs
     return tuple(routes)
 
 
 ROUTES = _parse(__doc__)
 
 
-def resolve(name: str, dims: ParallelDims, options: Options) -> tuple[str, Options]:
-    """The entry that runs a requested name on this layout, by the table above. Returns (name,
-    options as they apply to it); raises the row's refusal where none can."""
-    spec = spec_of(name)
+def check_names(known, routes: tuple[Route, ...] = ROUTES) -> None:
+    """The table names what exists (the registry calls this once it is built, so that a typo in a
+    row fails at import, not in some run)."""
+    for r in routes:
+        targets = {*(r.names or ()), *([] if r.runs in ("itself", "zero<k>") or r.runs.startswith("refused")
+                                       else [r.runs])}
+        assert targets <= set(known), f"route table names {targets - set(known)}"
+        assert not r.runs.startswith("refused") or r.runs.split(": ")[1] in REFUSALS, r.runs
+
+
+def resolve(name: str, dims: ParallelDims, options: Options,
+            specs: Mapping[str, StrategySpec]) -> tuple[str, Options]:
+    """The entry that runs a requested name on this layout, by the table above, among `specs` (the
+    registry: parallel/registry.py's `resolve` passes it). Returns (name, options as they apply to
+    it); raises the row's refusal where none can."""
+    spec = specs[name]
     zero_rules.check_stage(options.zero)  # a value that is no stage at all is refused before any row
     if spec.cp_kind is not None:  # `cp_a2a` asks for the all-to-all wherever its layout is routed
         options = replace(options, cp_kind=spec.cp_kind)
     seen = {name}
     while True:
-        row = next((r for r in ROUTES if r.matches(name, dims, options.zero)), None)
+        row = next((r for r in ROUTES if r.matches(specs[name], dims, options.zero)), None)
         if row is None or row.runs in ("itself", name):
             return name, options
         if row.runs.startswith("refused: "):

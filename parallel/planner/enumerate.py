@@ -26,13 +26,12 @@ from functools import lru_cache
 from itertools import product
 from math import prod
 
-from parallel.compose.route import resolve
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, build_plan
 from parallel.pp.schedules import SCHEDULES, built_schedule
-from parallel.registry import REGISTRY, Options
+from parallel.registry import REGISTRY, Options, resolve
 
 
 class Config(dict):

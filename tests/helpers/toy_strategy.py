@@ -15,7 +15,7 @@ tests/runs/test_registry.py runs it and checks it against the single-process run
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's code
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's code
 
 import torch  # noqa: E402
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors  # noqa: E402
