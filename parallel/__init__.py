@@ -11,7 +11,8 @@ and the floors below, never one above. Read it bottom up:
                             links: emulated networks, wire counters, the link model
     floor 2  the contract   strategy.py (what every strategy implements), spec.py (the registry's
                             record), layout.py, algebra.py (ring factors, parameter counts, padding,
-                            the per-op/per-group figure), activations.py (bytes saved for backward)
+                            the per-op/per-group figure), model_state.py (what a rank's parameters,
+                            gradients and optimizer state take), activations.py (bytes saved for backward)
     floor 3  the families   dp/ zero/ tp/ pp/ cp/ moe/: each folder a chapter with the same pages
                             (mechanism, strategy.py, rules.py, theory.py, __init__.py with its entries)
     floor 4  composition    compose/ (the recipe that alone knows every family, and the one table of
@@ -31,7 +32,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("parallel.core",)),
     ("substrate", ("parallel.dist", "parallel.net")),
     ("contract", ("parallel.strategy", "parallel.spec", "parallel.layout", "parallel.algebra",
-                  "parallel.activations")),
+                  "parallel.model_state", "parallel.activations")),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
     ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry")),
     ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner")),

@@ -5,22 +5,26 @@ Counted the way parallel/report/activations.py measures them (distinct storages,
 peak, parameters left out), and like every theory file derived from the shape alone, independent
 of the model's tensors and of the measurement it is checked against.
 
-Two derivations of the same ops, each where the other is not written: the walk (any shape of
-parallel/core/shape.py, tp, sp, pipelines; no cp, no recomputation) and `activation_terms` (the GPT
-with the sequence cut over cp and under recomputation; one stage, no tp). Where both apply they are
-the same figure (tests/tools/test_planner_memory.py).
+One derivation: what each part (the embedding, a block, the head) saves for one microbatch on one
+rank (`Cut`: b sequences, each of s/cp tokens, cut over t tp ranks, with or without sequence
+parallelism, the cp kind), then the peak per rank: without recomputation by walking the rank's
+forwards and backwards (a pipeline's schedule, handed in by parallel/pp/theory.py); under
+recomputation (one stage) with each block's dropped terms and the recomputation's own peak.
+`covers` says where it is written: dense blocks, no dropout, no expert split; context parallelism
+and recomputation on one stage without tp, in fp32.
 
-Activations: the bytes this GPT's own ops save for backward (docs/theory/planner.md derives each
-term), counted the way parallel/report/activations.py measures them: distinct storages, at the
-step's peak, parameters left out. For one microbatch of b sequences of s tokens (n = b·s), a
-block on one of t tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
+For one microbatch of b sequences of s_r = s/cp tokens on a rank (n = b·s_r), a block on one of t
+tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
 
     ln1, ln2           their input (n_sp·h·B each, n_sp = n/t under sequence parallelism, else n)
                        and per token mean and 1/std in fp32 (2·n_sp·4; RMSNorm only 1/std)
     attention input    the norm's output, or its all-gather under SP: n·h·B, read by Q, K and V
-    Q, K, V outputs    n·(h + 2·h_kv)/t·B (grouped-query attention: h_kv = kv heads x head size)
-    attention core     its output n·h/t·B (also the output projection's input: one storage) and
-                       the log-sum-exp per head and token, b·(a/t)·s·4 (the flash kernel's)
+    Q, K, V outputs    n·(h + 2·h_kv)/t·B (grouped-query attention: h_kv = kv heads x head size;
+                       under the all-to-all the gathered q, k, v instead, of the same size)
+    attention core     its output n·h/t·B (also the output projection's input: one storage; the
+                       all-to-all's is a copy) and the log-sum-exp per head and token, b·(a/t)·s_r·4;
+                       the all-to-all's inner core also its own output and lse and two int64 index
+                       tensors of s
     MLP input          n·h·B (the norm's output, or its all-gather)
     MLP                GELU: fc's output and GELU's output, 2·n·f/t·B
                        gated: gate, up, silu(gate) and the product, 4·n·f/t·B
@@ -29,20 +33,24 @@ so 4 + 4/t units of n·h·B + 2·n·f/t·B per layer (16·n·h·B for the GPT at
 Korthikanti et al.'s 34 + 5·a·s/h half-precision bytes per token and width: this model has no
 dropout masks and its attention core never holds the s x s scores.
 
-The embedding saves the token ids (without tp: the storage they are a view of, the whole global
-batch's inputs, G·s·8; with tp the vocab-parallel lookup's masked ids n·8 and mask n·1) and each
-microbatch's positions (s·8, or s/t·8 under SP). The head saves ln_f's input and statistics, the
-head's input n·h·B, and the loss's fp32 log-probabilities n·V·4 with the targets' storage (G·s·8)
-and a 4-byte total weight (vocab-parallel loss instead: its softmax slice n·V/t·4, masked targets
-n·8 and mask n·1).
+The embedding saves the token ids (without tp or cp: the storage they are a view of, the whole
+global batch's inputs, G·s·8; under cp the rank's own copy n·8; with tp the vocab-parallel
+lookup's masked ids n·8 and mask n·1) and each microbatch's positions (s_r·8, or s_r/t·8 under SP).
+The head saves ln_f's input and statistics, the head's input n·h·B, and the loss's fp32
+log-probabilities n·V·4 with the targets (as the ids) and a 4-byte total weight (vocab-parallel
+loss instead: its softmax slice n·V/t·4, masked targets n·8 and mask n·1).
 
 Per rank: without a pipeline, one microbatch's forward is saved at a time (m microbatches are
 accumulated one after the other). In a pipeline each rank holds the chunks of the microbatches
 whose forward has run and whose backward has not; the peak is found by walking the rank's
-schedule (parallel/pp/schedules.py, the lists the simulator checks and the executor runs, handed in by
-parallel/pp/theory.py), adding
+schedule (parallel/pp/schedules.py, the lists the simulator checks and the executor runs), adding
 a chunk's bytes at its forward and removing them at its backward. The global batch's input and
 target storages are held once while any microbatch that reads them is in flight.
+
+Recomputation (one stage; docs/theory/memory.md): selective drops each block's attention core
+(what only the core saves) and peaks at the larger of the forward's end and the last core's
+recomputation in backward; full keeps only each block's input and, after the head's backward,
+recomputes the last block whole.
 """
 
 from __future__ import annotations
@@ -59,138 +67,110 @@ STAT_BYTES = 4  # LayerNorm's mean and 1/std, the flash kernel's log-sum-exp: fp
 LOSS_BYTES = 4  # the loss runs in fp32 (token_loss_sum casts the logits)
 
 
-def _attention_saved(cfg: GPTConfig, tokens: int, seq_len: int, kind: str) -> dict[str, int]:
-    """Bytes one attention (fp32) saves for backward on `tokens` = T = b·(s/cp) tokens of a rank:
-
-      qkv          what holds q, k, v: views of the three projections' outputs (sdpa, ring), or the
-                   gathered q, k, v of the all-to-all (a2a: the projections' outputs are not kept), 3·T·h
-      proj_input   the output projection's input, T·h: the core's output buffer itself (sdpa and
-                   ring lay it out (b, s, a, d), so merging the heads is a view), or its copy (a2a)
-      core_only    what only the core saves: the lse, T·a (sdpa, ring); the inner SDPA's output
-                   and lse, T·(h + a), and the two int64 index tensors (2·s) that put the gathered
-                   sequence in position order and back (a2a)
-      recomputed   what the core saves when it runs again in backward under selective
-                   recomputation: a new output and lse, T·(h + a), plus the gathered q, k, v (a2a)
-    """
-    h, a, B = cfg.d_model, cfg.n_heads, FP32_BYTES
-    out_lse = tokens * (h + a) * B
-    if kind == "a2a":
-        core_only = out_lse + 2 * seq_len * ID_BYTES
-        return {"qkv": 3 * tokens * h * B, "proj_input": tokens * h * B, "core_only": core_only,
-                "recomputed": core_only + 3 * tokens * h * B}
-    return {"qkv": 3 * tokens * h * B, "proj_input": tokens * h * B, "core_only": tokens * a * B, "recomputed": out_lse}
-
-
-def activation_terms(cfg: GPTConfig, layout: Layout) -> dict | None:
-    """The bytes saved for backward per rank, term by term, at the step's peak (docs/theory/memory.md).
-
-    For this GPT's ops in fp32 without dropout, T = b·(s/cp) tokens of one microbatch on a rank,
-    h, f = mlp_ratio·h, a heads, V the padded vocabulary, G = dp·m·b sequences in the global batch:
-
-      embedding   the token ids (a view of the step's global batch: its storage, G·s int64; under
-                  cp the rank's own copy, b·(s/cp)) and the positions (s/cp int64)
-      each block  LayerNorms 2·(input + output + mean + rstd) = T·(4h + 4), q, k, v and the
-                  attention core (`_attention_saved`), fc output and GELU output 2·T·f
-      head        final LayerNorm T·(2h + 2), log-softmax T·V, the targets (as the ids), nll's
-                  total weight (4 bytes)
-
-    Peak per mode, L blocks: none E + L·layer + H; selective: each block's core keeps only its
-    inputs (the larger of the forward's end and the last core's recomputation in backward); full:
-    E + L·T·h + max(H, layer − T·h): only each block's input is kept, and after the head's backward
-    the last block is recomputed whole (its input already counted). None where the model or layout
-    is outside what is derived (dropout, experts, bf16, tensor or pipeline parallelism).
-    """
-    dims = layout.dims
-    if cfg.dropout or cfg.moe_experts or layout.precision != "fp32" or dims.tp > 1 or dims.pp > 1:
-        return None
-    h, f, V, B, L = cfg.d_model, cfg.d_ff, cfg.padded_vocab_size, FP32_BYTES, cfg.n_layers
-    b, cp = layout.microbatch_size, dims.cp
-    s = cfg.seq_len // cp
-    tokens = b * s
-    ids = b * s * ID_BYTES if cp > 1 else dims.dp * layout.microbatches * b * cfg.seq_len * ID_BYTES
-    attention = _attention_saved(cfg, tokens, cfg.seq_len, layout.cp_kind if cp > 1 else "sdpa")
-    norms, mlp, block_input = tokens * (4 * h + 4) * B, 2 * tokens * f * B, tokens * h * B
-    layer = norms + attention["qkv"] + attention["proj_input"] + attention["core_only"] + mlp
-    embedding = ids + s * ID_BYTES
-    head = tokens * (2 * h + 2 + V) * B + ids + FP32_BYTES
-    if layout.recompute == "none":
-        peak = embedding + L * layer + head
-    elif layout.recompute == "selective":
-        kept = layer - attention["core_only"]
-        # In backward, the last block's core runs again while its first norm and q, k, v are still held.
-        last_core = (L - 1) * kept + tokens * (2 * h + 2) * B + attention["qkv"] + attention["recomputed"]
-        peak = embedding + max(L * kept + head, last_core)
-    else:
-        peak = embedding + L * block_input + max(head, layer - block_input)
-    return {"embedding": embedding, "layer": layer, "head": head, "peak": peak}
-
-
-def activation_bytes(cfg: GPTConfig, layout: Layout) -> list[int] | None:
-    """The registry's `activations` formula for single, dp, zero1/2, cp and cp_a2a: every rank
-    holds the same, `activation_terms(...)["peak"]`."""
-    terms = activation_terms(cfg, layout)
-    return None if terms is None else [terms["peak"]] * layout.dims.world_size
-
-
-# -- the walk: any shape, tp, sp and pipelines ----------------------------------------------------------
 def _shape(model: GPTConfig | ModelShape) -> ModelShape:
     return model if isinstance(model, ModelShape) else ModelShape(gpt=model)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """How one rank's microbatch is cut: b sequences, each split over cp ranks (`cp_kind`: "ring" or
+    "a2a"), the block over t tp ranks (with sequence parallelism or not), B bytes per activation."""
+
+    b: int
+    t: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    cp_kind: str = "ring"
+    act_bytes: int = 4
+
+    @classmethod
+    def of(cls, layout: Layout, act_bytes: int = 4) -> Cut:
+        dims = layout.dims
+        return cls(layout.microbatch_size, dims.tp, layout.sequence_parallel and dims.tp > 1, dims.cp,
+                   layout.cp_kind, act_bytes)
+
+
 def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
-    """Whether these formulas describe the layout: dense blocks; no context or expert split; no
-    recomputation (other formulas own those)."""
-    shape = _shape(model)
-    dims = layout.dims
-    return (not shape.gpt.moe_experts and dims.cp == 1 and dims.ep == 1
-            and getattr(layout, "recompute", "none") in (None, "none"))
+    """Whether these formulas describe the layout: dense blocks without dropout, no expert split;
+    context parallelism and recomputation only on one stage without tp, in fp32 (where they are derived
+    and measured: tests/unit/test_recompute.py, tests/runs/test_cp.py)."""
+    g, dims = _shape(model).gpt, layout.dims
+    if g.moe_experts or g.dropout or dims.ep > 1:
+        return False
+    if dims.cp == 1 and getattr(layout, "recompute", "none") in (None, "none"):
+        return True
+    return dims.tp == 1 and dims.pp == 1 and layout.precision == "fp32"
 
 
 # -- what each part saves for one microbatch ----------------------------------------------------------
-def block_saved_bytes(model: GPTConfig | ModelShape, b: int, t: int = 1, sequence_parallel: bool = False,
-                      act_bytes: int = 4) -> int:
-    """One block's saved bytes for one microbatch of b sequences on one of t tp ranks (see the module)."""
+def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
+    """One block's saved bytes for one microbatch on one rank, term by term (see the module):
+
+      ln1, ln2          each norm's input and statistics
+      attention_input   ln1's output (or its all-gather), read by Q, K and V;  mlp_input: ln2's
+      qkv, proj_input   what holds q, k, v, and the output projection's input (the core's output)
+      core_only         what only the attention core saves (selective recomputation drops it): the
+                        lse; under the all-to-all also the inner core's output and the two index tensors
+      recomputed        what the core saves again when it reruns in backward (its output and lse; the
+                        all-to-all's core_only and gathered q, k, v)
+      mlp               the MLP's hidden activations
+      input             the block's input, all full recomputation keeps
+    """
     shape = _shape(model)
     g = shape.gpt
-    n, h, B = b * g.seq_len, g.d_model, act_bytes
-    n_sp = n // t if sequence_parallel else n
-    stats = 2 if shape.norm == "layernorm" else 1
-    norms = 2 * (n_sp * h * B + stats * n_sp * STAT_BYTES)
-    region_inputs = 2 * n * h * B  # attention's and the MLP's input, replicated or gathered
+    s = g.seq_len // cut.cp  # this rank's tokens of each sequence
+    n, h, B, t = cut.b * s, g.d_model, cut.act_bytes, cut.t
+    n_sp = n // t if cut.sequence_parallel else n
+    norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
     qkv = n * (h + 2 * shape.kv_width) // t * B
-    core = n * h // t * B + b * (g.n_heads // t) * g.seq_len * STAT_BYTES
-    mlp = (4 if shape.gated_mlp else 2) * n * shape.ffn // t * B
-    return norms + region_inputs + qkv + core + mlp
+    out, lse = n * h // t * B, cut.b * (g.n_heads // t) * s * STAT_BYTES
+    if cut.cp > 1 and cut.cp_kind == "a2a":
+        core_only = out + lse + 2 * g.seq_len * ID_BYTES  # the inner core's output and lse, the two index maps
+        recomputed = core_only + qkv  # and the gathered q, k, v again
+    else:
+        core_only, recomputed = lse, out + lse
+    return {"ln1": norm, "ln2": norm, "attention_input": n * h * B, "mlp_input": n * h * B, "qkv": qkv,
+            "proj_input": out, "core_only": core_only, "recomputed": recomputed,
+            "mlp": (4 if shape.gated_mlp else 2) * n * shape.ffn // t * B, "input": n_sp * h * B}
 
 
-def embedding_saved_bytes(model: GPTConfig | ModelShape, b: int, t: int = 1, sequence_parallel: bool = False) -> int:
-    """Per microbatch: the positions (s·8, or s/t·8 under SP), and with tp the vocab-parallel
-    lookup's masked ids (n·8) and mask (n·1). Without tp the ids are a view of the global batch's
-    storage, counted once per rank by `global_batch_bytes`."""
+SAVED_TERMS = ("ln1", "ln2", "attention_input", "mlp_input", "qkv", "proj_input", "core_only", "mlp")
+
+
+def block_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
+    """One block's saved bytes for one microbatch on one rank, without recomputation."""
+    terms = block_terms(model, cut)
+    return sum(terms[k] for k in SAVED_TERMS)
+
+
+def embedding_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
+    """Per microbatch: the positions (s_r·8, or s_r/t·8 under SP), with tp the vocab-parallel lookup's
+    masked ids (n·8) and mask (n·1), under cp the rank's own copy of its ids (n·8). Without either the
+    ids are a view of the global batch's storage, counted once per rank by `global_batch_bytes`."""
     g = _shape(model).gpt
-    n = b * g.seq_len
-    positions = (g.seq_len // t if sequence_parallel else g.seq_len) * ID_BYTES
-    return positions + (n * ID_BYTES + n if t > 1 else 0)
+    s = g.seq_len // cut.cp
+    n = cut.b * s
+    positions = (s // cut.t if cut.sequence_parallel else s) * ID_BYTES
+    return positions + (n * ID_BYTES + n if cut.t > 1 else n * ID_BYTES if cut.cp > 1 else 0)
 
 
-def head_saved_bytes(model: GPTConfig | ModelShape, b: int, t: int = 1, sequence_parallel: bool = False,
-                     act_bytes: int = 4) -> int:
+def head_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
     """Per microbatch: ln_f's input and statistics, the head's input, and the loss's saved tensors
-    (log-probabilities n·V·4 and a 4-byte total weight; with tp the softmax slice n·V/t·4, masked
-    targets n·8 and mask n·1). Without tp the targets are a view of the global batch's storage."""
+    (log-probabilities n·V·4 and a 4-byte total weight, under cp with the rank's own targets n·8; with
+    tp the softmax slice n·V/t·4, masked targets n·8 and mask n·1). Without tp or cp the targets are a
+    view of the global batch's storage."""
     shape = _shape(model)
     g = shape.gpt
-    n, h = b * g.seq_len, g.d_model
-    n_sp = n // t if sequence_parallel else n
-    stats = 2 if shape.norm == "layernorm" else 1
-    norm = n_sp * h * act_bytes + stats * n_sp * STAT_BYTES
-    loss = n * g.padded_vocab_size // t * LOSS_BYTES + (n * ID_BYTES + n if t > 1 else LOSS_BYTES)
-    return norm + n * h * act_bytes + loss
+    n, h, t, B = cut.b * g.seq_len // cut.cp, g.d_model, cut.t, cut.act_bytes
+    n_sp = n // t if cut.sequence_parallel else n
+    norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
+    targets = n * ID_BYTES + n if t > 1 else LOSS_BYTES + (n * ID_BYTES if cut.cp > 1 else 0)
+    return norm + n * h * B + n * g.padded_vocab_size // t * LOSS_BYTES + targets
 
 
 def global_batch_bytes(model: GPTConfig | ModelShape, global_batch: int) -> int:
     """The global batch's inputs (or targets) as one int64 storage, G·s·8: every microbatch's ids
-    without tp (and its targets) are views of it, so it is held once while any of them is."""
+    without tp or cp (and its targets) are views of it, so it is held once while any of them is."""
     return global_batch * _shape(model).gpt.seq_len * ID_BYTES
 
 
@@ -200,20 +180,59 @@ class ChunkBytes:
     """What one virtual stage saves per microbatch, and which global-batch storages it reads."""
 
     per_microbatch: int
-    reads_inputs: bool  # the first virtual stage, without tp: the ids are views of the global inputs
-    reads_targets: bool  # the last virtual stage, without tp
+    reads_inputs: bool  # the first virtual stage, without tp or cp: the ids are views of the global inputs
+    reads_targets: bool  # the last virtual stage, without tp or cp
 
 
-def chunk_bytes(model: GPTConfig | ModelShape, layout: Layout, vstage: int, layers: list[int],
-                act_bytes: int = 4) -> ChunkBytes:
-    t, sp, b = layout.dims.tp, layout.sequence_parallel and layout.dims.tp > 1, layout.microbatch_size
+def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Sequence[int]) -> ChunkBytes:
     first, last = vstage == 0, vstage == len(layers) - 1
-    total = layers[vstage] * block_saved_bytes(model, b, t, sp, act_bytes)
+    total = layers[vstage] * block_saved_bytes(model, cut)
     if first:
-        total += embedding_saved_bytes(model, b, t, sp)
+        total += embedding_saved_bytes(model, cut)
     if last:
-        total += head_saved_bytes(model, b, t, sp, act_bytes)
-    return ChunkBytes(total, first and t == 1, last and t == 1)
+        total += head_saved_bytes(model, cut)
+    views = cut.t == 1 and cut.cp == 1
+    return ChunkBytes(total, first and views, last and views)
+
+
+def activation_terms(cfg: GPTConfig | ModelShape, layout: Layout) -> dict | None:
+    """One stage's bytes saved for backward per rank, term by term, at the step's peak
+    (docs/theory/memory.md), for the GPT in fp32 without tp: `stage_terms` (None where the model or
+    layout is outside what `covers` says, is cut over tp or pipelined, or is not fp32)."""
+    dims = layout.dims
+    if not covers(cfg, layout) or dims.tp > 1 or dims.pp > 1 or layout.precision != "fp32":
+        return None
+    return stage_terms(cfg, layout, dims.dp * layout.microbatches * layout.microbatch_size)
+
+
+def stage_terms(cfg: GPTConfig | ModelShape, layout: Layout, global_batch: int, act_bytes: int = FP32_BYTES) -> dict:
+    """One stage (every block on this rank): `embedding` and `head` with the global batch's storages
+    they read, `layer` one block's, and the `peak`. Under L blocks:
+
+      none       E + L·layer + H
+      selective  E + max(L·(layer − core_only) + H, the last core's recomputation in backward:
+                 (L−1)·(layer − core_only) + ln1 + attention_input + qkv + recomputed)
+      full       E + L·input + max(H, layer − input): only each block's input is kept, and after
+                 the head's backward the last block is recomputed whole (its input already counted)
+    """
+    cut, L = Cut.of(layout, act_bytes), _shape(cfg).gpt.n_layers
+    chunk = chunk_bytes(cfg, cut, 0, [L])
+    batch = global_batch_bytes(cfg, global_batch)
+    embedding = embedding_saved_bytes(cfg, cut) + batch * chunk.reads_inputs
+    head = head_saved_bytes(cfg, cut) + batch * chunk.reads_targets
+    terms = block_terms(cfg, cut)
+    layer = block_saved_bytes(cfg, cut)
+    mode = getattr(layout, "recompute", "none") or "none"
+    if mode == "none":
+        peak = embedding + L * layer + head
+    elif mode == "selective":
+        kept = layer - terms["core_only"]
+        # In backward, the last block's core runs again while its first norm and q, k, v are still held.
+        last_core = (L - 1) * kept + terms["ln1"] + terms["attention_input"] + terms["qkv"] + terms["recomputed"]
+        peak = embedding + max(L * kept + head, last_core)
+    else:
+        peak = embedding + L * terms["input"] + max(head, layer - terms["input"])
+    return {"embedding": embedding, "layer": layer, "head": head, "peak": peak}
 
 
 def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, global_batch: int, act_bytes: int = 4,
@@ -230,22 +249,16 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
         return None
     dims = layout.dims
     layers = list(layers) if layers is not None else [_shape(model).gpt.n_layers]
-    batch = global_batch_bytes(model, global_batch)
     p = dims.pp
-    chunks = [chunk_bytes(model, layout, vs, layers, act_bytes) for vs in range(len(layers))]
     if p == 1:
-        peaks = [_peak_one_at_a_time(chunks, batch)]
+        peaks = [stage_terms(model, layout, global_batch, act_bytes)["peak"]]
     else:
         if walk is None:
             raise ValueError(f"{p} pipeline stages: pass each rank's walk of its schedule (parallel/pp/theory.py)")
+        cut, batch = Cut.of(layout, act_bytes), global_batch_bytes(model, global_batch)
+        chunks = [chunk_bytes(model, cut, vs, layers) for vs in range(len(layers))]
         peaks = [_peak_in_flight(walk[r], chunks, batch) for r in range(p)]
     return [peaks[dims.coordinates(rank)["pp"]] for rank in range(dims.world_size)]
-
-
-def _peak_one_at_a_time(chunks: list[ChunkBytes], batch: int) -> int:
-    """No pipeline: each microbatch's forward is saved, then freed by its backward."""
-    (chunk,) = chunks
-    return chunk.per_microbatch + batch * (chunk.reads_inputs + chunk.reads_targets)
 
 
 def _peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:
@@ -263,17 +276,19 @@ def _peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], 
     return peak
 
 
+def activation_bytes(cfg: GPTConfig, layout: Layout) -> list[int] | None:
+    """The registry's `activations` formula for single, dp, zero1/2, cp and cp_a2a (one stage, no tp,
+    fp32): every rank holds the same, `activation_terms(...)["peak"]`."""
+    terms = activation_terms(cfg, layout) if layout.precision == "fp32" else None
+    return None if terms is None else [terms["peak"]] * layout.dims.world_size
+
+
 def registry_activations(cfg: GPTConfig, layout: Layout, global_batch: int | None = None,
                          layers: Sequence[int] | None = None,
                          walk: Sequence[Sequence[tuple[bool, int]]] | None = None) -> list[int] | None:
-    """The registry's `activations` formula (summary memory.theory.activation_bytes): fp32, this GPT.
-    The global batch is dp x microbatches x microbatch size.
-
-    Context parallelism and recomputation are `activation_bytes`'s (docs/theory/memory.md), which
-    walks the same ops with the sequence cut and the recomputed regions; where both formulas apply
-    (one stage, no tp) they are the same figure (tests/tools/test_planner_memory.py)."""
-    if not covers(cfg, layout):
-        return activation_bytes(cfg, layout)
+    """The registry's `activations` formula (summary memory.theory.activation_bytes) for this GPT,
+    `activation_bytes_by_rank` with the layout's bytes per element. The global batch is
+    dp x microbatches x microbatch size."""
     if global_batch is None:
         global_batch = layout.dims.dp * layout.microbatches * layout.microbatch_size
     return activation_bytes_by_rank(cfg, layout, global_batch, layout.dtype_bytes, layers, walk)

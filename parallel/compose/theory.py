@@ -14,20 +14,18 @@ from fractions import Fraction
 from parallel.algebra import (
     FP32_BYTES,
     all_reduce_sent_per_rank,
-    embedding_parameter_count,
     figure,
     gather_or_scatter_sent_per_rank,
-    head_parameter_count,
     padded,
     refuse_moe,
     replica_group_size,
-    state_figures,
-    tp_layer_parameter_count,
 )
 from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.cp.theory import cp_attention_traffic
 from parallel.dist.dims import ParallelDims
 from parallel.layout import Layout
+from parallel.model_state import model_state, rank_parts, run_state_bytes
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import layer_counts
 from parallel.pp.theory import p2p_sent_by_rank
@@ -37,11 +35,11 @@ from parallel.tp.theory import tp_tensors_per_layer
 # -- what each stage holds ------------------------------------------------------------------------------
 def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
     """The parts (ZeRO's unit of sharding: embedding, each Block, head) of one rank of a pipeline
-    stage, each cut over t tp ranks: `layers` blocks of `tp_layer_parameter_count`, plus the token
-    rows and positions on the first stage and the final norm and head rows on the last."""
+    stage, each cut over t tp ranks: `layers` blocks of `algebra.tp_layer_parameter_count`, plus the token
+    rows and positions on the first stage and the final norm and head rows on the last
+    (parallel/model_state.py's `rank_parts`)."""
     refuse_moe(cfg, "pipeline stage counts")
-    return [*([embedding_parameter_count(cfg, t)] if first else []), *[tp_layer_parameter_count(cfg, t)] * layers,
-            *([head_parameter_count(cfg, t)] if last else [])]
+    return rank_parts(ModelShape(gpt=cfg), range(layers), first, last, t)
 
 
 def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> int:
@@ -50,13 +48,21 @@ def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool
     return sum(stage_part_counts(cfg, t, layers, first, last))
 
 
+def stage_blocks(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+                 schedule: str = "1f1b") -> list[list[int]]:
+    """The blocks (by index) each pipeline rank holds: those of its v chunks, the virtual stages the
+    schedule's placement gives it (r, r + p, r + 2p, ... on the loop; r and 2p-1-r on the V)."""
+    counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
+    starts = [sum(counts[:vs]) for vs in range(len(counts))]
+    placement = schedule_placement(schedule, dims.pp, virtual)
+    return [[i for vs in placement.vstages_of(r) for i in range(starts[vs], starts[vs] + counts[vs])]
+            for r in range(dims.pp)]
+
+
 def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                  schedule: str = "1f1b") -> list[int]:
-    """Blocks each pipeline rank holds: its v chunks, the virtual stages the schedule's placement
-    gives it (r, r + p, r + 2p, ... on the loop; r and 2p-1-r on the V)."""
-    counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
-    placement = schedule_placement(schedule, dims.pp, virtual)
-    return [sum(counts[vs] for vs in placement.vstages_of(r)) for r in range(dims.pp)]
+    """How many blocks each pipeline rank holds (`stage_blocks`)."""
+    return [len(blocks) for blocks in stage_blocks(cfg, dims, virtual, pp_layers, schedule)]
 
 
 def stage_ends(dims: ParallelDims, virtual: int = 1, schedule: str = "1f1b") -> list[tuple[bool, bool]]:
@@ -67,22 +73,28 @@ def stage_ends(dims: ParallelDims, virtual: int = 1, schedule: str = "1f1b") -> 
     return [(0 in placement.vstages_of(r), last in placement.vstages_of(r)) for r in range(dims.pp)]
 
 
+def stage_parts(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
+                schedule: str = "1f1b") -> list[int]:
+    """The parts one rank of stage `pp_rank` holds: its blocks and ends, each cut over tp."""
+    refuse_moe(cfg, "pipeline stage counts")
+    first, last = stage_ends(dims, virtual, schedule)[pp_rank]
+    return rank_parts(ModelShape(gpt=cfg), stage_blocks(cfg, dims, virtual, pp_layers, schedule)[pp_rank],
+                      first, last, dims.tp)
+
+
 def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
                             schedule: str = "1f1b") -> int:
     """Ψ_pad of one rank of stage `pp_rank` under ZeRO over dp: each of its local parts padded to a
     multiple of d = dims.dp (what its reduce-scatters, all-gathers and shards are made of); under
     context parallelism the parameters are replicated over dp x cp and ZeRO shards over d·cp ranks."""
-    layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)[pp_rank]
-    parts = stage_part_counts(cfg, dims.tp, layers, *stage_ends(dims, virtual, schedule)[pp_rank])
     n = replica_group_size(dims)
-    return sum(padded(count, n) for count in parts)
+    return sum(padded(count, n) for count in stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule))
 
 
 def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                                  pp_rank: int = 0, schedule: str = "1f1b") -> int:
     """What one rank of stage `pp_rank` holds: its blocks and ends, cut over tp."""
-    layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)[pp_rank]
-    return stage_shard_parameter_count(cfg, dims.tp, layers, *stage_ends(dims, virtual, schedule)[pp_rank])
+    return sum(stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule))
 
 
 def mesh3d_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
@@ -95,16 +107,10 @@ def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, z
                              pp_layers=None, dtype_bytes: int = FP32_BYTES, schedule: str = "1f1b") -> dict:
     """What one rank of stage `pp_rank` holds under dp x tp x pp: plain dp the stage's tp shard Ψ_r
     in full (4 + 4 + 8 bytes per parameter); ZeRO-1 over dp 1/d of its Adam state, ZeRO-2 also 1/d
-    of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`); d·cp under context parallelism."""
-    d = replica_group_size(dims)
-    if zero:
-        psi = stage_zero_padded_count(cfg, dims, pp_rank, virtual, pp_layers, schedule)
-        params, grads, state = (psi * dtype_bytes, psi * dtype_bytes // (d if zero >= 2 else 1),
-                                2 * psi * dtype_bytes // d)
-    else:
-        psi = mesh3d_local_parameter_count(cfg, dims, virtual, pp_layers, pp_rank, schedule)
-        params, grads, state = psi * dtype_bytes, psi * dtype_bytes, 2 * psi * dtype_bytes
-    return state_figures(params, grads, state, psi)
+    of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`); d·cp under context parallelism.
+    parallel/model_state.py's `model_state` of the rank's `stage_parts`."""
+    parts = stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule)
+    return model_state(parts, run_state_bytes(dtype_bytes), zero, replica_group_size(dims))
 
 
 def mesh3d_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict | None:

@@ -30,12 +30,13 @@ from parallel.algebra import (
     gather_or_scatter_sent_per_rank,
     parameter_count,
     replica_group_size,
-    state_figures,
     zero_padded_parameter_count,
 )
 from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.cp.layout import check_divisible
 from parallel.layout import Layout
+from parallel.model_state import model_state, run_state_bytes, whole_model_parts
 
 
 @dataclass(frozen=True)
@@ -144,12 +145,6 @@ def cp_comm(cfg: GPTConfig, layout: Layout) -> dict:
 def cp_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
     """Every rank holds the whole model (16Ψ bytes in fp32 with Adam); with ZeRO-1/2 over the
     n = dp·cp ranks, on the padded Ψ_pad(n): 1/n of Adam's state, and under ZeRO-2 of the gradients
-    (parallel/zero/theory.py's `zero_model_state_bytes` with N = n)."""
-    B = layout.dtype_bytes
-    if not layout.zero:
-        psi = parameter_count(cfg)
-        return state_figures(psi * B, psi * B, 2 * psi * B, psi)
-    n = replica_group_size(layout.dims)
-    psi = zero_padded_parameter_count(cfg, n)
-    zero = layout.zero
-    return state_figures(psi * B // (n if zero >= 3 else 1), psi * B // (n if zero >= 2 else 1), 2 * psi * B // n, psi)
+    (parallel/zero/theory.py's `zero_model_state_bytes` with N = n): every part, sharded over dp·cp."""
+    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes), layout.zero,
+                       replica_group_size(layout.dims))

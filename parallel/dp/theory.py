@@ -6,9 +6,11 @@ Like every theory file, independent of the code it checks: Ψ from the GPT formu
 
 from __future__ import annotations
 
-from parallel.algebra import all_reduce_sent_per_rank, figure, parameter_count, state_figures
+from parallel.algebra import all_reduce_sent_per_rank, figure, parameter_count
 from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.layout import Layout
+from parallel.model_state import model_state, run_state_bytes, whole_model_parts
 
 
 def dp_comm(cfg: GPTConfig, layout: Layout) -> dict:
@@ -22,7 +24,6 @@ def dp_comm(cfg: GPTConfig, layout: Layout) -> dict:
 
 def replicated_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
     """Plain data parallelism (and one process) holds all of it on every rank: fp32 parameters 4Ψ,
-    gradients 4Ψ and Adam's two moments 8Ψ bytes (ZeRO paper §5, with K = 8 for fp32 Adam)."""
-    psi = parameter_count(cfg)
-    B = layout.dtype_bytes
-    return state_figures(psi * B, psi * B, 2 * psi * B, psi)
+    gradients 4Ψ and Adam's two moments 8Ψ bytes (ZeRO paper §5, with K = 8 for fp32 Adam): every part
+    whole (parallel/model_state.py)."""
+    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes))

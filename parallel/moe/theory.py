@@ -32,9 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from parallel.algebra import all_reduce_sent_per_rank, expert_parameters, figure, parameter_count, state_figures
+from parallel.algebra import all_reduce_sent_per_rank, expert_parameters, figure, parameter_count
 from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.layout import Layout
+from parallel.model_state import model_state, run_state_bytes, whole_model_parts
 
 COUNT_BYTES = 8  # the split sizes travel as int64
 
@@ -133,10 +135,10 @@ def ep_expert_parameter_count(cfg: GPTConfig, ep: int) -> int:
 
 def ep_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
     """One expert-parallel rank's model state (every rank alike): its Ψ_ep parameters in fp32, their
-    gradients, and Adam's two moments, 4Ψ_ep + 4Ψ_ep + 8Ψ_ep bytes, Ψ_ep = `ep_shard_parameter_count`."""
-    psi = ep_shard_parameter_count(cfg, layout.dims.ep)
-    B = layout.dtype_bytes
-    return state_figures(psi * B, psi * B, 2 * psi * B, psi)
+    gradients, and Adam's two moments, 4Ψ_ep + 4Ψ_ep + 8Ψ_ep bytes, Ψ_ep = `ep_shard_parameter_count`:
+    every part, each MoE block with E/ep of its experts (parallel/model_state.py)."""
+    parts = whole_model_parts(ModelShape(gpt=cfg), ep=layout.dims.ep)
+    return model_state(parts, run_state_bytes(layout.dtype_bytes))
 
 
 def ep_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:

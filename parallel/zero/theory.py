@@ -6,17 +6,11 @@ GPT's parts in closed form (parallel/algebra.py), not from the flat buffers zero
 
 from __future__ import annotations
 
-from fractions import Fraction
-
-from parallel.algebra import (
-    all_ranks,
-    figure,
-    gather_or_scatter_sent_per_rank,
-    state_figures,
-    zero_padded_parameter_count,
-)
+from parallel.algebra import all_ranks, figure, gather_or_scatter_sent_per_rank, zero_padded_parameter_count
 from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.layout import Layout
+from parallel.model_state import model_state, run_state_bytes, whole_model_parts
 
 
 def zero_comm(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
@@ -44,11 +38,8 @@ def zero_model_state_bytes(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
     also the gradients, stage 3 also the parameters, each on the padded count Ψ_pad:
 
         zero1  4Ψ + 4Ψ + 8Ψ/N     zero2  4Ψ + 4Ψ/N + 8Ψ/N     zero3  (4Ψ + 4Ψ + 8Ψ)/N   (Ψ = Ψ_pad)
+
+    every part held, sharded over the dp ranks (parallel/model_state.py).
     """
-    n, B = layout.dims.dp, layout.dtype_bytes
-    psi = zero_padded_parameter_count(cfg, n)
-    state = Fraction(2 * psi * B, n)
-    grads = Fraction(psi * B, n) if stage >= 2 else psi * B
-    params = Fraction(psi * B, n) if stage >= 3 else psi * B
-    assert all(Fraction(v).denominator == 1 for v in (params, grads, state))  # Ψ_pad divides by n
-    return state_figures(int(params), int(grads), int(state), psi)
+    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes), stage,
+                       layout.dims.dp)

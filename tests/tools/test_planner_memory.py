@@ -57,8 +57,8 @@ def test_strategies_without_a_formula_say_so():
 
 
 def test_the_two_activation_derivations_agree_where_both_apply():
-    """The walk (pipelines, tp) and activations.activation_bytes (cp, recomputation), both in
-    parallel/activations.py, derive the same bytes where both apply: one stage, no tp, no cp, no recomputation."""
+    """The registry's one-stage formula (activations.activation_bytes) and the planner's per-rank call
+    are the same derivation (parallel/activations.py): the same bytes where both apply."""
     from parallel.activations import activation_bytes
     from parallel.core.model import GPTConfig
     from parallel.dist.dims import ParallelDims
