@@ -9,6 +9,14 @@ onto the current stream before the step's end event).
 
 The same clock stamps the step's phases and communication calls (StepClock), so that the time
 breakdown (parallel/report/breakdown.py) divides exactly the time measured.
+
+Beside the wall clock, the step has a second one: the CPU time of the thread that runs the rank's
+compute (`time.thread_time()`, CLOCK_THREAD_CPUTIME_ID), read at the step's origin and end and at
+every phase mark and call. With one intra-op thread per rank (the training loop sets it), CPU
+autograd running backward on the thread that called it, and gloo's own threads (which move the
+bytes) left out, it is the rank's compute as one dedicated core would take it: it does not advance
+while the thread waits for a core or blocks in a call. The replay (parallel/replay/) rebuilds the
+step from it.
 """
 
 from __future__ import annotations
@@ -40,16 +48,20 @@ class StepClock:
         self.origin = None  # the step's first stamp
         self.end = None  # its last, once the step is over
         self._origin_host = 0.0
+        self.origin_cpu = 0.0  # the thread's CPU time at the origin, and at the end
+        self.end_cpu = 0.0
 
     def begin_step(self) -> None:
         self.origin_wall = time.time()
         self._origin_host = time.perf_counter()
         self.origin = self.now() if self.cuda else self._origin_host
+        self.origin_cpu = time.thread_time()
         self.end = None
 
     def end_step(self) -> float:
         """Stamp the step's end; its seconds (on a GPU this waits for the stream to get there)."""
         self.end = self.now()
+        self.end_cpu = time.thread_time()
         return self.seconds(self.end)
 
     def now(self):
@@ -58,6 +70,15 @@ class StepClock:
             event.record()
             return event
         return time.perf_counter()
+
+    @staticmethod
+    def cpu_now() -> float:
+        """The second clock's stamp: this thread's CPU time."""
+        return time.thread_time()
+
+    def cpu_seconds(self, cpu_stamp: float) -> float:
+        """CPU seconds of the calling thread from the origin to `cpu_stamp`."""
+        return cpu_stamp - self.origin_cpu
 
     def seconds(self, stamp) -> float:
         if isinstance(stamp, float):
