@@ -18,7 +18,7 @@ from pathlib import Path
 
 from parallel.replay import events as saved
 from parallel.replay.virtual import replay_run
-from parallel.report.mfu import flops_per_token, usable_cores
+from parallel.report.mfu import usable_cores
 from parallel.report.trace import chrome_trace, draw_timeline, rank_label, timeline_title
 
 log = logging.getLogger("parallel")
@@ -32,12 +32,12 @@ def peak_per_device(summary: dict) -> float:
 
 
 def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw: bool, *, cores: float | None = None,
-                  compute_scale: float = 1.0, what_if: str | None = None, peak: float | None = None,
-                  model=None) -> dict:
-    """Replay `events` on `links`; the `virtual` block, with trace_virtual.json (and the timeline) in run_dir."""
-    cfg = model if model is not None else summary["_model"]
+                  compute_scale: float = 1.0, what_if: str | None = None, peak: float | None = None) -> dict:
+    """Replay `events` on `links`; the `virtual` block, with trace_virtual.json (and the timeline) in run_dir.
+    `peak`: one device's peak FLOP/s (None: one core's, or the run's GPU's)."""
     block, traces = replay_run(events, links, tokens_per_step=summary["tokens_per_step"],
-                               flops_per_token=flops_per_token(cfg), peak_per_device=peak or peak_per_device(summary),
+                               flops_per_token=summary["mfu"]["flops_per_token"],
+                               peak_per_device=peak or peak_per_device(summary),
                                cores=cores, compute_scale=compute_scale, what_if=what_if)
     labels = [rank_label(e["rank"], e.get("coords") or {}, summary["parallel"]) for e in events]
     (Path(run_dir) / TRACE).write_text(json.dumps(chrome_trace(traces, labels)))
@@ -56,7 +56,7 @@ def virtual_block(plan, rank_reports: list[dict], summary: dict, run_dir: Path, 
     events = [r["events"] for r in sorted(rank_reports, key=lambda r: r["rank"])]
     directory = saved.save(run_dir, events)
     try:
-        block = write_virtual(run_dir, events, summary, links, plan.timeline, model=plan.model)
+        block = write_virtual(run_dir, events, summary, links, plan.timeline)
     except (ValueError, RuntimeError, KeyError) as e:  # a graph the replay cannot play: say why, keep the run
         log.warning("warning: the virtual-time replay failed: %s", e)
         return {"error": str(e), "events": directory}
