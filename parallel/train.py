@@ -21,7 +21,7 @@ from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
-from parallel.dist.timing import StepTimer
+from parallel.dist.timing import StepTimer, count_every_thread
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.plan import ConfigError, RunPlan
@@ -72,6 +72,7 @@ class Run:
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     """Run the plan; returns the run directory (summary.json is in it on rank 0)."""
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    count_every_thread(torch.get_num_threads() > 1)  # the second clock: all the compute's threads (timing.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)

@@ -16,7 +16,7 @@ or the wait for it) started and ended, with its bytes. They are what the step's 
 subtracts from its phases and what trace.json draws (parallel/report/breakdown.py, trace.py); only
 the last step's are kept, so the cost is one tuple per call.
 
-Each span also carries the second clock: the CPU time of the calling thread (`time.thread_time()`)
+Each span also carries the second clock: the CPU time of the calling thread (`time.thread_time()`, parallel/dist/timing.py)
 at its start and end, the thread that runs the rank's compute. With it the replay
 (parallel/replay/) rebuilds the step as if the rank had a core of its own: the compute between two
 calls is the CPU time between them, which does not advance while the thread waits for a core or
@@ -40,6 +40,8 @@ from fractions import Fraction
 
 import torch
 import torch.distributed as dist
+
+from parallel.dist.timing import cpu_time
 
 TOOLING_PREFIX = "tooling/"
 
@@ -152,7 +154,7 @@ class CommLog:
         drawn as blocking (PyTorch's pipeline posts) that the replay must treat as a post."""
         if not self.spanning:
             return None
-        cpu_end = time.thread_time()
+        cpu_end = cpu_time()
         payload, sent = (entry.payload_bytes, entry.sent_bytes) if entry is not None else (0, 0)
         self._spans.append((kind, op, group, tag, payload, sent, start, end,
                             cpu_end if cpu_start is None else cpu_start, cpu_end, peer, tuple(waits), posted))
@@ -286,7 +288,7 @@ class Handle:
         log = self._comm.log
         interval = DeviceInterval() if log.timed and self._cuda else None
         start = time.perf_counter() if log.timed and not self._cuda else 0.0
-        cpu_start = time.thread_time() if log.spanning else None
+        cpu_start = cpu_time() if log.spanning else None
         waits = () if self._span_id is None else (self._span_id,)
         try:
             self._work.wait()
@@ -331,7 +333,7 @@ class Communicator:
         clocked = timed or spanning
         interval = DeviceInterval() if clocked and cuda else None
         start = time.perf_counter() if clocked and not cuda else 0.0
-        cpu_start = time.thread_time() if spanning else None
+        cpu_start = cpu_time() if spanning else None
         try:
             work = fn()
         except RuntimeError as e:
@@ -377,7 +379,7 @@ class Communicator:
 
     def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
         """An async sum whose result is a Future of the tensor (what DDP communication hooks return)."""
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        start, cpu_start = time.perf_counter(), cpu_time()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         entry = self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
         # Host time even on a GPU: DDP calls this hook from its reducer, and waits for it there, out
@@ -432,7 +434,7 @@ class Communicator:
         ]
         clock = self.log.clock if self.log.spanning else None
         start = clock.now() if clock is not None else None
-        cpu_start = time.thread_time() if clock is not None else None
+        cpu_start = cpu_time() if clock is not None else None
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:

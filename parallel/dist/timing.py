@@ -26,6 +26,26 @@ import time
 import torch
 
 
+def _thread_cpu() -> float:
+    return time.thread_time()
+
+
+_cpu_clock = _thread_cpu
+
+
+def cpu_time() -> float:
+    """The second clock: the compute thread's CPU time (or the process's: `count_every_thread`)."""
+    return _cpu_clock()
+
+
+def count_every_thread(on: bool) -> None:
+    """With more than one intra-op thread per rank (a single process on every core), the matmuls
+    run on several threads: then the second clock is the process's CPU time, all its threads, the
+    compute as one core would take it (there is no gloo thread to leave out in one process)."""
+    global _cpu_clock
+    _cpu_clock = time.process_time if on else _thread_cpu
+
+
 class StepClock:
     """The step's time, and timestamps within it on the same axis: the breakdown and the trace
     place every phase and every communication call of a step on it.
@@ -55,13 +75,13 @@ class StepClock:
         self.origin_wall = time.time()
         self._origin_host = time.perf_counter()
         self.origin = self.now() if self.cuda else self._origin_host
-        self.origin_cpu = time.thread_time()
+        self.origin_cpu = cpu_time()
         self.end = None
 
     def end_step(self) -> float:
         """Stamp the step's end; its seconds (on a GPU this waits for the stream to get there)."""
         self.end = self.now()
-        self.end_cpu = time.thread_time()
+        self.end_cpu = cpu_time()
         return self.seconds(self.end)
 
     def now(self):
@@ -74,7 +94,7 @@ class StepClock:
     @staticmethod
     def cpu_now() -> float:
         """The second clock's stamp: this thread's CPU time."""
-        return time.thread_time()
+        return cpu_time()
 
     def cpu_seconds(self, cpu_stamp: float) -> float:
         """CPU seconds of the calling thread from the origin to `cpu_stamp`."""
