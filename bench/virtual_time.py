@@ -1,7 +1,7 @@
 """How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
 
     python bench/virtual_time.py [checks=stability,faithful,contention,pipelines,network] [model=tiny]
-                                 [steps=8] [repeats=3] [out=runs/virtual-bench]
+                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run]
 
 Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
 root), reads the run's summary.json, and for some replays its saved events again:
@@ -17,6 +17,9 @@ root), reads the run's summary.json, and for some replays its saved events again
                run's measured mean F, B and W (CPU time per microbatch; the claim: within 3 points)
   network      dp, tp, pp_1f1b at world 2 on loopback, replayed onto net=ethernet_1g with
                inter_mbit=200, against launch.run's measured step on that emulated network (10%)
+
+The loopback link model is probed once (parallel/planner/loopback.py, 2 ranks) and given to every
+run (`virtual.loopback_*`); loopback=per-run lets each run probe its own, as a plain run does.
 
 Prints one table per check, the exact commands it ran, and writes them to <out>/table.md.
 """
@@ -188,7 +191,7 @@ def network(out: Path, common: list[str]) -> str:
 
 def main(argv: list[str]) -> None:
     opts = {"checks": "stability,faithful,contention,pipelines,network", "model": "tiny", "steps": "8", "repeats": "3",
-            "out": "runs/virtual-bench"}
+            "out": "runs/virtual-bench", "loopback": "once"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -197,6 +200,13 @@ def main(argv: list[str]) -> None:
     out = ROOT / opts["out"]
     out.mkdir(parents=True, exist_ok=True)
     common = [f"model={opts['model']}", f"train.steps={opts['steps']}"]
+    if opts["loopback"] == "once":
+        # One probe for every run (2 ranks, one per core), so that the runs differ only in what they measured.
+        from parallel.planner.loopback import measure
+
+        loop = measure(2)
+        common += [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
+                   f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}"]
     checks = opts["checks"].split(",")
     parts = [f"# virtual time validation, {time.strftime('%Y-%m-%d %H:%M')}, {usable_cores()} cores, model "
              f"{opts['model']}, {opts['steps']} steps"]
