@@ -10,7 +10,9 @@
 With virtual leading, a row's tokens/s, step, MFU and breakdown columns are the virtual ones, so
 that the ranking, the ratios to PyTorch and the "what each strategy waits on" sentences are in
 virtual time; the wall figures stay beside them (wall_tokens_per_s, wall_step_ms), and the
-virtual ones are always there too (virtual_tokens_per_s, virtual_step_ms).
+virtual ones are always there too (virtual_tokens_per_s, virtual_step_ms). exposed_comm_share
+stays the communication log's measured share (None where PyTorch waits out of its sight); the
+virtual exposed communication is in exposed_comm_ms.
 """
 
 from __future__ import annotations
@@ -53,7 +55,6 @@ def apply(row: dict, summary: dict | None, clock: str) -> dict:
     row["mfu"] = virtual["mfu"]["mfu"]
     for part, seconds in virtual["time_breakdown_s"].items():
         row[f"{part}_ms"] = seconds * 1e3
-    row["exposed_comm_share"] = virtual["time_breakdown_s"]["exposed_comm"] / virtual["step_time_s"]
     times = virtual["step_times_s"]
     row.update(step_ms_min=min(times) * 1e3, step_ms_max=max(times) * 1e3,
                spread=(max(times) - min(times)) / virtual["step_time_s"] if len(times) > 1 else None)
