@@ -47,6 +47,9 @@ from launch.config import CONFIG_DIR
 from launch.run import Refused, check_privileges
 from parallel.algebra import parameter_count
 from parallel.compare import plots
+from parallel.compare.clock import apply as apply_clock
+from parallel.compare.clock import leading_clock
+from parallel.compare.clock import sentence as clock_sentence
 from parallel.compare.crossover import console_lines, write_all
 from parallel.compare.networks import (
     Network,
@@ -219,6 +222,11 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
     if multi:
         print(f"\n== network {network.label} ({network.describe()}) -> {sweep_dir}", flush=True)
 
+    # The clock that leads the rows: virtual time when ranks outnumber the cores (parallel/compare/clock.py).
+    max_world = max(strategy_world(strategy, c, network) for strategy in strategies)
+    clock = leading_clock(c.get("clock", "auto"), device.type, max_world, cores)
+    print(clock_sentence(clock, c.get("clock", "auto"), max_world, cores), flush=True)
+
     # Every run of every round; rows are made at the end, once `single`'s losses (the reference) are known.
     runs, orders, total = [], [], rounds * len(strategies)
     for k in range(rounds):
@@ -253,6 +261,8 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
             r = mine[strategy]
             row = (row_from_summary(strategy, r["summary"], reference, r["seconds"], cores) if r["summary"] else
                    failed_row(strategy, r["world"], r["status"], r["error"], r["seconds"]))
+            if r["summary"]:
+                apply_clock(row, r["summary"], clock)
             row.update(net_columns(network, r["summary"]))
             row["round"] = k
             rows_k.append(row)
@@ -275,6 +285,7 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
         "capacity": cores, "capacity_unit": unit, "rounds": rounds, "orders": orders,
         "reference": c.reference or ("single" if "single" in summaries else None),
         "network": network.label, "network_settings": network.spec.as_dict(),
+        "clock": clock, "clock_sentence": clock_sentence(clock, c.get("clock", "auto"), max_world, cores),
     }
     write_json(sweep_dir / "results.json", meta, rows, per_round if rounds > 1 else None)
     write_csv(sweep_dir / "results.csv", rows)

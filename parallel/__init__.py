@@ -18,7 +18,8 @@ and the floors below, never one above. Read it bottom up:
     floor 4  composition    compose/ (the recipe that alone knows every family, and the one table of
                             what runs), baselines/ (PyTorch's own), registry.py (every family's entries)
     floor 5  one run        plan.py (every rule before any process group), train.py, report/,
-                            reliability/, runner.py (a run as a child process, bounded in time)
+                            reliability/, runner.py (a run as a child process, bounded in time),
+                            replay/ (virtual device time: the step replayed with a device per rank)
     floor 6  tools on runs  compare/ (the sweep), planner/ (what a cluster would do)
     floor 7  launch/        the command lines
 
@@ -35,7 +36,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "parallel.model_state", "parallel.activations")),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
     ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry")),
-    ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner")),
+    ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner",
+             "parallel.replay")),
     ("tools", ("parallel.compare", "parallel.planner")),
     ("cli", ("launch",)),
 )

@@ -21,12 +21,14 @@ from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
-from parallel.dist.timing import StepTimer
+from parallel.dist.timing import StepTimer, count_every_thread
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.plan import ConfigError, RunPlan
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
+from parallel.replay.events import step_record
+from parallel.replay.probe import probe_loopback
 from parallel.report.activations import ActivationMeter
 from parallel.report.breakdown import rank_step_breakdown
 from parallel.report.console import log_summary, step_line
@@ -64,17 +66,21 @@ class Run:
     wire: WireProbe | None = None  # the emulated network's link counters (launch.run), inert otherwise
     breakdowns: list = field(default_factory=list)  # per step, where the time went (report/breakdown.py)
     trace: dict | None = None  # the last step's phases and communication spans (report/trace.py)
+    events: list[dict] = field(default_factory=list)  # timed steps' phases and calls, both clocks (parallel/replay/)
+    links: object = None  # the replay's link model (parallel/replay/links.py), set after the steps
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     """Run the plan; returns the run directory (summary.json is in it on rank 0)."""
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    count_every_thread(torch.get_num_threads() > 1)  # the second clock: all the compute's threads (timing.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
     try:
         run = setup(plan, ctx)
         run_steps(run, corpus)
+        run.links = _link_model(run, resolved_config)
         report(run, resolved_config)
     except RuntimeError as e:
         # A call failed (ours name themselves: CommFailure; DDP's reducer raises plain
@@ -179,6 +185,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         phases = strategy.phases.resolve()
         run.breakdowns.append(rank_step_breakdown(phases, ctx.log.last_spans, seconds))
         run.trace = {"step": step, "origin_wall": clock.origin_wall, "phases": phases, "spans": ctx.log.last_spans}
+        if step - plan.start_step >= plan.warmup_steps and phases:
+            run.events.append(step_record(step, seconds, clock.end_cpu - clock.origin_cpu, phases, ctx.log.last_spans))
         if plan.save_grads and step == 0:
             # The optimizer step leaves .grad alone: these are the synced gradients it used.
             grads = strategy.full_grads()
@@ -247,6 +255,20 @@ def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
         log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
 
 
+def _link_model(run: Run, resolved_config: dict):
+    """The replay's links: an emulated network's net.* (launch.run), else this machine's loopback,
+    probed with one rank per core unless the config gives it (every rank takes part)."""
+    from parallel.replay.links import from_net
+
+    virtual = dict(resolved_config.get("virtual") or {})
+    settings = run.wire.settings if run.wire is not None else None
+    node_of = (lambda r: r // int(settings.get("procs_per_node") or 1)) if settings else (lambda r: 0)
+    if settings and settings.get("placement") == "cyclic":
+        node_of = lambda r: r % int(settings.get("nodes") or 1)  # noqa: E731
+    loop = probe_loopback(run.ctx.rank, run.plan.dims.world_size, node_of, virtual)
+    return from_net(settings, loop) if settings and settings.get("name") != "none" else loop
+
+
 # -- report -----------------------------------------------------------------------------------------
 def rank_report(run: Run) -> dict:
     """What this rank measured, for rank 0's summary."""
@@ -267,6 +289,9 @@ def rank_report(run: Run) -> dict:
         "time_breakdown": run.breakdowns,
         "breakdown_note": strategy.breakdown_note,
         "trace": run.trace,
+        "events": {"rank": ctx.rank, "coords": ctx.coords, "node": run.wire.node if run.wire is not None else 0,
+                   "groups": {name: list(c.global_ranks) for name, c in ctx.comms.items() if c is not None},
+                   "steps": run.events},
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),
@@ -287,7 +312,7 @@ def report(run: Run, resolved_config: dict) -> None:
         return
     net = run.wire.summary(reports, plan.warmup_steps) if run.wire is not None else None
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
-                            device=ctx.device, run_dir=run.run_dir, net=net)
+                            device=ctx.device, run_dir=run.run_dir, net=net, links=run.links)
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)
     log.info("wrote %s", run.run_dir / "summary.json")

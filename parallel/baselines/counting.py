@@ -23,6 +23,12 @@ flatter our strategies; the wrappers touch only the ~30 communication calls of a
 cost did not stand out of this shared machine's noise (repeated A/Bs of counted against
 uncounted torch_tp steps ranged from -17% to +39%, both signs: bench/tp_vs_dtensor.py prints it).
 
+For the replay (parallel/replay/), each span also carries the thread's CPU time (comm.py) and
+what it really is: a functional collective returns at once and `wait_tensor` waits for it (the
+wait names its post); torch's pipeline posts its sends and receives in `_batch_p2p` (drawn as
+blocking calls, as before, but marked `posted`) and `_wait_batch_p2p` waits for the batch it is
+given (the wait names that batch's posts).
+
 A call on a process group that is none of the run's communicators raises: its traffic could not
 be placed in a group. Not counted: torch pipelining's one-time metadata exchange on the first step
 (shapes and dtypes as pickled objects through send_object_list), which is setup, not step traffic.
@@ -36,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.dist.comm import CommLog, Communicator, tensor_bytes
+from parallel.dist.timing import cpu_time
 
 # functional op -> (the project's op name, payload rule): "input" the input tensor (an all-reduce's
 # tensor, a reduce-scatter's full input), "gathered" input x group size (an all-gather's full output)
@@ -72,7 +79,8 @@ class FunctionalCollectiveCounter:
         self.prefix = tag_prefix
         self._namespace = torch.ops._c10d_functional
         self._originals: dict[str, object] = {}
-        self._awaiting: dict[int, tuple[str, str, str]] = {}  # id(output) -> the record its wait is charged to
+        # id(output) -> the record its wait is charged to, and its span
+        self._awaiting: dict[int, tuple[tuple[str, str, str], int | None]] = {}
 
     def __enter__(self):
         for name, (op, rule) in FUNCTIONAL_OPS.items():
@@ -95,26 +103,28 @@ class FunctionalCollectiveCounter:
         def call(tensor, *args):
             group, size = self.groups(args[-1])  # the group name is every functional collective's last argument
             payload = tensor_bytes(tensor) * (size if rule == "gathered" else 1)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), cpu_time()
             out = original(tensor, *args)
             end = time.perf_counter()
             tag = f"{self.prefix}/{op}"
             entry = self.log.record(op, group, tag, payload, size, end - start if self.log.timed else 0.0)
-            self.log.span("call", op, group, tag, start, end, entry)
-            self._awaiting[id(out)] = (op, group, tag)
+            span_id = self.log.span("call", op, group, tag, start, end, entry, cpu_start=cpu_start, posted=True)
+            self._awaiting[id(out)] = ((op, group, tag), span_id)
             return out
 
         return call
 
     def _timed_wait(self, original):
         def call(tensor):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), cpu_time()
             out = original(tensor)
             end = time.perf_counter()
-            key = self._awaiting.pop(id(tensor), None)
-            if key is not None and self.log.timed:
+            awaited = self._awaiting.pop(id(tensor), None)
+            if awaited is not None and self.log.timed:
+                key, span_id = awaited
                 self.log.add_seconds(*key, end - start)
-                self.log.span("wait", *key, start, end)
+                self.log.span("wait", *key, start, end, cpu_start=cpu_start,
+                              waits=() if span_id is None else (span_id,))
             return out
 
         return call
@@ -132,6 +142,7 @@ class PipelineP2PCounter:
         self.prefix = tag_prefix
         self._module = schedules
         self._originals: dict[str, object] = {}
+        self._batches: dict[int, list[int]] = {}  # id(works of a batch) -> its posts' spans
 
     def __enter__(self):
         for name, wrap in (("_batch_p2p", self._counted), ("_wait_batch_p2p", self._timed_wait)):
@@ -148,10 +159,11 @@ class PipelineP2PCounter:
 
     def _counted(self, original):
         def call(p2p_ops, *args, **kwargs):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), cpu_time()
             works = original(p2p_ops, *args, **kwargs)
             share = (time.perf_counter() - start) / max(len(p2p_ops), 1)
             seconds = share if self.log.timed else 0.0
+            span_ids = []
             for i, p in enumerate(p2p_ops):
                 kind = "send" if p.op is dist.isend else "recv"
                 group, size = self.groups((p.group or dist.group.WORLD).group_name)
@@ -160,22 +172,27 @@ class PipelineP2PCounter:
                        else f"{self.prefix}/recv")
                 entry = self.log.record(kind, group, tag, tensor_bytes(p.tensor), size, seconds)
                 # Each op its equal share of the batch's posting time, one after the other.
-                self.log.span("call", kind, group, tag, start + i * share, start + (i + 1) * share, entry)
+                peer = dist.get_global_rank(p.group or dist.group.WORLD, p.group_peer)
+                span_ids.append(self.log.span("call", kind, group, tag, start + i * share, start + (i + 1) * share,
+                                              entry, cpu_start=cpu_start, peer=peer, posted=True))
+            self._batches[id(works)] = [i for i in span_ids if i is not None]
             return works
 
         return call
 
     def _timed_wait(self, original):
         def call(works, *args, **kwargs):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), cpu_time()
             out = original(works, *args, **kwargs)
             end = time.perf_counter()
+            waits = self._batches.pop(id(works), ())
             if self.log.timed and self.groups.by_name:
                 group = next(iter(self.groups.by_name.values()))[0]
                 # Which op a finished batch was cannot be told from its Work objects: waiting is
                 # charged to the receives, which are what a pipeline stage waits for.
                 self.log.add_seconds("recv", group, f"{self.prefix}/recv", end - start)
-                self.log.span("wait", "recv", group, f"{self.prefix}/recv", start, end)
+                self.log.span("wait", "recv", group, f"{self.prefix}/recv", start, end, cpu_start=cpu_start,
+                              waits=waits)
             return out
 
         return call

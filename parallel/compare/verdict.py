@@ -119,7 +119,7 @@ def opening(rows: list[dict], summaries: dict[str, dict], meta: dict) -> list[st
 def caveats(rows: list[dict], meta: dict) -> list[str]:
     """Oversubscribed and noisy rows, in words (the paragraph after the opening)."""
     ok = [r for r in rows if r["status"] == "ok"]
-    out = []
+    out = [meta["clock_sentence"]] if meta.get("clock_sentence") else []
     over = [r["strategy"] for r in ok if r.get("oversubscribed")]
     if over:
         out.append(f"Oversubscribed: {', '.join(over)} ran more ranks than this machine has {meta['capacity_unit']} "

@@ -19,6 +19,9 @@ communication log's spans from the phase they fall in. Recomputation inside back
 phase where the code that recomputes marks it (`phases("recompute")`, then the phase it
 interrupted); otherwise it is counted as backward, where it runs.
 
+Each mark also reads the second clock, the thread's CPU time (dist/timing.py): a phase's CPU
+seconds are what the replay (parallel/replay/) times it by, a device of its own per rank.
+
 Outside the training loop (a strategy built by a test or a bench) there is no clock and a mark
 costs one attribute test.
 """
@@ -36,31 +39,34 @@ class PhaseLog:
 
     def __init__(self):
         self.clock = None  # set for the duration of a step by the training loop
-        self._marks: list[tuple[str, str, object]] = []
+        self._marks: list[tuple[str, str, object, float]] = []  # phase, label, stamp, thread CPU time
         self._resolver = None
 
     def begin_step(self, clock) -> None:
         """The step began at the clock's origin: until the strategy's first mark it is "unmarked"."""
         self.clock = clock
-        self._marks = [("unmarked", "", clock.origin)]
+        self._marks = [("unmarked", "", clock.origin, clock.origin_cpu)]
 
     def __call__(self, phase: str, label: str = "") -> None:
         if self.clock is None:
             return
         if phase not in CATEGORY_OF_PHASE:
             raise ValueError(f"phase {phase!r} is none of {', '.join(CATEGORY_OF_PHASE)}")
-        self._marks.append((phase, label, self.clock.now()))
+        self._marks.append((phase, label, self.clock.now(), self.clock.cpu_now()))
 
     def stop(self) -> None:
         """The step is over (it ends at the clock's end): later marks are ignored."""
         self._resolver, self.clock = self.clock, None
 
     def resolve(self) -> list[dict]:
-        """[{phase, label, start, end}] in seconds from the step's origin, in order, the last one
-        ending at the step's end; phases of zero length (two marks in a row) are left out."""
+        """[{phase, label, start, end, cpu_start, cpu_end}] in seconds from the step's origin (wall,
+        and the thread's CPU time), in order, the last one ending at the step's end; phases of zero
+        wall length (two marks in a row) are left out."""
         if self._resolver is None:
             return []
-        seconds = self._resolver.seconds
-        times = [seconds(stamp) for _, _, stamp in self._marks] + [seconds(self._resolver.end)]
-        return [{"phase": phase, "label": label, "start": times[i], "end": times[i + 1]}
-                for i, (phase, label, _) in enumerate(self._marks) if times[i + 1] > times[i]]
+        clock = self._resolver
+        times = [clock.seconds(stamp) for _, _, stamp, _ in self._marks] + [clock.seconds(clock.end)]
+        cpus = [clock.cpu_seconds(c) for _, _, _, c in self._marks] + [clock.cpu_seconds(clock.end_cpu)]
+        return [{"phase": phase, "label": label, "start": times[i], "end": times[i + 1],
+                 "cpu_start": cpus[i], "cpu_end": cpus[i + 1]}
+                for i, (phase, label, _, _) in enumerate(self._marks) if times[i + 1] > times[i]]

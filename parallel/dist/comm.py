@@ -16,6 +16,13 @@ or the wait for it) started and ended, with its bytes. They are what the step's 
 subtracts from its phases and what trace.json draws (parallel/report/breakdown.py, trace.py); only
 the last step's are kept, so the cost is one tuple per call.
 
+Each span also carries the second clock: the CPU time of the calling thread (`time.thread_time()`, parallel/dist/timing.py)
+at its start and end, the thread that runs the rank's compute. With it the replay
+(parallel/replay/) rebuilds the step as if the rank had a core of its own: the compute between two
+calls is the CPU time between them, which does not advance while the thread waits for a core or
+blocks in a call. A span also names its peer (global rank) for a send or receive, its id, and for a
+wait the ids of the posts it waits for, so that the replay can pair every wait with its post.
+
 Bytes come from shapes and dtypes, so counting never synchronises a device. Traffic that the tools
 add themselves (gathering metrics, reducing the loss for the log) is tagged `tooling/...` and kept
 apart from the strategy's own figures.
@@ -33,6 +40,8 @@ from fractions import Fraction
 
 import torch
 import torch.distributed as dist
+
+from parallel.dist.timing import cpu_time
 
 TOOLING_PREFIX = "tooling/"
 
@@ -104,10 +113,13 @@ class CommLog:
         self._current: StepTraffic = self.outside
         # GPU calls whose time is known only once their events complete: (record, interval).
         self._unresolved: list[tuple[Totals, "DeviceInterval"]] = []
-        # The step's spans: (kind, op, group, tag, payload, sent, start stamp, end stamp), kind
-        # "call" (blocking), "post" (an async call returning at once) or "wait" (for an async call).
+        # The step's spans: (kind, op, group, tag, payload, sent, start stamp, end stamp, cpu start, cpu
+        # end, peer, waits, posted), kind "call" (blocking), "post" (an async call returning at once)
+        # or "wait" (for an async call). A span's id is unique in the run (`_span_base` + its index in
+        # the step), so a wait for a post of an earlier step never names one of this step's.
         self.clock = None  # a StepClock, set by the training loop; None: no spans
         self._spans: list[tuple] = []
+        self._span_base = 0
         self._in_step = False
         self.last_spans: list[dict] = []  # the last finished step's, resolved (seconds from its origin)
 
@@ -118,6 +130,7 @@ class CommLog:
 
     def begin_step(self) -> None:
         self._current = defaultdict(Totals)
+        self._span_base += len(self._spans)
         self._spans = []
         self._in_step = True
 
@@ -130,20 +143,33 @@ class CommLog:
         self._current = self.outside
         return traffic
 
-    def span(self, kind: str, op: str, group: str, tag: str, start, end, entry: Totals | None = None) -> None:
+    def span(self, kind: str, op: str, group: str, tag: str, start, end, entry: Totals | None = None, *,
+             cpu_start: float | None = None, peer: int | None = None, waits: tuple = (),
+             posted: bool = False) -> int | None:
         """Keep one call's span in this step (start, end: StepClock stamps; `entry`: the call's
-        record, whose bytes the span carries; none for a wait, whose call carried them)."""
-        if self.spanning:
-            payload, sent = (entry.payload_bytes, entry.sent_bytes) if entry is not None else (0, 0)
-            self._spans.append((kind, op, group, tag, payload, sent, start, end))
+        record, whose bytes the span carries; none for a wait, whose call carried them); returns
+        its id (None when not spanning). The thread's CPU time at the end is read here, at the
+        start by the caller (`cpu_start`; None: the same as the end). `peer`: a send's or receive's
+        other end (global rank); `waits`: the ids of the posts a wait waits for; `posted`: a call
+        drawn as blocking (PyTorch's pipeline posts) that the replay must treat as a post."""
+        if not self.spanning:
+            return None
+        cpu_end = cpu_time()
+        payload, sent = (entry.payload_bytes, entry.sent_bytes) if entry is not None else (0, 0)
+        self._spans.append((kind, op, group, tag, payload, sent, start, end,
+                            cpu_end if cpu_start is None else cpu_start, cpu_end, peer, tuple(waits), posted))
+        return self._span_base + len(self._spans) - 1
 
     def resolve_spans(self) -> list[dict]:
         if self.clock is None:
             return []
-        seconds = self.clock.seconds
+        seconds, cpu = self.clock.seconds, self.clock.cpu_seconds
         return [{"kind": kind, "op": op, "group": group, "tag": tag, "payload_bytes": payload,
-                 "sent_bytes": float(sent), "start": seconds(start), "end": seconds(end), "blocked": kind != "post"}
-                for kind, op, group, tag, payload, sent, start, end in self._spans]
+                 "sent_bytes": float(sent), "start": seconds(start), "end": seconds(end), "blocked": kind != "post",
+                 "cpu_start": cpu(c0), "cpu_end": cpu(c1), "id": self._span_base + i, "peer": peer, "waits": list(waits),
+                 "posted": posted}
+                for i, (kind, op, group, tag, payload, sent, start, end, c0, c1, peer, waits, posted)
+                in enumerate(self._spans)]
 
     def record(self, op: str, group: str, tag: str, payload_bytes: int, group_size: int, seconds: float = 0.0,
                sent_bytes: int | None = None) -> Totals:
@@ -246,13 +272,15 @@ def _failed(comm: "Communicator", op: str, tag: str, error: Exception, peer: int
 class Handle:
     """An async call's work object; `wait()` charges the time blocked to the call's record."""
 
-    def __init__(self, work, comm: "Communicator", op: str, tag: str, cuda: bool = False, peer: int | None = None):
+    def __init__(self, work, comm: "Communicator", op: str, tag: str, cuda: bool = False, peer: int | None = None,
+                 span_id: int | None = None):
         self._work = work
         self._comm = comm
         self._op = op
         self._tag = tag
         self._cuda = cuda
         self._peer = peer
+        self._span_id = span_id  # the post's span in this step (None: not spanning), which the wait names
 
     def wait(self) -> None:
         if self._work is None:
@@ -260,17 +288,19 @@ class Handle:
         log = self._comm.log
         interval = DeviceInterval() if log.timed and self._cuda else None
         start = time.perf_counter() if log.timed and not self._cuda else 0.0
+        cpu_start = cpu_time() if log.spanning else None
+        waits = () if self._span_id is None else (self._span_id,)
         try:
             self._work.wait()
         except RuntimeError as e:
             raise _failed(self._comm, self._op, self._tag, e, self._peer) from e
         if interval is not None:
             log.add_device_interval(self._op, self._comm.name, self._tag, interval.stop())
-            log.span("wait", self._op, self._comm.name, self._tag, *interval.stamps())
+            log.span("wait", self._op, self._comm.name, self._tag, *interval.stamps(), cpu_start=cpu_start, waits=waits)
         elif log.timed:
             end = time.perf_counter()
             log.add_seconds(self._op, self._comm.name, self._tag, end - start)
-            log.span("wait", self._op, self._comm.name, self._tag, start, end)
+            log.span("wait", self._op, self._comm.name, self._tag, start, end, cpu_start=cpu_start, waits=waits)
         # Drop the work object at once: gloo work objects that outlive the process group keep
         # tensors alive into interpreter shutdown (see parallel/dist/groups.py).
         self._work = None
@@ -303,6 +333,7 @@ class Communicator:
         clocked = timed or spanning
         interval = DeviceInterval() if clocked and cuda else None
         start = time.perf_counter() if clocked and not cuda else 0.0
+        cpu_start = cpu_time() if spanning else None
         try:
             work = fn()
         except RuntimeError as e:
@@ -313,11 +344,13 @@ class Communicator:
             interval.stop()
             if timed:
                 self.log.add_device_interval(op, self.name, tag, interval)
+        span_id = None
         if spanning:
             stamps = interval.stamps() if interval is not None else (start, end)
-            self.log.span("post" if async_op else "call", op, self.name, tag, *stamps, entry)
+            span_id = self.log.span("post" if async_op else "call", op, self.name, tag, *stamps, entry,
+                                    cpu_start=cpu_start, peer=None if peer is None else self.global_ranks[peer])
         if async_op:
-            handle = Handle(work, self, op, tag, cuda, peer)
+            handle = Handle(work, self, op, tag, cuda, peer, span_id)
             self._pending.add(handle)
             return handle
         return None
@@ -346,11 +379,12 @@ class Communicator:
 
     def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
         """An async sum whose result is a Future of the tensor (what DDP communication hooks return)."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_time()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         entry = self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
-        # Host time even on a GPU: DDP calls this hook from its reducer, and waits for it there.
-        self.log.span("post", "all_reduce", self.name, tag, start, time.perf_counter(), entry)
+        # Host time even on a GPU: DDP calls this hook from its reducer, and waits for it there, out
+        # of the log's sight (the post has no wait span: the replay's rule for it is in parallel/replay/graph.py).
+        self.log.span("post", "all_reduce", self.name, tag, start, time.perf_counter(), entry, cpu_start=cpu_start)
         return work.get_future().then(lambda fut: fut.value()[0])
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, tag: str, async_op: bool = False):
@@ -400,19 +434,24 @@ class Communicator:
         ]
         clock = self.log.clock if self.log.spanning else None
         start = clock.now() if clock is not None else None
+        cpu_start = cpu_time() if clock is not None else None
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:
             raise _failed(self, "batch_p2p", ops[0][3], e, ops[0][2]) from e
         end = clock.now() if clock is not None else None
-        for kind, tensor, _, tag in ops:
+        span_ids = []
+        for kind, tensor, peer, tag in ops:
             entry = self.log.record(kind, self.name, tag, tensor_bytes(tensor), self.size)
-            self.log.span("post", kind, self.name, tag, start, end, entry)
+            span_ids.append(self.log.span("post", kind, self.name, tag, start, end, entry, cpu_start=cpu_start,
+                                          peer=self.global_ranks[peer]))
         # One work per op on gloo; NCCL may coalesce the batch into one. Waiting time is charged
         # to the op a work belongs to (the first op's, when coalesced).
         labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3], None)] * len(works)
         cuda = any(tensor.is_cuda for _, tensor, _, _ in ops)
-        handles = [Handle(work, self, kind, tag, cuda, peer) for work, (kind, tag, peer) in zip(works, labels)]
+        ids = span_ids if len(works) == len(ops) else [span_ids[0]] * len(works)
+        handles = [Handle(work, self, kind, tag, cuda, peer, span_id)
+                   for work, (kind, tag, peer), span_id in zip(works, labels, ids)]
         self._pending.update(handles)
         return handles
 

@@ -9,6 +9,14 @@ onto the current stream before the step's end event).
 
 The same clock stamps the step's phases and communication calls (StepClock), so that the time
 breakdown (parallel/report/breakdown.py) divides exactly the time measured.
+
+Beside the wall clock, the step has a second one: the CPU time of the thread that runs the rank's
+compute (`time.thread_time()`, CLOCK_THREAD_CPUTIME_ID), read at the step's origin and end and at
+every phase mark and call. With one intra-op thread per rank (the training loop sets it), CPU
+autograd running backward on the thread that called it, and gloo's own threads (which move the
+bytes) left out, it is the rank's compute as one dedicated core would take it: it does not advance
+while the thread waits for a core or blocks in a call. The replay (parallel/replay/) rebuilds the
+step from it.
 """
 
 from __future__ import annotations
@@ -16,6 +24,26 @@ from __future__ import annotations
 import time
 
 import torch
+
+
+def _thread_cpu() -> float:
+    return time.thread_time()
+
+
+_cpu_clock = _thread_cpu
+
+
+def cpu_time() -> float:
+    """The second clock: the compute thread's CPU time (or the process's: `count_every_thread`)."""
+    return _cpu_clock()
+
+
+def count_every_thread(on: bool) -> None:
+    """With more than one intra-op thread per rank (a single process on every core), the matmuls
+    run on several threads: then the second clock is the process's CPU time, all its threads, the
+    compute as one core would take it (there is no gloo thread to leave out in one process)."""
+    global _cpu_clock
+    _cpu_clock = time.process_time if on else _thread_cpu
 
 
 class StepClock:
@@ -40,16 +68,20 @@ class StepClock:
         self.origin = None  # the step's first stamp
         self.end = None  # its last, once the step is over
         self._origin_host = 0.0
+        self.origin_cpu = 0.0  # the thread's CPU time at the origin, and at the end
+        self.end_cpu = 0.0
 
     def begin_step(self) -> None:
         self.origin_wall = time.time()
         self._origin_host = time.perf_counter()
         self.origin = self.now() if self.cuda else self._origin_host
+        self.origin_cpu = cpu_time()
         self.end = None
 
     def end_step(self) -> float:
         """Stamp the step's end; its seconds (on a GPU this waits for the stream to get there)."""
         self.end = self.now()
+        self.end_cpu = cpu_time()
         return self.seconds(self.end)
 
     def now(self):
@@ -58,6 +90,15 @@ class StepClock:
             event.record()
             return event
         return time.perf_counter()
+
+    @staticmethod
+    def cpu_now() -> float:
+        """The second clock's stamp: this thread's CPU time."""
+        return cpu_time()
+
+    def cpu_seconds(self, cpu_stamp: float) -> float:
+        """CPU seconds of the calling thread from the origin to `cpu_stamp`."""
+        return cpu_stamp - self.origin_cpu
 
     def seconds(self, stamp) -> float:
         if isinstance(stamp, float):

@@ -8,6 +8,12 @@ from pathlib import Path
 GIB = 2**30
 
 
+
+def _virtual_cell(figures: dict, key: str, fmt: str) -> str:
+    """" (virtual x)": the replay's figure beside the wall one (parallel/replay/), where the run has it."""
+    value = figures.get(key)
+    return "" if value is None else f" (virtual {value:{fmt}})"
+
 def layout_label(layout: dict) -> str:
     """`2x4x8 m16 1f1b v2 sp z1`: dp x tp x pp (x cp, ep where used), microbatches, schedule, options."""
     dims = f"{layout['dp']}x{layout['tp']}x{layout['pp']}"
@@ -154,6 +160,7 @@ def markdown_validation(rows: list[dict]) -> str:
         same = "yes" if e["bytes_equal"] else "NO"
         lines.append(
             f"| {r['rank']} | {r['layout']['preset']} {layout_label(r['layout'])} | {t['total']:.3f} | "
-            f"{m['step_time_s']:.3f} | {e['step_time']:+.0%} | {t['exposed_comm']:.3f}/{m['exposed_comm_s']:.3f} | "
+            f"{m['step_time_s']:.3f}{_virtual_cell(m, 'virtual_step_time_s', '.3f')} | {e['step_time']:+.0%}"
+            f"{_virtual_cell(e, 'virtual_step_time', '+.0%')} | {t['exposed_comm']:.3f}/{m['exposed_comm_s']:.3f} | "
             f"{bubble} | {m['sent_bytes_per_step'] / 1e6:.3f} {same} | {acts} | {state} |")
     return "\n".join(lines)

@@ -7,6 +7,11 @@ the model preset, the validation's steps and the planner's peak FLOP/s (so the r
 prediction's use one peak). The run's summary.json gives what is compared:
 
     step_time_s          summary step_time_s (median of the timed steps, slowest rank)
+    virtual_step_time_s  summary virtual.step_time_s: the same steps replayed with a device per rank
+                         (parallel/replay/), the figure a prediction that gives each rank its own
+                         compute should be compared with where ranks outnumber the cores
+    virtual_exposed_comm_s, virtual_bubble_fraction  the replay's exposed communication (mean over
+                         ranks) and its bubble share of the step
     exposed_comm_s       comm.exposed_seconds_per_step (mean over ranks)
     bubble_fraction      pipeline.bubble_measured (pipelines: idle share of rank-time)
     bytes                comm.sent_bytes_per_step (all ranks, the log's count) against the row's
@@ -79,6 +84,7 @@ def measured_columns(row: dict, summary: dict) -> tuple[dict, dict]:
     net = summary.get("net") or {}
     measured = {
         "step_time_s": summary["step_time_s"],
+        **_virtual(summary),
         "tokens_per_s": summary["tokens_per_s"],
         "mfu": summary["mfu"]["mfu"],
         "exposed_comm_s": summary["comm"]["exposed_seconds_per_step"],
@@ -102,6 +108,8 @@ def measured_columns(row: dict, summary: dict) -> tuple[dict, dict]:
     t = row["step_time_s"]
     errors = {
         "step_time": _rel(t["total"] if t else None, measured["step_time_s"]),
+        "virtual_step_time": _rel(t["total"] if t else None, measured["virtual_step_time_s"]),
+        "virtual_exposed_comm": _rel(t["exposed_comm"] if t else None, measured["virtual_exposed_comm_s"]),
         "exposed_comm": _rel(t["exposed_comm"] if t else None, measured["exposed_comm_s"]),
         "bubble_fraction": (t["bubble"] / t["total"] - measured["bubble_fraction"])
         if t and measured["bubble_fraction"] is not None else None,
@@ -114,6 +122,16 @@ def measured_columns(row: dict, summary: dict) -> tuple[dict, dict]:
         "model_state": _rel(max(states), measured["model_state_bytes_max"]) if None not in states else None,
     }
     return measured, errors
+
+
+def _virtual(summary: dict) -> dict:
+    """The replay's figures of the run (None where it has no virtual block)."""
+    v = summary.get("virtual") or {}
+    if "step_time_s" not in v:
+        return {"virtual_step_time_s": None, "virtual_exposed_comm_s": None, "virtual_bubble_fraction": None}
+    parts = v["time_breakdown_s"]
+    return {"virtual_step_time_s": v["step_time_s"], "virtual_exposed_comm_s": parts["exposed_comm"],
+            "virtual_bubble_fraction": parts["bubble"] / v["step_time_s"] if v["step_time_s"] else None}
 
 
 def _exact_equal(row: dict, summary: dict) -> bool:

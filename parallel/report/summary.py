@@ -38,6 +38,10 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       time_breakdown_by_rank: the five per rank, with its coordinates
   trace               trace.json (every rank's last step, Perfetto) and timeline.png: the files and
                       their step (added by parallel/train.py; parallel/report/trace.py)
+  virtual             the step as it would take with a device per rank (parallel/report/virtual.py,
+                      parallel/replay/): step_time_s, tokens_per_s, mfu, time_breakdown_s (the same five,
+                      mean) and time_breakdown_by_rank, what the step waits on, the link model, and
+                      trace_virtual.json / timeline_virtual.png; events/ holds what it was replayed from
 """
 
 from __future__ import annotations
@@ -55,12 +59,13 @@ from parallel.moe.report import routing_block, with_measured_routing
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.report.trace import write_run_trace
+from parallel.report.virtual import virtual_block
 
 SCHEMA_VERSION = 1
 
 
 def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], device: torch.device,
-                  run_dir: Path, net: dict | None = None) -> dict:
+                  run_dir: Path, net: dict | None = None, links=None) -> dict:
     """The whole summary.json from the plan, the global losses and every rank's report."""
     spec = plan.spec
     # A mixture of experts' routing is part of the step's layout: expert parallelism's all-to-all
@@ -137,6 +142,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     summary["net"] = net
     # The last step of every rank as trace.json (and timeline.png): drawn from the summary's own figures.
     summary["trace"] = write_run_trace(run_dir, rank_reports, summary, draw=plan.timeline)
+    # The same steps replayed with a device per rank (compute in thread CPU time, links modelled).
+    summary["virtual"] = virtual_block(plan, rank_reports, summary, run_dir, links)
     return summary
 
 

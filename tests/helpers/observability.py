@@ -8,6 +8,9 @@ adding up to the slowest rank's step (its own, plus its wait for the slowest).
 check_trace: trace.json is Chrome trace JSON (what Perfetto opens) with one process per rank named
 by its global rank and coordinates, and the bytes on each rank's communication spans equal what
 the communication log recorded for that rank in the last step, call for call.
+Both also check the virtual clock (parallel/replay/): the `virtual` block's five parts add up to
+its step on every rank, trace_virtual.json has every rank, and replaying the saved events again
+gives the summary's numbers exactly.
 """
 
 from __future__ import annotations
@@ -42,10 +45,49 @@ def check_time_breakdown(s: dict) -> dict:
         assert r["step_s"] <= step and sum(r[c] for c in CATEGORIES) == pytest.approx(step, rel=1e-9)
     compute = detail["compute_s"]
     assert set(compute) >= {"forward", "backward", "recompute"}
+    check_virtual_breakdown(s)
     return parts
 
 
+def check_virtual_breakdown(s: dict) -> dict:
+    v = s["virtual"]
+    assert v is not None and "error" not in v, v
+    assert list(v["time_breakdown_s"]) == list(CATEGORIES)
+    step = v["step_time_s"]
+    assert step > 0 and step in v["step_times_s"]
+    assert [r["rank"] for r in v["time_breakdown_by_rank"]] == list(range(s["world_size"]))
+    for r in v["time_breakdown_by_rank"]:
+        assert all(r[c] >= -1e-12 for c in CATEGORIES), r
+        assert sum(r[c] for c in CATEGORIES) == pytest.approx(step, rel=1e-9)
+    assert sum(v["time_breakdown_s"].values()) == pytest.approx(step, rel=1e-9)
+    assert v["tokens_per_s"] == pytest.approx(s["tokens_per_step"] / step, rel=1e-12)
+    return v
+
+
+def check_virtual_replay(run_dir: Path, s: dict) -> None:
+    """The saved events replayed twice give the summary's virtual numbers, to the last bit."""
+    from parallel.replay import events
+    from parallel.replay.links import LinkModel
+    from parallel.replay.virtual import replay_run
+
+    v = s["virtual"]
+    saved = events.load(run_dir)
+    assert [e["rank"] for e in saved] == list(range(s["world_size"]))
+    links = LinkModel.from_dict(v["link_model"])
+    kwargs = dict(tokens_per_step=s["tokens_per_step"], flops_per_token=s["mfu"]["flops_per_token"],
+                  peak_per_device=v["mfu"]["peak_flops_per_device"])
+    first, _ = replay_run(saved, links, **kwargs)
+    second, _ = replay_run(saved, links, **kwargs)
+    for block in (first, second):
+        assert block["step_times_s"] == v["step_times_s"]
+        assert block["time_breakdown_s"] == v["time_breakdown_s"]
+    trace = json.loads((run_dir / "trace_virtual.json").read_text())
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert pids == set(range(s["world_size"]))
+
+
 def check_trace(run_dir: Path, s: dict) -> dict:
+    check_virtual_replay(run_dir, s)
     trace = json.loads((run_dir / "trace.json").read_text())
     events = trace["traceEvents"]
     world = s["world_size"]

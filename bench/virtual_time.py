@@ -1,0 +1,232 @@
+"""How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
+
+    python bench/virtual_time.py [checks=stability,faithful,contention,pipelines,network] [model=tiny]
+                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run]
+
+Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
+root), reads the run's summary.json, and for some replays its saved events again:
+
+  stability    dp, tp, pp_1f1b (m 4), zero2, torch_ddp at world 4, `repeats` times each: virtual
+               tokens/s against its median (the claim: within 5%), wall tokens/s beside
+  faithful     the same at world 2 (a core per rank on a 2-core machine): virtual step against wall
+               step (the claim: within 5%, on an idle machine)
+  contention   the world-4 runs of `stability` replayed with their 4 ranks sharing the machine's
+               cores (processor sharing): against their wall step (the claim: within 10%)
+  pipelines    every schedule of ours at p 4, m 8: the virtual bubble (idle share of the pipeline
+               ranks' time from the step's start to its last F/B/W) against the simulator's with the
+               run's measured mean F, B and W (CPU time per microbatch; the claim: within 3 points)
+  network      dp, tp, pp_1f1b at world 2 on loopback, replayed onto net=ethernet_1g with
+               inter_mbit=200, against launch.run's measured step on that emulated network (10%)
+
+The loopback link model is probed once (parallel/planner/loopback.py, 2 ranks) and given to every
+run (`virtual.loopback_*`); loopback=per-run lets each run probe its own, as a plain run does.
+
+Prints one table per check, the exact commands it ran, and writes them to <out>/table.md.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from parallel.pp.actions import B, F, W  # noqa: E402
+from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
+from parallel.replay import events as saved  # noqa: E402
+from parallel.replay.links import LinkModel, from_net  # noqa: E402
+from parallel.replay.virtual import replay_step  # noqa: E402
+from parallel.report.mfu import usable_cores  # noqa: E402
+
+STRATEGIES = ["dp", "tp", "pp_1f1b", "zero2", "torch_ddp"]
+PIPELINES = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved": "interleaved_1f1b", "pp_zbh1": "zbh1",
+             "pp_zbv": "zbv", "pp_dualpipev": "dualpipev"}
+COMMANDS: list[str] = []
+
+
+def train(world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> dict:
+    if net:
+        cmd = [sys.executable, "-m", "launch.run", *net, *overrides, f"run.dir={run_dir}"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               "-m", "launch.train", *overrides, f"run.dir={run_dir}", "run.timeline=false"]
+    COMMANDS.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", ""))
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def layout(strategy: str) -> list[str]:
+    return [f"parallel={strategy}"] + (["parallel.microbatches=4"] if strategy.startswith(("pp_", "torch_pp")) else [])
+
+
+def replayed(run_dir: Path, summary: dict, cores: float | None = None, links: LinkModel | None = None) -> float:
+    """The lower-median replayed step of a run's saved events (cores: processor sharing)."""
+    events = saved.load(run_dir)
+    links = links or LinkModel.from_dict(summary["virtual"]["link_model"])
+    times = sorted(replay_step(events, i, links, cores).step_s for i in range(len(events[0]["steps"])))
+    return times[(len(times) - 1) // 2]
+
+
+def table(title: str, header: list[str], rows: list[list]) -> str:
+    lines = [f"\n### {title}\n", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def stability(out: Path, common: list[str], repeats: int) -> tuple[str, dict]:
+    rows, runs = [], {}
+    for strategy in STRATEGIES:
+        summaries = []
+        for k in range(repeats):
+            d = out / f"w4-{strategy}-{k}"
+            summaries.append((d, train(4, [*common, *layout(strategy)], d)))
+        runs[strategy] = summaries
+        v = [s["virtual"]["tokens_per_s"] for _, s in summaries]
+        w = [s["tokens_per_s"] for _, s in summaries]
+        dev = max(abs(x / statistics.median(v) - 1) for x in v)
+        wdev = max(abs(x / statistics.median(w) - 1) for x in w)
+        rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{dev:.1%}", " / ".join(f"{x:.0f}" for x in w),
+                     f"±{wdev:.1%}"])
+    return table(f"Stability: world 4, {repeats} repeats (tokens/s)",
+                 ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median"], rows), runs
+
+
+def faithful(out: Path, common: list[str]) -> str:
+    rows = []
+    for strategy in STRATEGIES:
+        s = train(2, [*common, *layout(strategy)], out / f"w2-{strategy}")
+        v, w = s["virtual"]["step_time_s"], s["step_time_s"]
+        rows.append([strategy, f"{v * 1e3:.1f}", f"{w * 1e3:.1f}", f"{v / w - 1:+.1%}"])
+    return table("Faithfulness: world 2, a core per rank (step ms)", ["strategy", "virtual", "wall", "virtual/wall-1"],
+                 rows)
+
+
+def contention(runs: dict) -> str:
+    cores = usable_cores()
+    rows = []
+    for strategy, summaries in runs.items():
+        for d, s in summaries[:1]:
+            shared = replayed(d, s, cores=cores)
+            rows.append([strategy, f"{s['virtual']['step_time_s'] * 1e3:.1f}", f"{shared * 1e3:.1f}",
+                         f"{s['step_time_s'] * 1e3:.1f}", f"{shared / s['step_time_s'] - 1:+.1%}"])
+    return table(f"Contention: world-4 runs replayed with 4 ranks sharing {cores} cores (step ms)",
+                 ["strategy", "virtual (a core each)", f"replayed on {cores} cores", "wall", "replayed/wall-1"], rows)
+
+
+def pipeline_bubble(run_dir: Path, summary: dict) -> tuple[float, dict]:
+    """The virtual bubble of the first pipeline, and the mean F, B, W CPU seconds per microbatch."""
+    events = saved.load(run_dir)
+    links = LinkModel.from_dict(summary["virtual"]["link_model"])
+    index = summary["virtual"]["step_times_s"].index(summary["virtual"]["step_time_s"])
+    result = replay_step(events, index, links)
+    ranks = [e["rank"] for e in events if e["coords"].get("dp", 0) == 0 and e["coords"].get("tp", 0) == 0]
+    work = [i for i in result.intervals if i.rank in ranks and i.kind == "compute" and i.label[:1] in (F, B, W)
+            and i.name in ("forward", "backward", "weight", "recompute")]
+    end = max(i.end for i in work)
+    busy = sum(i.end - i.start for i in work)
+    costs = {}
+    # The CPU time of posting sends and receives (the executor's p2p phases), per send or receive.
+    p2p = [p for e in events if e["rank"] in ranks for p in e["steps"][index]["phases"] if p["phase"] == "p2p"
+           and p["label"] != "wait sends"]
+    actions = sum(len(p["label"].split()) for p in p2p)
+    costs["comm"] = sum(p["cpu_end"] - p["cpu_start"] for p in p2p) / max(actions, 1)
+    for op in (F, B, W):
+        pieces = [i.end - i.start for i in work if i.label.startswith(op)]
+        labels = {(i.rank, i.label) for i in work if i.label.startswith(op)}
+        costs[op] = sum(pieces) / max(len(labels), 1)
+    return 1 - busy / (len(ranks) * end), costs
+
+
+def pipelines(out: Path, common: list[str]) -> str:
+    rows = []
+    for preset, schedule in PIPELINES.items():
+        v = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+        # model=small: 8 layers, enough for 2 chunks per stage on 4 stages (tiny has 4)
+        overrides = [*[c for c in common if not c.startswith("model=")], "model=small", f"parallel={preset}",
+                     "parallel.pp=4", "parallel.microbatches=8"]
+        try:
+            s = train(4, overrides, out / f"pp4-{preset}")
+        except subprocess.CalledProcessError as e:
+            rows.append([preset, "failed", e.stderr[-200:] if e.stderr else "", "", ""])
+            continue
+        bubble, costs = pipeline_bubble(out / f"pp4-{preset}", s)
+        # Costs per microbatch through a rank's whole share: a chunk's measured time times v.
+        split = costs[W] > 0
+        cost = split_costs(costs[F] * v, costs[B] * v, costs[W] * v if split else 0)
+        sim = simulate_schedule(schedule, 4, 8, v, cost)
+        with_p2p = simulate_schedule(schedule, 4, 8, v, split_costs(cost.forward, cost.input_grad, cost.weight_grad,
+                                                                     costs["comm"]))
+        rows.append([preset, f"{bubble:.1%}", f"{sim.bubble_fraction:.1%}",
+                     f"{(bubble - sim.bubble_fraction) * 100:+.1f}", f"{with_p2p.bubble_fraction:.1%}",
+                     f"{(bubble - with_p2p.bubble_fraction) * 100:+.1f}", f"{s['pipeline']['bubble_measured']:.1%}"])
+    return table("Pipelines: p 4, m 8 (bubble)",
+                 ["preset", "virtual", "simulator (measured F, B, W)", "points",
+                  "simulator (F, B, W and each send/recv's posting CPU time)", "points", "wall (measured)"], rows)
+
+
+def network(out: Path, common: list[str]) -> str:
+    rows = []
+    net = ["net=ethernet_1g", "net.inter_mbit=200"]
+    for strategy in ["dp", "tp", "pp_1f1b"]:
+        d = out / f"w2-{strategy}"
+        s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else train(
+            2, [*common, *layout(strategy)], d)
+        loop = LinkModel.from_dict(s["virtual"]["link_model"])
+        links = from_net({"name": "ethernet_1g", "nodes": 2, "procs_per_node": 1, "inter_mbit": 200}, loop)
+        predicted = replayed(d, s, links=links)
+        try:
+            measured = train(2, [*common, *layout(strategy)], out / f"net200-{strategy}", net=net)["step_time_s"]
+        except subprocess.CalledProcessError as e:
+            rows.append([strategy, f"{predicted * 1e3:.1f}", "failed", (e.stderr or "")[-160:]])
+            continue
+        rows.append([strategy, f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{predicted / measured - 1:+.1%}"])
+    return table("Network what-if: loopback run at world 2 replayed onto 200 Mbit/s between 2 nodes (step ms)",
+                 ["strategy", "replayed", "launch.run measured", "replayed/measured-1"], rows)
+
+
+def main(argv: list[str]) -> None:
+    opts = {"checks": "stability,faithful,contention,pipelines,network", "model": "tiny", "steps": "8", "repeats": "3",
+            "out": "runs/virtual-bench", "loopback": "once"}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in opts:
+            raise SystemExit(f"unknown option {key!r}: {', '.join(opts)}")
+        opts[key] = value
+    out = ROOT / opts["out"]
+    out.mkdir(parents=True, exist_ok=True)
+    common = [f"model={opts['model']}", f"train.steps={opts['steps']}"]
+    if opts["loopback"] == "once":
+        # One probe for every run (2 ranks, one per core), so that the runs differ only in what they measured.
+        from parallel.planner.loopback import measure
+
+        loop = measure(2)
+        common += [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
+                   f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}"]
+    checks = opts["checks"].split(",")
+    parts = [f"# virtual time validation, {time.strftime('%Y-%m-%d %H:%M')}, {usable_cores()} cores, model "
+             f"{opts['model']}, {opts['steps']} steps"]
+    runs = {}
+    if "stability" in checks or "contention" in checks:
+        text, runs = stability(out, common, int(opts["repeats"]))
+        parts.append(text)
+    if "contention" in checks:
+        parts.append(contention(runs))
+    if "faithful" in checks:
+        parts.append(faithful(out, common))
+    if "pipelines" in checks:
+        parts.append(pipelines(out, common))
+    if "network" in checks:
+        parts.append(network(out, common))
+    parts.append("\n### Commands\n\n```\n" + "\n".join(COMMANDS) + "\n```")
+    text = "\n".join(parts)
+    print(text)
+    (out / "table.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,168 @@
+"""Replay a saved run on other links, without rerunning it: what-ifs in virtual time.
+
+    python -m launch.replay <run dir> net=<preset> [net.inter_mbit=200 ...]   another (emulated) network
+    python -m launch.replay <run dir> cluster=<preset>                        a cluster's links, compute
+                                                                                scaled by the FLOP rates
+    python -m launch.replay <run dir> cores=2                                 the run's own links, N ranks
+                                                                                sharing 2 cores (contention)
+    python -m launch.replay <run dir>                                         the run's own replay again
+
+It reads the events every run saves (events/rank<r>.json: parallel/replay/events.py) and the
+run's summary.json, replays every timed step (parallel/replay/), prints the step, its breakdown
+and what it now waits on, and writes summary.json (the run's, its `virtual` block replaced and a
+`replayed_from` added), trace_virtual.json and timeline_virtual.png into a new directory
+(`out=<dir>`; default <run dir>/replay-<what>, never the run's own files).
+
+On a cluster the compute is scaled by the ratio of one device's peak here (a core: the measured
+peak over the usable cores) to the cluster's per-GPU peak (conf/cluster/<preset>.yaml, the
+planner's figures, parallel/planner/cluster.py): that is a what-if, and labelled so: it keeps this
+run's efficiency, and a GPU's kernels would not scale as a CPU's do.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from parallel.replay import events as saved
+from parallel.replay.links import LinkModel, from_cluster, from_net
+from parallel.report.virtual import peak_per_device, write_virtual
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+USAGE = __doc__.split("\n\n")[1]
+
+
+class ReplayError(ValueError):
+    pass
+
+
+def _value(text: str):
+    """A command-line value as YAML reads it: 200 -> 200, null -> None, block -> "block"."""
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def parse(argv: list[str]) -> tuple[Path, dict]:
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        raise ReplayError(f"usage:\n{USAGE}")
+    run_dir, options = Path(argv[0]), {"fields": {}}
+    for arg in argv[1:]:
+        if "=" not in arg:
+            raise ReplayError(f"{arg!r}: expected key=value (net=, net.<field>=, cluster=, cores=, out=)")
+        key, value = arg.split("=", 1)
+        if key.startswith("net."):
+            options["fields"][key[4:]] = _value(value)
+        elif key in ("net", "cluster", "cores", "out"):
+            options[key] = value
+        else:
+            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, out=")
+    return run_dir, options
+
+
+def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, float, float | None, str]:
+    """(link model, compute scale, peak per device, label) for the options."""
+    own = summary.get("virtual") or {}
+    if "link_model" not in own:
+        raise ReplayError("the run's summary.json has no virtual link model (an older run, or its replay failed)")
+    base = LinkModel.from_dict(own["link_model"])
+    loop = base if base.name == "loopback" else LinkModel("loopback", base.intra, source=base.source)
+    if "cluster" in options:
+        from parallel.planner.cluster import cluster_from_config
+
+        path = CONF / "cluster" / f"{options['cluster']}.yaml"
+        if not path.exists():
+            raise ReplayError(f"cluster={options['cluster']}: no {path.relative_to(CONF.parent)}")
+        c = cluster_from_config(OmegaConf.to_container(OmegaConf.load(path)), world=world)
+        links = from_cluster(c.name, c.gpus_per_node, c.intra_bytes_per_s, c.inter_bytes_per_s, c.intra_latency_s,
+                             c.inter_latency_s, world, c.comm_efficiency)
+        here = peak_per_device(summary)
+        scale = here / c.peak_flops
+        label = (f"cluster={c.name}: compute scaled by {scale:.3g} (one device's peak here {here:.3g} FLOP/s over the "
+                 f"cluster's {c.peak_flops:.3g}), links from the preset")
+        return links, scale, c.peak_flops, label
+    if "net" in options or options["fields"]:
+        preset = options.get("net", (summary.get("config") or {}).get("net", {}).get("name", "none"))
+        path = CONF / "net" / f"{preset}.yaml"
+        if not path.exists():
+            raise ReplayError(f"net={preset}: no {path.relative_to(CONF.parent)}")
+        settings = {**OmegaConf.to_container(OmegaConf.load(path)), **options["fields"]}
+        nodes, per_node = int(settings.get("nodes") or 1), int(settings.get("procs_per_node") or 0) or world
+        if preset != "none" and nodes * per_node != world:
+            raise ReplayError(f"net={preset} has {nodes} x {per_node} ranks, the run {world}: set net.nodes and "
+                              "net.procs_per_node to match")
+        settings["procs_per_node"] = per_node
+        links = from_net(settings, loop) if preset != "none" else loop
+        changed = ", ".join(f"{k}={v}" for k, v in options["fields"].items())
+        return links, 1.0, None, f"net={preset}" + (f" ({changed})" if changed else "")
+    return base, 1.0, None, f"the run's own links ({base.name})"
+
+
+def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        raise ReplayError(f"{run_dir}: no summary.json (not a run directory, or the run did not finish)")
+    summary = json.loads(summary_path.read_text())
+    events = saved.load(run_dir)
+    links, scale, peak, label = links_for(options, summary, len(events))
+    cores = float(options["cores"]) if "cores" in options else None
+    name = options.get("out") or f"replay-{(options.get('cluster') or options.get('net') or 'own')}" + (
+        "".join(f"-{k}{v}" for k, v in options["fields"].items()) + (f"-cores{options['cores']}" if cores else ""))
+    out = run_dir / name if "out" not in options else Path(name)
+    out = _fresh(out)
+    what_if = label if "cluster" in options else None
+    block = write_virtual(out, events, summary, links, draw=True, cores=cores, compute_scale=scale, what_if=what_if,
+                          peak=peak)
+    block["replay"] = label
+    summary["virtual"] = block
+    summary["replayed_from"] = {"run_dir": str(run_dir), "what": label, "command": "python -m launch.replay "
+                                + " ".join([str(run_dir)] + sys.argv[2:] if sys.argv[1:2] == [str(run_dir)] else [])}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return out, block
+
+
+def _fresh(path: Path) -> Path:
+    """`path`, or path-2, path-3, ...: never a directory that holds files already."""
+    candidate, n = path, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        n += 1
+        candidate = path.with_name(f"{path.name}-{n}")
+    candidate.mkdir(parents=True, exist_ok=True)
+    return candidate
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def describe(block: dict, summary_wall: float | None = None) -> str:
+    b = block["time_breakdown_s"]
+    step = block["step_time_s"]
+    parts = " | ".join(f"{k.replace('_', ' ')} {_ms(v)} ({v / step:.0%})" for k, v in b.items()) if step else ""
+    lines = [f"replayed: {block['replay']}" + (" [WHAT-IF]" if block.get("what_if") else ""),
+             f"virtual step {_ms(step)} | {block['tokens_per_s']:.0f} tokens/s"
+             + (f" | wall step of the run {_ms(summary_wall)}" if summary_wall else ""),
+             f"breakdown (mean over ranks): {parts}",
+             f"waits on: {block['waits_on']}"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        run_dir, options = parse(argv)
+        out, block = replay(run_dir, options)
+    except (ReplayError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    wall = json.loads((run_dir / "summary.json").read_text()).get("step_time_s")
+    print(describe(block, wall))
+    print(f"wrote {out / 'summary.json'}, {out / 'trace_virtual.json'}, {out / 'timeline_virtual.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,194 @@
+"""From the events a run saved to the replay engine's programs: one step, every rank.
+
+A rank's saved step (events.py) is its phases, each with wall and CPU seconds from the step's
+start, and its communication spans in the order it made them, each with the CPU time at its start
+and end, its peer, its id and, for a wait, the ids of the posts it waits for. The program:
+
+* compute: the thread's CPU time between one call and the next, cut where the phases change (so
+  that each piece keeps its phase: forward, backward, optimizer, ...);
+* a blocking call or a wait: the CPU time inside it is left out (the rank was communicating; the
+  link model times that instead);
+* a post (an async call; PyTorch's pipeline posts, drawn as blocking calls, are posts here): the
+  rank goes on; its CPU time is the rank's own and stays in the next compute piece.
+
+Matching, across ranks: the k-th collective a rank made on a group (its name and its members)
+is the k-th of every member; the k-th message from rank a to rank b on a group is the k-th that b
+received from a. A collective's bytes and links are those of the algorithm gloo runs
+(parallel/net/predict.py: ring all-reduce, reduce-scatter as an all-reduce and a slice, ring
+all-gather, binomial broadcast, all-to-all blocks); its latency is the per-step latency of its
+links times the algorithm's steps (STEPS).
+
+Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
+where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
+all-reduces at the end of backward; a message that no wait names (none in this project's
+strategies) at the end of the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from parallel.net.predict import PredictionError, transfers
+from parallel.replay.engine import Call, Compute, Op, Post, Wait
+from parallel.replay.links import LinkModel
+
+P2P = ("send", "recv")
+
+
+def algorithm_steps(op: str, n: int) -> int:
+    """How many latency-bound steps the algorithm takes on n members (gloo's)."""
+    log2 = math.ceil(math.log2(n)) if n > 1 else 0
+    return {"all_reduce": 2 * (n - 1), "reduce_scatter": 2 * (n - 1), "all_gather": 2 * (n - 1),
+            "all_to_all": n - 1, "broadcast": log2, "broadcast_object": 2 * log2, "gather_object": 1,
+            "all_gather_object": 2 * (n - 1), "barrier": 2 * log2, "send": 1, "recv": 1}.get(op, n - 1)
+
+
+def is_post(span: dict) -> bool:
+    return span["kind"] == "post" or (span["kind"] == "call" and span.get("posted", False))
+
+
+def in_step(rank_step: dict) -> list[dict]:
+    """The spans made inside the step (not the loss reduced for the log after it)."""
+    end = rank_step["phases"][-1]["end"] if rank_step["phases"] else math.inf
+    return [s for s in rank_step["spans"] if s["start"] < end]
+
+
+def collective_demand(op: str, payload: int, sent: int, members: tuple[int, ...],
+                      links: LinkModel) -> tuple[dict, float]:
+    """{link: bytes} every member's transfers load, and the op's latency."""
+    n = len(members)
+    demand: dict = defaultdict(float)
+    latency = 0.0
+    for i, rank in enumerate(members):
+        if op == "gather_object":
+            moved = [(0, payload // n)] if i != 0 else []
+        elif op in ("broadcast_object", "all_gather_object"):
+            moved = [(t.to, t.nbytes * t.count) for t in transfers("broadcast" if op == "broadcast_object"
+                                                                    else "all_gather", payload, n, i)]
+        else:
+            try:
+                moved = [(t.to, t.nbytes * t.count) for t in transfers(op, payload, n, i, sent=sent)]
+            except PredictionError:  # an op without a rule: its ring bytes to the next member
+                moved = [((i + 1) % n, sent)]
+        for to, nbytes in moved:
+            link, figures = links.edge(rank, members[to])
+            demand[link] += nbytes
+            latency = max(latency, figures.latency_s)
+    if not demand and n > 1:  # a barrier: latency only
+        latency = max(links.edge(members[0], members[1])[1].latency_s, 0.0)
+    return dict(demand), latency * algorithm_steps(op, n)
+
+
+def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: LinkModel,
+          compute_scale: float = 1.0) -> list[list]:
+    """Every rank's program for one step. `rank_steps[r]`: rank r's saved step ({phases, spans});
+    `groups[r]`: its groups' members (global ranks); `compute_scale`: compute time is multiplied by it
+    (a what-if on another device)."""
+    n = len(rank_steps)
+    keyed: list[list[tuple]] = []  # per rank: (span, op key) in order
+    by_key: dict[tuple, list[tuple[int, dict]]] = defaultdict(list)
+    for r, step in enumerate(rank_steps):
+        counts: dict[tuple, int] = defaultdict(int)
+        mine = []
+        for s in in_step(step):
+            if s["kind"] == "wait":
+                mine.append((s, None))
+                continue
+            members = tuple(groups[r][s["group"]])
+            if s["op"] in P2P:
+                src, dst = (r, s["peer"]) if s["op"] == "send" else (s["peer"], r)
+                qkey = ("p2p", s["group"], src, dst)
+            else:
+                qkey = ("coll", s["group"], members)
+            key = (*qkey, counts[qkey])
+            counts[qkey] += 1
+            mine.append((s, key))
+            by_key[key].append((r, s))
+        keyed.append(mine)
+    ops: dict[tuple, Op] = {}
+    for key, posts in by_key.items():
+        s = posts[0][1]
+        name = f"{s['op']} {s['group']} {s['tag']}"
+        if key[0] == "p2p":
+            _, group, src, dst, _ = key
+            send = next((span for _, span in posts if span["op"] == "send"), s)
+            link, figures = links.edge(src, dst)
+            payload = send["payload_bytes"]
+            ops[key] = Op(key, (src, dst), f"send/recv {group} {send['tag']}",
+                          "bubble" if group == "pp" else "exposed_comm", None, figures.latency_s,
+                          {link: payload} if payload else {})
+        else:
+            members = key[2]
+            payload = max(span["payload_bytes"] for _, span in posts)
+            sent = max(int(span["sent_bytes"]) for _, span in posts)
+            demand, latency = collective_demand(s["op"], payload, sent, members, links)
+            ops[key] = Op(key, members, name, "exposed_comm", key[:3], latency, demand)
+    for key, op in ops.items():
+        if len(op.members) < 2 and key[0] == "coll":
+            op.latency_s, op.demand = 0.0, {}
+    return [_program(r, rank_steps[r], keyed[r], ops, compute_scale) for r in range(n)]
+
+
+def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float) -> list:
+    phases = step["phases"]
+    if not phases:
+        raise ValueError(f"rank {rank}: the step has no phases (run without a clock): nothing to replay")
+    end_cpu = phases[-1]["cpu_end"]
+    waited = {w for s, _ in keyed if s["kind"] == "wait" for w in s.get("waits", ())}
+    handle_of = {s["id"]: key for s, key in keyed if key is not None}
+    # Implicit waits (module docstring): cpu point -> handles
+    implicit: list[tuple[float, list]] = []
+    for s, key in keyed:
+        if key is None or not is_post(s) or s["id"] in waited:
+            continue
+        if key[0] == "p2p":
+            implicit.append((end_cpu, [s["id"]]))
+            continue
+        i = _phase_at(phases, s["cpu_start"])
+        later = [p["cpu_start"] for p in phases[i + 1:] if p["phase"] != phases[i]["phase"]]
+        implicit.append((later[0] if later else end_cpu, [s["id"]]))
+    implicit.sort(key=lambda x: x[0])
+    program: list = []
+    cursor = phases[0]["cpu_start"]
+
+    def compute_to(point: float) -> None:
+        nonlocal cursor
+        while cursor < point:
+            i = _phase_at(phases, cursor)
+            stop = min(point, phases[i]["cpu_end"]) if i < len(phases) - 1 else point
+            if stop <= cursor:  # a phase of no CPU time: step past it
+                stop = point if i == len(phases) - 1 else max(stop, phases[i + 1]["cpu_start"])
+            program.append(Compute((stop - cursor) * scale, phases[i]["phase"], phases[i]["label"]))
+            cursor = stop
+
+    def flush_implicit(upto: float) -> None:
+        while implicit and implicit[0][0] <= upto:
+            point, ids = implicit.pop(0)
+            compute_to(point)
+            program.append(Wait(tuple(ids), "", phases[_phase_at(phases, max(cursor - 1e-12, 0))]["phase"]))
+
+    for s, key in keyed:
+        flush_implicit(s["cpu_start"])
+        compute_to(s["cpu_start"])
+        phase = phases[_phase_at(phases, s["cpu_start"])]["phase"]
+        if s["kind"] == "wait":
+            names = tuple(w for w in s.get("waits", ()) if w in handle_of)
+            program.append(Wait(names, f"wait {s['op']} {s['group']} {s['tag']}", phase))
+            cursor = max(cursor, s["cpu_end"])
+        elif is_post(s):
+            program.append(Post(ops[key], s["id"], phase))
+        else:
+            program.append(Call(ops[key], phase))
+            cursor = max(cursor, s["cpu_end"])
+    flush_implicit(math.inf)
+    compute_to(end_cpu)
+    return program
+
+
+def _phase_at(phases: list[dict], cpu: float) -> int:
+    """The index of the phase whose CPU interval holds `cpu` (the last one from its end on)."""
+    for i, p in enumerate(phases):
+        if cpu < p["cpu_end"]:
+            return i
+    return len(phases) - 1

@@ -1,0 +1,104 @@
+"""Link models: how long a transfer takes on the links between two ranks, and which link it loads.
+
+A model has two classes of link, each a bandwidth (bytes/s, one direction) and a latency (s per
+step of an algorithm), and a placement of ranks on nodes:
+
+    intra   between two ranks of one node   scope "rank": each rank's own link out (a GPU's
+                                            NVLink, a rank's share of this machine's loopback);
+                                            scope "node": one link per node shared by its ranks
+                                            (an emulated node's shaped loopback)
+    inter   between two nodes               scope "rank" (a NIC per GPU) or "node" (an emulated
+                                            node's one veth to the switch, shared by its ranks)
+
+Three sources, one constructor each:
+
+    loopback(bytes_per_s, latency_s)      this machine, net=none: the rate and per-step latency
+                                          one rank reaches with one rank per core (probe.py), so
+                                          the probe itself is not contended
+    from_net(settings, loopback)          an emulated network's net.* (conf/net/): inter_mbit per
+                                          node, intra_mbit per node (null: loopback), latency_ms
+    from_cluster(...)                     a conf/cluster/ preset's NVLink and inter-node rates
+                                          and latencies: the same figures the planner uses
+                                          (launch/replay.py reads the preset)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Link:
+    bytes_per_s: float
+    latency_s: float
+    scope: str = "rank"  # rank | node: who has a link of this class of their own
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    name: str
+    intra: Link
+    inter: Link | None = None
+    procs_per_node: int | None = None  # None: every rank on one node
+    placement: str = "block"  # block: rank r on node r // procs_per_node; cyclic: r % nodes
+    nodes: int = 1
+    source: str = ""  # where the figures came from, in words
+    extra: dict = field(default_factory=dict)
+
+    def node_of(self, rank: int) -> int:
+        if not self.procs_per_node or self.nodes <= 1:
+            return 0
+        return rank % self.nodes if self.placement == "cyclic" else rank // self.procs_per_node
+
+    def edge(self, src: int, dst: int) -> tuple[tuple, Link]:
+        """The link a transfer from global rank `src` to `dst` loads, and its class's figures."""
+        node = self.node_of(src)
+        if node == self.node_of(dst) or self.inter is None:
+            return (("intra", src) if self.intra.scope == "rank" else ("intra-node", node)), self.intra
+        return (("inter", src) if self.inter.scope == "rank" else ("inter-node", node)), self.inter
+
+    def bandwidth(self, link: tuple) -> float:
+        return (self.intra if link[0].startswith("intra") else self.inter).bytes_per_s
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "source": self.source, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
+                "placement": self.placement, "intra": asdict(self.intra),
+                "inter": asdict(self.inter) if self.inter else None, **self.extra}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinkModel:
+        known = {"name", "source", "nodes", "procs_per_node", "placement", "intra", "inter"}
+        return cls(d["name"], Link(**d["intra"]), Link(**d["inter"]) if d.get("inter") else None,
+                   d.get("procs_per_node"), d.get("placement", "block"), d.get("nodes", 1), d.get("source", ""),
+                   {k: v for k, v in d.items() if k not in known})
+
+
+def loopback(bytes_per_s: float, latency_s: float, source: str = "") -> LinkModel:
+    """This machine's loopback: every rank on one node, each with its own share."""
+    return LinkModel("loopback", Link(bytes_per_s, latency_s, "rank"), source=source)
+
+
+def from_net(settings: dict, loop: LinkModel) -> LinkModel:
+    """An emulated network (net.* as launch.run sets it up); unshaped classes run at loopback's rate."""
+    nodes = int(settings.get("nodes") or 1)
+    latency = float(settings.get("latency_ms") or 0) * 1e-3
+    intra_mbit, inter_mbit = settings.get("intra_mbit"), settings.get("inter_mbit")
+    intra = (Link(intra_mbit * 1e6 / 8, loop.intra.latency_s, "node") if intra_mbit else loop.intra)
+    inter = (Link(inter_mbit * 1e6 / 8, loop.intra.latency_s + latency, "node") if inter_mbit
+             else Link(loop.intra.bytes_per_s, loop.intra.latency_s + latency, "rank")) if nodes > 1 else None
+    return LinkModel(f"net={settings.get('name', '?')}", intra, inter, int(settings.get("procs_per_node") or 0) or None,
+                     settings.get("placement", "block"), nodes,
+                     source=f"net.* settings (intra {intra_mbit} Mbit/s, inter {inter_mbit} Mbit/s per node, "
+                            f"latency {settings.get('latency_ms', 0)} ms); unshaped classes and per-step latency: "
+                            f"{loop.source}")
+
+
+def from_cluster(name: str, gpus_per_node: int, intra_bytes_per_s: float, inter_bytes_per_s: float,
+                 intra_latency_s: float, inter_latency_s: float, world: int, comm_efficiency: float = 1.0) -> LinkModel:
+    """A cluster's links per GPU, one direction (the planner's Cluster figures, comm efficiency applied)."""
+    nodes = max(1, -(-world // gpus_per_node))
+    return LinkModel(f"cluster={name}", Link(intra_bytes_per_s * comm_efficiency, intra_latency_s, "rank"),
+                     Link(inter_bytes_per_s * comm_efficiency, inter_latency_s, "rank") if nodes > 1 else None,
+                     gpus_per_node, "block", nodes,
+                     source=f"conf/cluster/{name}.yaml: NVLink {intra_bytes_per_s / 1e9:g} GB/s, inter-node "
+                            f"{inter_bytes_per_s / 1e9:g} GB/s per GPU one way, x comm_efficiency {comm_efficiency:g}")

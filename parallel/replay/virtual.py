@@ -1,0 +1,157 @@
+"""A run's timed steps replayed: summary.json's `virtual` block and the virtual trace.
+
+Each timed step is replayed on its own, every rank starting it at 0 (graph.py, engine.py). As for
+the wall clock (parallel/report/summary.py, breakdown.py), the run's figure is the lower median of
+the steps' times (a step lasts as long as its slowest rank), and the breakdown is that step's:
+per rank, where its virtual time went, in the wall breakdown's five categories,
+
+    compute       the CPU time of its forward, backward, weight and recompute phases
+    exposed_comm  blocked in a call or a wait, by "op group" (pipeline p2p excluded)
+    bubble        blocked in pipeline sends and receives (group pp)
+    optimizer     the CPU time of its optimizer phase
+    other         the CPU time of its other phases, plus the wait for the slowest rank
+
+which add up to the step on every rank (by construction: a rank is always computing or blocked).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from parallel.core.phases import CATEGORY_OF_PHASE
+from parallel.replay import graph
+from parallel.replay.engine import Result, run
+from parallel.replay.links import LinkModel
+
+CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "other")
+WAITING_FOR_SLOWEST = "waiting for the slowest rank"
+
+
+def replay_step(events: list[dict], index: int, links: LinkModel, cores: float | None = None,
+                compute_scale: float = 1.0) -> Result:
+    steps = [e["steps"][index] for e in events]
+    programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale)
+    bandwidth = _bandwidths(programs, links)
+    return run(programs, bandwidth, cores)
+
+
+def _bandwidths(programs, links: LinkModel) -> dict:
+    seen = {}
+    for program in programs:
+        for task in program:
+            op = getattr(task, "op", None)
+            if op is not None:
+                for link in op.demand:
+                    seen[link] = links.bandwidth(link)
+    return seen
+
+
+def rank_breakdown(result: Result, rank: int) -> dict:
+    """The five categories of one rank's replayed step (seconds), and its exposed comm by op and group."""
+    parts = dict.fromkeys(CATEGORIES, 0.0)
+    exposed: dict[str, float] = defaultdict(float)
+    for i in result.intervals:
+        if i.rank != rank or i.kind == "post":
+            continue
+        seconds = i.end - i.start
+        if i.kind == "compute":
+            category = CATEGORY_OF_PHASE[i.name]
+            parts[category if category in parts else "other"] += seconds
+        elif i.category == "bubble":
+            parts["bubble"] += seconds
+        else:
+            parts["exposed_comm"] += seconds
+            op = i.op
+            exposed[f"{op.name.split()[0]} {op.key[1]}" if op is not None else i.name] += seconds
+    parts["other"] += result.step_s - result.ends[rank]
+    return {"parts": parts, "exposed_by_op": dict(exposed), "end_s": result.ends[rank]}
+
+
+def waits_on(mean: dict, exposed_by_op: dict) -> str:
+    """What the replayed step waits on, in a sentence."""
+    step = sum(mean.values())
+    waiting = {k: v for k, v in mean.items() if k in ("exposed_comm", "bubble")}
+    worst = max(waiting, key=waiting.get)
+    if step <= 0 or waiting[worst] < 0.05 * step:
+        return "compute: communication and the pipeline cost under 5% of the step"
+    if worst == "bubble":
+        return f"the pipeline: {mean['bubble'] / step:.0%} of the step waiting for a neighbour stage"
+    top = max(exposed_by_op, key=exposed_by_op.get) if exposed_by_op else "communication"
+    return f"communication: {mean['exposed_comm'] / step:.0%} of the step blocked, most in {top}"
+
+
+def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, flops_per_token: float,
+               peak_per_device: float, cores: float | None = None, compute_scale: float = 1.0,
+               what_if: str | None = None) -> tuple[dict, list[dict]]:
+    """The `virtual` block and the median step's virtual trace of every rank."""
+    n_steps = min(len(e["steps"]) for e in events)
+    if n_steps == 0:
+        raise ValueError("no timed step was saved: nothing to replay")
+    results = [replay_step(events, i, links, cores, compute_scale) for i in range(n_steps)]
+    times = [r.step_s for r in results]
+    index = sorted(range(n_steps), key=lambda i: times[i])[(n_steps - 1) // 2]
+    result = results[index]
+    world = len(events)
+    by_rank, exposed = [], defaultdict(float)
+    for rank in range(world):
+        b = rank_breakdown(result, rank)
+        by_rank.append({"rank": rank, **b["parts"], "step_s": b["end_s"], "coords": events[rank].get("coords")})
+        for k, v in b["exposed_by_op"].items():
+            exposed[k] += v / world
+    mean = {c: statistics.fmean(r[c] for r in by_rank) for c in CATEGORIES}
+    step_s = result.step_s
+    tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
+    block = {
+        "step_time_s": step_s,
+        "tokens_per_s": tokens_per_s,
+        "mfu": {"mfu": flops_per_token * tokens_per_s / (peak_per_device * world) if peak_per_device else None,
+                "peak_flops_per_device": peak_per_device, "devices": world,
+                "definition": "one device per rank: the FLOPs of the virtual step over the peak of one core per "
+                              "rank (the machine's measured peak / its usable cores)" if what_if is None else
+                              "one device per rank at the cluster's peak"},
+        "time_breakdown_s": mean,
+        "time_breakdown_by_rank": by_rank,
+        "exposed_comm_by_op_s": dict(sorted(exposed.items(), key=lambda kv: -kv[1])),
+        "waits_on": waits_on(mean, exposed),
+        "step": events[0]["steps"][index]["step"],
+        "step_times_s": times,
+        "link_model": links.as_dict(),
+        "cores": cores,
+        "compute_scale": compute_scale,
+        "what_if": what_if,
+        "definition": "each timed step replayed with a device per rank (parallel/replay/): compute in the thread's "
+                      "CPU time, communication by the link model; the lower median over the timed steps"
+                      + ("" if cores is None else f"; compute by processor sharing of {cores:g} cores"),
+    }
+    return block, virtual_traces(result, events, index)
+
+
+def virtual_traces(result: Result, events: list[dict], index: int) -> list[dict]:
+    """Per rank, the replayed step as report/trace.py draws one: phases tiling the step and spans."""
+    traces = []
+    for rank in range(len(events)):
+        phases, spans = [], []
+        for i in sorted((i for i in result.intervals if i.rank == rank), key=lambda i: (i.start, i.kind != "post")):
+            if i.kind == "post":
+                spans.append(_span(i, blocked=False))
+                continue
+            phase, label = (i.name, i.label) if i.kind == "compute" else (i.label or "other", "")
+            if i.kind == "blocked":
+                spans.append(_span(i, blocked=True))
+            if phases and phases[-1]["phase"] == phase and abs(phases[-1]["end"] - i.start) < 1e-12:
+                phases[-1]["end"] = i.end
+            else:
+                phases.append({"phase": phase, "label": label, "start": i.start, "end": i.end})
+        traces.append({"step": events[rank]["steps"][index]["step"], "origin_wall": 0.0, "phases": phases,
+                       "spans": spans})
+    return traces
+
+
+def _span(i, blocked: bool) -> dict:
+    op = i.op
+    parts = (op.name if op is not None else i.name).split(" ", 2)
+    what, group, tag = (parts + ["", "", ""])[:3]
+    return {"kind": "wait" if blocked else "post", "op": what, "group": group, "tag": tag,
+            "payload_bytes": int(sum(op.demand.values())) if op is not None else 0, "sent_bytes": 0.0,
+            "start": i.start, "end": i.end, "blocked": blocked}

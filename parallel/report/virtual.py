@@ -1,0 +1,64 @@
+"""summary.json's `virtual` block: the run's step as it would take with a device per rank.
+
+Rank 0 saves every rank's events (parallel/replay/events.py: events/rank<r>.json), replays the
+timed steps on the run's link model (parallel/replay/virtual.py) and writes, beside the wall
+clock's trace.json and timeline.png, the replayed median step on the same tracks:
+trace_virtual.json and (where run.timeline is on) timeline_virtual.png.
+
+On the CPU a device is one core: its peak (for the virtual MFU) is the machine's measured peak
+over its usable cores. A replay that cannot be made (a run without a clock, an op a member never
+posted) leaves {"error": why} in the block, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from parallel.replay import events as saved
+from parallel.replay.virtual import replay_run
+from parallel.report.mfu import usable_cores
+from parallel.report.trace import chrome_trace, draw_timeline, rank_label, timeline_title
+
+log = logging.getLogger("parallel")
+TRACE, TIMELINE = "trace_virtual.json", "timeline_virtual.png"
+
+
+def peak_per_device(summary: dict) -> float:
+    """One device's peak: a GPU's own; on the CPU one core's share of the machine's."""
+    peak = summary["mfu"]["peak_flops"]
+    return peak if summary["device"] == "cuda" else peak / usable_cores()
+
+
+def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw: bool, *, cores: float | None = None,
+                  compute_scale: float = 1.0, what_if: str | None = None, peak: float | None = None) -> dict:
+    """Replay `events` on `links`; the `virtual` block, with trace_virtual.json (and the timeline) in run_dir.
+    `peak`: one device's peak FLOP/s (None: one core's, or the run's GPU's)."""
+    block, traces = replay_run(events, links, tokens_per_step=summary["tokens_per_step"],
+                               flops_per_token=summary["mfu"]["flops_per_token"],
+                               peak_per_device=peak or peak_per_device(summary),
+                               cores=cores, compute_scale=compute_scale, what_if=what_if)
+    labels = [rank_label(e["rank"], e.get("coords") or {}, summary["parallel"]) for e in events]
+    (Path(run_dir) / TRACE).write_text(json.dumps(chrome_trace(traces, labels)))
+    if draw:
+        title = (f"{timeline_title(summary, block['step']).splitlines()[0]} | VIRTUAL: a device per rank, "
+                 f"{block['link_model']['name']}{' | WHAT-IF: ' + what_if if what_if else ''}")
+        draw_timeline(traces, labels, Path(run_dir) / TIMELINE, title)
+    block["trace"] = {"trace": TRACE, "timeline": TIMELINE if draw else None}
+    return block
+
+
+def virtual_block(plan, rank_reports: list[dict], summary: dict, run_dir: Path, links) -> dict | None:
+    """The run's own replay (links: the run's link model; None: no replay)."""
+    if links is None or any(r.get("events") is None for r in rank_reports):
+        return None
+    events = [r["events"] for r in sorted(rank_reports, key=lambda r: r["rank"])]
+    directory = saved.save(run_dir, events)
+    try:
+        block = write_virtual(run_dir, events, summary, links, plan.timeline)
+    except (ValueError, RuntimeError, KeyError) as e:  # a graph the replay cannot play: say why, keep the run
+        log.warning("warning: the virtual-time replay failed: %s", e)
+        return {"error": str(e), "events": directory}
+    block["events"] = directory
+    return block

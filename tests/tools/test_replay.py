@@ -1,0 +1,66 @@
+"""launch.replay: a saved run replayed on other links, into a directory of its own, without rerunning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from launcher import TINY, assert_ok, run_train
+
+from parallel.report.breakdown import CATEGORIES
+
+
+@pytest.fixture(scope="module")
+def pp_run(tmp_path_factory):
+    run = run_train(2, [*TINY, "parallel=pp_1f1b", "parallel.microbatches=4", "train.steps=4", "run.timeline=false"],
+                    tmp_path_factory.mktemp("replay") / "run")
+    assert_ok(run)
+    return run
+
+
+def replay(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.replay", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_replays_write_their_own_directory_and_never_the_runs(pp_run):
+    run_dir = pp_run.run_dir
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file()}
+    own = json.loads((run_dir / "summary.json").read_text())["virtual"]
+    again = replay(run_dir)
+    assert again.returncode == 0, again.stderr
+    replayed = json.loads((run_dir / "replay-own" / "summary.json").read_text())["virtual"]
+    assert replayed["step_times_s"] == own["step_times_s"]  # the same graph on the same links: the same numbers
+    assert replay(run_dir).returncode == 0
+    assert (run_dir / "replay-own-2" / "trace_virtual.json").exists()  # a second replay: a new directory
+    slow = replay(run_dir, "net=ethernet_1g", "net.inter_mbit=200")
+    assert slow.returncode == 0, slow.stderr
+    out = run_dir / "replay-ethernet_1g-inter_mbit200"
+    block = json.loads((out / "summary.json").read_text())["virtual"]
+    assert {p.name for p in out.iterdir()} >= {"summary.json", "trace_virtual.json", "timeline_virtual.png"}
+    assert block["link_model"]["inter"]["bytes_per_s"] == 200e6 / 8 and block["what_if"] is None
+    assert list(block["time_breakdown_s"]) == list(CATEGORIES)
+    assert "waits on:" in slow.stdout and "virtual step" in slow.stdout
+    assert {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_a_cluster_replay_scales_compute_and_says_it_is_a_what_if(pp_run):
+    result = replay(pp_run.run_dir, "cluster=h100_sxm")
+    assert result.returncode == 0, result.stderr
+    assert "[WHAT-IF]" in result.stdout
+    block = json.loads((pp_run.run_dir / "replay-h100_sxm" / "summary.json").read_text())["virtual"]
+    assert block["what_if"].startswith("cluster=h100_sxm") and 0 < block["compute_scale"] < 1
+    assert block["link_model"]["intra"]["scope"] == "rank"
+
+
+def test_processor_sharing_replay_and_refusals(pp_run):
+    shared = replay(pp_run.run_dir, "cores=1")
+    assert shared.returncode == 0, shared.stderr
+    block = json.loads((pp_run.run_dir / "replay-own-cores1" / "summary.json").read_text())["virtual"]
+    assert block["cores"] == 1
+    wrong = replay(pp_run.run_dir, "net=cluster")  # 2 nodes x 2 ranks, the run has 2
+    assert wrong.returncode == 2 and "net.procs_per_node" in wrong.stderr
+    assert replay(pp_run.run_dir / "nowhere").returncode == 2
+    assert replay(pp_run.run_dir, "colour=blue").returncode == 2
