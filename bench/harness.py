@@ -8,6 +8,9 @@ options of its own (`rounds=N steps=N ...`); it builds a validated plan exactly 
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from pathlib import Path
 
@@ -79,3 +82,32 @@ def timed_step(ctx, step_fn):
     traffic = ctx.log.end_step()
     per_rank = ctx.comm("world").gather_object(elapsed, 0, tag="tooling/bench")
     return (max(per_rank) if per_rank is not None else None), result, traffic
+
+
+class Profiles:
+    """One cProfile per variant, switched on around its timed steps (rank 0's Python: where a step's
+    time goes function by function, for the benchmarks' `profile=1`)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.by_name: dict[str, cProfile.Profile] = {}
+
+    def around(self, name: str, fn):
+        if not self.enabled:
+            return fn()
+        prof = self.by_name.setdefault(name, cProfile.Profile())
+        prof.enable()
+        try:
+            return fn()
+        finally:
+            prof.disable()
+
+    def report(self, top: int = 15) -> None:
+        for name, prof in self.by_name.items():
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+            lines = [line for line in out.getvalue().splitlines() if line.strip()]
+            start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+            total = next((line for line in lines if "function calls" in line), "")
+            print(f"\nprofile of {name} (rank 0, its timed steps; by own time): {total.strip()}")
+            print("\n".join(lines[start:start + top + 1]))

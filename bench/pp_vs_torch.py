@@ -30,7 +30,8 @@ in identical order and their first losses can be compared step by step. A step t
 rank's; the printed figures are medians, and the ratios compare medians measured in this one run.
 
 Options are Hydra-style key=value overrides of the training config (model=..., parallel.microbatches=...,
-train.global_batch=...), plus rounds=N, steps=N and schedules=a,b,c for the benchmark itself.
+train.global_batch=...), plus rounds=N, steps=N and schedules=a,b,c for the benchmark itself, and
+profile=1: each variant's timed steps under cProfile on rank 0, its top functions by own time printed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import sys
 from functools import partial
 
 import torch
-from harness import plan_for, refuse, rotation, run_distributed, split_args, timed_step
+from harness import Profiles, plan_for, refuse, rotation, run_distributed, split_args, timed_step
 
 from parallel.core.data import GlobalBatches, local_microbatches
 from parallel.core.model import GPT
@@ -62,7 +63,8 @@ PAIRS = {
 
 def main() -> None:
     env = LaunchEnv.from_environ()
-    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": "gpipe,1f1b,interleaved"})
+    overrides, opts = split_args(sys.argv[1:], {"rounds": "5", "steps": "4", "schedules": "gpipe,1f1b,interleaved",
+                                                "profile": "0"})
     schedules = [s for s in opts["schedules"].split(",") if s]
     unknown = [s for s in schedules if s not in PAIRS]
     if unknown:
@@ -81,10 +83,13 @@ def main() -> None:
     if first.dims.dp != 1:
         refuse(env, f"the benchmark is one pipeline (pp = world size): got dp {first.dims.dp}; leave parallel.dp out")
     rounds, steps = int(opts["rounds"]), int(opts["steps"])
-    run_distributed(env, first, lambda plan, ctx, corpus: run(plans, skipped, ctx, corpus, rounds, steps, schedules))
+    profiles = Profiles(opts["profile"] == "1" and env.rank == 0)
+    run_distributed(env, first,
+                    lambda plan, ctx, corpus: run(plans, skipped, ctx, corpus, rounds, steps, schedules, profiles))
 
 
-def run(plans: dict, skipped: dict, ctx, corpus, rounds: int, steps: int, schedules: list[str]) -> None:
+def run(plans: dict, skipped: dict, ctx, corpus, rounds: int, steps: int, schedules: list[str],
+        profiles: Profiles) -> None:
     plan = next(iter(plans.values()))
     pp_comm = ctx.comm("pp")
     variants = {name: p.spec.build(GPT(p.model, seed=p.seed).to(ctx.device), p, ctx) for name, p in plans.items()}
@@ -102,7 +107,9 @@ def run(plans: dict, skipped: dict, ctx, corpus, rounds: int, steps: int, schedu
                 glob = batches(counter[name])
                 counter[name] += 1
                 mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, plans[name].microbatches)]
-                seconds, local, _ = timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
+                step = partial(strategy.train_step, mbs, glob.n_tokens)
+                timed = partial(profiles.around, name, step) if r > 0 else step
+                seconds, local, _ = timed_step(ctx, timed)
                 # Outside the timed region: the loss lives on the last stage only; sum it over pp.
                 # Also the global gradient norm the optimizer used (Adam would hide a 1/m scaling
                 # of the gradients from the losses; the norm shows it).
@@ -119,6 +126,7 @@ def run(plans: dict, skipped: dict, ctx, corpus, rounds: int, steps: int, schedu
         strategy.close()
     if ctx.is_rank0:
         report(plans, schedules, times, losses, norms, skipped, rounds, steps)
+        profiles.report()
 
 
 def report(plans, schedules, times, losses, norms, skipped, rounds: int, steps: int) -> None:

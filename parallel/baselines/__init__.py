@@ -1,8 +1,10 @@
 """PyTorch's own parallelism on the same GPT, data and initialisation: the baselines.
 
   counting.py    their traffic counted into the project's communication log
-  ddp.py         DistributedDataParallel, bare and under Hugging Face accelerate (for dp, zero1, zero2)
-  fsdp2.py       FSDP2, fully_shard per Block and on the root (for zero3)
+  ddp.py         DistributedDataParallel, bare and under Hugging Face accelerate (for dp)
+  fsdp2.py       FSDP2, fully_shard per Block and on the root (for zero3; without resharding after
+                 forward, for zero2)
+  zero_redundancy.py  DDP + ZeroRedundancyOptimizer, PyTorch's ZeRO-1 (for zero1)
   dtensor_tp.py  DTensor tensor parallelism, torchtitan's plan (for tp)
   pipelining.py  torch.distributed.pipelining's schedules on the same chunks (for pp)
   rules.py       their refusals
@@ -53,6 +55,18 @@ def _build_torch_fsdp2(model, plan, ctx):
     return TorchFSDP2(model, ctx.mesh["dp"], ctx.comm("dp"), plan.lr, plan.weight_decay)
 
 
+def _build_torch_zero1(model, plan, ctx):
+    from parallel.baselines.zero_redundancy import TorchZero1
+
+    return TorchZero1(model, ctx.comm("dp"), plan.bucket_mb, plan.lr, plan.weight_decay)
+
+
+def _build_torch_zero2(model, plan, ctx):
+    from parallel.baselines.fsdp2 import TorchZero2
+
+    return TorchZero2(model, ctx.mesh["dp"], ctx.comm("dp"), plan.lr, plan.weight_decay)
+
+
 def _build_torch_tp(model, plan, ctx):
     from parallel.baselines.dtensor_tp import TorchTP
 
@@ -73,7 +87,7 @@ BASELINE = frozenset({"baseline"})
 # more: +17% at 4 stages) save more for backward than ours: they have no activation formula.
 ENTRIES = (
     StrategySpec(
-        name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp, zero1, zero2)",
+        name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp)",
         build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
         tags=BASELINE, moe=True, activations=registry_activations,
@@ -87,6 +101,18 @@ ENTRIES = (
     StrategySpec(
         name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
         build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=algebra.tp_local_parameter_count,
+        min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
+    ),
+    StrategySpec(
+        name="torch_zero1", description="PyTorch's ZeRO-1: DDP + ZeroRedundancyOptimizer (the baseline for zero1)",
+        build=_build_torch_zero1, comm=theory.torch_zero1_comm, local_parameters=algebra.tp_local_parameter_count,
+        min_world=2, bucket_mb=True, exposed_comm_measured=False, tags=frozenset({"baseline", "sharded"}), moe=True,
+        activations=registry_activations,
+    ),
+    StrategySpec(
+        name="torch_zero2", description="PyTorch's ZeRO-2: FSDP2 with reshard_after_forward=False (the baseline for "
+                                        "zero2)",
+        build=_build_torch_zero2, comm=theory.torch_zero2_comm, local_parameters=algebra.tp_local_parameter_count,
         min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
     ),
     StrategySpec(

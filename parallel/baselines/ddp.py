@@ -20,6 +20,19 @@ DDP_NOTE = ("DDP waits for its bucket all-reduces inside backward (its C++ reduc
             "finite check; compare DDP's compute + exposed comm with dp's")
 
 
+# DDP's default bucket cap (torch.nn.parallel.distributed._DEFAULT_BUCKET_CAP_MB).
+DDP_DEFAULT_BUCKET_MB = 25
+
+
+def ddp_bucket_cap_mb(bucket_mb: float) -> float | None:
+    """What to hand DDP as bucket_cap_mb. DDP (torch 2.13, `_BucketCapConfig`) gives its first
+    bucket 1 MiB only when bucket_cap_mb is left at None; given explicitly, even as its default 25,
+    the first bucket takes the full cap (on `small`: one 25.9 MB bucket instead of 1.3 + 24.6 MB).
+    parallel.bucket_mb at DDP's default is passed as None, so DDP buckets as it does out of the box,
+    and as dp does (parallel/dp/sync.py)."""
+    return None if bucket_mb == DDP_DEFAULT_BUCKET_MB else bucket_mb
+
+
 def _counted_allreduce_hook(comm: Communicator):
     """A DDP comm hook that sums each bucket through the communication log.
 
@@ -43,7 +56,7 @@ class TorchDDP(Strategy):
         ddp = DDP(
             model,
             process_group=dp_comm.group,
-            bucket_cap_mb=bucket_mb,
+            bucket_cap_mb=ddp_bucket_cap_mb(bucket_mb),
             # The model is built identically from one seed on every rank; skipping DDP's
             # initial parameter broadcast keeps all traffic inside the communication log.
             # (The GPT has no buffers, so DDP has none to broadcast in forward either.)

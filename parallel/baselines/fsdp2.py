@@ -1,4 +1,12 @@
-"""PyTorch FSDP2 (`fully_shard`) on the same model: the baseline for `zero3`.
+"""PyTorch FSDP2 (`fully_shard`) on the same model: the baseline for `zero3`, and with
+`reshard_after_forward=False` for `zero2`.
+
+FSDP2's own docs call `reshard_after_forward=False` ZeRO-2: a group's parameters, gathered for its
+forward, stay whole through its backward, and only gradients and optimizer state stay sharded.
+`torch_zero2` also keeps them whole between the microbatches of one step
+(`set_reshard_after_backward(False)` until the last one, FSDP2's own recipe for gradient
+accumulation), so like our `zero2` it gathers every parameter once per step and reduce-scatters
+every microbatch's gradients.
 
 Its all-gathers and reduce-scatters go through the communication log as custom collectives
 (`set_custom_all_gather`, `set_custom_reduce_scatter`), so every byte it sends is counted by
@@ -66,13 +74,15 @@ class TorchFSDP2(Strategy):
 
     name = "torch_fsdp2"
 
-    def __init__(self, model: nn.Module, dp_mesh, dp_comm: Communicator, lr: float, weight_decay: float):
+    def __init__(self, model: nn.Module, dp_mesh, dp_comm: Communicator, lr: float, weight_decay: float,
+                 reshard_after_forward: bool = True):
         from torch.distributed.fsdp import fully_shard
 
         self.comm = dp_comm
+        self.reshard_after_forward = reshard_after_forward
         self.full_shapes = {n: p.shape for n, p in model.named_parameters()}
         for tag, module in fsdp2_groups(model):
-            fully_shard(module, mesh=dp_mesh)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
             module.set_custom_all_gather(_CountedAllGather(dp_comm, f"fsdp2/param_all_gather/{tag}"))
             module.set_custom_reduce_scatter(_CountedReduceScatter(dp_comm, f"fsdp2/grad_reduce_scatter/{tag}"))
             module.set_gradient_divide_factor(1.0)
@@ -85,6 +95,12 @@ class TorchFSDP2(Strategy):
         optimizer = AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                           lr=lr, betas=BETAS, eps=EPS)
         super().__init__(model, optimizer, loss_comm=dp_comm, sync=FSDP2Sync(self.dtensors, self.locals))
+
+    def microbatch_context(self, last_microbatch: bool):
+        if not self.reshard_after_forward:
+            # ZeRO-2: parameters stay gathered until the step's last backward is done with them.
+            self.model.set_reshard_after_backward(last_microbatch)
+        return super().microbatch_context(last_microbatch)
 
     def memory_report(self) -> dict:
         params = storage_bytes(self.locals.values())
@@ -169,3 +185,12 @@ class FSDP2Sync(GradSync):
         for n, p in self.dtensors.items():
             self.locals[n].grad = p.grad.to_local()
         self.complete()
+
+
+class TorchZero2(TorchFSDP2):
+    """FSDP2 as PyTorch's ZeRO-2: the same units, `reshard_after_forward=False` (the baseline for zero2)."""
+
+    name = "torch_zero2"
+
+    def __init__(self, model: nn.Module, dp_mesh, dp_comm: Communicator, lr: float, weight_decay: float):
+        super().__init__(model, dp_mesh, dp_comm, lr, weight_decay, reshard_after_forward=False)

@@ -1,4 +1,5 @@
-"""PyTorch's own, in closed form: FSDP2's and DTensor tensor parallelism's traffic per step.
+"""PyTorch's own, in closed form: FSDP2's (as ZeRO-3 and as ZeRO-2), ZeroRedundancyOptimizer's and DTensor
+tensor parallelism's traffic per step.
 
 Each is what torch's implementation sends, counted from its plan (not from the hand-written
 strategies' counts); like every theory file, independent of the code and the log it checks.
@@ -6,12 +7,15 @@ strategies' counts); like every theory file, independent of the code and the log
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from parallel.algebra import (
     all_ranks,
     all_reduce_sent_per_rank,
     figure,
     gather_or_scatter_sent_per_rank,
     padded,
+    parameter_count,
     tp_shard_parameter_count,
 )
 from parallel.core.model import GPTConfig
@@ -51,6 +55,31 @@ def fsdp2_comm(cfg: GPTConfig, layout: Layout) -> dict:
                 for op, payload in (("all_gather", m * (2 * blocks + root)), ("reduce_scatter", m * (blocks + root)))}
     ranks = layout.dims.world_size
     return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": sum(groups.values())})
+
+
+def torch_zero2_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """torch_zero2 (FSDP2 with reshard_after_forward=False, kept unsharded between the microbatches of
+    a step): every group all-gathered once per step, before the first forward, and its gradients
+    reduce-scattered every microbatch: (N-1)/N·(P + m·G) per rank, our zero2's form on FSDP2's padding."""
+    n, m, B = layout.dims.dp, layout.microbatches, layout.dtype_bytes
+    groups = fsdp2_group_padded_counts(cfg, n)
+    size = sum(groups.values()) * B
+    per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
+                for op, payload in (("all_gather", size), ("reduce_scatter", m * size))}
+    ranks = layout.dims.world_size
+    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": sum(groups.values())})
+
+
+def torch_zero1_comm(cfg: GPTConfig, layout: Layout) -> dict:
+    """torch_zero1 (DDP + ZeroRedundancyOptimizer): DDP all-reduces every gradient once per step,
+    2(N-1)/N·G per rank, and after the step every parameter is broadcast from the rank that owns
+    it. A broadcast of S bytes counts S on every rank of the group (comm.py's ring convention: in
+    a pipelined broadcast each rank forwards what it receives), so the broadcasts add P = Ψ·B per
+    rank whatever the partition: 2(N-1)/N·G + P, against our zero1's (N-1)/N·(G + P)."""
+    n, B, ranks = layout.dims.dp, layout.dtype_bytes, layout.dims.world_size
+    size = parameter_count(cfg) * B
+    per_rank = {"all_reduce": (size, all_reduce_sent_per_rank(n, size)), "broadcast": (size, Fraction(size))}
+    return figure(all_ranks(per_rank, ranks), ranks)
 
 
 def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:

@@ -194,10 +194,11 @@ How to read the columns (MB: 10^6 bytes, for traffic and memory alike):
 - **tokens/s**: global tokens per optimizer step / the median step time (warm-up steps excluded; a
   step lasts as long as its slowest rank). With `compare.rounds=N`: the median over the rounds, and
   in brackets the slowest and fastest round (min-max).
-- **vs torch**: this row's tokens/s over its PyTorch counterpart's (dp, dp_naive, zero1, zero2 ->
-  torch_ddp; zero3 -> torch_fsdp2; tp, tp_sp -> torch_tp; pp_X -> torch_pp_X). Above 1: ours is
-  faster. With rounds: the median of the per-round ratios (each pair from the same round) and their
-  min-max. One run each is one sample: trust a difference only beyond the spread.
+- **vs torch**: this row's tokens/s over its PyTorch counterpart's (dp, dp_naive -> torch_ddp;
+  zero1 -> torch_zero1; zero2 -> torch_zero2; zero3 -> torch_fsdp2; tp, tp_sp -> torch_tp;
+  pp_X -> torch_pp_X). Above 1: ours is faster. With rounds: the median of the per-round ratios
+  (each pair from the same round) and their min-max. One run each is one sample: trust a difference
+  only beyond the spread.
 - **step ms**, **min-max ms**, **spread**: the median timed step, the fastest and slowest timed step
   (over every round), and (slowest - fastest) / median; `!` marks a spread above {NOISY_SPREAD:.0%}
   (`noisy` in results.csv): such a row's figure can move that much on a rerun.

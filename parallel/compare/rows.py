@@ -125,8 +125,9 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
 def add_baseline_ratios(rows: list[dict]) -> None:
     """ratio_to_baseline = this row's tokens/s over its PyTorch counterpart's (> 1: ours is faster).
 
-    The counterpart is the registry's (`StrategySpec.counterpart`: dp and ZeRO-1/2 against DDP,
-    zero3 against FSDP2, tp against DTensor, a pipeline schedule against torch's same schedule),
+    The counterpart is the registry's (`StrategySpec.counterpart`: dp against DDP, zero1 against
+    DDP + ZeroRedundancyOptimizer, zero2 against FSDP2 without resharding, zero3 against FSDP2, tp
+    against DTensor, a pipeline schedule against torch's same schedule),
     found among the rows that ran: the first with that strategy and the same schedule."""
     from parallel.registry import spec_of
 

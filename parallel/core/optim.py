@@ -44,26 +44,33 @@ class AdamW:
 
     @torch.no_grad()
     def step(self) -> None:
+        self.begin_step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.update(p, group["weight_decay"])
+
+    # A step in two halves, for an optimizer that steps its parameters a few at a time (ZeRO starts
+    # each part's all-gather as soon as that part is stepped): once per step, then once per parameter.
+    def begin_step(self) -> None:
         self.step_count += 1
         t = self.step_count
-        bias_correction1 = 1 - self.beta1 ** t
-        bias_correction2_sqrt = math.sqrt(1 - self.beta2 ** t)
-        step_size = self.lr / bias_correction1
-        for group in self.param_groups:
-            decay = group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state.get(p)
-                if state is None:
-                    state = self.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                # The same operations, in the same order, as torch.optim.adamw's single-tensor path.
-                p.mul_(1 - self.lr * decay)
-                m.lerp_(p.grad, 1 - self.beta1)
-                v.mul_(self.beta2).addcmul_(p.grad, p.grad, value=1 - self.beta2)
-                denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)
-                p.addcdiv_(m, denom, value=-step_size)
+        self._bias_correction2_sqrt = math.sqrt(1 - self.beta2 ** t)
+        self._step_size = self.lr / (1 - self.beta1 ** t)
+
+    @torch.no_grad()
+    def update(self, p: torch.Tensor, decay: float) -> None:
+        if p.grad is None:
+            return
+        state = self.state.get(p)
+        if state is None:
+            state = self.state[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        # The same operations, in the same order, as torch.optim.adamw's single-tensor path.
+        p.mul_(1 - self.lr * decay)
+        m.lerp_(p.grad, 1 - self.beta1)
+        v.mul_(self.beta2).addcmul_(p.grad, p.grad, value=1 - self.beta2)
+        denom = (v.sqrt() / self._bias_correction2_sqrt).add_(self.eps)
+        p.addcdiv_(m, denom, value=-self._step_size)
 
     # -- checkpoints: the state by parameter name ------------------------------------------------
     def named_state(self, named_params) -> dict:

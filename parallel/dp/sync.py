@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # PyTorch DDP makes its first bucket small (1 MiB) so the first all-reduce starts early in
-# backward; we do the same so the two are compared like for like.
+# backward; we do the same so the two are compared like for like. (DDP does so only when its
+# bucket_cap_mb is left at its default: parallel/baselines/ddp.py leaves it there for the default
+# parallel.bucket_mb of 25. Its first bucket is first in *ready* order: DDP rebuilds its buckets
+# after the first step in the order gradients arrived, reversed parameters as here.)
 FIRST_BUCKET_BYTES = 1 * MiB
 
 

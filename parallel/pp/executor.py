@@ -4,7 +4,16 @@ Each rank walks its list. Forward and backward run its chunks; in a schedule tha
 backward (zero_bubble.py), B computes only the chunk's input gradient and W, later, its weight
 gradients (split_backward.py). Runs of consecutive sends and receives are posted together
 (batch_isend_irecv through the communication log), then the receives are waited on before the
-compute that needs them, and the sends are waited on at the end of the step. Activations cross
+compute that needs them, and the sends are waited on at the end of the step.
+
+On gloo every receive of the step is posted at its start instead, in the list's order (which
+is each peer's send order, actions.py): a send then finds its receive already posted and its
+message moves on gloo's threads while this rank computes, so the wait at the RECV's place in the
+list is for data that has mostly arrived. (bench/pp_action_overhead.py measures the walk's own
+cost per action beside the chunk's compute.) The list itself, what the simulator and the
+timeline read, is unchanged; only where a receive is posted moves. On a GPU (NCCL) a batch may
+become one work whose wait covers every receive in it, so there each run of the list is posted
+where it stands. Activations cross
 stage boundaries as (microbatch, seq, d_model) fp32 tensors (under bf16 autocast too: a chunk
 ends with a block or the embedding, whose residual stream stays fp32).
 
@@ -71,6 +80,8 @@ class PipelineParallel(Strategy):
         # Whether B is only the input gradient and W the weights' (then the gradient sync's
         # microbatch moments are around W, the action that accumulates into .grad).
         self.split = splits_backward(plans)
+        # The walk, computed once: each action, or a run of sends and receives as one item.
+        self.walk = _runs(self.actions)
         self.executed: list[Action] = []  # the order actually run in the last step (tests compare it with the schedule)
         self.spans: list[dict] = []  # the last step's timeline: one record per action
 
@@ -115,18 +126,15 @@ class PipelineParallel(Strategy):
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients of the outputs
         pending: dict[tuple[int, int], SplitBackward] = {}  # B done, W not yet
         sends = []
+        # On the CPU (gloo: one work per op) receives are posted ahead of their place (see above).
+        prepost = device.type == "cpu"
+        received = self._post_receives(inputs, out_grads, act_shape, device) if prepost else None
         local_loss = torch.zeros((), device=device)
-        i = 0
-        while i < len(self.actions):
-            a = self.actions[i]
-            if a.op in COMM:
-                j = i
-                while j < len(self.actions) and self.actions[j].op in COMM:
-                    j += 1
-                self.phases("p2p", " ".join(str(a) for a in self.actions[i:j]))
-                sends += self._exchange(self.actions[i:j], inputs, outputs, out_grads, act_shape, device)
-                self.executed += self.actions[i:j]
-                i = j
+        for a in self.walk:
+            if isinstance(a, tuple):  # a run of sends and receives
+                self.phases("p2p", " ".join(str(b) for b in a))
+                sends += self._exchange(a, inputs, outputs, out_grads, act_shape, device, received)
+                self.executed += a
                 continue
             key, vs = (a.mb, a.chunk), self._vstage(a)
             chunk = self.chunks[a.chunk]
@@ -161,7 +169,6 @@ class PipelineParallel(Strategy):
                     pending.pop(key).weight_grad()
             self._span(a, KIND[a.op], start, time.time())
             self.executed.append(a)
-            i += 1
         self.phases("p2p", "wait sends")
         start = time.time()
         for handle in sends:
@@ -177,8 +184,31 @@ class PipelineParallel(Strategy):
         self.optimizer.step()
         return local_loss
 
-    def _exchange(self, batch: list[Action], inputs, outputs, out_grads, act_shape, device) -> list:
-        """Post one run of sends and receives together; wait for the receives; return the sends."""
+    def _receive(self, a: Action, inputs, out_grads, act_shape, device) -> tuple:
+        """A receive's buffer, placed where its compute will look for it, and its op."""
+        key, vs = (a.mb, a.chunk), self._vstage(a)
+        buf = torch.empty(act_shape, device=device)
+        if a.op == RECV_F:
+            inputs[key] = buf
+            return ("recv", buf, self._peer(vs - 1), f"pp/fwd/{vs - 1}->{vs}")
+        out_grads[key] = buf
+        return ("recv", buf, self._peer(vs + 1), f"pp/bwd/{vs + 1}->{vs}")
+
+    def _post_receives(self, inputs, out_grads, act_shape, device) -> dict:
+        """Post every receive of the step now, in the list's order; their handles by action."""
+        receives = [a for a in self.actions if a.op in (RECV_F, RECV_B)]
+        if not receives:
+            return {}
+        start = time.time()
+        handles = self.pp_comm.batch_p2p([self._receive(a, inputs, out_grads, act_shape, device) for a in receives])
+        self.spans.append({"name": "post receives", "kind": "p2p", "mb": -1, "chunk": -1, "start": start,
+                           "end": time.time()})
+        return dict(zip(receives, handles))
+
+    def _exchange(self, batch: tuple[Action, ...], inputs, outputs, out_grads, act_shape, device,
+                  received: dict | None) -> list:
+        """Post one run's sends (and, unless posted at the step's start, its receives) together;
+        wait for its receives; return the sends."""
         ops, receives = [], []
         for a in batch:
             key, vs = (a.mb, a.chunk), self._vstage(a)
@@ -186,30 +216,27 @@ class PipelineParallel(Strategy):
                 ops.append(("send", outputs[key].detach(), self._peer(vs + 1), f"pp/fwd/{vs}->{vs + 1}"))
             elif a.op == SEND_B:
                 ops.append(("send", inputs.pop(key).grad, self._peer(vs - 1), f"pp/bwd/{vs}->{vs - 1}"))
-            elif a.op == RECV_F:
-                buf = torch.empty(act_shape, device=device)
-                inputs[key] = buf
+            elif received is None:
                 receives.append(len(ops))
-                ops.append(("recv", buf, self._peer(vs - 1), f"pp/fwd/{vs - 1}->{vs}"))
-            elif a.op == RECV_B:
-                buf = torch.empty(act_shape, device=device)
-                out_grads[key] = buf
-                receives.append(len(ops))
-                ops.append(("recv", buf, self._peer(vs + 1), f"pp/bwd/{vs + 1}->{vs}"))
+                ops.append(self._receive(a, inputs, out_grads, act_shape, device))
         label = " ".join(str(a) for a in batch)
         start = time.time()
-        handles = self.pp_comm.batch_p2p(ops)
+        handles = self.pp_comm.batch_p2p(ops) if ops else []
         posted = time.time()
         coalesced = len(handles) != len(ops)
-        waited = handles if coalesced else [handles[k] for k in receives]
+        if received is not None:
+            waited = [received[a] for a in batch if a.op in (RECV_F, RECV_B)]
+        else:
+            waited = handles if coalesced else [handles[k] for k in receives]
         for handle in waited:
             handle.wait()
         for a in batch:
             if a.op == RECV_F:
                 inputs[(a.mb, a.chunk)].requires_grad_(True)
         # Two spans: posting the sends and receives, then waiting for the receives to arrive.
-        self._span(batch[0], "p2p", start, posted)
-        self.spans[-1]["name"] = f"post {label}"
+        if ops:
+            self._span(batch[0], "p2p", start, posted)
+            self.spans[-1]["name"] = f"post {label}"
         if waited:
             self._span(batch[0], "wait", posted, time.time())
             self.spans[-1]["name"] = f"wait {label}"
@@ -263,6 +290,23 @@ class PipelineParallel(Strategy):
         for comm in (self.pp_comm, self.dp_comm, self.tp_comm):
             if comm is not None:
                 comm.wait_all()
+
+
+def _runs(actions: list[Action]) -> list:
+    """The list as the executor walks it: each compute action alone, each run of consecutive
+    sends and receives as one tuple (posted together)."""
+    walk, run = [], []
+    for a in actions:
+        if a.op in COMM:
+            run.append(a)
+            continue
+        if run:
+            walk.append(tuple(run))
+            run = []
+        walk.append(a)
+    if run:
+        walk.append(tuple(run))
+    return walk
 
 
 def global_named_parameters(chunks: list[PipelineChunk]) -> list[tuple[str, nn.Parameter]]:

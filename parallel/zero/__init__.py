@@ -68,7 +68,7 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
         build=build, comm=lambda cfg, layout: theory.zero_comm(cfg, layout, stage),
         model_state=lambda cfg, layout: theory.zero_model_state_bytes(cfg, layout, stage),
         local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
-        counterpart="torch_fsdp2" if stage == 3 else "torch_ddp", moe=True,
+        counterpart=f"torch_zero{stage}" if stage < 3 else "torch_fsdp2", moe=True,
         # Every stage has the activation formula (zero3 too: tests/planner_memory_check.py measures
         # it). Recomputation is the project's transform of whole blocks: ZeRO-1/2 run the model's
         # forward as dp does and take it; zero3's hooks gather each part's parameters around one

@@ -121,9 +121,12 @@ class ZeroOptimizer(GradSync):
 
     # -- the optimizer ---------------------------------------------------------------------------
     def step(self) -> None:
-        self.optimizer.step()
+        """Step the shard part by part, each part's all-gather posted as soon as its shard is
+        updated: the gathers of the first parts run while the optimizer works on the later ones
+        (as FSDP2 overlaps its own gathers with compute), and the step waits for them at its end."""
         handles = []
-        for part, flat in zip(self.parts, self.flat_params):
+        for index in self.optimizer.step_by_part():
+            part, flat = self.parts[index], self.flat_params[index]
             shard = flat[part.lo: part.hi].clone()  # the input must not alias the output
             self.meter.add(part.shard_nbytes)
             handles.append((part, shard,

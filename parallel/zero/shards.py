@@ -105,6 +105,7 @@ class ShardAdamW:
                  lr: float, weight_decay: float):
         decay, no_decay = [], []
         self.pieces: list[list[torch.Tensor]] = []  # per part, its pieces in shard order
+        self.decays: list[list[float]] = []  # per part, each piece's weight decay
         for part, shard, grad in zip(parts, shards, grad_shards):
             views = []
             for a, b, decays in part.pieces():
@@ -113,11 +114,21 @@ class ShardAdamW:
                 (decay if decays else no_decay).append(view)
                 views.append(view)
             self.pieces.append(views)
+            self.decays.append([weight_decay if decays else 0.0 for _, _, decays in part.pieces()])
         self.adamw = AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                            lr=lr, betas=BETAS, eps=EPS)
 
     def step(self) -> None:
         self.adamw.step()
+
+    def step_by_part(self):
+        """The same step, one part at a time: yields each part's index once its shard is updated
+        (AdamW is elementwise, so the order of the pieces changes no bit of the result)."""
+        self.adamw.begin_step()
+        for index, (views, decays) in enumerate(zip(self.pieces, self.decays)):
+            for view, decay in zip(views, decays):
+                self.adamw.update(view, decay)
+            yield index
 
     @property
     def step_count(self) -> int:

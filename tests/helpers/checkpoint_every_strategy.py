@@ -45,7 +45,7 @@ PRESETS = [
     ("pp_zbh1", ["parallel.dp=2", "parallel.zero=2"]), ("pp_zbv", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("pp_dualpipev", ["parallel.dp=2", "parallel.microbatches=4"]),
     ("3d", ["parallel.microbatches=2"]), ("cp", []), ("cp_a2a", ["parallel.cp=4", "parallel.zero=1"]),
-    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
+    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []), ("torch_zero1", []), ("torch_zero2", []),
     ("torch_tp", []), ("torch_pp_gpipe", []), ("torch_pp_1f1b", []), ("torch_pp_interleaved", []),
     ("torch_pp_zbv", []), ("torch_pp_dualpipev", []), ("torch_pp_interleaved_zb", []),
 ]
@@ -55,7 +55,7 @@ COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_b
 # A mixture of experts: every strategy whose registry entry trains one (the others refuse it).
 MOE_PRESETS = [
     ("single", []), ("ep", []), ("ep", ["parallel.ep=2"]), ("dp", []), ("zero1", []), ("zero2", []), ("zero3", []),
-    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
+    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []), ("torch_zero1", []), ("torch_zero2", []),
 ]
 MOE_COMMON = ["model=tiny_moe", *COMMON[2:]]
 SAVE_AT, STEPS = 3, 6

@@ -112,6 +112,47 @@ def test_torch_fsdp2_matches_single_and_theory(single_run, tmp_path):
             == (4 * psi // 2, 4 * psi // 2, 8 * psi // 2)
 
 
+def test_torch_zero1_matches_single_and_theory(single_run, tmp_path):
+    """PyTorch's ZeRO-1 (DDP + ZeroRedundancyOptimizer): DDP all-reduces the whole gradient, then every
+    parameter is broadcast from its owner: 2(N-1)/N·G + P per rank, counted in our log."""
+    run = run_train(2, [*TINY, "parallel=torch_zero1", "parallel.microbatches=2", "train.save_final=true"],
+                    tmp_path / "run")
+    s = assert_ok(run)
+    assert s["strategy"] == "torch_zero1"
+    check_matches_single(run, single_run)
+    comm, n = s["comm"], 2
+    psi = s["model"]["parameters"]
+    assert Fraction(comm["sent_bytes_per_step_exact"]) == n * (Fraction(2 * (n - 1), n) * 4 * psi + 4 * psi)
+    assert s["comm_matches_theory"] is True and set(comm["by_op"]) == {"all_reduce", "broadcast"}
+    # Every parameter broadcast once per step, each from one of the two owners.
+    calls = sum(v["calls"] for k, v in comm["by_tag"].items() if k.startswith("zero1/param_broadcast/"))
+    assert calls == n * len(run.final_params)
+    assert {k for k in comm["by_tag"] if k.startswith("zero1/")} == {f"zero1/param_broadcast/from{r}" for r in range(n)}
+    # Each rank holds Adam's moments only for the parameters it owns: together, all of them.
+    assert sum(row["optimizer_bytes"] for row in s["memory"]["by_rank"]) == 8 * psi
+
+
+def test_torch_zero2_matches_single_and_theory(single_run, tmp_path):
+    """PyTorch's ZeRO-2 (FSDP2, reshard_after_forward=False, unsharded across the step's microbatches):
+    each group gathered once per step, its gradients reduce-scattered every microbatch, (N-1)/N·(P + m·G)."""
+    m, n = 2, 2
+    run = run_train(n, [*TINY, "parallel=torch_zero2", f"parallel.microbatches={m}", "train.save_final=true"],
+                    tmp_path / "run")
+    s = assert_ok(run)
+    assert s["strategy"] == "torch_zero2"
+    check_matches_single(run, single_run)
+    comm = s["comm"]
+    P = G = 4 * padded_psi(n)  # at dp 2 FSDP2's per-parameter padding adds nothing either
+    assert Fraction(comm["sent_bytes_per_step_exact"]) == n * Fraction(n - 1, n) * (P + m * G)
+    assert s["comm_matches_theory"] is True
+    for group in ("blocks.0", "root"):
+        assert comm["by_tag"][f"fsdp2/param_all_gather/{group}"]["calls"] == 1 * n
+        assert comm["by_tag"][f"fsdp2/grad_reduce_scatter/{group}"]["calls"] == m * n
+    psi = s["model"]["parameters"]
+    for row in s["memory"]["by_rank"]:
+        assert (row["grad_bytes"], row["optimizer_bytes"]) == (4 * psi // n, 8 * psi // n)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_shard_optimizer_is_bitwise_adamw(world):
     """The shards, stepped piece by piece, end bitwise equal to AdamW on the whole parameters."""
@@ -173,8 +214,8 @@ def test_sharded_presets_are_pure_data_parallel(preset):
 
 
 def test_checkpoint_interface_round_trip():
-    """full_state_dict / full_optimizer_state / load_full_state of zero1-3 and FSDP2 at dp 3 (padded
-    parts, uneven FSDP2 chunks): see tests/helpers/checkpoint_roundtrip.py."""
+    """full_state_dict / full_optimizer_state / load_full_state of zero1-3, FSDP2 and PyTorch's ZeRO-1/2 at
+    dp 3 (padded parts, uneven FSDP2 chunks, ZeroRedundancyOptimizer's uneven ownership): see tests/helpers/checkpoint_roundtrip.py."""
     import subprocess
     import sys
 
@@ -184,5 +225,5 @@ def test_checkpoint_interface_round_trip():
                            str(PROJECT_ROOT / "tests" / "helpers" / "checkpoint_roundtrip.py")],
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    for name in ("zero1", "zero2", "zero3", "torch_fsdp2"):
+    for name in ("zero1", "zero2", "zero3", "torch_fsdp2", "torch_zero1", "torch_zero2"):
         assert f"{name}: checkpoint round trip ok" in proc.stdout
