@@ -19,7 +19,7 @@ def check(nodes: int, nproc_per_node: int, overrides: list[str]) -> str | None:
     from hydra import compose, initialize_config_dir
 
     from launch.config import CONFIG_DIR, unknown_preset
-    from parallel.data import DataError
+    from parallel.core.data import DataError
     from parallel.dist.dims import LayoutError
     from parallel.dist.groups import LaunchEnv
     from parallel.plan import ConfigError, build_plan

@@ -33,7 +33,7 @@ share of all rank-time, is
 
 The idle times are what the schedules take when each action costs exactly its time and messages
 are free; the simulator reproduces them exactly for every p <= 8, m <= 16
-(tests/test_pp_zero_bubble.py). Where they come from, with sources: docs/theory/pipeline.md.
+(tests/unit/test_pp_zero_bubble.py). Where they come from, with sources: docs/theory/pipeline.md.
 
 Building is cached (`built_schedule`): the planner's search asks plan.py to check the same
 (schedule, p, m, v) thousands of times, and every caller gets fresh lists of the same actions.

@@ -1,5 +1,5 @@
 """Pipeline parallelism's closed forms: the p2p traffic per step, from the schedule's placement alone
-(the bubble's are parallel/pp/bubble.py's).
+(each schedule's bubble is in its record, parallel/pp/schedules.py).
 
 Each microbatch crosses every boundary between consecutive virtual stages once forward (its
 activation, b·s·h values) and once backward (the gradient of that activation, the same size)

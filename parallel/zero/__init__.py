@@ -69,7 +69,7 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
         model_state=lambda cfg, layout: theory.zero_model_state_bytes(cfg, layout, stage),
         local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
         counterpart=f"torch_zero{stage}" if stage < 3 else "torch_fsdp2", moe=True,
-        # Every stage has the activation formula (zero3 too: tests/planner_memory_check.py measures
+        # Every stage has the activation formula (zero3 too: tests/helpers/planner_memory_check.py measures
         # it). Recomputation is the project's transform of whole blocks: ZeRO-1/2 run the model's
         # forward as dp does and take it; zero3's hooks gather each part's parameters around one
         # forward per backward, and it does not.
