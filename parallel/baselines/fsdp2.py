@@ -75,13 +75,14 @@ class TorchFSDP2(Strategy):
     name = "torch_fsdp2"
 
     def __init__(self, model: nn.Module, dp_mesh, dp_comm: Communicator, lr: float, weight_decay: float,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool | None = None):
         from torch.distributed.fsdp import fully_shard
 
         self.comm = dp_comm
         self.reshard_after_forward = reshard_after_forward
         self.full_shapes = {n: p.shape for n, p in model.named_parameters()}
         for tag, module in fsdp2_groups(model):
+            # None is FSDP2's default: every Block resharded after forward, the root kept whole for backward.
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
             module.set_custom_all_gather(_CountedAllGather(dp_comm, f"fsdp2/param_all_gather/{tag}"))
             module.set_custom_reduce_scatter(_CountedReduceScatter(dp_comm, f"fsdp2/grad_reduce_scatter/{tag}"))
@@ -97,7 +98,7 @@ class TorchFSDP2(Strategy):
         super().__init__(model, optimizer, loss_comm=dp_comm, sync=FSDP2Sync(self.dtensors, self.locals))
 
     def microbatch_context(self, last_microbatch: bool):
-        if not self.reshard_after_forward:
+        if self.reshard_after_forward is False:
             # ZeRO-2: parameters stay gathered until the step's last backward is done with them.
             self.model.set_reshard_after_backward(last_microbatch)
         return super().microbatch_context(last_microbatch)
