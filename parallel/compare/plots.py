@@ -52,8 +52,10 @@ def tokens_per_s(rows: list[dict], path: Path) -> None:
     names = [r["strategy"] + (" (noisy)" if r.get("noisy") else "") for r in ok]
     values = [r["tokens_per_s"] for r in ok]
     intervals = [tokens_interval(r) for r in ok]
-    errors = [[v - lo for v, (lo, _, _) in zip(values, intervals)],
-              [hi - v for v, (_, hi, _) in zip(values, intervals)]]
+    # The value is one of the steps the interval is made of (the median), so an end can equal it and,
+    # recomputed from the step times, differ from it by a rounding error: never below zero.
+    errors = [[max(0.0, v - lo) for v, (lo, _, _) in zip(values, intervals)],
+              [max(0.0, hi - v) for v, (_, hi, _) in zip(values, intervals)]]
     ax.barh(names, values, color=[THEIRS if is_pytorch(r) else OURS for r in ok], xerr=errors, capsize=3,
             error_kw={"elinewidth": 1, "ecolor": "black"})
     for y, (v, (_, hi, _)) in enumerate(zip(values, intervals)):
