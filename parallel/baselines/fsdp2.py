@@ -81,9 +81,12 @@ class TorchFSDP2(Strategy):
         self.comm = dp_comm
         self.reshard_after_forward = reshard_after_forward
         self.full_shapes = {n: p.shape for n, p in model.named_parameters()}
+        # Left unset (None) for zero3's baseline: FSDP2 then reshards every Block after its forward
+        # but keeps the root, used again at once by backward, whole; an explicit True would
+        # reshard the root too and gather it twice per microbatch.
+        reshard = None if reshard_after_forward else False
         for tag, module in fsdp2_groups(model):
-            # None is FSDP2's default: every Block resharded after forward, the root kept whole for backward.
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
             module.set_custom_all_gather(_CountedAllGather(dp_comm, f"fsdp2/param_all_gather/{tag}"))
             module.set_custom_reduce_scatter(_CountedReduceScatter(dp_comm, f"fsdp2/grad_reduce_scatter/{tag}"))
             module.set_gradient_divide_factor(1.0)

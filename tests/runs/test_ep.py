@@ -239,5 +239,6 @@ def test_ep_layouts():
     assert plan_for(4, "model=tiny_moe", "parallel=ep", "parallel.ep=2").dims.ep == 2
     assert plan_for(2, "model=tiny_moe", "parallel=ep", "parallel.ep=1").strategy == "dp"
     assert plan_for(1, "model=tiny_moe", "parallel=ep").strategy == "single"
-    for preset in ("dp", "zero1", "zero2", "zero3", "torch_ddp", "accelerate_ddp", "torch_fsdp2"):
+    for preset in ("dp", "zero1", "zero2", "zero3", "torch_ddp", "accelerate_ddp", "torch_fsdp2", "torch_zero1",
+                   "torch_zero2"):
         assert plan_for(2, "model=tiny_moe", f"parallel={preset}").strategy == preset

@@ -259,6 +259,27 @@ def test_fsdp2_traffic_pads_every_parameter_along_dim0(n):
     assert Fraction(fig["sent_bytes_per_step_exact"]) == per_rank * n
 
 
+@pytest.mark.parametrize("n,m", [(2, 1), (3, 2), (4, 4)])
+def test_pytorch_zero1_and_zero2_traffic(n, m):
+    """torch_zero2 (FSDP2 kept unsharded over the step): FSDP2's padded groups gathered once and
+    reduce-scattered m times, our zero2's form; torch_zero1 (DDP + ZeroRedundancyOptimizer): the
+    whole gradient all-reduced, every parameter broadcast (S counted on every rank)."""
+    h, f, V = H, 4 * H, 256
+
+    def pad(d0, rest=1):
+        return n * -(-d0 // n) * rest
+
+    block = 4 * pad(h) + 4 * (pad(h, h) + pad(h)) + pad(f, h) + pad(f) + pad(h, f) + pad(h)
+    padded = L * block + 2 * pad(V, h) + pad(S, h) + 2 * pad(h)
+    dims = ParallelDims.resolve(n)
+    zero2 = expected_comm("torch_zero2", CFG, dims, microbatches=m)
+    assert Fraction(zero2["sent_bytes_per_step_exact"]) == n * Fraction(n - 1, n) * 4 * padded * (1 + m)
+    psi = parameter_count(CFG)
+    zero1 = expected_comm("torch_zero1", CFG, dims, microbatches=m)
+    assert Fraction(zero1["sent_bytes_per_step_exact"]) == n * (Fraction(2 * (n - 1), n) * 4 * psi + 4 * psi)
+    assert set(zero1["by_op"]) == {"all_reduce", "broadcast"}
+
+
 # -- ZeRO as the dp dimension of dp x tp x pp ----------------------------------------------------------
 def _stage_part_sizes(t, p, v=1):
     """Per stage, the parts ZeRO shards (ZeRO groups a rank's parameters by model.part_of), counted
