@@ -91,10 +91,11 @@ def main_plan(cfg: DictConfig) -> Path:
     space = Space(**{k: tuple(v) if isinstance(v, list) else v
                      for k, v in OmegaConf.to_container(p.search, resolve=True).items()})
     if not (shape.trainable and cluster.precision == "fp32"):
-        # The saved bytes under recomputation and context parallelism have a formula for the sandbox
-        # GPT in fp32 only (activations.activation_bytes): elsewhere such rows could not be judged (their
-        # memory unknown, "?"), so they are not searched; meta.search says so.
-        space = replace(space, recompute=("none",), context_parallel=False)
+        # The saved bytes under context parallelism have a formula for the sandbox GPT in fp32 only
+        # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
+        # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
+        # Megatron-style implementation saves under each mode.
+        space = replace(space, context_parallel=False)
     layouts = list(p.layouts) if p.layouts is not None else None
     if cfg.get("parallel") is not None:
         return _one_layout(cfg, shape, base, presets, cluster, world, global_batch, model_name, cluster_name)
