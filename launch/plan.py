@@ -3,6 +3,11 @@
     python -m launch.plan model=llama3_70b cluster=h100_sxm plan.world=64 plan.global_batch=512
     python -m launch.plan model=llama3_405b cluster=h100_sxm plan.world=16384 plan.global_batch=2048
     python -m launch.plan model=small plan.world=4 'plan.layouts=[dp,tp,pp_1f1b,zero3,3d]' plan.validate=true
+    python -m launch.plan model=llama3_70b cluster=h100_sxm plan.world=64 plan.global_batch=512 \
+        parallel=3d parallel.tp=8 parallel.pp=4 parallel.microbatches=32 train.recompute=full
+
+With `parallel=<preset>` (and any parallel.* or train.recompute override launch.train takes) it
+evaluates that one layout, no search (parallel/planner/one.py): the row and its breakdown.
 
 For each layout that plan.py accepts (parallel/planner/enumerate.py), memory per device by kind
 (parallel/planner/memory.py), bytes per step inside and between nodes (the families' closed forms, split by
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -33,7 +39,8 @@ from parallel.dist.dims import LayoutError
 from parallel.plan import ConfigError
 from parallel.planner import plots
 from parallel.planner.cluster import GIB, ClusterError, cluster_from_config
-from parallel.planner.enumerate import Space
+from parallel.planner.enumerate import Enumeration, Space
+from parallel.planner.one import breakdown, evaluate_layout
 from parallel.planner.report import console_table, write_json, write_markdown
 from parallel.planner.search import Preset, plan_rows
 from parallel.planner.timing import ASSUMPTIONS
@@ -84,11 +91,14 @@ def main_plan(cfg: DictConfig) -> Path:
     space = Space(**{k: tuple(v) if isinstance(v, list) else v
                      for k, v in OmegaConf.to_container(p.search, resolve=True).items()})
     if not (shape.trainable and cluster.precision == "fp32"):
-        # The saved bytes under recomputation and context parallelism have a formula for the sandbox
-        # GPT in fp32 only (activations.activation_bytes): elsewhere such rows could not be judged (their
-        # memory unknown, "?"), so they are not searched; meta.search says so.
-        space = replace(space, recompute=("none",), context_parallel=False)
+        # The saved bytes under context parallelism have a formula for the sandbox GPT in fp32 only
+        # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
+        # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
+        # Megatron-style implementation saves under each mode.
+        space = replace(space, context_parallel=False)
     layouts = list(p.layouts) if p.layouts is not None else None
+    if cfg.get("parallel") is not None:
+        return _one_layout(cfg, shape, base, presets, cluster, world, global_batch, model_name, cluster_name)
     started = time.perf_counter()
     rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -141,6 +151,27 @@ def main_plan(cfg: DictConfig) -> Path:
         print(f"fastest first, predicted: {order['predicted_order']}; measured: {order['measured_order']} "
               f"({'the same' if order['same'] else 'not the same'})")
     print(f"\nplan.json, report.md, memory_per_device.png, step_time.png in {run_dir}")
+    return run_dir
+
+
+def _one_layout(cfg, shape, base, presets, cluster, world, global_batch, model_name, cluster_name) -> Path:
+    """parallel=<preset>: this one layout's row, printed with its breakdown and written as a one-row plan."""
+    started = time.perf_counter()
+    parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    recompute = cfg.train.get("recompute")
+    row = evaluate_layout(shape, base, presets, cluster, world, global_batch, parallel, recompute,
+                          cfg.plan.get("microbatch_size"))
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run.dir or Path("runs") / f"{stamp}-plan-{model_name}-{cluster_name}-w{world}-one")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    found = Enumeration([], Counter(), 1)
+    meta = _meta(cfg, model_name, shape, cluster, world, global_batch, found, Space(), time.perf_counter() - started)
+    meta["one_layout"] = True
+    write_json(run_dir / "plan.json", meta, [row])
+    print(f"{model_name} on {world} x {cluster.name}: one layout")
+    print(console_table([row], 1))
+    print(breakdown(row, cluster.usable_bytes))
+    print(f"\nplan.json in {run_dir}")
     return run_dir
 
 

@@ -50,6 +50,9 @@ class Cluster:
     shared_compute: bool = False
     node_link_shared: bool = False  # a node's ranks share one link out (emulated nodes), not a NIC each
     sources: str = ""
+    sms: int | None = None  # streaming multiprocessors: with hbm_bytes_per_s, the roofline per GEMM (compute.py)
+    gemm_tile: tuple[int, int] = (256, 128)  # a GEMM's output tile (wave quantization)
+    calibration: dict | None = None  # the one fitted parameter: which, and on what (the preset's `calibration`)
 
     def __post_init__(self):
         for name in ("gpus_per_node", "memory_bytes", "peak_flops", "efficiency", "intra_bytes_per_s",
@@ -74,6 +77,14 @@ class Cluster:
         """The FLOP/s one rank's matmuls reach (the peak shared by every rank where compute is shared)."""
         return self.peak_flops * self.efficiency / (world if self.shared_compute else 1)
 
+    def device(self):
+        """The roofline's view of one device (compute.py), where the preset has SMs and HBM; else None."""
+        if not (self.sms and self.hbm_bytes_per_s):
+            return None
+        from parallel.planner.compute import Device
+
+        return Device(self.peak_flops, self.efficiency, self.hbm_bytes_per_s, self.sms, self.gemm_tile)
+
     def peak_for_mfu(self, world: int) -> float:
         """The denominator of MFU: one peak per device, or the one shared peak (summary.json's `devices`)."""
         return self.peak_flops * (1 if self.shared_compute else world)
@@ -93,12 +104,17 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
             comm_efficiency=float(c.get("comm_efficiency", 1.0)), algorithm=c.get("algorithm", "hierarchical"),
             p2p_overlap=bool(c.get("p2p_overlap", True)), shared_compute=bool(c.get("shared_compute", False)),
             hbm_bytes_per_s=float(c["hbm_tbytes_per_s"]) * 1e12 if c.get("hbm_tbytes_per_s") else None,
-            sources=c.get("sources", ""),
+            sources=c.get("sources", ""), sms=int(c["sms"]) if c.get("sms") else None,
+            gemm_tile=tuple(c.get("gemm_tile") or (256, 128)), calibration=c.get("calibration"),
         )
         if not c.get("emulated"):
-            return Cluster(gpus_per_node=int(c["gpus_per_node"]),
-                           intra_bytes_per_s=float(c["nvlink_gbytes_per_s"]) / 2 * 1e9,  # both directions -> one
-                           inter_bytes_per_s=float(c["inter_gbit_per_s"]) / 8 * 1e9,
+            # Achieved bus bandwidth (nccl-tests' busbw) where the preset gives it: theory's ring bytes per
+            # rank over it is the collective's time, as nccl-tests define busbw; else the link's rate.
+            intra = float(c["nvlink_busbw_gbytes_per_s"]) * 1e9 if c.get("nvlink_busbw_gbytes_per_s") \
+                else float(c["nvlink_gbytes_per_s"]) / 2 * 1e9  # both directions -> one
+            inter = float(c["inter_busbw_gbytes_per_s"]) * 1e9 if c.get("inter_busbw_gbytes_per_s") \
+                else float(c["inter_gbit_per_s"]) / 8 * 1e9
+            return Cluster(gpus_per_node=int(c["gpus_per_node"]), intra_bytes_per_s=intra, inter_bytes_per_s=inter,
                            intra_latency_s=float(c["intra_latency_us"]) * 1e-6,
                            inter_latency_s=float(c["inter_latency_us"]) * 1e-6, **common)
     except KeyError as e:

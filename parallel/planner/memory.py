@@ -85,3 +85,46 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
         largest = padded(max(stage_parts(shape, layout, pp_rank)), d)
         total += largest * grad_b + (largest * param_b if zero >= 3 else 0)
     return total
+
+
+# -- activations as Megatron-style implementations hold them (cluster shapes, bf16) ------------------------
+def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: int) -> dict[str, float]:
+    """Bytes one block saves for backward per token of a microbatch (Korthikanti et al. 2022, §4, with
+    flash attention: nothing of size s² is held), each term over t where tp or sequence parallelism cuts it:
+
+        norm inputs 2·w·h, the QKV and MLP GEMMs' inputs 2·w·h (over t with sp; whole without),
+        Q, K, V w·(h + 2·h_kv)/t, the output projection's input w·h/t, the MLP's up output(s) and the
+        activation function's output w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp).
+
+    For a GPT (h_kv = h, f = 4h, dropout, w = 2) this is their 34 units: sbh·(10 + 24/t) without sp,
+    sbh·34/t with it. `input` is a block's input alone (what full recomputation keeps)."""
+    g = shape.gpt
+    h, f, w = g.d_model, shape.ffn, act_bytes
+    cut = t if sequence_parallel else 1
+    mask = 1 if g.dropout else 0
+    whole = (2 * w * h + 2 * w * h + 2 * mask * h) / cut
+    sharded = (w * (h + 2 * shape.kv_width) + w * h + w * (3 if shape.gated_mlp else 2) * f) / t
+    return {"layer": whole + sharded, "input": w * h / cut}
+
+
+def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> list[int]:
+    """Saved bytes at the step's peak on every rank, as a Megatron-style implementation holds them
+    (`block_units` per block and token; the embedding's and head's small saved tensors left out, the
+    logits being a buffer): none and selective keep every block's tensors of every microbatch in flight
+    (selective recomputes only the attention core, which flash attention never saves anyway); full keeps
+    each block's input, plus one block's whole set while it is recomputed. Microbatches in flight per
+    rank: the schedule's own walk (parallel/pp/theory.py), as for the sandbox's formulas."""
+    dims = layout.dims
+    units = block_units(shape, dims.tp, layout.sequence_parallel, act_bytes)
+    tokens = layout.microbatch_size * shape.gpt.seq_len
+    mode = getattr(layout, "recompute", "none") or "none"
+    kept = units["input"] if mode == "full" else units["layer"]
+    working = tokens * (units["layer"] - units["input"]) if mode == "full" else 0
+    layers = virtual_stage_layers(shape, layout)
+    if dims.pp == 1:
+        peaks = [int(tokens * kept * layers[0]) + int(working)]
+    else:
+        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False) for n in layers]
+        walk = pipeline_walk(layout)
+        peaks = [activations._peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
+    return [peaks[dims.coordinates(rank)["pp"]] for rank in range(dims.world_size)]

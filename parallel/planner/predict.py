@@ -16,6 +16,7 @@ The row's names are the contract tools read (plan.json):
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 from parallel.core.shape import ModelShape
@@ -34,14 +35,14 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) ->
     checked against), else parallel/planner/memory.py's for this shape and precision, where the
     strategy has a formula at all (its registry entry gives one for the carrier)."""
     plan, layout = candidate.plan, candidate.layout
-    registered = plan.spec.activations(shape.gpt_config(), layout)
-    if registered is None:
-        return None
     if shape.trainable and precision == "fp32":
-        return registered
-    if candidate.request.get("recompute", "none") != "none":
-        return None  # recomputation's formulas are the registry's, for the GPT in fp32 only
-    return memory.activation_bytes_by_rank(shape, layout, plan.global_batch, ACT_BYTES[precision])
+        return plan.spec.activations(shape.gpt_config(), layout)
+    if plan.spec.activations(shape.gpt_config(), replace(layout, recompute="none")) is None:
+        return None  # the strategy has no activation formula at all
+    if layout.dims.cp > 1:
+        return None  # context parallelism's saved bytes: the registry's formula, for the GPT in fp32 only
+    # Elsewhere (cluster shapes, bf16): as a Megatron-style implementation holds them (memory.py).
+    return memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision])
 
 
 def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> dict | None:
@@ -129,5 +130,8 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         "comm_seconds_by_group": time.comm_by_group if time else None,
         "tokens_per_s": tokens / total if total else None,
         "mfu": shape.flops_per_token() * tokens / total / cluster.peak_for_mfu(dims.world_size) if total else None,
+        "hfu": time.hardware_flops / total / cluster.peak_for_mfu(dims.world_size)
+        if total and time.hardware_flops else None,
+        "compute_s": time.compute_parts if time else None,
         "notes": notes,
     }

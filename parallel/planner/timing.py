@@ -62,6 +62,9 @@ class StepTime:
     comm_by_group: dict  # seconds per step each group's traffic takes (exposed or not)
     forward: float  # per microbatch, the slowest stage, compute only
     backward: float
+    hardware_flops: float | None = None  # per step, all ranks: model FLOPs plus recomputation's (roofline only)
+    model_flops: float | None = None
+    compute_parts: dict | None = None  # seconds per step on the slowest rank: matmuls, attention, elementwise
 
     @property
     def total(self) -> float:
@@ -134,9 +137,25 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     g = shape.gpt
     rate = cluster.flops_per_rank(world)
     tokens = b * g.seq_len
-    forwards = [tokens * forward_flops_per_token(shape, t, n, r == p - 1) / rate for r, n in enumerate(layers_by_rank)]
-    slowest = max(range(p), key=lambda r: forwards[r])
-    forward, backward = forwards[slowest], 2 * forwards[slowest]
+    device = cluster.device()
+    hardware = model_flops = parts = None
+    recompute = getattr(layout, "recompute", "none") or "none"
+    if device is None:
+        forwards = [tokens * forward_flops_per_token(shape, t, n, r == p - 1) / rate
+                    for r, n in enumerate(layers_by_rank)]
+        slowest = max(range(p), key=lambda r: forwards[r])
+        forward, backward = forwards[slowest], 2 * forwards[slowest]
+    else:
+        from parallel.planner.compute import microbatch_seconds
+
+        per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, layout.sequence_parallel, recompute)
+               for r, n in enumerate(layers_by_rank)]
+        slowest = max(range(p), key=lambda r: per[r]["forward"] + per[r]["backward"])
+        forward, backward = per[slowest]["forward"], per[slowest]["backward"]
+        replicas = dims.tp * dims.dp * dims.cp * m
+        hardware = replicas * sum(x["hardware_flops"] for x in per)
+        model_flops = replicas * sum(x["model_flops"] for x in per)
+        parts = {k: m * per[slowest][k] for k in ("matmuls", "attention", "elementwise", "recompute")}
     activation = tokens * g.d_model * act_bytes
     seconds = {}
     for name, gt in traffic.items():
@@ -182,4 +201,4 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
         dp_exposed += gather + max(reduce - window, last)
     compute = m * (forward + backward)
     exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
-    return StepTime(compute, exposed, bubble, seconds, forward, backward)
+    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts)

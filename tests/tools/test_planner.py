@@ -24,7 +24,7 @@ from launch.config import CONFIG_DIR
 from parallel import algebra
 from parallel.compose import theory as compose_theory
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import ParallelDims
+from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.dp.theory import dp_comm
 from parallel.layout import Layout
@@ -344,17 +344,19 @@ def test_launch_plan_writes_the_ranked_plan(tmp_path):
         assert (out / name).stat().st_size > 0
 
 
-def test_a_model_without_recompute_or_cp_formulas_is_not_searched_with_them(tmp_path):
-    """Saved bytes under recomputation and cp have formulas for the sandbox GPT in fp32 only: for a
-    planner shape (here in bf16 on H100s) no row with either may appear, where they would all be "?"."""
+def test_a_model_without_cp_formulas_is_not_searched_with_them(tmp_path):
+    """Saved bytes under cp have formulas for the sandbox GPT in fp32 only: for a planner shape (here in bf16
+    on H100s) no row with cp may appear, where they would all be "?"; recomputation is searched, every row's
+    memory known (parallel/planner/memory.py's implementation accounting)."""
     out = tmp_path / "plan"
     proc = _plan(["model=gpt2_124m", "cluster=h100_sxm", "plan.world=8", "plan.global_batch=64",
                   "plan.layouts=[dp,3d]", f"run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["meta"]["search"]["recompute"] == ["none"] and plan["meta"]["search"]["context_parallel"] is False
+    assert plan["meta"]["search"]["context_parallel"] is False
     assert plan["rows"] and all(r["layout"]["cp"] == 1 for r in plan["rows"])
-    assert all(r["layout"].get("recompute", "none") == "none" and r["fits"] is not None for r in plan["rows"])
+    assert {r["layout"].get("recompute") for r in plan["rows"]} == {"none", "selective", "full"}
+    assert all(r["fits"] is not None and r["hfu"] >= r["mfu"] * 0.99 for r in plan["rows"])
 
 
 def test_launch_plan_refuses_bad_input_in_one_line(tmp_path):
@@ -364,3 +366,39 @@ def test_launch_plan_refuses_bad_input_in_one_line(tmp_path):
     with pytest.raises(ClusterError, match="efficiency=2.0 .* must be fractions in"):
         cluster_from_config({**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "h100_sxm.yaml").read_text()),
                              "efficiency": 2})
+
+
+# -- one layout ----------------------------------------------------------------------------------------------
+def test_one_layout_is_the_searchs_row_for_it(base):
+    """parallel=<preset> with its overrides: the same row the search ranks for that layout (memory, bytes, time),
+    and plan.py's refusal where a run would meet one."""
+    from parallel.planner.one import evaluate_layout
+    from parallel.planner.search import plan_rows
+
+    shape, cluster = ModelShape.from_preset(preset("tiny")), synthetic_cluster()
+    parallel = {**base["parallel"], "name": "3d", "tp": 2, "pp": 2, "microbatches": 4, "schedule": "1f1b",
+                "virtual_stages": 1, "zero": 0, "sequence_parallel": False, "dp": None, "cp": 1, "ep": 1}
+    row = evaluate_layout(shape, base, [], cluster, 8, 16, parallel)
+    space = Space(recompute=("none",), schedules=("1f1b",), virtual_stages=(1,))
+    rows, _ = plan_rows(shape, base, [], cluster, 8, 16, space, ["3d"])
+    same = [r for r in rows if r["layout"] == row["layout"]]
+    assert len(same) == 1 and (row["layout"]["dp"], row["layout"]["tp"], row["layout"]["pp"]) == (2, 2, 2)
+    for key in ("memory_bytes_per_device", "bytes_exact", "step_time_s", "fits", "mfu"):
+        assert row[key] == same[0][key], key
+    with pytest.raises(LayoutError, match="not divisible by parallel.dp x parallel.microbatches"):
+        evaluate_layout(shape, base, [], cluster, 8, 16, {**parallel, "microbatches": 3})
+
+
+def test_launch_plan_evaluates_one_layout_given_as_launch_trains_overrides(tmp_path):
+    out = tmp_path / "one"
+    proc = _plan(["model=gpt2_124m", "cluster=h100_sxm", "plan.world=16", "plan.global_batch=64", "parallel=3d",
+                  "parallel.tp=2", "parallel.pp=2", "plan.microbatch_size=2", "parallel.schedule=interleaved_1f1b",
+                  "parallel.virtual_stages=2", "parallel.grad_sync=naive", f"run.dir={out}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "one layout" in proc.stdout and "MFU (model FLOPs / peak)" in proc.stdout
+    rows = json.loads((out / "plan.json").read_text())["rows"]
+    assert len(rows) == 1
+    layout = rows[0]["layout"]
+    assert (layout["dp"], layout["tp"], layout["pp"], layout["microbatch_size"], layout["microbatches"]) == \
+        (4, 2, 2, 2, 8)
+    assert layout["schedule"] == "interleaved_1f1b" and layout["virtual_stages"] == 2

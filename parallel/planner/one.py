@@ -1,0 +1,79 @@
+"""One fully specified layout, evaluated: "what would my config do", without the search.
+
+`python -m launch.plan ... parallel=3d parallel.tp=8 parallel.pp=2 parallel.microbatches=64
+train.recompute=full` takes the same overrides launch.train takes (a conf/parallel/ preset and its
+parallel.* fields, train.recompute); dp is what the world leaves, as launch.train derives it. The
+layout goes through `parallel.plan.build_plan` (the same refusals a run would meet, one `error:`
+line) and parallel/planner/predict.py, and comes back as the one row a search would have ranked,
+printed with its memory and time breakdown (`breakdown`).
+"""
+
+from __future__ import annotations
+
+from parallel.core.shape import ModelShape
+from parallel.dist.groups import LaunchEnv
+from parallel.plan import ConfigError, build_plan
+from parallel.planner.cluster import GIB, Cluster
+from parallel.planner.enumerate import Config, _candidate, shape_rule
+from parallel.planner.predict import predict_row
+from parallel.planner.search import Preset, preset_for, run_overrides
+
+REQUEST_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "schedule", "virtual_stages",
+                  "microbatches", "pp_layers")
+
+
+def evaluate_layout(shape: ModelShape, base: dict, presets: list[Preset], cluster: Cluster, world: int,
+                    global_batch: int, parallel: dict, recompute: str | None = None,
+                    microbatch_size: int | None = None) -> dict:
+    """The row of this one layout (`parallel`: the composed parallel.* section of a training config)."""
+    parallel = dict(parallel)
+    recompute = recompute if recompute is not None else base["train"].get("recompute")
+    if microbatch_size is not None:
+        sizes = [parallel.get(k) or 1 for k in ("tp", "pp", "cp")]
+        dp = parallel.get("dp") or world // (sizes[0] * sizes[1] * sizes[2])
+        if global_batch % (dp * microbatch_size):
+            raise ConfigError(f"plan.microbatch_size={microbatch_size} does not divide the local batch "
+                              f"{global_batch}/{dp} (train.global_batch / dp)")
+        parallel["microbatches"] = global_batch // (dp * microbatch_size)
+    model = {k: getattr(shape.gpt, k) for k in base["model"] if hasattr(shape.gpt, k)}
+    train = {**base["train"], "global_batch": global_batch, **({"recompute": recompute} if recompute else {})}
+    config = Config({**base, "model": model, "train": train, "parallel": {**base["parallel"], **parallel}})
+    env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
+    plan = build_plan(config, env, cuda_available=False)
+    why = shape_rule(shape, plan)
+    if why:
+        raise ConfigError(why)
+    request = {k: parallel[k] for k in REQUEST_FIELDS if parallel.get(k) is not None}
+    request["zero"] = parallel.get("zero") or 0
+    if recompute is not None:
+        request["recompute"] = recompute
+    candidate = _candidate(parallel["name"], plan, request)
+    preset = preset_for(candidate, presets)
+    row = predict_row(shape, candidate, cluster, preset)
+    row["run_overrides"] = run_overrides(candidate, preset)
+    row["rank"] = 1
+    return row
+
+
+def breakdown(row: dict, usable_bytes: float) -> str:
+    """The row's memory by kind and its step by part, one figure a line."""
+    m, t = row["memory_bytes_per_device"], row["step_time_s"]
+    lines = ["memory per device (the rank that holds the most), GiB:"]
+    for k in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+        v = m.get(k)
+        lines.append(f"  {k:<12} {'?' if v is None else f'{v / GIB:.2f}'}")
+    lines.append(f"  usable       {usable_bytes / GIB:.2f}  fits: {row['fits']}")
+    if t:
+        lines.append("step time, s:")
+        for k in ("compute", "exposed_comm", "bubble", "total"):
+            lines.append(f"  {k:<12} {t[k]:.4g}")
+        for k, v in (row.get("compute_s") or {}).items():
+            lines.append(f"    compute.{k:<14} {v:.4g}")
+        for k, v in (row.get("comm_seconds_by_group") or {}).items():
+            lines.append(f"    comm.{k:<6} {v:.4g} (per step, exposed or not)")
+        lines.append(f"  MFU (model FLOPs / peak)    {row['mfu']:.1%}")
+        if row.get("hfu") is not None:
+            lines.append(f"  HFU (hardware FLOPs / peak) {row['hfu']:.1%}")
+    lines += [f"  note: {n}" for n in row["notes"]]
+    lines.append("run it: " + " ".join(row["run_overrides"]))
+    return "\n".join(lines)
