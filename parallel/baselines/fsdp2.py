@@ -75,7 +75,7 @@ class TorchFSDP2(Strategy):
     name = "torch_fsdp2"
 
     def __init__(self, model: nn.Module, dp_mesh, dp_comm: Communicator, lr: float, weight_decay: float,
-                 reshard_after_forward: bool | None = None):
+                 reshard_after_forward: bool = True):
         from torch.distributed.fsdp import fully_shard
 
         self.comm = dp_comm
@@ -101,7 +101,7 @@ class TorchFSDP2(Strategy):
         super().__init__(model, optimizer, loss_comm=dp_comm, sync=FSDP2Sync(self.dtensors, self.locals))
 
     def microbatch_context(self, last_microbatch: bool):
-        if self.reshard_after_forward is False:
+        if not self.reshard_after_forward:
             # ZeRO-2: parameters stay gathered until the step's last backward is done with them.
             self.model.set_reshard_after_backward(last_microbatch)
         return super().microbatch_context(last_microbatch)
