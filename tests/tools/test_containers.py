@@ -119,6 +119,9 @@ def _matches(summary: dict, single: dict) -> None:
     assert diff < 1e-5, f"losses differ by {diff:.2e} relative\n{summary['losses']}\n{single['losses']}"
 
 
+# The first test that asks for the image builds it (base image, torch's wheels, the build: about 2 minutes
+# from nothing on an idle 2-core machine, 4 under load), inside its own timeout: give it room.
+@pytest.mark.timeout(900)
 def test_image_trains_two_processes_as_one(podman_env, image, image_single, tmp_path):
     proc = _in_image(podman_env, image, tmp_path, ["torchrun", "--standalone", "--nproc-per-node", "2",
                                                    "-m", "launch.train", *RUN, "parallel=dp", "run.dir=/app/runs/dp"])
@@ -128,6 +131,7 @@ def test_image_trains_two_processes_as_one(podman_env, image, image_single, tmp_
     _matches(summary, image_single)
 
 
+@pytest.mark.timeout(900)
 def test_compose_two_containers_as_two_nodes(podman_env, image, image_single, tmp_path):
     # compose.yaml's paths are relative to its folder (../runs/compose/nodeK): a copy in tmp_path/docker
     # puts each container's runs under tmp_path/runs/compose/.
