@@ -19,19 +19,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-PAYLOAD_BYTES = 8 * 2**20
-
-
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from parallel.replay.probe import PAYLOAD_BYTES, best_time
 
 
 def main() -> None:
@@ -44,8 +34,8 @@ def main() -> None:
     torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1) // n))
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
     dist.all_reduce(big)
-    seconds = _best(lambda: dist.all_reduce(big), 5)
-    tiny = _best(lambda: dist.all_reduce(small), 20)
+    seconds = best_time(lambda: dist.all_reduce(big), 5)
+    tiny = best_time(lambda: dist.all_reduce(small), 20)
     if dist.get_rank() == 0:
         sent = 2 * (n - 1) / n * PAYLOAD_BYTES
         print(json.dumps({"bytes_per_s": sent / seconds, "latency_s": tiny / max(1, 2 * (n - 1)), "ranks": n}))

@@ -29,7 +29,8 @@ PAYLOAD_BYTES = 8 * 2**20
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
 
 
-def _best(fn, repeats: int) -> float:
+def best_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of `fn`, in wall seconds (the probe's and the planner's)."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -53,8 +54,8 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) ->
     if rank in (0, partner):
         big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
         dist.all_reduce(big, group=pair)
-        seconds = _best(lambda: dist.all_reduce(big, group=pair), 3)
-        tiny = _best(lambda: dist.all_reduce(small, group=pair), 20)
+        seconds = best_time(lambda: dist.all_reduce(big, group=pair), 3)
+        tiny = best_time(lambda: dist.all_reduce(small, group=pair), 20)
         latency = tiny / 2
         figures[:] = torch.tensor([PAYLOAD_BYTES / max(seconds - 2 * latency, 1e-9), latency])
     dist.broadcast(figures, src=0)
