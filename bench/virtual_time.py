@@ -18,8 +18,10 @@ root), reads the run's summary.json, and for some replays its saved events again
   network      dp, tp, pp_1f1b at world 2 on loopback, replayed onto net=ethernet_1g with
                inter_mbit=200, against launch.run's measured step on that emulated network (10%)
 
-The loopback link model is probed once (parallel/planner/loopback.py, 2 ranks) and given to every
-run (`virtual.loopback_*`); loopback=per-run lets each run probe its own, as a plain run does.
+The loopback link model is probed once (parallel/replay/probe.py's method: 2 ranks, one per core,
+the mean cost of all-reduces that follow compute) and given to every run (`virtual.loopback_*`), so
+that the runs differ only in what they measured; loopback=per-run lets each run probe its own, as a
+plain run does.
 
 Prints one table per check, the exact commands it ran, and writes them to <out>/table.md.
 """
@@ -40,6 +42,7 @@ from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel, from_net  # noqa: E402
+from parallel.replay.probe import measure_once  # noqa: E402
 from parallel.replay.virtual import replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
@@ -202,9 +205,8 @@ def main(argv: list[str]) -> None:
     common = [f"model={opts['model']}", f"train.steps={opts['steps']}"]
     if opts["loopback"] == "once":
         # One probe for every run (2 ranks, one per core), so that the runs differ only in what they measured.
-        from parallel.planner.loopback import measure
-
-        loop = measure(2)
+        loop = measure_once()
+        COMMANDS.append("torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
         common += [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
                    f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}"]
     checks = opts["checks"].split(",")

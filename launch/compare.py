@@ -67,6 +67,7 @@ from parallel.compare.rounds import aggregate_rounds, rotated
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
 from parallel.net.netns import remove_leftovers
 from parallel.plan import model_config
+from parallel.replay.probe import measure_once
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
 from parallel.runner import run_one
 
@@ -316,6 +317,22 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
     return rows, summaries, meta
 
 
+def loopback_overrides(cfg: DictConfig, device: torch.device) -> list[str]:
+    """Virtual time's loopback link, probed once (two ranks, one per core) and given to every run,
+    as the peak is: each run probing its own would put the probe's spread between the strategies."""
+    given = cfg.get("virtual") or {}
+    if given.get("loopback_gbytes_per_s") and given.get("loopback_latency_us") is not None:
+        return [f"virtual.loopback_gbytes_per_s={given.loopback_gbytes_per_s}",
+                f"virtual.loopback_latency_us={given.loopback_latency_us}"]
+    if device.type != "cpu":
+        return []
+    loop = measure_once()
+    print(f"compare: loopback for virtual time {loop['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
+          f"{loop['latency_s'] * 1e6:.0f} us per ring step (probed once, given to every run)", flush=True)
+    return [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
+            f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}"]
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")
 def sweep(cfg: DictConfig) -> None:
     c = cfg.compare
@@ -343,7 +360,7 @@ def sweep(cfg: DictConfig) -> None:
     # then every resolved field of it, so that what was overridden here reaches the runs.
     common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
               *section_overrides(cfg, "train"),
-              f"train.peak_flops={peak}", *c.overrides]
+              f"train.peak_flops={peak}", *loopback_overrides(cfg, device), *c.overrides]
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
     on = f" x {len(networks)} networks" if multi else (f" on net={networks[0].label}" if networks[0].emulated else "")
     print(f"compare: {len(strategies)} strategies{on}{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "

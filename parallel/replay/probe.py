@@ -1,22 +1,40 @@
-"""This machine's loopback as a link model: probed inside a run, with one rank per core.
+"""This machine's loopback as a link model: probed inside a run, with one rank per core, as a run uses it.
 
 The replay needs the rate and the per-step latency one rank's transfers reach when it has a core
 of its own, not the contended figures of N ranks on fewer cores. So two ranks of one node (global
 rank 0 and the next rank on its node) measure them between themselves, after the timed steps,
-while every other rank waits in a barrier (a gloo barrier blocks in a receive: it takes no core):
+while every other rank waits in a barrier (a gloo barrier blocks in a receive: it takes no core).
 
-    rate      bytes one rank sends in an all-reduce of 8 MiB (2(n-1)/n S, n = 2) over its best time of 3
-    latency   a 4-byte all-reduce's best time of 20, over its 2(n-1) = 2 ring steps
+They measure a collective the way a training step meets one: **coming out of compute, and on
+average**. Each timed all-reduce follows a burst of matmuls on both ranks (`BURST_S` of thread CPU
+time), and the figure is the mean over many, not the best. Measured on a 2-core machine with a
+core per rank, a 128 KiB gloo all-reduce takes 0.12-0.3 ms at best but 0.25-1.4 ms at the median
+and 3-4 ms one time in three or four (the threads gloo wakes to move the bytes do not always run at
+once). The best of a burst of back-to-back calls, the planner's method (parallel/planner/loopback.py),
+misses all of that, and a step of 22 such calls is then replayed at a fifth of its wall time. A
+step pays the mean cost of each call, so the mean is the figure:
 
-the method of parallel/planner/loopback.py, at two ranks. About 0.1 s. A figure given in the
-config (`virtual.loopback_gbytes_per_s`, `virtual.loopback_latency_us`, which launch.compare
-measures once per sweep) is used as given instead. Nothing here goes through the communication
-log: it is not the strategy's traffic.
+    latency   the mean time of a small all-reduce (SMALL_BYTES, whose bytes take microseconds)
+              over its 2(n-1) = 2 ring steps, less those bytes' time
+    rate      the bytes one rank sends in an all-reduce of PAYLOAD_BYTES (2(n-1)/n S = S at n = 2)
+              over its mean time less the two steps' latency
+
+Both from the same bursts, so the two equations t = 2 L + sent / rate are solved together. About
+0.4 s per run. A figure given in the config (`virtual.loopback_gbytes_per_s`,
+`virtual.loopback_latency_us`) is used as given instead: launch.compare and bench/virtual_time.py
+measure it once for all their runs (`measure_once`, which runs this module under
+`python -m torch.distributed.run --nproc-per-node 2 -m parallel.replay.probe`). Nothing here goes
+through the communication log: it is not the strategy's traffic.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,19 +42,50 @@ import torch.distributed as dist
 from parallel.replay.links import LinkModel, loopback
 
 PAYLOAD_BYTES = 8 * 2**20
+SMALL_BYTES = 16 * 2**10
+BURST_S = 0.5e-3          # thread CPU time of compute before each timed call: a run's calls follow compute
+SMALL_REPEATS, BIG_REPEATS = 120, 8
 # When no two ranks share a node (every rank on its own emulated node): this machine's figures as
 # measured for the planner (conf/cluster/this_machine.yaml: 2 ranks, 1.3 GB/s, 80 us per 4-byte all-reduce).
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
 
 
 def best_time(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls of `fn`, in wall seconds (the probe's and the planner's)."""
+    """The fastest of `repeats` calls of `fn`, in wall seconds (the planner's method)."""
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def mean_after_compute(fn, repeats: int, burst_s: float = BURST_S) -> float:
+    """The mean wall time of `fn` over `repeats` calls, each after `burst_s` of this thread's CPU
+    time spent in matmuls (both ranks run the same bursts, so they post together, as in a step)."""
+    a = torch.ones(96, 96)
+    total = 0.0
+    for _ in range(repeats):
+        start_cpu = time.thread_time()
+        while time.thread_time() - start_cpu < burst_s:
+            a @ a
+        start = time.perf_counter()
+        fn()
+        total += time.perf_counter() - start
+    return total / repeats
+
+
+def measure_pair(group=None) -> tuple[float, float]:
+    """(bytes_per_s, latency_s per ring step) between the two ranks of `group` (both call it)."""
+    big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
+    dist.all_reduce(big, group=group)  # warm: connections made, buffers allocated
+    dist.all_reduce(small, group=group)
+    t_small = mean_after_compute(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS)
+    t_big = mean_after_compute(lambda: dist.all_reduce(big, group=group), BIG_REPEATS)
+    # t = 2 L + S / rate for each size (n = 2: each rank sends S); solve the two together
+    rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
+    latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
+    return rate, latency
 
 
 def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) -> LinkModel:
@@ -52,13 +101,39 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) ->
     pair = dist.new_group([0, partner], backend="gloo")
     figures = torch.zeros(2, dtype=torch.float64)
     if rank in (0, partner):
-        big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
-        dist.all_reduce(big, group=pair)
-        seconds = best_time(lambda: dist.all_reduce(big, group=pair), 3)
-        tiny = best_time(lambda: dist.all_reduce(small, group=pair), 20)
-        latency = tiny / 2
-        figures[:] = torch.tensor([PAYLOAD_BYTES / max(seconds - 2 * latency, 1e-9), latency])
+        figures[:] = torch.tensor(measure_pair(pair))
     dist.broadcast(figures, src=0)
     dist.destroy_process_group(pair)
     return loopback(float(figures[0]), float(figures[1]),
-                    f"probed in this run: ranks 0 and {partner}, one per core, 8 MiB and 4-byte all-reduces")
+                    f"probed in this run: ranks 0 and {partner}, one per core, mean of "
+                    f"{SMALL_BYTES // 1024} KiB and {PAYLOAD_BYTES // 2**20} MiB all-reduces after compute")
+
+
+def measure_once(timeout_s: float = 120) -> dict:
+    """{"bytes_per_s", "latency_s"}: this module's probe run by two ranks of their own (one per core),
+    for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
+    in what they measured, not in their probes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "parallel.replay.probe"]
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's code, in the child processes too
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"probing loopback with 2 gloo ranks failed: {proc.stderr[-500:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    """Under torchrun with 2 ranks: print {"bytes_per_s", "latency_s"} as JSON on rank 0."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rate, latency = measure_pair()
+    if dist.get_rank() == 0:
+        print(json.dumps({"bytes_per_s": rate, "latency_s": latency}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
