@@ -115,147 +115,179 @@ class Deadlock(RuntimeError):
 EPS = 1e-12
 
 
-def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None) -> Result:
-    """Play `programs` (one per rank) together; `bandwidth[link]`: bytes/s of each link an op
-    loads; `cores`: None for a core per rank, else the cores the ranks share."""
-    bandwidth = bandwidth or {}
-    n = len(programs)
-    pc = [0] * n
-    remaining = [0.0] * n  # compute seconds left (at one core's pace) of the current task
-    computing: list[Compute | None] = [None] * n
-    blocked: list[tuple | None] = [None] * n  # (ops, since, name, category) the rank waits for
-    handles: list[dict] = [{} for _ in range(n)]
-    began = [0.0] * n
-    ends = [math.nan] * n
-    intervals: list[Interval] = []
-    ops: dict[tuple, Op] = {}
-    queues: dict[tuple, list[Op]] = {}  # queue -> its ops not yet started, in posting order of their first member
-    active: list[Op] = []  # started, not complete
-    left: dict[tuple, float] = {}  # op key -> latency seconds left, then ("bytes" phase) fraction left
-    phase_of: dict[tuple, str] = {}
-    t = 0.0
+class Replay:
+    """One replay's state: where each rank is in its program, what it waits for, the ops in flight.
 
-    def register(op: Op, rank: int) -> Op:
-        op = ops.setdefault(op.key, op)
+    `run()` below drives it: everything that can happen at one instant (`settle`), then time moves
+    to the next event (`advance`)."""
+
+    def __init__(self, programs: list[list], bandwidth: dict, cores: float | None):
+        n = len(programs)
+        self.programs, self.bandwidth, self.cores, self.n = programs, bandwidth, cores, n
+        self.pc = [0] * n  # the next task of each rank
+        self.remaining = [0.0] * n  # compute seconds left (at one core's pace) of the current task
+        self.computing: list[Compute | None] = [None] * n
+        self.blocked: list[tuple | None] = [None] * n  # (ops, since, name, category, phase) the rank waits for
+        self.handles: list[dict] = [{} for _ in range(n)]
+        self.began = [0.0] * n
+        self.ends = [math.nan] * n
+        self.intervals: list[Interval] = []
+        self.ops: dict[tuple, Op] = {}
+        self.queues: dict[tuple, list[Op]] = {}  # queue -> its ops not started, in posting order of their first member
+        self.active: list[Op] = []  # started, not complete
+        self.left: dict[tuple, float] = {}  # op key -> latency seconds left, then ("bytes" phase) fraction left
+        self.phase_of: dict[tuple, str] = {}
+        self.t = 0.0
+
+    # -- what happens at one instant ---------------------------------------------------------------
+    def register(self, op: Op, rank: int) -> Op:
+        """`rank` posts `op` now (the first member's post puts it in its group's queue)."""
+        op = self.ops.setdefault(op.key, op)
         if rank in op.posted:
             raise ValueError(f"rank {rank} posted {op.name or op.key} twice")
-        op.posted[rank] = t
+        op.posted[rank] = self.t
         if op.queue is not None and len(op.posted) == 1:
-            queues.setdefault(op.queue, []).append(op)
+            self.queues.setdefault(op.queue, []).append(op)
         return op
 
-    def try_start() -> bool:
+    def try_start(self) -> bool:
+        """Start every op whose members have all posted it and whose group's queue lets it go."""
         started = False
-        for op in list(ops.values()):
+        for op in list(self.ops.values()):
             if op.start is not None or len(op.posted) < len(op.members):
                 continue
             if op.queue is not None:
-                queue = queues[op.queue]
-                if queue[0] is not op or any(o.queue == op.queue for o in active):
+                queue = self.queues[op.queue]
+                if queue[0] is not op or any(o.queue == op.queue for o in self.active):
                     continue
                 queue.pop(0)
-            op.start = t
-            phase_of[op.key] = "latency"
-            left[op.key] = op.latency_s
-            active.append(op)
+            op.start = self.t
+            self.phase_of[op.key], self.left[op.key] = "latency", op.latency_s
+            self.active.append(op)
             started = True
         return started
 
-    def settle_ops() -> bool:
-        """Latencies that have elapsed turn into transfers; transfers of nothing complete."""
+    def settle_ops(self) -> bool:
+        """Latencies that have elapsed turn into transfers; transfers that are done (or of nothing) complete."""
         moved = False
-        for op in list(active):
-            if phase_of[op.key] == "latency" and left[op.key] <= EPS:
-                phase_of[op.key], left[op.key] = "bytes", 1.0
+        for op in list(self.active):
+            if self.phase_of[op.key] == "latency" and self.left[op.key] <= EPS:
+                self.phase_of[op.key], self.left[op.key] = "bytes", 1.0
                 moved = True
-            if phase_of[op.key] == "bytes" and (left[op.key] <= EPS or not any(op.demand.values())):
-                op.end = t
-                active.remove(op)
+            if self.phase_of[op.key] == "bytes" and (self.left[op.key] <= EPS or not any(op.demand.values())):
+                op.end = self.t
+                self.active.remove(op)
                 moved = True
         return moved
 
-    def advance_rank(r: int) -> bool:
-        moved = False
+    def advance_rank(self, r: int) -> bool:
+        """Take rank r through every task it can finish or begin now; True if anything changed."""
+        moved, t = False, self.t
         while True:
-            if computing[r] is not None:
-                if remaining[r] > EPS:
+            if self.computing[r] is not None:
+                if self.remaining[r] > EPS:
                     return moved
-                task = computing[r]
-                intervals.append(Interval(r, "compute", task.phase, task.phase, began[r], t, task.label))
-                computing[r] = None
+                task = self.computing[r]
+                self.intervals.append(Interval(r, "compute", task.phase, task.phase, self.began[r], t, task.label))
+                self.computing[r] = None
                 moved = True
-            if blocked[r] is not None:
-                waiting, since, name, category, phase = blocked[r]
+            if self.blocked[r] is not None:
+                waiting, since, name, category, phase = self.blocked[r]
                 if any(op.end is None for op in waiting):
                     return moved
-                intervals.append(Interval(r, "blocked", name, category, since, t, phase, op=waiting[0]))
-                blocked[r] = None
+                self.intervals.append(Interval(r, "blocked", name, category, since, t, phase, op=waiting[0]))
+                self.blocked[r] = None
                 moved = True
-            if pc[r] >= len(programs[r]):
-                if math.isnan(ends[r]):
-                    ends[r] = t
+            if self.pc[r] >= len(self.programs[r]):
+                if math.isnan(self.ends[r]):
+                    self.ends[r] = t
                     moved = True
                 return moved
-            task = programs[r][pc[r]]
-            pc[r] += 1
+            task = self.programs[r][self.pc[r]]
+            self.pc[r] += 1
             moved = True
-            if isinstance(task, Compute):
-                if task.seconds > 0:
-                    computing[r], remaining[r], began[r] = task, task.seconds, t
-            elif isinstance(task, Call):
-                op = register(task.op, r)
-                blocked[r] = ((op,), t, op.name, op.category, task.phase)
-            elif isinstance(task, Post):
-                op = register(task.op, r)
-                intervals.append(Interval(r, "post", op.name, op.category, t, t, task.phase, op=op))
-                handles[r][task.handle] = op
-            elif isinstance(task, Wait):
-                waiting = tuple(handles[r].pop(h) for h in task.handles if h in handles[r])
-                if waiting:
-                    blocked[r] = (waiting, t, task.name or waiting[0].name, waiting[0].category, task.phase)
-            else:
-                raise TypeError(f"not a task: {task!r}")
+            self.begin(r, task)
 
-    while True:
+    def begin(self, r: int, task) -> None:
+        """Rank r starts `task`: compute, block on a call, post (and go on), or block on a wait."""
+        t = self.t
+        if isinstance(task, Compute):
+            if task.seconds > 0:
+                self.computing[r], self.remaining[r], self.began[r] = task, task.seconds, t
+        elif isinstance(task, Call):
+            op = self.register(task.op, r)
+            self.blocked[r] = ((op,), t, op.name, op.category, task.phase)
+        elif isinstance(task, Post):
+            op = self.register(task.op, r)
+            self.intervals.append(Interval(r, "post", op.name, op.category, t, t, task.phase, op=op))
+            self.handles[r][task.handle] = op
+        elif isinstance(task, Wait):
+            waiting = tuple(self.handles[r].pop(h) for h in task.handles if h in self.handles[r])
+            if waiting:
+                self.blocked[r] = (waiting, t, task.name or waiting[0].name, waiting[0].category, task.phase)
+        else:
+            raise TypeError(f"not a task: {task!r}")
+
+    def settle(self) -> None:
+        """Everything that happens at this instant, until nothing more does."""
         moved = True
-        while moved:  # everything that happens at this instant
+        while moved:
             moved = False
-            for r in range(n):
-                moved |= advance_rank(r)
-            moved |= try_start()
-            moved |= settle_ops()
-        if all(not math.isnan(e) for e in ends):
-            break
-        # Rates: compute by processor sharing, bytes by equal shares of each link.
-        busy = [r for r in range(n) if computing[r] is not None]
-        pace = 1.0 if cores is None or not busy else min(1.0, cores / len(busy))
+            for r in range(self.n):
+                moved |= self.advance_rank(r)
+            moved |= self.try_start()
+            moved |= self.settle_ops()
+
+    @property
+    def done(self) -> bool:
+        return all(not math.isnan(e) for e in self.ends)
+
+    # -- time moving to the next event -------------------------------------------------------------
+    def rates(self) -> tuple[list[int], float, dict]:
+        """The ranks computing and their pace (processor sharing), and each transfer's rate: its
+        share of each link it loads (equal shares), at the pace of its most loaded link."""
+        busy = [r for r in range(self.n) if self.computing[r] is not None]
+        pace = 1.0 if self.cores is None or not busy else min(1.0, self.cores / len(busy))
+        moving = [op for op in self.active if self.phase_of[op.key] == "bytes"]
         load: dict = {}
-        for op in active:
-            if phase_of[op.key] == "bytes":
-                for link, nbytes in op.demand.items():
-                    if nbytes > 0:
-                        load[link] = load.get(link, 0) + 1
-        rate: dict[tuple, float] = {}
-        for op in active:
-            if phase_of[op.key] == "bytes":
-                rate[op.key] = min(bandwidth[link] / load[link] / nbytes
-                                   for link, nbytes in op.demand.items() if nbytes > 0)
-        steps = [remaining[r] / pace for r in busy]
-        steps += [left[op.key] / rate[op.key] if phase_of[op.key] == "bytes" else left[op.key] for op in active]
+        for op in moving:
+            for link, nbytes in op.demand.items():
+                if nbytes > 0:
+                    load[link] = load.get(link, 0) + 1
+        rate = {op.key: min(self.bandwidth[link] / load[link] / nbytes for link, nbytes in op.demand.items()
+                            if nbytes > 0) for op in moving}
+        return busy, pace, rate
+
+    def advance(self) -> None:
+        """Move time to the next event: a compute finishing, a latency elapsing or a transfer ending."""
+        busy, pace, rate = self.rates()
+        steps = [self.remaining[r] / pace for r in busy]
+        steps += [self.left[op.key] / rate[op.key] if op.key in rate else self.left[op.key] for op in self.active]
         if not steps:
-            stuck = {r: repr(programs[r][pc[r] - 1]) for r in range(n) if math.isnan(ends[r])}
-            raise Deadlock(f"deadlock at t={t:.6f}s: every unfinished rank waits for an op a member never posts: "
-                           f"{stuck}")
+            stuck = {r: repr(self.programs[r][self.pc[r] - 1]) for r in range(self.n) if math.isnan(self.ends[r])}
+            raise Deadlock(f"deadlock at t={self.t:.6f}s: every unfinished rank waits for an op a member never "
+                           f"posts: {stuck}")
         dt = min(steps)
-        t += dt
+        self.t += dt
         for r in busy:
-            remaining[r] = 0.0 if remaining[r] / pace <= dt else remaining[r] - dt * pace
-        for op in active:
-            if phase_of[op.key] == "bytes":
-                left[op.key] = 0.0 if left[op.key] / rate[op.key] <= dt else left[op.key] - dt * rate[op.key]
+            self.remaining[r] = 0.0 if self.remaining[r] / pace <= dt else self.remaining[r] - dt * pace
+        for op in self.active:
+            key = op.key
+            if key in rate:
+                self.left[key] = 0.0 if self.left[key] / rate[key] <= dt else self.left[key] - dt * rate[key]
             else:
-                left[op.key] = max(0.0, left[op.key] - dt)
-    unmatched = [op for op in ops.values() if op.end is None]
+                self.left[key] = max(0.0, self.left[key] - dt)
+
+
+def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None) -> Result:
+    """Play `programs` (one per rank) together; `bandwidth[link]`: bytes/s of each link an op
+    loads; `cores`: None for a core per rank, else the cores the ranks share."""
+    play = Replay(programs, bandwidth or {}, cores)
+    play.settle()
+    while not play.done:
+        play.advance()
+        play.settle()
+    unmatched = [op for op in play.ops.values() if op.end is None]
     if unmatched:
         raise Deadlock(f"ops never completed: {[op.name or op.key for op in unmatched][:5]}")
-    return Result(ends, intervals, list(ops.values()))
+    return Result(play.ends, play.intervals, list(play.ops.values()))
