@@ -122,27 +122,18 @@ def contention(runs: dict) -> str:
 
 
 def pipeline_bubble(run_dir: Path, summary: dict) -> tuple[float, dict]:
-    """The virtual bubble of the first pipeline, and the mean F, B, W CPU seconds per microbatch."""
+    """The virtual bubble of the first pipeline (summary.json's virtual.pipeline, parallel/replay/virtual.py),
+    its mean F, B, W CPU seconds per chunk-microbatch, and the CPU time of posting one send or receive."""
+    vpipe = summary["virtual"]["pipeline"]
     events = saved.load(run_dir)
-    links = LinkModel.from_dict(summary["virtual"]["link_model"])
     index = summary["virtual"]["step_times_s"].index(summary["virtual"]["step_time_s"])
-    result = replay_step(events, index, links)
-    ranks = [e["rank"] for e in events if e["coords"].get("dp", 0) == 0 and e["coords"].get("tp", 0) == 0]
-    work = [i for i in result.intervals if i.rank in ranks and i.kind == "compute" and i.label[:1] in (F, B, W)
-            and i.name in ("forward", "backward", "weight", "recompute")]
-    end = max(i.end for i in work)
-    busy = sum(i.end - i.start for i in work)
-    costs = {}
     # The CPU time of posting sends and receives (the executor's p2p phases), per send or receive.
-    p2p = [p for e in events if e["rank"] in ranks for p in e["steps"][index]["phases"] if p["phase"] == "p2p"
-           and p["label"] != "wait sends"]
+    p2p = [p for e in events if e["rank"] in vpipe["ranks"] for p in e["steps"][index]["phases"]
+           if p["phase"] == "p2p" and p["label"] != "wait sends"]
     actions = sum(len(p["label"].split()) for p in p2p)
-    costs["comm"] = sum(p["cpu_end"] - p["cpu_start"] for p in p2p) / max(actions, 1)
-    for op in (F, B, W):
-        pieces = [i.end - i.start for i in work if i.label.startswith(op)]
-        labels = {(i.rank, i.label) for i in work if i.label.startswith(op)}
-        costs[op] = sum(pieces) / max(len(labels), 1)
-    return 1 - busy / (len(ranks) * end), costs
+    costs = {"comm": sum(p["cpu_end"] - p["cpu_start"] for p in p2p) / max(actions, 1),
+             F: vpipe["mean_forward_s"], B: vpipe["mean_backward_s"], W: vpipe["mean_weight_s"]}
+    return vpipe["bubble"], costs
 
 
 def pipelines(out: Path, common: list[str]) -> str:

@@ -5,8 +5,10 @@
 Each SWEEP_DIR is a `python -m launch.compare` run directory (results.json, and one run directory
 per strategy with its summary.json and trace.json). Printed, as markdown:
 
-  * per pipeline run of ours: p, m, the bubble in closed form and simulated (both with the run's
-    own mean F, B and W times: the summary's pipeline block) and measured, and tokens/s;
+  * per pipeline run of ours: p, m, the bubble in closed form with the run's own mean F, B and W
+    wall times (the summary's pipeline block) and measured by the wall clock; the same closed form
+    with the virtual clock's F, B and W (CPU time) and the replayed (virtual) bubble; tokens/s in
+    the sweep's leading clock;
   * per run, PyTorch's too: tokens/s and the ratio of ours to PyTorch's (the comparison's pairing);
   * per run of ours: the peak activations per rank, simulated (chunk-microbatches held at once)
     and measured (MB saved for backward at the step's peak, the ActivationMeter's).
@@ -25,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallel.pp.placement import Placement  # noqa: E402
-from parallel.pp.schedules import schedule_placement  # noqa: E402
+from parallel.pp.schedules import closed_form_bubble, schedule_placement  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.pp.timeline import COLORS  # noqa: E402
 
@@ -35,7 +37,11 @@ MB = 2**20
 def load(sweep: Path) -> list[dict]:
     rows = json.loads((sweep / "results.json").read_text())["rows"]
     for row in rows:
+        # A sweep of several rounds keeps each round's runs in round<k>/: the bubbles are round 0's,
+        # the tokens/s and ratios the rounds' medians (results.json).
         path = sweep / row["strategy"] / "summary.json"
+        if not path.exists():
+            path = sweep / "round0" / row["strategy"] / "summary.json"
         row["summary"] = json.loads(path.read_text()) if row["status"] == "ok" and path.exists() else None
     return rows
 
@@ -44,10 +50,21 @@ def pct(x) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def virtual_closed_form(summary: dict) -> float | None:
+    """The schedule's closed form with the virtual clock's F, B and W (CPU time per chunk-microbatch)."""
+    pipe, vpipe = summary["pipeline"], (summary.get("virtual") or {}).get("pipeline")
+    if not vpipe:
+        return None
+    v = pipe["virtual_stages"]
+    closed = closed_form_bubble(pipe["schedule"], pipe["stages"], pipe["microbatches"], v,
+                                vpipe["mean_forward_s"] * v, vpipe["mean_backward_s"] * v, vpipe["mean_weight_s"] * v)
+    return None if closed is None else float(closed)
+
+
 def bubble_table(sweeps: list[list[dict]]) -> None:
-    print("| schedule | p | m | closed form | simulated | measured | tokens/s | PyTorch's tokens/s "
-          "| ours / PyTorch's |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| schedule | p | m | closed form (wall F, B, W) | measured (wall) | closed form (virtual F, B, W) "
+          "| virtual | tokens/s | PyTorch's tokens/s | ours / PyTorch's |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rows in sweeps:
         by_name = {r["strategy"]: r for r in rows}
         for row in rows:
@@ -56,14 +73,17 @@ def bubble_table(sweeps: list[list[dict]]) -> None:
                 continue
             if s is None:
                 why = row["error"].split(": ", 1)[-1] if row["error"].startswith("exit ") else row["error"]
-                print(f"| {row['strategy']} | | | refused: {why.split(' (')[0]} | | | | | |")
+                print(f"| {row['strategy']} | | | refused: {why.split(' (')[0]} | | | | | | |")
                 continue
             pipe, par = s["pipeline"], s["parallel"]
+            vpipe = (s.get("virtual") or {}).get("pipeline") or {}
             theirs = by_name.get(row["baseline"]) if row.get("baseline") else None
+            lo_hi = f" ({row['ratio_lo']:.2f}-{row['ratio_hi']:.2f})" if row.get("ratio_lo") is not None else ""
+            ratio = f"{row['ratio_to_baseline']:.2f}{lo_hi}" if theirs else "-"
             print(f"| {pipe['schedule']} | {par['pp']} | {par['microbatches']} | {pct(pipe['bubble_closed_form'])} | "
-                  f"{pct(pipe['bubble_simulated'])} | {pct(pipe['bubble_measured'])} | {row['tokens_per_s']:.0f} | "
-                  + (f"{theirs['tokens_per_s']:.0f} ({theirs['strategy']}) | {row['ratio_to_baseline']:.2f} |"
-                     if theirs else "- | - |"))
+                  f"{pct(pipe['bubble_measured'])} | {pct(virtual_closed_form(s))} | {pct(vpipe.get('bubble'))} | "
+                  f"{row['tokens_per_s']:.0f} ({row.get('clock', 'wall')}) | "
+                  + (f"{theirs['tokens_per_s']:.0f} ({theirs['strategy']}) | {ratio} |" if theirs else "- | - |"))
 
 
 def activation_table(rows: list[dict]) -> None:

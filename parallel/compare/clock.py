@@ -46,6 +46,7 @@ def apply(row: dict, summary: dict | None, clock: str) -> dict:
     virtual = (summary or {}).get("virtual") or {}
     ok = "step_time_s" in virtual
     row["wall_tokens_per_s"], row["wall_step_ms"] = row.get("tokens_per_s"), row.get("step_ms")
+    row["wall_bubble_share"] = row.get("bubble_share")
     row["virtual_tokens_per_s"] = virtual["tokens_per_s"] if ok else None
     row["virtual_step_ms"] = virtual["step_time_s"] * 1e3 if ok else None
     row["clock"] = clock if ok or clock == "wall" else "wall (no virtual block)"
@@ -55,6 +56,8 @@ def apply(row: dict, summary: dict | None, clock: str) -> dict:
     row["mfu"] = virtual["mfu"]["mfu"]
     for part, seconds in virtual["time_breakdown_s"].items():
         row[f"{part}_ms"] = seconds * 1e3
+    if (virtual.get("pipeline") or {}).get("bubble") is not None:
+        row["bubble_share"] = virtual["pipeline"]["bubble"]
     times = virtual["step_times_s"]
     row.update(step_ms_min=min(times) * 1e3, step_ms_max=max(times) * 1e3,
                spread=(max(times) - min(times)) / virtual["step_time_s"] if len(times) > 1 else None)

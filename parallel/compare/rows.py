@@ -23,7 +23,7 @@ COLUMNS = (
     "peak_memory_mb_max", "peak_memory_mb_by_rank", "final_loss", "same_losses_as_single", "max_rel_loss_diff",
     "seconds", "error",
     # Which clock leads the row (parallel/compare/clock.py), and both clocks' figures side by side.
-    "clock", "wall_tokens_per_s", "wall_step_ms", "virtual_tokens_per_s", "virtual_step_ms",
+    "clock", "wall_tokens_per_s", "wall_step_ms", "wall_bubble_share", "virtual_tokens_per_s", "virtual_step_ms",
     # The network the run was on (launch.compare net=..., compare.nets; parallel/compare/networks.py):
     # its settings, and per link class the bytes the interface counters saw, what the log predicts,
     # and how long the busiest link needs for them at its rate. "none": this machine's loopback.

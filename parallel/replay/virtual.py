@@ -25,6 +25,7 @@ from parallel.replay.engine import Result, run
 from parallel.replay.links import LinkModel
 
 CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "other")
+PIPELINE_WORK = {"forward": "F", "backward": "B", "weight": "W", "recompute": "F"}
 WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 
 
@@ -66,6 +67,30 @@ def rank_breakdown(result: Result, rank: int) -> dict:
             exposed[f"{op.name.split()[0]} {op.key[1]}" if op is not None else i.name] += seconds
     parts["other"] += result.step_s - result.ends[rank]
     return {"parts": parts, "exposed_by_op": dict(exposed), "end_s": result.ends[rank]}
+
+
+def pipeline_figures(result: Result, events: list[dict]) -> dict | None:
+    """A pipeline's replayed bubble, as the wall clock's is measured (parallel/pp/timeline.py): the
+    idle share of the first pipeline's ranks' time, from the step's start to its last F, B or W;
+    and the mean CPU seconds of one chunk-microbatch's F, B and W there (the closed forms' and the
+    simulator's inputs, in virtual time). None for a run without our pipeline's actions (no pp, or
+    PyTorch's schedules, whose actions run inside torch as one compute phase)."""
+    if len({e["coords"].get("pp", 0) for e in events}) < 2:
+        return None
+    first = {e["rank"] for e in events if all(v == 0 for d, v in (e.get("coords") or {}).items() if d != "pp")}
+    work = [i for i in result.intervals if i.rank in first and i.kind == "compute" and i.name in PIPELINE_WORK
+            and i.label[:1] in ("F", "B", "W")]
+    if not work:
+        return None
+    end = max(i.end for i in work)
+    busy = sum(i.end - i.start for i in work)
+    mean = {}
+    for op in ("F", "B", "W"):
+        pieces = [i for i in work if i.label.startswith(op)]
+        actions = {(i.rank, i.label) for i in pieces}  # a recompute and its backward are one B
+        mean[op] = sum(i.end - i.start for i in pieces) / len(actions) if actions else 0.0
+    return {"bubble": 1.0 - busy / (len(first) * end) if end > 0 else 0.0, "ranks": sorted(first),
+            "mean_forward_s": mean["F"], "mean_backward_s": mean["B"], "mean_weight_s": mean["W"]}
 
 
 def waits_on(mean: dict, exposed_by_op: dict) -> str:
@@ -116,6 +141,7 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         "waits_on": waits_on(mean, exposed),
         "step": events[0]["steps"][index]["step"],
         "step_times_s": times,
+        "pipeline": pipeline_figures(result, events),
         "link_model": links.as_dict(),
         "cores": cores,
         "compute_scale": compute_scale,

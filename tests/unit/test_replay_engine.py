@@ -9,6 +9,9 @@ from parallel.pp.actions import RECV_B, RECV_F, SEND_B, SEND_F, message, splits_
 from parallel.pp.schedules import SCHEDULES, build_schedule, schedule_placement
 from parallel.pp.simulator import simulate, split_costs
 from parallel.replay.engine import Call, Compute, Deadlock, Op, Post, Wait, run
+from parallel.replay.virtual import pipeline_figures
+
+PHASE_OF_OP = {"F": "forward", "B": "backward", "W": "weight"}
 
 
 def test_all_reduce_between_two_ranks_starts_when_the_last_member_posts():
@@ -77,7 +80,7 @@ def _programs(plans, placement, cost, virtual):
                 op = ops.setdefault(what, Op(what, (src, dst), str(what), "bubble"))
                 program.append(Post(op, a) if a.op in (SEND_F, SEND_B) else Call(op))
             else:
-                program.append(Compute(cost(a, virtual, split), a.op))
+                program.append(Compute(cost(a, virtual, split), PHASE_OF_OP[a.op], str(a)))
         out.append(program)
     return out
 
@@ -105,3 +108,11 @@ def test_every_schedule_replays_to_the_simulators_idle_time(name, stages, microb
     result = run(_programs(plans, placement, cost, virtual))
     assert result.step_s == sim.makespan
     assert [result.step_s - result.busy(r) for r in range(stages)] == sim.idle
+    # The virtual block's pipeline figures, read off the replay: the simulator's bubble, and the
+    # costs it was given per chunk-microbatch.
+    figures = pipeline_figures(result, [{"rank": r, "coords": {"pp": r, "dp": 0, "tp": 0}} for r in range(stages)])
+    assert figures["bubble"] == pytest.approx(sim.bubble_fraction, rel=1e-12)
+    assert figures["mean_forward_s"] == pytest.approx(cost.forward / virtual, rel=1e-12)
+    split = splits_backward(plans)
+    assert figures["mean_backward_s"] == pytest.approx((cost.input_grad + (0 if split else cost.weight_grad)) / virtual)
+    assert figures["mean_weight_s"] == pytest.approx(cost.weight_grad / virtual if split else 0.0)
