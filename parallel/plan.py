@@ -72,6 +72,7 @@ class RunPlan:
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
     cp_kind: str = "ring"  # with parallel.cp > 1: the ring (parallel=cp) or the all-to-all (parallel=cp_a2a)
     recompute: str = "none"  # train.recompute: none | selective | full (parallel/core/recompute.py)
+    tp_saves: str = "gathered"  # parallel.tp_saves: gathered | sharded (sequence parallelism's column-parallel inputs)
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
@@ -108,7 +109,7 @@ class RunPlan:
                       sequence_parallel=self.sequence_parallel, schedule=self.schedule,
                       virtual_stages=self.virtual_stages, pp_layers=self.pp_layers, zero=self.zero,
                       cp_kind=self.cp_kind, recompute=self.recompute,
-                      precision=self.precision)
+                      precision=self.precision, tp_saves=self.tp_saves)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -277,6 +278,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     sequence_parallel, zero = options.sequence_parallel, options.zero
     if spec.tensor_parallel:
         tp_rules.check_tensor_parallel(model, dims, sequence_parallel)
+    tp_saves = p.get("tp_saves", "gathered")
+    tp_rules.check_tp_saves(tp_saves, strategy, dims, sequence_parallel)
     cp_rules.check_context_parallel(model, dims, options)
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:
@@ -337,6 +340,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         zero=zero,  # of a combined layout's dp dimension; on a pure dp layout the stage is in the strategy's name
         cp_kind=options.cp_kind,
         recompute=recompute,
+        tp_saves=tp_saves,
         checkpoint_every=t.checkpoint_every,
         checkpoint_dir=t.checkpoint_dir,
         resume_from=resume_from,

@@ -26,7 +26,8 @@ def _build_tp(model, plan, ctx):
     from parallel.tp.strategy import TensorParallel
 
     return TensorParallel(model, lambda module: make_optimizer(module, plan.lr, plan.weight_decay), ctx.comm("tp"),
-                          ctx.comm("dp"), plan.sequence_parallel, plan.grad_sync, plan.bucket_mb)
+                          ctx.comm("dp"), plan.sequence_parallel, plan.grad_sync, plan.bucket_mb,
+                          saves_shard=plan.tp_saves == "sharded")
 
 
 ENTRIES = (
