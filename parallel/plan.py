@@ -27,6 +27,8 @@ from parallel.dist.timing import default_warmup_steps
 from parallel.dp import rules as dp_rules
 from parallel.layout import Layout
 from parallel.pp import rules as pp_rules
+from parallel.pp.actions import splits_backward
+from parallel.pp.schedules import build_schedule
 from parallel.registry import check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
@@ -278,13 +280,14 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     sequence_parallel, zero = options.sequence_parallel, options.zero
     if spec.tensor_parallel:
         tp_rules.check_tensor_parallel(model, dims, sequence_parallel)
-    tp_saves = p.get("tp_saves", "gathered")
-    tp_rules.check_tp_saves(tp_saves, strategy, dims, sequence_parallel)
     cp_rules.check_context_parallel(model, dims, options)
     dims.check_batch(t.global_batch, p.microbatches)
     if spec.pipelined:
         pp_rules.check_pipeline(model, dims, p.schedule, p.microbatches, p.virtual_stages, p.pp_layers,
                                 spec.schedule_check)
+    tp_saves = p.get("tp_saves", "gathered")
+    tp_rules.check_tp_saves(tp_saves, strategy, dims, sequence_parallel, spec.pipelined and splits_backward(
+        build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)))
     if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/compose/mesh3d.py)
         if zero:  # the ZeroOptimizer replaces grad_sync
             zero_rules.check_zero_in_pipeline(zero, sequence_parallel, p.virtual_stages, p.schedule,

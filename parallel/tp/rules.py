@@ -15,8 +15,9 @@ from parallel.dist.dims import LayoutError, ParallelDims
 
 # parallel.tp_saves: what a column-parallel linear keeps for its weight gradient under sequence parallelism.
 TP_SAVES = ("gathered", "sharded")
-# The strategies whose column-parallel linears can keep the sequence piece (parallel/tp/layers.py).
-SAVES_SHARD_STRATEGIES = ("tp",)
+# The strategies whose column-parallel linears can keep the sequence piece (parallel/tp/layers.py): tp, and
+# the 3d recipe, which cuts its model with the same parallelize_tp.
+SAVES_SHARD_STRATEGIES = ("tp", "3d")
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
              "MoE block's router and experts")
@@ -61,10 +62,14 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
         )
 
 
-def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_parallel: bool) -> None:
+def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_parallel: bool,
+                   splits_backward: bool = False) -> None:
     """`gathered` (the default) or `sharded`; `sharded` keeps each column-parallel input's sequence
     piece, which exists only under sequence parallelism with tp > 1 (`sequence_parallel` is the
-    resolved one), and is written for the tp strategy's layers."""
+    resolved one), with this project's tp layers (tp, 3d), without context parallelism (whose
+    cut of the sequence the pieces would be cut again; not derived) and with one backward per
+    chunk: a zero-bubble schedule (`splits_backward`) runs a chunk's weight gradients apart from
+    its input gradients, and each would gather the piece again."""
     if tp_saves not in TP_SAVES:
         raise LayoutError(
             f"parallel.tp_saves={tp_saves!r} is not one of {', '.join(TP_SAVES)}: gathered keeps each "
@@ -83,6 +88,17 @@ def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_paralle
     if strategy not in SAVES_SHARD_STRATEGIES:
         raise LayoutError(
             f"parallel.tp_saves=sharded runs as parallel={strategy}, whose layers keep the gathered input: "
-            f"the sequence piece is kept by {', '.join(SAVES_SHARD_STRATEGIES)} only (one stage, no context "
-            "parallelism); set parallel.tp_saves=gathered"
+            f"the sequence piece is kept by parallel={' and '.join(SAVES_SHARD_STRATEGIES)} only; "
+            "set parallel.tp_saves=gathered"
+        )
+    if dims.cp > 1:
+        raise LayoutError(
+            f"parallel.tp_saves=sharded with parallel.cp={dims.cp}: the saved pieces of a context-parallel "
+            "sequence are not derived here; set parallel.cp=1 or parallel.tp_saves=gathered"
+        )
+    if splits_backward:
+        raise LayoutError(
+            "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients "
+            "apart from its input gradients, and both halves would all-gather the saved piece; use "
+            "parallel.schedule=1f1b, gpipe or interleaved_1f1b, or set parallel.tp_saves=gathered"
         )

@@ -30,14 +30,18 @@ def tp_tensors_per_layer(recompute: str) -> int:
     return 6 if recompute == "full" else 4
 
 
+def saves_sequence_piece(layout: Layout) -> bool:
+    """parallel.tp_saves=sharded where it means something: sequence parallelism over tp > 1 ranks."""
+    return layout.sequence_parallel and layout.tp_saves == "sharded" and layout.dims.tp > 1
+
+
 def tp_regathers_per_microbatch(cfg: GPTConfig, layout: Layout) -> int:
     """Tensors of b·s·h all-gathered once more in backward per microbatch under parallel.tp_saves=sharded:
     each region's column-parallel linears kept the sequence piece of their input, and their weight
     gradients need it whole. One per region that opens with column-parallel linears: attention
     (Q, K, V share one) and MLP in every block, and the vocab-parallel head: 2L + 1 (none otherwise;
     full recomputation's second forward all-gathers as the first did, counted in `tp_tensors_per_layer`)."""
-    saves_shard = layout.sequence_parallel and layout.tp_saves == "sharded" and layout.dims.tp > 1
-    return 2 * cfg.n_layers + 1 if saves_shard else 0
+    return 2 * cfg.n_layers + 1 if saves_sequence_piece(layout) else 0
 
 
 def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:

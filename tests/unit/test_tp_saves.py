@@ -105,6 +105,10 @@ def test_the_plan_carries_the_mode_into_the_layout():
     assert _plan(2, "parallel=tp_sp").layout.tp_saves == "gathered"
     plan = _plan(2, "parallel=tp_sp", "parallel.tp_saves=sharded")
     assert (plan.tp_saves, plan.layout.tp_saves, plan.sequence_parallel) == ("sharded", "sharded", True)
+    # The 3d recipe cuts its model with the same layers: a pipeline of tp stages takes it.
+    plan = _plan(4, "parallel=3d", "parallel.sequence_parallel=true", "parallel.microbatches=2",
+                 "parallel.tp_saves=sharded")
+    assert (plan.strategy, plan.dims.pp, plan.dims.tp, plan.layout.tp_saves) == ("3d", 2, 2, "sharded")
 
 
 @pytest.mark.parametrize("world,overrides,message", [
@@ -118,11 +122,26 @@ def test_the_plan_carries_the_mode_into_the_layout():
      "parallel=tp_sp with parallel.tp > 1, or set parallel.tp_saves=gathered"),
     (2, ["parallel=dp", "parallel.tp_saves=sharded"],
      "parallel.tp_saves=sharded with parallel.tp=1 and sequence parallelism off"),
-    (4, ["parallel=tp_sp", "parallel.pp=2", "parallel.tp_saves=sharded"],
-     "parallel.tp_saves=sharded runs as parallel=3d, whose layers keep the gathered input: the sequence piece is "
-     "kept by tp only (one stage, no context parallelism); set parallel.tp_saves=gathered"),
+    (4, ["parallel=cp", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_saves=sharded"],
+     "parallel.tp_saves=sharded with parallel.cp=2: the saved pieces of a context-parallel sequence are not "
+     "derived here; set parallel.cp=1 or parallel.tp_saves=gathered"),
+    (4, ["parallel=pp_zbh1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.microbatches=4",
+         "parallel.tp_saves=sharded"],
+     "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients apart from its "
+     "input gradients, and both halves would all-gather the saved piece; use parallel.schedule=1f1b, gpipe or "
+     "interleaved_1f1b, or set parallel.tp_saves=gathered"),
 ])
 def test_sharded_saving_without_a_piece_to_keep_is_refused_in_one_line(world, overrides, message):
     with pytest.raises(LayoutError) as refused:
         _plan(world, *overrides)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_an_entry_with_other_tp_layers_is_refused():
+    """Only tp and 3d take sequence parallelism today (the registry refuses it elsewhere first); an entry
+    that took it with layers of its own would still be told its layers keep the gathered input."""
+    from parallel.tp.rules import check_tp_saves
+
+    with pytest.raises(LayoutError, match="runs as parallel=torch_tp, whose layers keep the gathered input: the "
+                                          "sequence piece is kept by parallel=tp and 3d only"):
+        check_tp_saves("sharded", "torch_tp", ParallelDims.resolve(2, tp=2), True)
