@@ -11,6 +11,7 @@ tests/tools/test_planner_memory.py.
             head), and (2L + 1)·b·s·h·(t-1)/t elements fewer saved for backward
 """
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -145,3 +146,42 @@ def test_an_entry_with_other_tp_layers_is_refused():
     with pytest.raises(LayoutError, match="runs as parallel=torch_tp, whose layers keep the gathered input: the "
                                           "sequence piece is kept by parallel=tp and 3d only"):
         check_tp_saves("sharded", "torch_tp", ParallelDims.resolve(2, tp=2), True)
+
+
+# -- the planner's one-layout mode ---------------------------------------------------------------------
+def _one_layout(model: str, precision: str, world: int, parallel: dict) -> dict:
+    import yaml
+    from omegaconf import OmegaConf
+
+    from parallel.planner.cluster import cluster_from_config
+    from parallel.planner.one import evaluate_layout
+
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        base = OmegaConf.to_container(compose(config_name="config", overrides=[f"model={model}"]), resolve=True)
+    shape = ModelShape.from_preset(yaml.safe_load((PROJECT_ROOT / "conf" / "model" / f"{model}.yaml").read_text()))
+    spec = cluster_from_config(yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "h100_sxm.yaml").read_text()),
+                               None, world)
+    return shape, evaluate_layout(shape, base, [], replace(spec, precision=precision), world, 16,
+                                  {**base["parallel"], **parallel})
+
+
+@pytest.mark.parametrize("model,precision", [("tiny", "fp32"), ("llama3_8b", "bf16")])
+def test_launch_plan_takes_parallel_tp_saves_with_the_same_term(model, precision):
+    """`launch.plan ... parallel=tp_sp parallel.tp_saves=sharded`: the sandbox GPT in fp32 through the
+    registry's formula (the one the runs are measured against), a cluster shape in bf16 through the
+    implementation units; both lose the same (2L + 1 or L) column-parallel inputs' (t−1)/t, and the row
+    says how to run it."""
+    t, world = 4, 8
+    rows = {saves: _one_layout(model, precision, world, {"name": "tp", "tp": t, "sequence_parallel": True,
+                                                       "tp_saves": saves}) for saves in ("gathered", "sharded")}
+    shape = rows["sharded"][0]
+    g, (_, gathered), (_, sharded) = shape.gpt, rows["gathered"], rows["sharded"]
+    tokens = 16 // (world // t) * g.seq_len  # one microbatch of a dp rank
+    fp32 = precision == "fp32"
+    width = 4 if fp32 else 2
+    inputs = 2 * g.n_layers + 1 if fp32 else 2 * g.n_layers  # the implementation units leave out the head
+    less = gathered["memory_bytes_per_device"]["activations"] - sharded["memory_bytes_per_device"]["activations"]
+    assert less == pytest.approx(inputs * (tokens - tokens // t) * g.d_model * width, rel=1e-9)
+    assert "parallel.tp_saves=sharded" in sharded["run_overrides"]
+    assert not any(o.startswith("parallel.tp_saves") for o in gathered["run_overrides"])
+    assert (gathered["layout"]["tp_saves"], sharded["layout"]["tp_saves"]) == ("gathered", "sharded")
