@@ -23,7 +23,7 @@ What the column-parallel linears behind gather_from_sp keep for their weight gra
 (parallel.tp_saves): the all-gathered input, b·s·h per region ("gathered"), or this rank's piece of
 it, b·(s/t)·h, all-gathered once more in backward when the first of the region's linears needs it
 ("sharded": Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication under sequence_parallel).
-The second all-gather is tagged `tp/<part>/regather`; `LinearOnSequencePiece` below.
+The second all-gather is tagged `tp/<part>/regather`; `linear_on_sequence_piece` below.
 
 Every collective is tagged `tp/<part>/<fwd|bwd>` (e.g. `tp/blocks.3.attn/bwd`), so the Megatron
 count per layer and direction can be read off summary.json's `comm.by_tag_op`.
