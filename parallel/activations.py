@@ -19,25 +19,29 @@ tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
     ln1, ln2           their input (n_sp·h·B each, n_sp = n/t under sequence parallelism, else n)
                        and per token mean and 1/std in fp32 (2·n_sp·4; RMSNorm only 1/std)
     attention input    the norm's output, or its all-gather under SP: n·h·B, read by Q, K and V
+                       (under SP with parallel.tp_saves=sharded this rank's piece of it, n/t·h·B,
+                       gathered again in backward; the MLP's and the head's inputs likewise)
     Q, K, V outputs    n·(h + 2·h_kv)/t·B (grouped-query attention: h_kv = kv heads x head size;
                        under the all-to-all the gathered q, k, v instead, of the same size)
     attention core     its output n·h/t·B (also the output projection's input: one storage; the
                        all-to-all's is a copy) and the log-sum-exp per head and token, b·(a/t)·s_r·4;
                        the all-to-all's inner core also its own output and lse and two int64 index
                        tensors of s
-    MLP input          n·h·B (the norm's output, or its all-gather)
+    MLP input          n·h·B (the norm's output, or its all-gather; or the piece, n/t·h·B)
     MLP                GELU: fc's output and GELU's output, 2·n·f/t·B
                        gated: gate, up, silu(gate) and the product, 4·n·f/t·B
 
-so 4 + 4/t units of n·h·B + 2·n·f/t·B per layer (16·n·h·B for the GPT at t = 1), against
+so 4 + 4/t units of n·h·B + 2·n·f/t·B per layer (16·n·h·B for the GPT at t = 1), besides the norms'
+statistics; under sequence parallelism 2 + 6/t units (the norm inputs are pieces), and 8/t with
+parallel.tp_saves=sharded (the column-parallel inputs too: everything over t), against
 Korthikanti et al.'s 34 + 5·a·s/h half-precision bytes per token and width: this model has no
 dropout masks and its attention core never holds the s x s scores.
 
 The embedding saves the token ids (without tp or cp: the storage they are a view of, the whole
 global batch's inputs, G·s·8; under cp the rank's own copy n·8; with tp the vocab-parallel
 lookup's masked ids n·8 and mask n·1) and each microbatch's positions (s_r·8, or s_r/t·8 under SP).
-The head saves ln_f's input and statistics, the head's input n·h·B, and the loss's fp32
-log-probabilities n·V·4 with the targets (as the ids) and a 4-byte total weight (vocab-parallel
+The head saves ln_f's input and statistics, the head's input n·h·B (n/t·h·B when saved as the piece),
+and the loss's fp32 log-probabilities n·V·4 with the targets (as the ids) and a 4-byte total weight (vocab-parallel
 loss instead: its softmax slice n·V/t·4, masked targets n·8 and mask n·1).
 
 Per rank: without a pipeline, one microbatch's forward is saved at a time (m microbatches are
@@ -74,7 +78,9 @@ def _shape(model: GPTConfig | ModelShape) -> ModelShape:
 @dataclass(frozen=True)
 class Cut:
     """How one rank's microbatch is cut: b sequences, each split over cp ranks (`cp_kind`: "ring" or
-    "a2a"), the block over t tp ranks (with sequence parallelism or not), B bytes per activation."""
+    "a2a"), the block over t tp ranks (with sequence parallelism or not), B bytes per activation;
+    `saves_shard`: under sequence parallelism the column-parallel linears keep their input's piece
+    of the sequence (parallel.tp_saves=sharded), not the all-gathered input."""
 
     b: int
     t: int = 1
@@ -82,12 +88,20 @@ class Cut:
     cp: int = 1
     cp_kind: str = "ring"
     act_bytes: int = 4
+    saves_shard: bool = False
 
     @classmethod
     def of(cls, layout: Layout, act_bytes: int = 4) -> Cut:
         dims = layout.dims
-        return cls(layout.microbatch_size, dims.tp, layout.sequence_parallel and dims.tp > 1, dims.cp,
-                   layout.cp_kind, act_bytes)
+        sp = layout.sequence_parallel and dims.tp > 1
+        return cls(layout.microbatch_size, dims.tp, sp, dims.cp, layout.cp_kind, act_bytes,
+                   sp and getattr(layout, "tp_saves", "gathered") == "sharded")
+
+    @property
+    def column_input_tokens(self) -> int:
+        """Of each sequence of s_r tokens, how many a column-parallel linear's saved input holds: all
+        of them (the gathered input), or this rank's piece s_r/t (`saves_shard`)."""
+        return self.t if self.saves_shard else 1
 
 
 def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
@@ -108,6 +122,7 @@ def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
 
       ln1, ln2          each norm's input and statistics
       attention_input   ln1's output (or its all-gather), read by Q, K and V;  mlp_input: ln2's
+                        (under `saves_shard` the piece of the sequence, n/t·h·B)
       qkv, proj_input   what holds q, k, v, and the output projection's input (the core's output)
       core_only         what only the attention core saves (selective recomputation drops it): the
                         lse; under the all-to-all also the inner core's output and the two index tensors
@@ -122,6 +137,7 @@ def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
     n, h, B, t = cut.b * s, g.d_model, cut.act_bytes, cut.t
     n_sp = n // t if cut.sequence_parallel else n
     norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
+    column_input = n // cut.column_input_tokens * h * B  # what Q, K, V (or fc) keep of their input
     qkv = n * (h + 2 * shape.kv_width) // t * B
     out, lse = n * h // t * B, cut.b * (g.n_heads // t) * s * STAT_BYTES
     if cut.cp > 1 and cut.cp_kind == "a2a":
@@ -129,7 +145,7 @@ def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
         recomputed = core_only + qkv  # and the gathered q, k, v again
     else:
         core_only, recomputed = lse, out + lse
-    return {"ln1": norm, "ln2": norm, "attention_input": n * h * B, "mlp_input": n * h * B, "qkv": qkv,
+    return {"ln1": norm, "ln2": norm, "attention_input": column_input, "mlp_input": column_input, "qkv": qkv,
             "proj_input": out, "core_only": core_only, "recomputed": recomputed,
             "mlp": (4 if shape.gated_mlp else 2) * n * shape.ffn // t * B, "input": n_sp * h * B}
 
@@ -165,7 +181,8 @@ def head_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
     n_sp = n // t if cut.sequence_parallel else n
     norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
     targets = n * ID_BYTES + n if t > 1 else LOSS_BYTES + (n * ID_BYTES if cut.cp > 1 else 0)
-    return norm + n * h * B + n * g.padded_vocab_size // t * LOSS_BYTES + targets
+    head_input = n // cut.column_input_tokens * h * B  # the gathered input, or the piece (saves_shard)
+    return norm + head_input + n * g.padded_vocab_size // t * LOSS_BYTES + targets
 
 
 def global_batch_bytes(model: GPTConfig | ModelShape, global_batch: int) -> int:

@@ -8,7 +8,9 @@ the families' theory.py) take (GPTConfig, Layout); a run builds its Layout from 
 
 Context parallelism (dims.cp > 1) adds which attention crosses the cp ranks (`cp_kind`: the ring or
 the all-to-all, parallel/cp/), and activation recomputation (`recompute`, parallel/core/recompute.py)
-changes both the bytes saved for backward and, where the recomputed forward communicates, the traffic.
+changes both the bytes saved for backward and, where the recomputed forward communicates, the traffic;
+so does `tp_saves` under sequence parallelism (the column-parallel inputs kept whole or as this rank's
+piece, the piece gathered again in backward).
 """
 
 from __future__ import annotations
@@ -39,3 +41,7 @@ class Layout:
     cp_kind: str = "ring"  # attention across the cp ranks (dims.cp > 1): "ring" or "a2a" (all-to-all)
     recompute: str = "none"  # train.recompute: none | selective (attention cores) | full (every Block)
     precision: str = "fp32"  # train.precision: under bf16 the activations that cross ranks inside a block are bf16
+    # parallel.tp_saves, under sequence parallelism: what each column-parallel linear keeps for its weight
+    # gradient, the all-gathered input ("gathered") or this rank's piece of it, gathered again in backward
+    # ("sharded", as Megatron-LM does; parallel/tp/regions.py)
+    tp_saves: str = "gathered"

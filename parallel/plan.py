@@ -27,6 +27,8 @@ from parallel.dist.timing import default_warmup_steps
 from parallel.dp import rules as dp_rules
 from parallel.layout import Layout
 from parallel.pp import rules as pp_rules
+from parallel.pp.actions import splits_backward
+from parallel.pp.schedules import build_schedule
 from parallel.registry import check_layout, check_model, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
@@ -72,6 +74,7 @@ class RunPlan:
     zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
     cp_kind: str = "ring"  # with parallel.cp > 1: the ring (parallel=cp) or the all-to-all (parallel=cp_a2a)
     recompute: str = "none"  # train.recompute: none | selective | full (parallel/core/recompute.py)
+    tp_saves: str = "gathered"  # parallel.tp_saves: gathered | sharded (sequence parallelism's column-parallel inputs)
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
@@ -108,7 +111,7 @@ class RunPlan:
                       sequence_parallel=self.sequence_parallel, schedule=self.schedule,
                       virtual_stages=self.virtual_stages, pp_layers=self.pp_layers, zero=self.zero,
                       cp_kind=self.cp_kind, recompute=self.recompute,
-                      precision=self.precision)
+                      precision=self.precision, tp_saves=self.tp_saves)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -282,6 +285,9 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     if spec.pipelined:
         pp_rules.check_pipeline(model, dims, p.schedule, p.microbatches, p.virtual_stages, p.pp_layers,
                                 spec.schedule_check)
+    tp_saves = p.get("tp_saves", "gathered")
+    tp_rules.check_tp_saves(tp_saves, strategy, dims, sequence_parallel, spec.pipelined and splits_backward(
+        build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)))
     if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/compose/mesh3d.py)
         if zero:  # the ZeroOptimizer replaces grad_sync
             zero_rules.check_zero_in_pipeline(zero, sequence_parallel, p.virtual_stages, p.schedule,
@@ -337,6 +343,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         zero=zero,  # of a combined layout's dp dimension; on a pure dp layout the stage is in the strategy's name
         cp_kind=options.cp_kind,
         recompute=recompute,
+        tp_saves=tp_saves,
         checkpoint_every=t.checkpoint_every,
         checkpoint_dir=t.checkpoint_dir,
         resume_from=resume_from,

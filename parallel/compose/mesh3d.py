@@ -63,7 +63,8 @@ def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
     full_parameters = sum(p.numel() for p in model.parameters())
     # 1. Tensor parallelism on the whole model: the shards keep the single-process names, and the
     #    tp tags the global layer index, whichever stage a block then lands on.
-    shards = parallelize_tp(model, tp_comm, sequence_parallel) if tp_comm is not None else TPShards()
+    saves_shard = sequence_parallel and plan.tp_saves == "sharded"  # the column-parallel inputs' sequence pieces
+    shards = parallelize_tp(model, tp_comm, sequence_parallel, saves_shard) if tp_comm is not None else TPShards()
     if cp_comm is not None:  # 1b. context parallelism on the tp shard: positions and attention cores
         parallelize_cp(model, cp_comm, plan.cp_kind)
     # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ... on the loop; r and

@@ -29,7 +29,7 @@ from parallel.model_state import model_state, rank_parts, run_state_bytes
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import layer_counts
 from parallel.pp.theory import p2p_sent_by_rank
-from parallel.tp.theory import tp_tensors_per_layer
+from parallel.tp.theory import saves_sequence_piece, tp_tensors_per_layer
 
 
 # -- what each stage holds ------------------------------------------------------------------------------
@@ -157,6 +157,8 @@ def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
     over the d·c ranks that replicate the stage's parameters (group "dp_cp"); and each of the
     stage's blocks adds its attention's cp traffic (`cp_attention_traffic`, heads a/t). Under full
     recomputation each block's tp tensors are 6 per microbatch instead of 4 (`tp_tensors_per_layer`).
+    With parallel.tp_saves=sharded each stage all-gathers, per microbatch, 2 more tensors of b·s·h per
+    block and one for the head (the column-parallel inputs, gathered again in backward).
     """
     dims, b, m, B = layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes
     virtual, pp_layers, zero = layout.virtual_stages, layout.pp_layers, layout.zero
@@ -186,7 +188,11 @@ def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
                 ar_payload = loss + (6 * h * layers[r] + cfg.seq_len * h * first + 2 * h * last) * B
             else:
                 ar_payload = acts + loss
-        tp_sent = all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
+        # parallel.tp_saves=sharded: each region's input all-gathered again in backward (attention and MLP in
+        # every block of the stage, the head on the last), as tp.theory's `tp_regathers_per_microbatch` counts.
+        regather = (2 * layers[r] + last) * m * activation if t > 1 and saves_sequence_piece(layout) else 0
+        tp_sent = (all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
+                   + gather_or_scatter_sent_per_rank(t, regather))
         p2p_payload = pp_sent[r]
         dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 and not zero else 0
         dp_sent = all_reduce_sent_per_rank(d, dp_payload)
@@ -203,8 +209,8 @@ def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
             totals[op][1] += sent * ranks
         for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload)
                                    + all_reduce_sent_per_rank(d, dp_payload)),
-                                  ("all_gather", ag_payload + zero_gather,
-                                   gather_or_scatter_sent_per_rank(t, ag_payload)
+                                  ("all_gather", ag_payload + regather + zero_gather,
+                                   gather_or_scatter_sent_per_rank(t, ag_payload + regather)
                                    + gather_or_scatter_sent_per_rank(d, zero_gather)),
                                   ("reduce_scatter", ag_payload + zero_scatter,
                                    gather_or_scatter_sent_per_rank(t, ag_payload)

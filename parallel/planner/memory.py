@@ -88,21 +88,26 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
 
 
 # -- activations as Megatron-style implementations hold them (cluster shapes, bf16) ------------------------
-def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: int) -> dict[str, float]:
+def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: int,
+                saves_shard: bool = False) -> dict[str, float]:
     """Bytes one block saves for backward per token of a microbatch (Korthikanti et al. 2022, §4, with
     flash attention: nothing of size s² is held), each term over t where tp or sequence parallelism cuts it:
 
-        norm inputs 2·w·h, the QKV and MLP GEMMs' inputs 2·w·h (over t with sp; whole without),
-        Q, K, V w·(h + 2·h_kv)/t, the output projection's input w·h/t, the MLP's up output(s) and the
-        activation function's output w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp).
+        norm inputs 2·w·h (over t with sp), the QKV and MLP GEMMs' inputs 2·w·h (over t with sp when the
+        column-parallel linears save the sequence piece, parallel.tp_saves=sharded; whole otherwise: the
+        gathered input, parallel/activations.py's `column_input`), Q, K, V w·(h + 2·h_kv)/t, the output
+        projection's input w·h/t, the MLP's up output(s) and the activation function's output
+        w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp).
 
     For a GPT (h_kv = h, f = 4h, dropout, w = 2) this is their 34 units: sbh·(10 + 24/t) without sp,
-    sbh·34/t with it. `input` is a block's input alone (what full recomputation keeps)."""
+    sbh·34/t with sp and sharded saving (Megatron's), sbh·(4 + 30/t) with sp saving the gathered
+    inputs. `input` is a block's input alone (what full recomputation keeps)."""
     g = shape.gpt
     h, f, w = g.d_model, shape.ffn, act_bytes
     cut = t if sequence_parallel else 1
     mask = 1 if g.dropout else 0
-    whole = (2 * w * h + 2 * w * h + 2 * mask * h) / cut
+    gemm_inputs = 2 * w * h / (t if sequence_parallel and saves_shard else 1)
+    whole = (2 * w * h + 2 * mask * h) / cut + gemm_inputs
     sharded = (w * (h + 2 * shape.kv_width) + w * h + w * (3 if shape.gated_mlp else 2) * f) / t
     return {"layer": whole + sharded, "input": w * h / cut}
 
@@ -115,7 +120,8 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
     each block's input, plus one block's whole set while it is recomputed. Microbatches in flight per
     rank: the schedule's own walk (parallel/pp/theory.py), as for the sandbox's formulas."""
     dims = layout.dims
-    units = block_units(shape, dims.tp, layout.sequence_parallel, act_bytes)
+    units = block_units(shape, dims.tp, layout.sequence_parallel, act_bytes,
+                        saves_shard=getattr(layout, "tp_saves", "gathered") == "sharded")
     tokens = layout.microbatch_size * shape.gpt.seq_len
     mode = getattr(layout, "recompute", "none") or "none"
     kept = units["input"] if mode == "full" else units["layer"]

@@ -3,7 +3,7 @@
 The row's names are the contract tools read (plan.json):
 
     layout                  preset (the conf/parallel preset that runs it, or null), strategy, dp, tp,
-                            pp, cp, ep, zero, sequence_parallel, microbatches, microbatch_size,
+                            pp, cp, ep, zero, sequence_parallel, tp_saves (under it), microbatches, microbatch_size,
                             schedule, virtual_stages, pp_layers, grad_sync (and recompute where it exists)
     memory_bytes_per_device params, grads, optimizer, activations, buffers, total: the rank that holds
                             the most (a pipeline's stages differ); null parts where no formula covers it
@@ -69,6 +69,7 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
     row_layout = {
         "preset": preset, "strategy": plan.strategy, **{d: getattr(dims, d) for d in SIZES}, "zero": candidate.zero,
         "sequence_parallel": layout.sequence_parallel,
+        "tp_saves": layout.tp_saves if layout.sequence_parallel else None,
         "microbatches": layout.microbatches, "microbatch_size": layout.microbatch_size,
         "schedule": layout.schedule if plan.spec.pipelined and dims.pp > 1 else None,
         "virtual_stages": layout.virtual_stages if plan.spec.pipelined and dims.pp > 1 else None,

@@ -25,7 +25,7 @@ def layout_label(layout: dict) -> str:
     if layout["schedule"]:
         parts.append(layout["schedule"] + (f" v{layout['virtual_stages']}" if layout["virtual_stages"] > 1 else ""))
     if layout["sequence_parallel"]:
-        parts.append("sp")
+        parts.append("sp-sharded" if layout.get("tp_saves") == "sharded" else "sp")
     if layout["zero"]:
         parts.append(f"zero{layout['zero']}")
     if layout.get("grad_sync") == "naive":

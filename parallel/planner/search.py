@@ -95,6 +95,8 @@ def run_overrides(candidate: Candidate, preset: str | None) -> list[str]:
             f"parallel.grad_sync={plan.grad_sync}"]
     if plan.pp_layers:
         out.append(f"parallel.pp_layers=[{','.join(map(str, plan.pp_layers))}]")
+    if plan.tp_saves != "gathered":  # the column-parallel inputs' sequence pieces (its memory is counted so)
+        out.append(f"parallel.tp_saves={plan.tp_saves}")
     if "recompute" in request:
         out.append(f"train.recompute={request['recompute']}")
     out.append(f"train.global_batch={plan.global_batch}")

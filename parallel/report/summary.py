@@ -90,6 +90,7 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
             "microbatches": plan.microbatches,
             "microbatch_size": plan.microbatch_size,
             "sequence_parallel": plan.sequence_parallel,
+            "tp_saves": plan.tp_saves if plan.sequence_parallel else None,
             # The options a strategy does not honour are null, so a reader never mistakes them for facts.
             "grad_sync": plan.grad_sync if spec.grad_sync and plan.dims.dp > 1 and not plan.zero else None,
             "bucket_mb": plan.bucket_mb if (spec.grad_sync and plan.dims.dp > 1 and not plan.zero) or spec.bucket_mb

@@ -1,11 +1,12 @@
 """Tensor parallelism (Megatron): each layer's weights cut over tp ranks, activations summed inside.
 
   regions.py    the four conjugate regions (copy / all-reduce, and under sequence parallelism
-                all-gather / reduce-scatter) that wrap the cut layers
+                all-gather / reduce-scatter) that wrap the cut layers, and the column-parallel
+                linear that keeps its input's sequence piece (parallel.tp_saves=sharded)
   layers.py     the column- and row-parallel linears, the vocab-parallel embedding, `parallelize_tp`
   loss.py       the vocab-parallel cross-entropy on the sharded logits
   strategy.py   the strategy `tp` (dp x tp), with or without sequence parallelism
-  rules.py      its refusals (and why it refuses a mixture of experts)
+  rules.py      its refusals (parallel.tp_saves among them, and why it refuses a mixture of experts)
   theory.py     its closed forms: the tp collectives per layer and microbatch, with and without SP
 
 With pipeline stages or context parallelism too, a `tp` request runs as the recipe `3d`
@@ -26,7 +27,8 @@ def _build_tp(model, plan, ctx):
     from parallel.tp.strategy import TensorParallel
 
     return TensorParallel(model, lambda module: make_optimizer(module, plan.lr, plan.weight_decay), ctx.comm("tp"),
-                          ctx.comm("dp"), plan.sequence_parallel, plan.grad_sync, plan.bucket_mb)
+                          ctx.comm("dp"), plan.sequence_parallel, plan.grad_sync, plan.bucket_mb,
+                          saves_shard=plan.tp_saves == "sharded")
 
 
 ENTRIES = (

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
-from parallel.tp.regions import all_gather_along, enter_region, exit_region
+from parallel.tp.regions import SequencePiece, all_gather_along, enter_region, exit_region, linear_on_sequence_piece
 
 
 def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -32,7 +32,9 @@ class ColumnParallelLinear(nn.Module):
 
     Its input must already be in the region (replicated, or gathered under sequence
     parallelism): Q, K and V share one input, so the module in front of them (`NormIntoTP`)
-    opens the region once, and backward all-reduces one input gradient, not three.
+    opens the region once, and backward all-reduces one input gradient, not three. Where that
+    norm saves the sequence piece (parallel.tp_saves=sharded), the gathered input carries it
+    (`SEQUENCE_PIECE`) and the linear keeps the piece for its weight gradient, not the input.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -46,6 +48,9 @@ class ColumnParallelLinear(nn.Module):
         return cls(_rows(linear.weight, comm.rank, comm.size), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        source = getattr(x, SEQUENCE_PIECE, None)
+        if source is not None:
+            return linear_on_sequence_piece(x, source, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -71,20 +76,32 @@ class RowParallelLinear(nn.Module):
         return exit_region(F.linear(x, self.weight), self.comm, self.tag, self.sequence_parallel) + self.bias
 
 
+# The attribute of a region's gathered input that holds its sequence piece (parallel.tp_saves=sharded):
+# the one tensor the norm returns is the one the region's column-parallel linears receive.
+SEQUENCE_PIECE = "sequence_piece"
+
+
 class NormIntoTP(nn.LayerNorm):
     """A LayerNorm whose output enters a tensor-parallel region (attention, MLP or the LM head).
 
     Under sequence parallelism the norm runs on this rank's piece of the sequence and the
-    all-gather follows it, as in Korthikanti et al. Fig. 5.
+    all-gather follows it, as in Korthikanti et al. Fig. 5. With `saves_shard` the gathered
+    output carries the piece, for the region's column-parallel linears to save instead.
     """
 
-    def __init__(self, norm: nn.LayerNorm, comm: Communicator, tag: str, sequence_parallel: bool):
+    def __init__(self, norm: nn.LayerNorm, comm: Communicator, tag: str, sequence_parallel: bool,
+                 saves_shard: bool = False):
         super().__init__(norm.normalized_shape, eps=norm.eps, device=norm.weight.device, dtype=norm.weight.dtype)
         self.weight, self.bias = norm.weight, norm.bias  # the very same parameters
         self.comm, self.tag, self.sequence_parallel = comm, tag, sequence_parallel
+        self.saves_shard = saves_shard and sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return enter_region(super().forward(x), self.comm, self.tag, self.sequence_parallel)
+        piece = super().forward(x)
+        full = enter_region(piece, self.comm, self.tag, self.sequence_parallel)
+        if self.saves_shard:
+            setattr(full, SEQUENCE_PIECE, SequencePiece(piece, self.comm, self.tag))
+        return full
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -195,20 +212,23 @@ class TPShards:
         return spread
 
 
-def parallelize_tp(model: GPT, comm: Communicator, sequence_parallel: bool = False) -> TPShards:
-    """Turn the full model into this rank's tensor-parallel shard, in place."""
-    sp = sequence_parallel
+def parallelize_tp(model: GPT, comm: Communicator, sequence_parallel: bool = False,
+                   saves_shard: bool = False) -> TPShards:
+    """Turn the full model into this rank's tensor-parallel shard, in place. `saves_shard`
+    (parallel.tp_saves=sharded, under sequence parallelism): the column-parallel linears keep
+    their input's sequence piece and gather it again in backward."""
+    sp, keep = sequence_parallel, saves_shard
     for i, block in enumerate(model.blocks):
         attn, mlp = f"blocks.{i}.attn", f"blocks.{i}.mlp"
-        block.ln1 = NormIntoTP(block.ln1, comm, f"tp/{attn}", sp)
+        block.ln1 = NormIntoTP(block.ln1, comm, f"tp/{attn}", sp, keep)
         for name in ("q", "k", "v"):  # heads split: rank r holds heads [r·a/t, (r+1)·a/t)
             setattr(block.attn, name, ColumnParallelLinear.from_full(getattr(block.attn, name), comm))
         block.attn.proj = RowParallelLinear.from_full(block.attn.proj, comm, f"tp/{attn}", sp)
-        block.ln2 = NormIntoTP(block.ln2, comm, f"tp/{mlp}", sp)
+        block.ln2 = NormIntoTP(block.ln2, comm, f"tp/{mlp}", sp, keep)
         block.mlp.fc = ColumnParallelLinear.from_full(block.mlp.fc, comm)
         block.mlp.proj = RowParallelLinear.from_full(block.mlp.proj, comm, f"tp/{mlp}", sp)
     model.embed = ParallelEmbedding(model.embed, comm, sp)
-    model.head.ln_f = NormIntoTP(model.head.ln_f, comm, "tp/head", sp)
+    model.head.ln_f = NormIntoTP(model.head.ln_f, comm, "tp/head", sp, keep)
     model.head.out = ColumnParallelLinear.from_full(model.head.out, comm)  # the vocabulary split
 
     shards = TPShards(comm, vocab_start=model.embed.tok.vocab_start)

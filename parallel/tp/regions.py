@@ -19,6 +19,12 @@ stream, and with it the LayerNorms, along the sequence between regions. f and g 
 
 the same bytes in twice the ops. Activations are (batch, seq, hidden): sequence is dim 1.
 
+What the column-parallel linears behind gather_from_sp keep for their weight gradient
+(parallel.tp_saves): the all-gathered input, b·s·h per region ("gathered"), or this rank's piece of
+it, b·(s/t)·h, all-gathered once more in backward when the first of the region's linears needs it
+("sharded": Megatron-LM's LinearWithGradAccumulationAndAsyncCommunication under sequence_parallel).
+The second all-gather is tagged `tp/<part>/regather`; `linear_on_sequence_piece` below.
+
 Every collective is tagged `tp/<part>/<fwd|bwd>` (e.g. `tp/blocks.3.attn/bwd`), so the Megatron
 count per layer and direction can be read off summary.json's `comm.by_tag_op`.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from parallel.dist.comm import Communicator
 
@@ -127,6 +134,58 @@ def enter_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> to
 
 def exit_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
     return (_ReduceScatterToSP if sequence_parallel else _ReduceFromTP).apply(x, comm, tag)
+
+
+# -- sharded saving: the column-parallel linears keep the sequence piece ----------------------------
+class SequencePiece:
+    """A region's input as this rank's piece of the sequence, and its all-gather again in backward.
+
+    Made by the norm that opens the region (one per forward), handed to each column-parallel linear
+    that reads the gathered input (Q, K and V share one). In backward the first of them gathers
+    the piece (`tp/<part>/regather`), the others reuse that one tensor, and the last lets it go: one
+    all-gather per region, held only while its weight gradients are computed."""
+
+    def __init__(self, piece: torch.Tensor, comm: Communicator, tag: str):
+        self.piece, self.comm, self.tag = piece, comm, tag
+        self.readers = 0  # linears whose backward still needs the gathered input
+        self.gathered: torch.Tensor | None = None
+
+    def take(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.gathered is None:
+            self.gathered = all_gather_along(self.comm, piece, SEQ_DIM, f"{self.tag}/regather")
+        full, self.readers = self.gathered, self.readers - 1
+        if self.readers == 0:  # nothing of this forward is held here any more
+            self.gathered = self.piece = None
+        return full
+
+
+class _LinearOnSequencePiece(torch.autograd.Function):
+    """Y = X W^T + b on the gathered X, saving the piece X_r (and W), not X.
+
+    The input gradient flows back through X (into gather_from_sp's reduce-scatter, as before);
+    the weight gradient needs X again: Y's gradient times the piece all-gathered once more."""
+
+    @staticmethod
+    def forward(ctx, full, piece, weight, bias, source: SequencePiece):
+        ctx.source, ctx.has_bias = source, bias is not None
+        ctx.save_for_backward(piece, weight)
+        source.readers += 1
+        return F.linear(full, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        piece, weight = ctx.saved_tensors
+        full = ctx.source.take(piece)
+        grad_input = grad.matmul(weight.to(grad.dtype))
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_weight = rows.t().matmul(full.reshape(-1, full.shape[-1]).to(grad.dtype))
+        grad_bias = rows.sum(0) if ctx.has_bias else None
+        return grad_input, None, grad_weight, grad_bias, None
+
+
+def linear_on_sequence_piece(full: torch.Tensor, source: SequencePiece, weight: torch.Tensor,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+    return _LinearOnSequencePiece.apply(full, source.piece, weight, bias, source)
 
 
 # -- layers -------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Tensor parallelism's refusals, checked by plan.py before any process group.
 
 The cut itself (heads, the padded vocabulary and, under sequence parallelism, the sequence must
-divide over tp; no dropout), which plan.py runs for every entry that says `tensor_parallel=True`,
-and why tensor parallelism refuses a mixture of experts, the line the registry's model check ends
-in (docs/experts.md).
+divide over tp; no dropout), which plan.py runs for every entry that says `tensor_parallel=True`;
+what `parallel.tp_saves` may say (the sequence piece saved only where there is one); and why tensor
+parallelism refuses a mixture of experts, the line the registry's model check ends in (docs/experts.md).
 """
 
 from __future__ import annotations
@@ -12,6 +12,12 @@ from math import gcd
 
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
+
+# parallel.tp_saves: what a column-parallel linear keeps for its weight gradient under sequence parallelism.
+TP_SAVES = ("gathered", "sharded")
+# The strategies whose column-parallel linears can keep the sequence piece (parallel/tp/layers.py): tp, and
+# the 3d recipe, which cuts its model with the same parallelize_tp.
+SAVES_SHARD_STRATEGIES = ("tp", "3d")
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
              "MoE block's router and experts")
@@ -53,4 +59,46 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
             f"model.dropout={model.dropout} with parallel.tp={t}: each tp rank would draw its own dropout mask on "
             "activations that must stay identical across the group, and the replicas would drift apart: "
             "set model.dropout=0"
+        )
+
+
+def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_parallel: bool,
+                   splits_backward: bool = False) -> None:
+    """`gathered` (the default) or `sharded`; `sharded` keeps each column-parallel input's sequence
+    piece, which exists only under sequence parallelism with tp > 1 (`sequence_parallel` is the
+    resolved one), with this project's tp layers (tp, 3d), without context parallelism (whose
+    cut of the sequence the pieces would be cut again; not derived) and with one backward per
+    chunk: a zero-bubble schedule (`splits_backward`) runs a chunk's weight gradients apart from
+    its input gradients, and each would gather the piece again."""
+    if tp_saves not in TP_SAVES:
+        raise LayoutError(
+            f"parallel.tp_saves={tp_saves!r} is not one of {', '.join(TP_SAVES)}: gathered keeps each "
+            "column-parallel linear's all-gathered input for backward, sharded keeps this rank's piece of the "
+            "sequence and gathers it again in backward"
+        )
+    if tp_saves != "sharded":
+        return
+    if not sequence_parallel or dims.tp == 1:
+        raise LayoutError(
+            f"parallel.tp_saves=sharded with parallel.tp={dims.tp} and sequence parallelism "
+            f"{'on' if sequence_parallel else 'off'}: the column-parallel linears keep their input's piece of "
+            "the sequence, which only sequence parallelism over tp > 1 ranks cuts; use parallel=tp_sp with "
+            "parallel.tp > 1, or set parallel.tp_saves=gathered"
+        )
+    if strategy not in SAVES_SHARD_STRATEGIES:
+        raise LayoutError(
+            f"parallel.tp_saves=sharded runs as parallel={strategy}, whose layers keep the gathered input: "
+            f"the sequence piece is kept by parallel={' and '.join(SAVES_SHARD_STRATEGIES)} only; "
+            "set parallel.tp_saves=gathered"
+        )
+    if dims.cp > 1:
+        raise LayoutError(
+            f"parallel.tp_saves=sharded with parallel.cp={dims.cp}: the saved pieces of a context-parallel "
+            "sequence are not derived here; set parallel.cp=1 or parallel.tp_saves=gathered"
+        )
+    if splits_backward:
+        raise LayoutError(
+            "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients "
+            "apart from its input gradients, and both halves would all-gather the saved piece; use "
+            "parallel.schedule=1f1b, gpipe or interleaved_1f1b, or set parallel.tp_saves=gathered"
         )

@@ -4,7 +4,8 @@ Each tp group holds one copy of the model, sharded by `parallelize_tp`; the dp g
 copies of the same shard and sum their gradients exactly as `parallel=dp` does (bucketed or
 naive, over the dp communicator only). What is summed where:
 
-* activations and their gradients: over tp, inside forward and backward (parallel/tp/regions.py);
+* activations and their gradients: over tp, inside forward and backward (parallel/tp/regions.py;
+  with parallel.tp_saves=sharded each region's input is all-gathered once more in backward);
 * sequence-sharded gradients (sequence parallelism only: LayerNorms, row-parallel biases, the
   position table): over tp, once per step, as a completion of the dp sync (GradSync.completions);
 * every local gradient, shards included: over dp, once per step;
@@ -31,10 +32,10 @@ class TensorParallel(Strategy):
     name = "tp"
 
     def __init__(self, model: nn.Module, optimizer_factory, tp_comm: Communicator, dp_comm: Communicator,
-                 sequence_parallel: bool, grad_sync: str, bucket_mb: float):
+                 sequence_parallel: bool, grad_sync: str, bucket_mb: float, saves_shard: bool = False):
         self.tp_comm = tp_comm
         self.sequence_parallel = sequence_parallel
-        self.shards = parallelize_tp(model, tp_comm, sequence_parallel)
+        self.shards = parallelize_tp(model, tp_comm, sequence_parallel, saves_shard)
         sync = make_grad_sync(list(model.named_parameters()), dp_comm, grad_sync, bucket_mb)
         params = dict(model.named_parameters())
         sequence_partial = [params[n] for n in self.shards.sequence_partial]

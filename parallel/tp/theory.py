@@ -30,6 +30,20 @@ def tp_tensors_per_layer(recompute: str) -> int:
     return 6 if recompute == "full" else 4
 
 
+def saves_sequence_piece(layout: Layout) -> bool:
+    """parallel.tp_saves=sharded where it means something: sequence parallelism over tp > 1 ranks."""
+    return layout.sequence_parallel and layout.tp_saves == "sharded" and layout.dims.tp > 1
+
+
+def tp_regathers_per_microbatch(cfg: GPTConfig, layout: Layout) -> int:
+    """Tensors of b·s·h all-gathered once more in backward per microbatch under parallel.tp_saves=sharded:
+    each region's column-parallel linears kept the sequence piece of their input, and their weight
+    gradients need it whole. One per region that opens with column-parallel linears: attention
+    (Q, K, V share one) and MLP in every block, and the vocab-parallel head: 2L + 1 (none otherwise;
+    full recomputation's second forward all-gathers as the first did, counted in `tp_tensors_per_layer`)."""
+    return 2 * cfg.n_layers + 1 if saves_sequence_piece(layout) else 0
+
+
 def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """Tensor parallelism, tp and tp_sp (with sequence parallelism, and data parallelism across tp groups).
 
@@ -47,7 +61,10 @@ def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     (2(t-1)/t of its bytes sent per rank): per layer 8·b·s·h·(t-1)/t elements (docs/theory/tensor-parallel.md).
     With it, each all-reduce is an all-gather plus a reduce-scatter ((t-1)/t each, the same bytes;
     the embedding and the head become a reduce-scatter forward + all-gather backward and an
-    all-gather forward + reduce-scatter backward). The vocab-parallel cross-entropy adds three
+    all-gather forward + reduce-scatter backward). With parallel.tp_saves=sharded each of the 2L + 1
+    regions that open with column-parallel linears all-gathers its input once more in backward
+    (`tp/<part>/regather`, `tp_regathers_per_microbatch`): 6L + 3 all-gathers' worth of b·s·h per
+    microbatch against the reduce-scatters' 4L + 2. The vocab-parallel cross-entropy adds three
     all-reduces of b·s fp32 values (row max, sum of exponentials, target logit). Once per step,
     sequence parallelism all-reduces the gradients of the sequence-sharded replicated parameters
     over tp, and data parallelism all-reduces every local gradient (Ψ_t of them) over dp.
@@ -64,8 +81,11 @@ def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     loss = 3 * m * b * cfg.seq_len * FP32_BYTES
     by_op: dict[str, tuple[int, Fraction]] = {}
     tp_reduced = loss  # bytes all-reduced over tp
+    regathered = tp_regathers_per_microbatch(cfg, layout) * m * activation
     if layout.sequence_parallel:
-        by_op["all_gather"] = by_op["reduce_scatter"] = (activations, gather_or_scatter_sent_per_rank(t, activations))
+        gathered = activations + regathered
+        by_op["all_gather"] = (gathered, gather_or_scatter_sent_per_rank(t, gathered))
+        by_op["reduce_scatter"] = (activations, gather_or_scatter_sent_per_rank(t, activations))
         tp_reduced += sequence_sharded_parameter_count(cfg) * B
         per_layer = {"all_gather": 2, "reduce_scatter": 2}
     else:
@@ -74,7 +94,10 @@ def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     counts = {"fwd": per_layer, "bwd": per_layer}
     if layout.recompute == "full":  # the forward's collectives once more, in backward (tagged `tp/<part>/fwd` too)
         counts["recompute"] = per_layer
-    tp_sent = all_reduce_sent_per_rank(t, tp_reduced) + 2 * by_op.get("all_gather", (0, Fraction(0)))[1]
+    if regathered:  # attention's and the MLP's inputs, gathered again in backward
+        counts["regather"] = {"all_gather": 2}
+    tp_sent = all_reduce_sent_per_rank(t, tp_reduced) + sum(
+        (by_op[op][1] for op in ("all_gather", "reduce_scatter") if op in by_op), Fraction(0))
     dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
     dp_sent = all_reduce_sent_per_rank(d, dp_grads)
     by_op["all_reduce"] = (tp_reduced + dp_grads, all_reduce_sent_per_rank(t, tp_reduced) + dp_sent)

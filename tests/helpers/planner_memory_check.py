@@ -33,7 +33,8 @@ from parallel.planner.enumerate import zero_stage  # noqa: E402
 from parallel.planner.memory import model_state_bytes  # noqa: E402
 from parallel.report.activations import ActivationMeter  # noqa: E402
 
-# (label, preset, overrides): every registry entry with a formula, pipelines and tp cut several ways.
+# (label, preset, overrides): every registry entry with a formula, pipelines and tp cut several ways (under
+# sequence parallelism saving the column-parallel inputs whole or as pieces: parallel.tp_saves).
 LAYOUTS = [
     ("single", "single", ["parallel.microbatches=2"]),
     ("dp m2", "dp", ["parallel.microbatches=2"]),
@@ -42,10 +43,13 @@ LAYOUTS = [
     ("zero3", "zero3", []),
     ("tp 2x2", "tp", []),
     ("tp_sp tp4", "tp_sp", ["parallel.tp=4"]),
+    ("tp_sp 2x2", "tp_sp", []),
+    ("tp_sp 2x2 sharded", "tp_sp", ["parallel.tp_saves=sharded"]),
     ("pp_gpipe p4", "pp_gpipe", []),
     ("pp_1f1b dp2 p2 m4", "pp_1f1b", ["parallel.dp=2"]),
     ("pp_interleaved p4 v2", "pp_interleaved", []),
     ("3d tp2 pp2 sp m4", "3d", ["parallel.sequence_parallel=true"]),
+    ("3d tp2 pp2 sp sharded m4", "3d", ["parallel.sequence_parallel=true", "parallel.tp_saves=sharded"]),
     ("3d tp2 dp2 zero1", "3d", ["parallel.pp=1", "parallel.zero=1", "parallel.microbatches=2"]),
     ("torch_ddp", "torch_ddp", []),
     ("accelerate_ddp", "accelerate_ddp", []),

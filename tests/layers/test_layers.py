@@ -4,7 +4,9 @@ One spawn of 4 processes (tests/helpers/spawn.py) runs every check over tp (or d
 
 * ColumnParallelLinear and RowParallelLinear inside a region (f ... g) against nn.Linear;
 * the vocab-parallel cross-entropy against F.cross_entropy;
-* the sequence-parallel regions (gather in, reduce-scatter out) with a LayerNorm in front;
+* the sequence-parallel regions (gather in, reduce-scatter out) with a LayerNorm in front, and with
+  three column-parallel linears on one input that save its sequence piece (parallel.tp_saves=sharded):
+  one all-gather again in backward for all three, the tensors saved for backward the piece, not the input;
 * ZeroOptimizer stages 1 and 2 and the bucketed and naive dp syncs against AdamW on the summed
   gradient.
 
@@ -81,6 +83,56 @@ def check_region_linears(comm: Communicator, sequence_parallel: bool) -> dict:
             got = got.clone()
             comm.all_reduce(got, tag="tooling/test")
         result[name] = _max(got, want)
+    return result
+
+
+def check_sharded_saving(comm: Communicator, log: CommLog) -> dict:
+    """x -> LayerNorm -> gather -> three column linears (Q, K and V share one input) -> their GELUs
+    summed -> row -> reduce-scatter, the linears saving the sequence piece: against one process, and
+    the differences as numbers: the regathers in backward (one, not three) and the gathered input
+    saved by nothing."""
+    gen = torch.Generator().manual_seed(4)
+    x_full = torch.randn(B, S, H, generator=gen)
+    norm, proj = nn.LayerNorm(H), nn.Linear(F_, H)
+    fcs = [nn.Linear(H, F_) for _ in range(3)]
+    for p in (*proj.parameters(), *norm.parameters(), *(q for fc in fcs for q in fc.parameters())):
+        p.data.normal_(0, 0.5, generator=gen)
+    x_ref = x_full.clone().requires_grad_(True)
+    hidden = norm(x_ref)
+    ref = proj(sum(F.gelu(fc(hidden)) for fc in fcs))
+    ref.pow(2).sum().backward()
+    t, r = comm.size, comm.rank
+    x = _rows(x_full, r, t, SEQ_DIM).clone().requires_grad_(True)
+    enter = NormIntoTP(copy.deepcopy(norm), comm, "tp/sharded", sequence_parallel=True, saves_shard=True)
+    cols = [ColumnParallelLinear.from_full(fc, comm) for fc in fcs]
+    row = RowParallelLinear.from_full(proj, comm, "tp/sharded", sequence_parallel=True)
+    saved = []  # the storages autograd keeps of the region
+
+    def pack(tensor):
+        saved.append(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        entered = enter(x)
+        y = row(sum(F.gelu(col(entered)) for col in cols))
+    piece = entered.sequence_piece.piece.untyped_storage().data_ptr()  # the norm's output on this rank's piece
+    key = ("all_gather", "tp", "tp/sharded/regather")
+    before = log.outside[key].calls
+    y.pow(2).sum().backward()
+    result = {
+        "output": _max(y, _rows(ref, r, t, SEQ_DIM).detach()),
+        "input_grad": _max(x.grad, _rows(x_ref.grad, r, t, SEQ_DIM)),
+        # Differences that are counts: 0 when right.
+        "regathers_in_backward_minus_one": float(abs(log.outside[key].calls - before - 1)),
+        "gathered_inputs_saved": float(saved.count(entered.untyped_storage().data_ptr())),
+    }
+    for i, (col, fc) in enumerate(zip(cols, fcs)):
+        result[f"column{i}_weight_grad"] = _max(col.weight.grad, _rows(fc.weight.grad, r, t))
+        result[f"column{i}_bias_grad"] = _max(col.bias.grad, _rows(fc.bias.grad, r, t))
+    got = enter.weight.grad.clone()
+    comm.all_reduce(got, tag="tooling/test")  # partial under SP: summed over tp it is whole
+    result["norm_weight_grad"] = _max(got, norm.weight.grad)
+    result["piece_saves_minus_three"] = float(abs(saved.count(piece) - 3))  # once by each column linear
     return result
 
 
@@ -161,6 +213,7 @@ def worker(rank: int, world: int, out_dir) -> None:
     for size, comm in (("2", pair), ("4", four)):
         result[f"linears_tp{size}"] = check_region_linears(comm, sequence_parallel=False)
         result[f"linears_sp{size}"] = check_region_linears(comm, sequence_parallel=True)
+        result[f"sharded_saving{size}"] = check_sharded_saving(comm, log)
         result[f"loss_tp{size}"] = check_vocab_parallel_loss(comm)
         result[f"dp_syncs{size}"] = check_dp_syncs(comm)
         for stage in (1, 2):
@@ -173,8 +226,8 @@ def results():
     return run_ranks(4, worker)
 
 
-CHECKS = [f"{what}{size}" for size in ("2", "4") for what in ("linears_tp", "linears_sp", "loss_tp", "dp_syncs",
-                                                               "zero1_dp", "zero2_dp")]
+CHECKS = [f"{what}{size}" for size in ("2", "4") for what in ("linears_tp", "linears_sp", "sharded_saving", "loss_tp",
+                                                               "dp_syncs", "zero1_dp", "zero2_dp")]
 
 
 @pytest.mark.parametrize("check", CHECKS)

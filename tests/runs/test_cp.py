@@ -34,6 +34,9 @@ CASES = [
     ("cp2xpp2-ring-full", 4, ["parallel=cp", "parallel.pp=2", "parallel.microbatches=2", "train.recompute=full"],
      (1, 2, 1, 2), "ring", "full", 2),
     ("tp2-selective", 2, ["parallel=tp", "train.recompute=selective"], (1, 1, 2, 1), None, "selective", 1),
+    # Saving the sequence piece under full recomputation: the recomputed forward gathers, then the regathers.
+    ("tp_sp2-sharded-full", 2, ["parallel=tp_sp", "parallel.tp_saves=sharded", "train.recompute=full"],
+     (1, 1, 2, 1), None, "full", 1),
 ]
 
 
@@ -73,7 +76,9 @@ def check_attention_calls(s: dict, world: int, cp: int, tp: int, pp: int, kind: 
 
 def check_tp_recompute(s: dict, world: int, tp: int, recompute: str, m: int) -> None:
     """Full recomputation runs each block's forward collectives again in backward (tagged `fwd`):
-    per layer 6 tensors of b·s·h instead of 4, i.e. 12·b·s·h·(t−1)/t sent per rank, not 8."""
+    per layer 6 tensors of b·s·h instead of 4, i.e. 12·b·s·h·(t−1)/t sent per rank, not 8; saving
+    the sequence piece (parallel.tp_saves=sharded) adds its 2 regathers, (t−1)/t each, whatever is
+    recomputed."""
     by = s["comm"]["by_tag_op"]
     forwards = 2 if recompute == "full" else 1
     for i in range(L):
@@ -85,7 +90,7 @@ def check_tp_recompute(s: dict, world: int, tp: int, recompute: str, m: int) -> 
                for t in ops.values())
     cp = s["parallel"]["cp"]
     tokens = GLOBAL_BATCH // (world // (cp * tp)) // m * (S // cp)
-    units = 12 if recompute == "full" else 8
+    units = (12 if recompute == "full" else 8) + (2 if s["parallel"]["tp_saves"] == "sharded" else 0)
     assert sent == L * m * units * tokens * H * Fraction(tp - 1, tp) * 4 * world
 
 

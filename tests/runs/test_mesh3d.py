@@ -7,7 +7,8 @@ Each multi-process case trains the tiny model for 6 steps under torchrun on gloo
     same on all tp ranks;
   * the bytes per step equal parallel/compose/theory.py exactly, op by op, group by group and rank by
     rank (ranks of different stages send different amounts);
-  * each block's tp collectives ran only on the d·t ranks of the stage that holds the block;
+  * each block's tp collectives ran only on the d·t ranks of the stage that holds the block (and with
+    parallel.tp_saves=sharded its inputs' regathers, the saved bytes equal to the formula);
   * each rank ran exactly its schedule's list.
 """
 
@@ -36,6 +37,9 @@ CASES = [
      (1, 2, 2), False, 2, 2, "interleaved_1f1b"),
     ("dp2xtp2xpp1-gpipe", 4, ["parallel=3d", "parallel.pp=1", "parallel.schedule=gpipe", "parallel.microbatches=2"],
      (2, 2, 1), False, 2, 1, "gpipe"),
+    # The column-parallel linears keep their input's sequence piece and gather it again in backward.
+    ("dp1xtp2xpp2-1f1b-sp-sharded", 4, ["parallel=3d", "parallel.microbatches=2", "parallel.sequence_parallel=true",
+                                        "parallel.tp_saves=sharded"], (1, 2, 2), True, 2, 1, "1f1b"),
 ]
 
 
@@ -75,9 +79,20 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
         calls = sum(c["calls"] for c in by[f"tp/blocks.{i}.mlp/fwd"].values())
         assert calls == (2 if sp else 1) * m * d * t, (i, calls)
     assert by["tp/loss/fwd"]["all_reduce"]["calls"] == 3 * m * d * t  # the last stage only
+    b = 16 // (d * m)
+    sharded = "parallel.tp_saves=sharded" in overrides
+    # Sharded saving: each region's input (attention, MLP, the head) all-gathered once more in backward, b·s·h.
+    regathers = [f"tp/blocks.{i}.{part}/regather" for i in range(L) for part in ("attn", "mlp")] + ["tp/head/regather"]
+    for tag in regathers:
+        if sharded:
+            gathers = by[tag]["all_gather"]
+            assert (gathers["calls"], gathers["payload_bytes"]) == (m * d * t, m * d * t * b * 32 * 64 * 4), tag
+        else:
+            assert tag not in by, tag
+    if sharded:  # and what each rank saves for backward is the formula's, to the byte (per stage: they differ)
+        assert s["memory"]["activations_match_theory"] is True
     if p > 1:
         # Boundary activations: b·s·h, or each tp rank's b·(s/t)·h piece under sequence parallelism.
-        b = 16 // (d * m)
         sends = comm["by_op"]["send"]
         assert sends["payload_bytes"] == sends["calls"] * b * (32 // t if sp else 32) * 64 * 4
         assert sends["calls"] == 2 * m * (v * p - 1) * d * t

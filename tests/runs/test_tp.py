@@ -7,7 +7,11 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
     replicated gradient is identical on all tp ranks (complete, not partial);
   * the bytes per step equal parallel/tp/theory.py exactly, and docs/theory/tensor-parallel.md's closed form written
     out here a second time;
-  * the Megatron count per layer, read off summary.json's comm.by_tag_op and metrics.jsonl.
+  * the Megatron count per layer, read off summary.json's comm.by_tag_op and metrics.jsonl;
+  * the bytes saved for backward, measured on every rank, equal parallel/activations.py's formula
+    exactly; with parallel.tp_saves=sharded (the column-parallel linears keep their input's sequence
+    piece and gather it again in backward) the 2L + 1 regathers are in the bytes and the saved
+    bytes are (2L + 1)·b·s·h·(t-1)/t elements fewer than the gathered mode's formula, written out here.
 """
 
 from fractions import Fraction
@@ -16,9 +20,15 @@ import pytest
 from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
 from observability import check_time_breakdown, check_trace
 
+from parallel.activations import registry_activations
+from parallel.core.model import GPTConfig
+from parallel.dist.dims import ParallelDims
+from parallel.layout import Layout
+
 L, H, S = 4, 64, 32  # the tiny model: layers, width, sequence length (conf/model/tiny.yaml)
 GLOBAL_BATCH = 16
 
+SHARDED = "parallel.tp_saves=sharded"
 CASES = [
     # id, world, overrides, tp, dp, sequence parallel, microbatches
     ("tp2", 2, ["parallel=tp"], 2, 1, False, 1),
@@ -27,6 +37,10 @@ CASES = [
     ("tp_sp4", 4, ["parallel=tp_sp", "parallel.tp=4"], 4, 1, True, 1),
     ("dp2xtp2-mb2", 4, ["parallel=tp", "parallel.microbatches=2", "parallel.bucket_mb=0.1"], 2, 2, False, 2),
     ("dp2xtp_sp2-naive", 4, ["parallel=tp_sp", "parallel.grad_sync=naive"], 2, 2, True, 1),
+    # The column-parallel linears save the sequence piece (parallel.tp_saves=sharded).
+    ("tp_sp2-sharded-mb2", 2, ["parallel=tp_sp", SHARDED, "parallel.microbatches=2"], 2, 1, True, 2),
+    ("tp_sp4-sharded", 4, ["parallel=tp_sp", "parallel.tp=4", SHARDED], 4, 1, True, 1),
+    ("dp2xtp_sp2-sharded", 4, ["parallel=tp_sp", SHARDED], 2, 2, True, 1),
 ]
 
 
@@ -41,7 +55,7 @@ def check_grads_match_single(run, single_run):
     assert all(v == 0.0 for v in spread.values()), {k: v for k, v in spread.items() if v}
 
 
-def check_tp_traffic(s, world, t, d, sp, m):
+def check_tp_traffic(s, world, t, d, sp, m, sharded=False):
     comm, expected = s["comm"], s["expected_comm"]
     assert s["comm_matches_theory"] is True and comm["steady"] is True
     for op, e in expected["by_op"].items():
@@ -56,6 +70,8 @@ def check_tp_traffic(s, world, t, d, sp, m):
     b = GLOBAL_BATCH // d // m
     bsh = b * S * H
     activations = m * (L * 8 * bsh * Fraction(t - 1, t) + 2 * 2 * bsh * Fraction(t - 1, t))
+    if sharded:  # each block's attention and MLP inputs and the head's, all-gathered again in backward
+        activations += m * (2 * L + 1) * bsh * Fraction(t - 1, t)
     loss = m * 2 * Fraction(t - 1, t) * 3 * b * S
     sp_grads = 2 * Fraction(t - 1, t) * (L * 6 * H + 2 * H + S * H) if sp else 0
     local = s["model"]["local_parameters"]
@@ -71,9 +87,10 @@ def check_tp_traffic(s, world, t, d, sp, m):
     assert "tooling/loss" in comm["tooling"]["by_tag"] or d == 1  # the log's loss: over dp only
 
 
-def check_megatron_counts(run, world, sp, m):
+def check_megatron_counts(run, world, sp, m, sharded=False):
     """Per block, per microbatch and rank: 2 forward and 2 backward all-reduces (tp), or 2
-    all-gathers + 2 reduce-scatters forward and the same backward (tp_sp)."""
+    all-gathers + 2 reduce-scatters forward and the same backward (tp_sp), and with sharded saving
+    one more all-gather of each region's input in backward (`regather`, the head's too)."""
     by = run.summary["comm"]["by_tag_op"]
     region = {"all_gather": m, "reduce_scatter": m} if sp else {"all_reduce": m}
     for i in range(L):
@@ -81,6 +98,10 @@ def check_megatron_counts(run, world, sp, m):
             for direction in ("fwd", "bwd"):
                 calls = {op: t["calls"] // world for op, t in by[f"tp/blocks.{i}.{part}/{direction}"].items()}
                 assert calls == region, (i, part, direction, calls)
+            regather = by.get(f"tp/blocks.{i}.{part}/regather")
+            assert ({op: t["calls"] // world for op, t in regather.items()} if regather else None) == (
+                {"all_gather": m} if sharded else None), (i, part, regather)
+    assert ("tp/head/regather" in by) is sharded
     if sp:
         assert {op: t["calls"] // world for op, t in by["tp/embed/fwd"].items()} == {"reduce_scatter": m}
         assert {op: t["calls"] // world for op, t in by["tp/embed/bwd"].items()} == {"all_gather": m}
@@ -97,16 +118,35 @@ def check_megatron_counts(run, world, sp, m):
         assert record["rank0_calls"]["tp/blocks.2.mlp/bwd"] == region
 
 
+def check_saved_bytes(s, world, t, d, sp, m, sharded):
+    """Every rank's bytes saved for backward at the step's peak, measured by the saved-tensor meter,
+    equal the formula to the byte; sharded saving keeps, of each of the 2L + 1 column-parallel
+    inputs (attention's, the MLP's in every block, the head's), b·(s/t)·h of b·s·h elements."""
+    memory = s["memory"]
+    assert memory["activations_match_theory"] is True
+    assert memory["activations_bytes_measured"] == memory["theory"]["activation_bytes"]
+    if sharded:
+        b = GLOBAL_BATCH // d // m
+        gathered = registry_activations(GPTConfig(seq_len=S, n_layers=L, d_model=H, n_heads=4),
+                                        Layout(ParallelDims.resolve(world, tp=t), microbatches=m, microbatch_size=b,
+                                               sequence_parallel=sp))
+        saved = (2 * L + 1) * b * (S - S // t) * H * 4
+        assert memory["activations_bytes_measured"] == [g - saved for g in gathered]
+
+
 @pytest.mark.parametrize("case_id,world,overrides,t,d,sp,m", CASES, ids=[c[0] for c in CASES])
 def test_tp_matches_single_and_theory(case_id, world, overrides, t, d, sp, m, single_run, tmp_path):
     run = run_train(world, [*TINY, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run")
     s = assert_ok(run)
     p = s["parallel"]
+    sharded = SHARDED in overrides
     assert (s["strategy"], p["tp"], p["dp"], p["sequence_parallel"], p["microbatches"]) == ("tp", t, d, sp, m)
+    assert p["tp_saves"] == ("sharded" if sharded else "gathered" if sp else None)
     check_matches_single(run, single_run)
     check_grads_match_single(run, single_run)
-    check_tp_traffic(s, world, t, d, sp, m)
-    check_megatron_counts(run, world, sp, m)
+    check_tp_traffic(s, world, t, d, sp, m, sharded)
+    check_megatron_counts(run, world, sp, m, sharded)
+    check_saved_bytes(s, world, t, d, sp, m, sharded)
     # The Megatron all-reduces block forward and backward: exposed communication over tp.
     assert check_time_breakdown(s)["compute"] > 0
     assert s["time_breakdown"]["exposed_comm_s"].get("all_reduce tp", 0) > 0

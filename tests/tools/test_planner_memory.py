@@ -4,7 +4,8 @@ model-state formula against the tensors each rank holds.
 
 One torchrun job of 4 gloo processes (tests/helpers/planner_memory_check.py) trains every layout two steps,
 each on its own mesh: dp with microbatches, ZeRO 1-3, tp and tp with sequence parallelism at
-tp 2 and 4, the three pipeline schedules (4 stages, and 2 stages x dp 2), 3-D with sequence
+tp 2 and 4 (and saving the column-parallel inputs' sequence pieces, parallel.tp_saves=sharded, on tp and 3d),
+the three pipeline schedules (4 stages, and 2 stages x dp 2), 3-D with sequence
 parallelism and with ZeRO-1, and PyTorch's DDP, accelerate and FSDP2. The issue's target is 2%;
 the formula counts every storage, so it is met exactly.
 """
@@ -30,7 +31,7 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy():
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = dict(line.split("\t") for line in proc.stdout.splitlines() if "\t" in line)
-    assert len(results) == 15, results.keys()
+    assert len(results) == 18, results.keys()
     for label, text in results.items():
         r = json.loads(text)
         assert r["formula"] is not None, f"{label}: the registry has no activation formula"
@@ -45,6 +46,10 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy():
     # Pipelines hold different amounts on different stages (1F1B's first stage p microbatches, its
     # last one), which is what the per-rank formula must get right.
     assert len(set(json.loads(results["pp_1f1b dp2 p2 m4"])["measured"])) == 2
+    # Saving the sequence piece keeps less than the gathered input on every rank of the same layout.
+    for gathered, sharded in (("tp_sp 2x2", "tp_sp 2x2 sharded"), ("3d tp2 pp2 sp m4", "3d tp2 pp2 sp sharded m4")):
+        assert all(s < g for g, s in zip(json.loads(results[gathered])["measured"],
+                                         json.loads(results[sharded])["measured"])), (gathered, sharded)
 
 
 def test_strategies_without_a_formula_say_so():
