@@ -86,12 +86,16 @@ class Costs:
 
     forward F; input_grad B, the backward's input-gradient half; weight_grad W, its weight-gradient
     half. A schedule that does not split the backward runs both halves as one B costing B + W.
+    comm: what a send or receive action costs the rank that runs it (posting it). transfer: how
+    long a message takes to arrive after its send (a link's latency plus its bytes' time); the
+    closed forms take messages as free, and so does the default.
     """
 
     forward: float = 1.0
     input_grad: float = 2.0
     weight_grad: float = 0.0
     comm: float = 0.0
+    transfer: float = 0.0
 
     def __call__(self, action: Action, virtual: int, split: bool = True) -> float:
         if action.op == F:
@@ -108,9 +112,10 @@ def unit_costs(forward: float = 1.0, backward: float = 2.0, comm: float = 0.0) -
     return Costs(forward, backward, 0.0, comm)
 
 
-def split_costs(forward: float, input_grad: float, weight_grad: float, comm: float = 0) -> Costs:
+def split_costs(forward: float, input_grad: float, weight_grad: float, comm: float = 0,
+                transfer: float = 0) -> Costs:
     """F, B and W times given separately; an unsplit schedule's B then costs B + W."""
-    return Costs(forward, input_grad, weight_grad, comm)
+    return Costs(forward, input_grad, weight_grad, comm, transfer)
 
 
 def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost: Costs | None = None,
@@ -170,7 +175,7 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
                 raise ScheduleInvalid(f"rank {rank}: {a} sends to a virtual stage of its own rank")
             if key in sent:
                 raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
-            sent[key] = start + cost(a, virtual, split)
+            sent[key] = start + cost(a, virtual, split) + cost.transfer
             sender[key] = len(spans)
             src, dst, what = message(rank, a, placement)
             channel.setdefault((src, dst), []).append(what)

@@ -69,19 +69,24 @@ def test_an_op_a_member_never_posts_is_a_deadlock():
 
 
 def _programs(plans, placement, cost, virtual):
-    """A schedule's lists as programs: a send is posted and never waited for, a receive blocks,
-    messages are free (the simulator's rules)."""
+    """A schedule's lists as programs, as our executor runs them on the CPU: every receive posted
+    at the step's start and waited for at its place in the list, a send posted and never waited
+    for; a message arrives `cost.transfer` after its send (the simulator's rules)."""
     split, ops, out = splits_backward(plans), {}, []
     for rank, actions in enumerate(plans):
-        program = []
+        receives, program = [], []
         for a in actions:
             if a.op in (SEND_F, SEND_B, RECV_F, RECV_B):
                 src, dst, what = message(rank, a, placement)
-                op = ops.setdefault(what, Op(what, (src, dst), str(what), "bubble"))
-                program.append(Post(op, a) if a.op in (SEND_F, SEND_B) else Call(op))
+                op = ops.setdefault(what, Op(what, (src, dst), str(what), "bubble", latency_s=cost.transfer))
+                if a.op in (SEND_F, SEND_B):
+                    program.append(Post(op, a))
+                else:
+                    receives.append(Post(op, a))
+                    program.append(Wait((a,)))
             else:
                 program.append(Compute(cost(a, virtual, split), PHASE_OF_OP[a.op], str(a)))
-        out.append(program)
+        out.append(receives + program)
     return out
 
 
@@ -99,15 +104,16 @@ SHAPES = [(name, *shape) for name in sorted(SCHEDULES) for shape in ((4, 8, 1), 
           if _runs(name, *shape)]
 
 
+@pytest.mark.parametrize("transfer", [0.0, 0.25], ids=["free-messages", "messages-take-a-quarter"])
 @pytest.mark.parametrize("name,stages,microbatches,virtual", SHAPES)
-def test_every_schedule_replays_to_the_simulators_idle_time(name, stages, microbatches, virtual):
+def test_every_schedule_replays_to_the_simulators_idle_time(name, stages, microbatches, virtual, transfer):
     plans = build_schedule(name, stages, microbatches, virtual)
     placement = schedule_placement(name, stages, virtual)
-    cost = split_costs(1, 2, 1) if splits_backward(plans) else split_costs(1, 2, 0)
+    cost = split_costs(1, 2, 1 if splits_backward(plans) else 0, transfer=transfer)
     sim = simulate(plans, microbatches, virtual, cost, placement)
     result = run(_programs(plans, placement, cost, virtual))
-    assert result.step_s == sim.makespan
-    assert [result.step_s - result.busy(r) for r in range(stages)] == sim.idle
+    assert result.step_s == pytest.approx(sim.makespan, rel=1e-12)
+    assert [result.step_s - result.busy(r) for r in range(stages)] == pytest.approx(sim.idle, rel=1e-12)
     # The virtual block's pipeline figures, read off the replay: the simulator's bubble, and the
     # costs it was given per chunk-microbatch.
     figures = pipeline_figures(result, [{"rank": r, "coords": {"pp": r, "dp": 0, "tp": 0}} for r in range(stages)])
