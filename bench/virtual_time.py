@@ -1,6 +1,6 @@
 """How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
 
-    python bench/virtual_time.py [checks=stability,faithful,contention,pipelines,network] [model=tiny]
+    python bench/virtual_time.py [checks=stability,loaded,faithful,contention,pipelines,network] [model=tiny]
                                  [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run]
 
 Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
@@ -8,6 +8,7 @@ root), reads the run's summary.json, and for some replays its saved events again
 
   stability    dp, tp, pp_1f1b (m 4), zero2, torch_ddp at world 4, `repeats` times each: virtual
                tokens/s against its median (the claim: within 5%), wall tokens/s beside
+  loaded       the same while one busy process per core competes for the machine
   faithful     the same at world 2 (a core per rank on a 2-core machine): virtual step against wall
                step (the claim: within 5%, on an idle machine)
   contention   the world-4 runs of `stability` replayed with their 4 ranks sharing the machine's
@@ -81,12 +82,12 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def stability(out: Path, common: list[str], repeats: int) -> tuple[str, dict]:
+def stability(out: Path, common: list[str], repeats: int, prefix: str = "w4", title: str = "") -> tuple[str, dict]:
     rows, runs = [], {}
     for strategy in STRATEGIES:
         summaries = []
         for k in range(repeats):
-            d = out / f"w4-{strategy}-{k}"
+            d = out / f"{prefix}-{strategy}-{k}"
             summaries.append((d, train(4, [*common, *layout(strategy)], d)))
         runs[strategy] = summaries
         v = [s["virtual"]["tokens_per_s"] for _, s in summaries]
@@ -95,8 +96,22 @@ def stability(out: Path, common: list[str], repeats: int) -> tuple[str, dict]:
         wdev = max(abs(x / statistics.median(w) - 1) for x in w)
         rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{dev:.1%}", " / ".join(f"{x:.0f}" for x in w),
                      f"±{wdev:.1%}"])
-    return table(f"Stability: world 4, {repeats} repeats (tokens/s)",
+    return table(f"Stability: world 4, {repeats} repeats{title} (tokens/s)",
                  ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median"], rows), runs
+
+
+def loaded(out: Path, common: list[str], repeats: int) -> str:
+    """The stability runs again while one busy process per core competes for the machine."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())]
+    COMMANDS.append(f"# {len(spinners)} x python -c 'while True: pass' running during the loaded repeats")
+    try:
+        title = f", {len(spinners)} busy processes beside them"
+        text, _ = stability(out, common, repeats, prefix="loaded", title=title)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    return text
 
 
 def faithful(out: Path, common: list[str]) -> str:
@@ -192,8 +207,8 @@ def network(out: Path, common: list[str]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    opts = {"checks": "stability,faithful,contention,pipelines,network", "model": "tiny", "steps": "8", "repeats": "3",
-            "out": "runs/virtual-bench", "loopback": "once"}
+    opts = {"checks": "stability,loaded,faithful,contention,pipelines,network", "model": "tiny", "steps": "8",
+            "repeats": "3", "out": "runs/virtual-bench", "loopback": "once"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -217,6 +232,8 @@ def main(argv: list[str]) -> None:
         parts.append(text)
     if "contention" in checks:
         parts.append(contention(runs))
+    if "loaded" in checks:
+        parts.append(loaded(out, common, int(opts["repeats"])))
     if "faithful" in checks:
         parts.append(faithful(out, common))
     if "pipelines" in checks:
