@@ -127,8 +127,14 @@ def tokens_table(results: list[tuple[Network, list[dict]]]) -> str:
             text = f"{row['tokens_per_s']:.0f}"
             if row.get("tokens_per_s_lo") is not None:
                 text += f" ({row['tokens_per_s_lo']:.0f}-{row['tokens_per_s_hi']:.0f})"
-            cells.append(f"**{text}**" if best[network.label] == strategy else text)
+            text = f"**{text}**" if best[network.label] == strategy else text
+            if row.get("clock") == "virtual" and row.get("wall_tokens_per_s"):
+                text += f" / {row['wall_tokens_per_s']:.0f} wall"  # the other clock beside the leading one
+            cells.append(text)
         lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+    clocks = {r.get("clock") for _, rows in results for r in rows if r["status"] == "ok"}
+    if "virtual" in clocks:
+        lines.append("\ntokens/s in virtual time (a device per rank), the wall clock's beside it")
     return "\n".join(lines)
 
 

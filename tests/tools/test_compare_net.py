@@ -138,5 +138,9 @@ def test_the_best_layout_is_one_over_ranks_not_the_one_process_reference():
     assert "the best layout is **pp_1f1b** (w4)" in text, text
     assert "| single | 4000 |" in text and "one process, no links (the reference)" in text
     assert "| pp_1f1b | **2700** |" in tokens_table([(cluster, rows)])
+    # Led by virtual time, each cell gives the wall clock's figure beside it, and the table says so.
+    virtual = [{**r, "clock": "virtual", "wall_tokens_per_s": r["tokens_per_s"] / 3} for r in rows]
+    table = tokens_table([(cluster, virtual)])
+    assert "| pp_1f1b | **2700** / 900 wall |" in table and "in virtual time" in table
     alone = "\n".join(network_verdict(cluster, [row("single", 1, 4000.0)], {}))
     assert "the best layout is **single**" in alone
