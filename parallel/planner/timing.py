@@ -36,7 +36,8 @@ from functools import lru_cache
 from parallel.core.shape import ModelShape
 from parallel.planner.cluster import Cluster
 from parallel.planner.links import GroupSpan
-from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, build_schedule
+from parallel.pp.actions import splits_backward
+from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, built_schedule, closed_form_idle, schedule_placement
 from parallel.pp.simulator import simulate
 
 ASSUMPTIONS = {
@@ -111,6 +112,16 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
     weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
     backward, of equal size (an assumption the output names)."""
 
+    plans = built_schedule(schedule, p, m, v)
+    split = splits_backward(plans)
+    if send == 0:
+        # The schedule's closed form, where it claims one: every rank works m(F + B + W) and idles for
+        # its longest chain (parallel/pp/schedules.py, equal to the simulator's makespan for free sends).
+        idle = closed_form_idle(schedule, p, m, v, forward, backward / 2 if split else backward,
+                                backward / 2 if split else 0.0)
+        if idle is not None:
+            return m * (forward + backward) + float(idle)
+
     def cost(action, virtual, split=False):
         if action.op == F:
             return forward / virtual
@@ -120,7 +131,9 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
             return backward / 2 / virtual
         return send if action.op in (SEND_F, SEND_B) else 0.0
 
-    return simulate(build_schedule(schedule, p, m, v), m, v, cost).makespan
+    # On the schedule's own placement: a V-shaped schedule (zbv, dualpipev) puts virtual stage p on rank
+    # p - 1, not rank 0, and its lists read as invalid on the loop placement.
+    return simulate([list(actions) for actions in plans], m, v, cost, schedule_placement(schedule, p, v)).makespan
 
 
 def _rounded(x: float) -> float:
