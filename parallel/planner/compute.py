@@ -60,15 +60,27 @@ class Device:
     sms: int
     tile: tuple[int, int] = (256, 128)
     k0: float = 0.0  # a tile's fixed work (pipeline fill, epilogue) in steps of its k-loop; 0 where overlapped
+    flash_attention: bool = True  # the attention core one fused kernel (no s x s scores in HBM), else materialized
 
     def wave(self, g: Gemm) -> float:
         tiles = ceil(g.m / self.tile[0]) * ceil(g.n / self.tile[1]) * g.batch
         return tiles / (ceil(tiles / self.sms) * self.sms)
 
     def seconds(self, g: Gemm, width: int) -> float:
+        return max(self.compute_seconds(g), g.bytes(width) / self.hbm_bytes_per_s)
+
+    def compute_seconds(self, g: Gemm) -> float:
         depth = g.k / (g.k + self.k0)
-        return max(g.flops / (self.peak_flops * self.efficiency * self.wave(g) * depth),
-                   g.bytes(width) / self.hbm_bytes_per_s)
+        return g.flops / (self.peak_flops * self.efficiency * self.wave(g) * depth)
+
+    def attention_seconds(self, scores: Gemm, values: Gemm, width: int) -> float:
+        """The attention core's two batched GEMMs. Materialized (Megatron of 2021), each its own roofline, the
+        s x s scores written and read in HBM; fused (flash attention, Dao et al. 2022), the scores stay on
+        chip: the kernel reads Q, K, V and writes the output, 4·s·d_head per head."""
+        if not self.flash_attention:
+            return self.seconds(scores, width) + self.seconds(values, width)
+        moved = 4.0 * scores.m * scores.k * scores.batch * width
+        return max(self.compute_seconds(scores) + self.compute_seconds(values), moved / self.hbm_bytes_per_s)
 
 
 def tile_fixed_steps(peak_flops: float, hbm_bytes_per_s: float, sms: int, tile: tuple[int, int], k_tile: int,
@@ -93,7 +105,8 @@ def block_gemms(shape: ModelShape, t: int, b: int) -> dict[str, list[Gemm]]:
     }
 
 
-def elementwise_bytes(shape: ModelShape, t: int, b: int, sequence_parallel: bool, width: int) -> dict[str, float]:
+def elementwise_bytes(shape: ModelShape, t: int, b: int, sequence_parallel: bool, width: int,
+                      flash_attention: bool = False) -> dict[str, float]:
     """Bytes the elementwise kernels of one block read and write, forward and backward, on one tp rank
     (per op, in elements per token; x b·s tokens x `width`; docs/theory/planner.md):
 
@@ -108,12 +121,14 @@ def elementwise_bytes(shape: ModelShape, t: int, b: int, sequence_parallel: bool
                         2·a·s (a/t heads, scaled, masked)
 
     The norms and residual adds run whole on every tp rank unless sequence parallelism cuts them over t;
-    the MLP's and attention's over t always."""
+    the MLP's and attention's over t always. With flash attention the softmax is inside the attention
+    kernel (`Device.attention_seconds`): no softmax bytes here."""
     g = shape.gpt
     h, f, a, s = g.d_model, shape.ffn, g.n_heads, g.seq_len
     cut = t if sequence_parallel else 1
     mask = (h / width if g.dropout else 0.0) / cut  # a 1-byte keep mask per element, in units of `width`
     act_fwd, act_bwd = (3 * f, 5 * f) if shape.gated_mlp else (2 * f, 3 * f)
+    a = 0 if flash_attention else a
     forward = (2 * 2 * h + 2 * 3 * h) / cut + 2 * mask + (act_fwd + 2 * a * s) / t
     backward = (2 * 3 * h + 2 * 2 * h + 2 * 3 * h) / cut + 2 * mask + (act_bwd + 3 * a * s) / t
     tokens = b * s
@@ -128,8 +143,8 @@ def microbatch_seconds(shape: ModelShape, device: Device, t: int, b: int, layers
     g = shape.gpt
     gemms = block_gemms(shape, t, b)
     matmul = sum(device.seconds(x, width) for x in gemms["matmuls"])
-    attention = sum(device.seconds(x, width) for x in gemms["attention"])
-    moved = elementwise_bytes(shape, t, b, sequence_parallel, width)
+    attention = device.attention_seconds(*gemms["attention"], width)
+    moved = elementwise_bytes(shape, t, b, sequence_parallel, width, device.flash_attention)
     elementwise = moved["forward"] / device.hbm_bytes_per_s
     elementwise_back = moved["backward"] / device.hbm_bytes_per_s
     head = Gemm(b * g.seq_len, g.padded_vocab_size // t, g.d_model)
