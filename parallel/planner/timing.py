@@ -5,7 +5,8 @@ Every rule here is an assumption the report names (ASSUMPTIONS):
 compute    Forward FLOPs per microbatch on one rank of stage r: b·s·(L_r·(2·P_layer + 4·s·h)/t
            + [last stage] 2·(V·h + norm)/t), P_layer a block's parameters (2 FLOPs per weight
            per token) and 4·s·h the attention matmuls Q·Kᵀ and softmax·V; backward twice the
-           forward (input and weight gradients). Summed over ranks this is the MFU count 6·N +
+           forward (input and weight gradients), plus the recomputed forward of every block (full)
+           or of every attention core (selective). Summed over ranks this is the MFU count 6·N +
            12·L·h·s per token (parallel/report/mfu.py). Time = FLOPs / (peak x efficiency).
 collective latency + bytes / bandwidth on the link class it crosses (Thakur et al. 2005; NCCL's
            bus-bandwidth convention: the bytes are theory's ring bytes per rank). Hierarchical
@@ -158,6 +159,13 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
                     for r, n in enumerate(layers_by_rank)]
         slowest = max(range(p), key=lambda r: forwards[r])
         forward, backward = forwards[slowest], 2 * forwards[slowest]
+        # Recomputation runs again in backward: every block's forward (full), or its attention core's
+        # 4·s·h FLOPs per token (selective).
+        n = layers_by_rank[slowest]
+        if recompute == "full":
+            backward += tokens * forward_flops_per_token(shape, t, n, False) / rate
+        elif recompute == "selective":
+            backward += tokens * n * 4 * g.seq_len * g.d_model / t / rate
     else:
         from parallel.planner.compute import microbatch_seconds
 
