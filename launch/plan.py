@@ -140,7 +140,8 @@ def main_plan(cfg: DictConfig) -> Path:
     write_markdown(run_dir / "report.md", meta, rows, p.top, ["memory_per_device.png", "step_time.png"], validation)
     print(f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts, "
           f"{sum(1 for r in rows if r['fits'])} fit in {cluster.usable_bytes / GIB:.1f} GiB usable per device "
-          f"({found.requests} requests, {sum(found.refused.values())} refused by plan.py)")
+          f"({found.requests} requests, {sum(found.refused.values())} refused by plan.py; {found.pruned} more not "
+          "asked: their model state alone is over the device)")
     print(console_table(rows, p.top))
     if validation is not None:
         from parallel.planner.report import markdown_validation
@@ -194,7 +195,7 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
         "precision": cluster.precision,
         "assumptions": {**ASSUMPTIONS, **MEMORY_ASSUMPTIONS, "bytes": BYTES_ASSUMPTION},
         "search": space.__dict__, "requests": found.requests, "refused": dict(found.refused),
-        "refused_total": sum(found.refused.values()), "seconds": seconds,
+        "refused_total": sum(found.refused.values()), "pruned": found.pruned, "seconds": seconds,
     }
 
 

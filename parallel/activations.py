@@ -275,7 +275,9 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
         cut, batch = Cut.of(layout, act_bytes), global_batch_bytes(model, global_batch)
         chunks = [chunk_bytes(model, cut, vs, layers) for vs in range(len(layers))]
         peaks = [_peak_in_flight(walk[r], chunks, batch) for r in range(p)]
-    return [peaks[dims.coordinates(rank)["pp"]] for rank in range(dims.world_size)]
+    # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
+    per_stage = dims.world_size // p
+    return [peak for peak in peaks for _ in range(per_stage)]
 
 
 def _peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:

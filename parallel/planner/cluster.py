@@ -52,6 +52,9 @@ class Cluster:
     sources: str = ""
     sms: int | None = None  # streaming multiprocessors: with hbm_bytes_per_s, the roofline per GEMM (compute.py)
     gemm_tile: tuple[int, int] = (256, 128)  # a GEMM's output tile (wave quantization)
+    gemm_pipeline: tuple[int, int] | None = None  # (k-tile, stages) of that kernel, where its fill and epilogue
+    # are not overlapped with the k-loop (compute.py's k0); None: overlapped (Hopper's persistent kernels)
+    flash_attention: bool = True  # the attention core as one fused kernel; false: materialized scores (compute.py)
     calibration: dict | None = None  # the one fitted parameter: which, and on what (the preset's `calibration`)
 
     def __post_init__(self):
@@ -81,9 +84,12 @@ class Cluster:
         """The roofline's view of one device (compute.py), where the preset has SMs and HBM; else None."""
         if not (self.sms and self.hbm_bytes_per_s):
             return None
-        from parallel.planner.compute import Device
+        from parallel.planner.compute import Device, tile_fixed_steps
 
-        return Device(self.peak_flops, self.efficiency, self.hbm_bytes_per_s, self.sms, self.gemm_tile)
+        k0 = tile_fixed_steps(self.peak_flops, self.hbm_bytes_per_s, self.sms, self.gemm_tile, *self.gemm_pipeline) \
+            if self.gemm_pipeline else 0.0
+        return Device(self.peak_flops, self.efficiency, self.hbm_bytes_per_s, self.sms, self.gemm_tile, k0,
+                      self.flash_attention)
 
     def peak_for_mfu(self, world: int) -> float:
         """The denominator of MFU: one peak per device, or the one shared peak (summary.json's `devices`)."""
@@ -106,6 +112,8 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
             hbm_bytes_per_s=float(c["hbm_tbytes_per_s"]) * 1e12 if c.get("hbm_tbytes_per_s") else None,
             sources=c.get("sources", ""), sms=int(c["sms"]) if c.get("sms") else None,
             gemm_tile=tuple(c.get("gemm_tile") or (256, 128)), calibration=c.get("calibration"),
+            gemm_pipeline=tuple(c["gemm_pipeline"]) if c.get("gemm_pipeline") else None,
+            flash_attention=bool(c.get("flash_attention", True)),
         )
         if not c.get("emulated"):
             # Achieved bus bandwidth (nccl-tests' busbw) where the preset gives it: theory's ring bytes per

@@ -21,7 +21,7 @@ have: grouped-query attention splits K and V heads whole, so tp must divide the 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import product
 from math import prod
@@ -29,7 +29,7 @@ from math import prod
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError
 from parallel.dist.groups import LaunchEnv
-from parallel.plan import ConfigError, RunPlan, build_plan
+from parallel.plan import ConfigError, RunPlan, _check_recompute, build_plan
 from parallel.pp.schedules import SCHEDULES, built_schedule
 from parallel.registry import REGISTRY, Options, resolve
 
@@ -83,6 +83,7 @@ class Enumeration:
     candidates: list[Candidate]
     refused: Counter  # plan.py's (or the shape rule's) message -> how many requests it refused
     requests: int
+    pruned: int = 0  # requests not asked: their model state alone is over the device (`beyond`)
 
 
 def divisors(n: int) -> list[int]:
@@ -148,7 +149,9 @@ def _dim_choices(spec, world: int) -> list[dict]:
 
 
 def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, has_recompute: bool):
-    for dims in _dim_choices(spec, world):
+    # By pipeline depth first: layouts of one pp (their tp and dp differ) ask for the same schedules
+    # one after another, while parallel/pp/schedules.py's cache still holds them.
+    for dims in sorted(_dim_choices(spec, world), key=lambda d: (d["pp"], d["cp"], d["tp"], d["ep"])):
         if dims["cp"] > 1 and not space.context_parallel:
             continue
         if global_batch % dims["dp"]:
@@ -158,12 +161,15 @@ def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, 
         pipelined = spec.pipelined and dims["pp"] > 1
         schedules = [(s, v) for s in space.schedules for v in space.virtual_stages] if pipelined \
             else [("1f1b", 1)]
-        for zero in space.zero if spec.zero_dp else (0,):
-            for sp in space.sequence_parallel if spec.sequence_parallel and dims["tp"] > 1 else (False,):
-                for schedule, v in schedules:
-                    pieces = dims["pp"] * v
-                    pp_layers = balanced_layers(n_layers, pieces) if pipelined and space.uneven_stages else None
-                    for m in [d for d in divisors(local) if d <= space.max_microbatches]:
+        # The pipeline's (schedule, v, m) vary slowest: build_plan checks a pipeline by building its schedule,
+        # and every zero stage and option of one (schedule, p, m, v) then asks for it in a row, which
+        # parallel/pp/schedules.py's cache answers.
+        for schedule, v in schedules:
+            pieces = dims["pp"] * v
+            pp_layers = balanced_layers(n_layers, pieces) if pipelined and space.uneven_stages else None
+            for m in [d for d in divisors(local) if d <= space.max_microbatches]:
+                for zero in space.zero if spec.zero_dp else (0,):
+                    for sp in space.sequence_parallel if spec.sequence_parallel and dims["tp"] > 1 else (False,):
                         for recompute in space.recompute if has_recompute else (None,):
                             request = {**dims, "zero": zero, "sequence_parallel": sp, "schedule": schedule,
                                        "virtual_stages": v, "microbatches": m,
@@ -190,15 +196,17 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
 
 
 def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
-                      only: list[str] | None = None) -> Enumeration:
+                      only: list[str] | None = None, beyond=None) -> Enumeration:
     """build_plan checks a pipeline by building its schedule; the search asks that of the same
     (schedule, p, m, v) for every ZeRO stage and option, thousands of times for a large world, and
-    parallel/pp/schedules.py answers the repeats from its cache (`built_schedule`)."""
-    return _enumerate(shape, base, world, global_batch, space, only)
+    parallel/pp/schedules.py answers the repeats from its cache (`built_schedule`). `beyond(spec,
+    request)`: true for a request that cannot fit whatever build_plan says (its model state alone is
+    over the device: parallel/planner/search.py), which is then counted as pruned, not asked."""
+    return _enumerate(shape, base, world, global_batch, space, only, beyond)
 
 
 def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
-               only: list[str] | None) -> Enumeration:
+               only: list[str] | None, beyond=None) -> Enumeration:
     """Every layout of `world` devices that build_plan accepts for this model and global batch.
 
     `base`: the training config as a plain dict (conf/config.yaml composed), whose model section
@@ -211,13 +219,18 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
     seen: dict[tuple, Candidate] = {}
     refused: Counter = Counter()
     requests = 0
+    pruned = 0
     for spec in specs:
+        tried: dict[tuple, tuple[RunPlan | None, str]] = {}  # a request without its recompute -> build_plan's answer
         for request in _requests(spec, world, global_batch, shape.gpt.n_layers, space, has_recompute):
+            if beyond is not None and beyond(spec, request):
+                pruned += 1
+                continue
             for grad_sync in space.grad_sync:
                 requests += 1
-                plan, why = _try(base, spec.name, request, grad_sync, env)
+                plan, why = _try_memo(tried, base, spec.name, request, grad_sync, env)
                 if plan is None and grad_sync != "naive" and "grad_sync" in why:
-                    plan, _ = _try(base, spec.name, request, "naive", env)
+                    plan, _ = _try_memo(tried, base, spec.name, request, "naive", env)
                 if plan is None:
                     refused[why] += 1
                     continue
@@ -230,7 +243,27 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
                 kept = seen.get(key)
                 if kept is None or _preferred(candidate) < _preferred(kept):
                     seen[key] = candidate
-    return Enumeration(list(seen.values()), refused, requests)
+    return Enumeration(list(seen.values()), refused, requests, pruned)
+
+
+def _try_memo(tried: dict, base: dict, name: str, request: dict, grad_sync: str, env: LaunchEnv):
+    """build_plan's answer, asked once per request without its recompute mode: every check of
+    build_plan but its recompute check (`_check_recompute`, which reads only the mode and the strategy)
+    reads the same fields for every mode, so the modes share its answer, and a plan accepted for one
+    mode is the same plan, its `recompute` replaced, for each mode the strategy takes."""
+    key = (grad_sync, tuple(sorted((k, str(v)) for k, v in request.items() if k != "recompute")))
+    if key not in tried:
+        tried[key] = _try(base, name, {**request, "recompute": "none"} if "recompute" in request else request,
+                          grad_sync, env)
+    plan, why = tried[key]
+    mode = request.get("recompute")
+    if plan is None or mode is None or mode == plan.recompute:
+        return plan, why
+    try:
+        _check_recompute(mode, plan.strategy, plan.spec)
+    except ConfigError as e:
+        return None, _reason(str(e))
+    return replace(plan, recompute=mode), ""
 
 
 def _try(base: dict, name: str, request: dict, grad_sync: str, env: LaunchEnv) -> tuple[RunPlan | None, str]:

@@ -12,6 +12,8 @@ ZeRO shards it, at `STATE_BYTES[precision]` per parameter: fp32 4 + 4 + 8, bf16 
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from parallel import activations
 from parallel.activations import LOSS_BYTES
 from parallel.algebra import padded, replica_group_size
@@ -42,14 +44,27 @@ def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
                                        layout.schedule)
 
 
+@lru_cache(maxsize=4096)
+def _placed(gpt: GPTConfig, dims, virtual: int, pp_layers, schedule: str) -> tuple:
+    """compose.theory's blocks and ends of every stage, once per layout shape (the planner asks for each
+    stage of thousands of layouts, and each answer computes every stage's)."""
+    pp_layers = list(pp_layers) if pp_layers is not None else None
+    return (compose_theory.stage_blocks(gpt, dims, virtual, pp_layers, schedule),
+            compose_theory.stage_ends(dims, virtual, schedule))
+
+
+def _placement(shape: ModelShape, layout: Layout) -> tuple:
+    pp_layers = tuple(layout.pp_layers) if layout.pp_layers is not None else None
+    return _placed(shape.gpt, layout.dims, layout.virtual_stages, pp_layers, layout.schedule)
+
+
 def stage_parts(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:
     """One rank's parts (ZeRO's unit of sharding: embedding, each block, head) on stage `pp_rank`, each cut
     over tp, its MoE blocks with E/ep experts: which blocks and ends it holds is the schedule's placement
     (compose.theory.stage_blocks and stage_ends); a tied head's last stage keeps a copy of the token rows."""
     dims = layout.dims
-    blocks = compose_theory.stage_blocks(shape.gpt, dims, layout.virtual_stages, layout.pp_layers,
-                                         layout.schedule)[pp_rank]
-    first, last = compose_theory.stage_ends(dims, layout.virtual_stages, layout.schedule)[pp_rank]
+    stage_blocks, stage_ends = _placement(shape, layout)
+    blocks, (first, last) = stage_blocks[pp_rank], stage_ends[pp_rank]
     return rank_parts(shape, blocks, first, last, dims.tp, dims.ep, copy_of_tied=dims.pp > 1)
 
 
@@ -77,7 +92,7 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
     param_b, grad_b, _ = STATE_BYTES[precision]
     act_b = 4 if precision == "fp32" else 2
     n = layout.microbatch_size * g.seq_len
-    _, last = compose_theory.stage_ends(layout.dims, layout.virtual_stages, layout.schedule)[pp_rank]
+    _, last = _placement(shape, layout)[1][pp_rank]
     total = n * g.padded_vocab_size // t * LOSS_BYTES if last else 0
     if t > 1:
         total += n * g.d_model * act_b
@@ -133,4 +148,6 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
         chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False) for n in layers]
         walk = pipeline_walk(layout)
         peaks = [activations._peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
-    return [peaks[dims.coordinates(rank)["pp"]] for rank in range(dims.world_size)]
+    # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
+    per_stage = dims.world_size // dims.pp
+    return [peak for peak in peaks for _ in range(per_stage)]

@@ -37,12 +37,62 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) ->
     plan, layout = candidate.plan, candidate.layout
     if shape.trainable and precision == "fp32":
         return plan.spec.activations(shape.gpt_config(), layout)
-    if plan.spec.activations(shape.gpt_config(), replace(layout, recompute="none")) is None:
+    if not _has_formula(plan.spec, shape, layout):
         return None  # the strategy has no activation formula at all
     if layout.dims.cp > 1:
         return None  # context parallelism's saved bytes: the registry's formula, for the GPT in fp32 only
-    # Elsewhere (cluster shapes, bf16): as a Megatron-style implementation holds them (memory.py).
-    return memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision])
+    # Elsewhere (cluster shapes, bf16): as a Megatron-style implementation holds them (memory.py), the same
+    # for every ZeRO stage (the search asks for each).
+    return _cached(("acts", shape, _layout_key(replace(layout, zero=0)), precision),
+                   lambda: memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision]))
+
+
+_CACHE: dict = {}
+
+
+def _cached(key, compute):
+    """The search asks for the same stage of the same layout shape for many rows (every microbatch count,
+    ZeRO stage and option): each figure is computed once. Cleared when it grows past a bound."""
+    if key not in _CACHE:
+        if len(_CACHE) > 200_000:
+            _CACHE.clear()
+        _CACHE[key] = compute()
+    return _CACHE[key]
+
+
+def _layout_key(layout) -> str:
+    return repr(layout)
+
+
+def _stage_state(shape: ModelShape, layout, zero: int, precision: str, r: int) -> dict:
+    """memory.model_state_bytes, which reads the stage's placement (dims, chunks, pp_layers, schedule), not m."""
+    key = ("state", shape, layout.dims, layout.virtual_stages, _tuple(layout.pp_layers), layout.schedule, zero,
+           precision, r)
+    return _cached(key, lambda: memory.model_state_bytes(shape, layout, zero, precision, r))
+
+
+def _stage_buffers(shape: ModelShape, layout, zero: int, precision: str, r: int) -> int:
+    """memory.buffer_bytes, which reads the placement and the microbatch size, not m."""
+    key = ("buffers", shape, layout.dims, layout.virtual_stages, _tuple(layout.pp_layers), layout.schedule, zero,
+           precision, r, layout.microbatch_size)
+    return _cached(key, lambda: memory.buffer_bytes(shape, layout, zero, precision, r))
+
+
+def _tuple(x):
+    return tuple(x) if x is not None else None
+
+
+_FORMULA: dict[tuple, bool] = {}
+
+
+def _has_formula(spec, shape: ModelShape, layout) -> bool:
+    """Whether the strategy's registry formula covers this layout at all (recompute aside), asked once
+    per strategy, model, dims and precision: what the formulas' coverage reads (activations.covers),
+    not the schedule, the microbatches or the options, which the search varies most."""
+    key = (spec.name, shape.gpt, layout.dims, layout.precision, layout.cp_kind)
+    if key not in _FORMULA:
+        _FORMULA[key] = spec.activations(shape.gpt_config(), replace(layout, recompute="none")) is not None
+    return _FORMULA[key]
 
 
 def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> dict | None:
@@ -59,7 +109,10 @@ def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> 
             "parameters_counted": figures["parameters_counted"]}
 
 
-def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, preset: str | None) -> dict:
+def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, preset: str | None,
+                time_if_over: bool = True) -> dict:
+    """The row of one candidate. `time_if_over=False` (the search): a layout whose memory is over the
+    device gets no bytes and no step time (its rank among the misses is by memory alone), a note says so."""
     plan, layout = candidate.plan, candidate.layout
     dims, precision = layout.dims, cluster.precision
     if precision == "bf16":
@@ -84,11 +137,11 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
     covered = not shape.gpt.moe_experts
     per_stage = []
     for r in range(dims.pp):
-        state = memory.model_state_bytes(shape, layout, candidate.zero, precision, r) if covered \
+        state = _stage_state(shape, layout, candidate.zero, precision, r) if covered \
             else moe_model_state(shape, candidate, precision)
         rank = dims.rank_of(r, 0, 0)
         acts = activations[rank] if activations is not None else None
-        buffers = memory.buffer_bytes(shape, layout, candidate.zero, precision, r)
+        buffers = _stage_buffers(shape, layout, candidate.zero, precision, r)
         parts = {"params": state and state["params"], "grads": state and state["grads"],
                  "optimizer": state and state["optimizer"], "activations": acts, "buffers": buffers}
         parts["total"] = sum(parts.values()) if all(v is not None for v in parts.values()) else None
@@ -103,15 +156,11 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
             fits = False
             worst = max(per_stage, key=lambda m: sum(v for k, v in m.items() if k != "total" and v is not None))
             worst = {**worst, "total": known}
-    try:
-        traffic = layout_traffic(plan.spec, shape, layout, candidate.zero, cluster.gpus_per_node, cluster.algorithm,
-                                 layers)
-        links = bytes_by_link(traffic)
-        time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
-                         ACT_BYTES[precision]) if covered else None
-    except NoTrafficFormula as e:
-        notes.append(f"no traffic formula: {e}")
+    if fits is False and not time_if_over:
+        notes.append("not timed: its memory is over the device")
         traffic, links, time = None, None, None
+    else:
+        traffic, links, time = _traffic_and_time(shape, candidate, cluster, layout, layers, covered, notes)
     if not covered:
         notes.append("mixture of experts: model state and bytes are the registry's formulas; activations and step "
                      "time are not modelled for MoE blocks")
@@ -136,3 +185,19 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         "compute_s": time.compute_parts if time else None,
         "notes": notes,
     }
+
+
+def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout, layers: list[int],
+                      covered: bool, notes: list[str]):
+    """Bytes per group (theory's closed forms) and the step time (timing.py) of the row."""
+    plan = candidate.plan
+    try:
+        traffic = layout_traffic(plan.spec, shape, layout, candidate.zero, cluster.gpus_per_node, cluster.algorithm,
+                                 layers)
+        links = bytes_by_link(traffic)
+        time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
+                         ACT_BYTES[cluster.precision]) if covered else None
+    except NoTrafficFormula as e:
+        notes.append(f"no traffic formula: {e}")
+        traffic, links, time = None, None, None
+    return traffic, links, time

@@ -115,7 +115,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         f"sequences of {model['seq_len']} tokens ({meta['tokens_per_step']:,} tokens per step); "
         f"{meta['precision']} training. {len(rows)} valid layouts ({fitting} fit in "
         f"{cluster['usable_gib']:.1f} GiB usable per device), {meta['refused_total']} requests refused by "
-        "plan.py's rules.",
+        f"plan.py's rules, {meta.get('pruned', 0)} not asked (their model state alone is over the device); "
+        "layouts over the device are not timed.",
         "",
         markdown_table(rows, top),
         "",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
+from parallel.model_state import STATE_BYTES
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
 from parallel.planner.predict import predict_row
@@ -61,18 +62,40 @@ def rank_key(row: dict) -> tuple:
     return (group, over if group == 2 else speed, row["layout"]["microbatches"], memory)
 
 
+def model_state_over(shape: ModelShape, cluster: Cluster):
+    """A test no layout it refuses could pass: the model state a request's fullest rank holds is at
+    least its blocks' parameters over tp and pp (the fullest stage holds at least the mean; the
+    embedding and head left out), at the precision's bytes per parameter, ZeRO dividing what its
+    stage shards by at most dp·cp (a strategy without parallel.zero counted as sharding everything,
+    ZeRO-3). Over the device's usable memory, the request cannot fit, so the search does not ask
+    build_plan about it nor time it. None for a mixture of experts (its experts divide over ep)."""
+    if shape.gpt.moe_experts:
+        return None
+    param_b, grad_b, optim_b = STATE_BYTES[cluster.precision]
+
+    def beyond(spec, request: dict) -> bool:
+        held = shape.gpt.n_layers * shape.layer_parameters(request["tp"]) / request["pp"]
+        zero = request.get("zero", 0) if spec.zero_dp else 3
+        d = request["dp"] * request.get("cp", 1)
+        per = param_b / (d if zero >= 3 else 1) + grad_b / (d if zero >= 2 else 1) + optim_b / (d if zero >= 1 else 1)
+        return held * per > cluster.usable_bytes
+
+    return beyond
+
+
 def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Cluster, world: int, global_batch: int,
               space: Space, only: list[str] | None = None) -> tuple[list[dict], Enumeration]:
-    """Every valid layout's row, ranked; `only`: presets or registry names to keep."""
+    """Every valid layout's row, ranked; `only`: presets or registry names to keep. Requests whose
+    model state alone is over the device are pruned before they are asked (`model_state_over`)."""
     names = None
     if only is not None:
         by_file = {p.file: p.name for p in presets}
         names = sorted({by_file.get(n, n) for n in only})
-    found = enumerate_layouts(shape, base, world, global_batch, space, names)
+    found = enumerate_layouts(shape, base, world, global_batch, space, names, model_state_over(shape, cluster))
     rows = []
     for candidate in found.candidates:
         preset = preset_for(candidate, presets)
-        row = predict_row(shape, candidate, cluster, preset)
+        row = predict_row(shape, candidate, cluster, preset, time_if_over=False)
         row["run_overrides"] = run_overrides(candidate, preset)
         if only is None or preset in only or candidate.plan.strategy in only or candidate.requested in only:
             rows.append(row)

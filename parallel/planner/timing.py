@@ -5,7 +5,8 @@ Every rule here is an assumption the report names (ASSUMPTIONS):
 compute    Forward FLOPs per microbatch on one rank of stage r: b·s·(L_r·(2·P_layer + 4·s·h)/t
            + [last stage] 2·(V·h + norm)/t), P_layer a block's parameters (2 FLOPs per weight
            per token) and 4·s·h the attention matmuls Q·Kᵀ and softmax·V; backward twice the
-           forward (input and weight gradients). Summed over ranks this is the MFU count 6·N +
+           forward (input and weight gradients), plus the recomputed forward of every block (full)
+           or of every attention core (selective). Summed over ranks this is the MFU count 6·N +
            12·L·h·s per token (parallel/report/mfu.py). Time = FLOPs / (peak x efficiency).
 collective latency + bytes / bandwidth on the link class it crosses (Thakur et al. 2005; NCCL's
            bus-bandwidth convention: the bytes are theory's ring bytes per rank). Hierarchical
@@ -36,7 +37,8 @@ from functools import lru_cache
 from parallel.core.shape import ModelShape
 from parallel.planner.cluster import Cluster
 from parallel.planner.links import GroupSpan
-from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, build_schedule
+from parallel.pp.actions import splits_backward
+from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, built_schedule, closed_form_idle, schedule_placement
 from parallel.pp.simulator import simulate
 
 ASSUMPTIONS = {
@@ -111,6 +113,16 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
     weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
     backward, of equal size (an assumption the output names)."""
 
+    plans = built_schedule(schedule, p, m, v)
+    split = splits_backward(plans)
+    if send == 0:
+        # The schedule's closed form, where it claims one: every rank works m(F + B + W) and idles for
+        # its longest chain (parallel/pp/schedules.py, equal to the simulator's makespan for free sends).
+        idle = closed_form_idle(schedule, p, m, v, forward, backward / 2 if split else backward,
+                                backward / 2 if split else 0.0)
+        if idle is not None:
+            return m * (forward + backward) + float(idle)
+
     def cost(action, virtual, split=False):
         if action.op == F:
             return forward / virtual
@@ -120,7 +132,9 @@ def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
             return backward / 2 / virtual
         return send if action.op in (SEND_F, SEND_B) else 0.0
 
-    return simulate(build_schedule(schedule, p, m, v), m, v, cost).makespan
+    # On the schedule's own placement: a V-shaped schedule (zbv, dualpipev) puts virtual stage p on rank
+    # p - 1, not rank 0, and its lists read as invalid on the loop placement.
+    return simulate([list(actions) for actions in plans], m, v, cost, schedule_placement(schedule, p, v)).makespan
 
 
 def _rounded(x: float) -> float:
@@ -145,6 +159,13 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
                     for r, n in enumerate(layers_by_rank)]
         slowest = max(range(p), key=lambda r: forwards[r])
         forward, backward = forwards[slowest], 2 * forwards[slowest]
+        # Recomputation runs again in backward: every block's forward (full), or its attention core's
+        # 4·s·h FLOPs per token (selective).
+        n = layers_by_rank[slowest]
+        if recompute == "full":
+            backward += tokens * forward_flops_per_token(shape, t, n, False) / rate
+        elif recompute == "selective":
+            backward += tokens * n * 4 * g.seq_len * g.d_model / t / rate
     else:
         from parallel.planner.compute import microbatch_seconds
 
