@@ -122,6 +122,7 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
              placement: Placement | None = None) -> SimResult:
     """Play the lists; `placement` says which rank holds which virtual stage (loop by default)."""
     cost = cost or unit_costs()
+    transfer = getattr(cost, "transfer", 0.0)  # a plain function of the action charges messages nothing
     p = len(plans)
     placement = placement or Placement(p, virtual)
     split = splits_backward(plans)
@@ -175,7 +176,7 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
                 raise ScheduleInvalid(f"rank {rank}: {a} sends to a virtual stage of its own rank")
             if key in sent:
                 raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
-            sent[key] = start + cost(a, virtual, split) + cost.transfer
+            sent[key] = start + cost(a, virtual, split) + transfer
             sender[key] = len(spans)
             src, dst, what = message(rank, a, placement)
             channel.setdefault((src, dst), []).append(what)
