@@ -91,7 +91,9 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
     ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["unshaped"] if len(ticks) > len(finite) else []))
     ax.minorticks_off()
     ax.set_xlabel("inter-node link, Mbit/s each way (log scale)")
-    ax.set_ylabel("tokens/s")
+    clocks = sorted({r.get("clock") or "wall" for _, rows in results for r in rows if r["status"] == "ok"})
+    # Each point is in its row's leading clock: virtual where ranks outnumber cores, else wall.
+    ax.set_ylabel("tokens/s (" + " or ".join("virtual time" if c == "virtual" else "wall clock" for c in clocks) + ")")
     ax.set_ylim(bottom=0)
     ax.set_title("Throughput against the inter-node bandwidth")
     handles, labels = ax.get_legend_handles_labels()
