@@ -31,8 +31,7 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, _check_recompute, build_plan
-from parallel.pp.actions import splits_backward
-from parallel.pp.schedules import SCHEDULES, ScheduleError, built_schedule
+from parallel.pp.schedules import SCHEDULES, built_schedule
 from parallel.registry import REGISTRY, Options, resolve
 from parallel.tp.rules import TP_SAVES, check_tp_saves, tp_cut_refusal
 
@@ -151,28 +150,16 @@ def _dim_choices(spec, world: int) -> list[dict]:
     return out
 
 
-def _tp_saves(spec, world: int, dims: dict, schedule: str, m: int, v: int) -> tuple[str, ...]:
+def _tp_saves(spec, world: int, dims: dict) -> tuple[str, ...]:
     """What a sequence-parallel request may ask of parallel.tp_saves: gathered always, sharded too
-    where tp's own rule (`check_tp_saves`) takes it for this layout and schedule (not with cp > 1,
-    not with a zero-bubble schedule, whose split backward would gather the piece twice)."""
-    splits = spec.pipelined and _splits_backward(schedule, dims["pp"], m, v)
-    if splits is None:  # no such schedule: build_plan refuses the request whatever it saves
-        return ("gathered",)
+    where tp's own rule (`check_tp_saves`) takes it for this strategy and layout (not with cp > 1).
+    Its last clause, no zero-bubble schedule, needs the schedule built: build_plan checks it, asked
+    only for the requests whose gathered twin it accepted (`_try_memo`), whose schedule it has just built."""
     try:
-        check_tp_saves("sharded", spec.name, ParallelDims(world, **dims), True, splits)
+        check_tp_saves("sharded", spec.name, ParallelDims(world, **dims), True, False)
     except LayoutError:
         return ("gathered",)
     return TP_SAVES
-
-
-@lru_cache(maxsize=16384)
-def _splits_backward(schedule: str, p: int, m: int, v: int) -> bool | None:
-    """Whether the schedule runs weight gradients apart (None where it has no lists for this p, m, v):
-    one bool per shape, where the schedule cache keeps only the most recent action lists."""
-    try:
-        return splits_backward(built_schedule(schedule, p, m, v))
-    except ScheduleError:
-        return None
 
 
 def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, has_recompute: bool,
@@ -192,6 +179,7 @@ def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, 
         sp_options = space.sequence_parallel if spec.sequence_parallel and dims["tp"] > 1 else (False,)
         if cuts and tp_cut_refusal(model, dims["tp"], True):
             sp_options = tuple(sp for sp in sp_options if not sp)
+        sharded_too = _tp_saves(spec, world, dims) if True in sp_options else ()
         if global_batch % dims["dp"]:
             yield {**dims, "microbatches": 1}  # plan.py refuses it with its own message
             continue
@@ -206,7 +194,6 @@ def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, 
             pieces = dims["pp"] * v
             pp_layers = balanced_layers(n_layers, pieces) if pipelined and space.uneven_stages else None
             for m in [d for d in divisors(local) if d <= space.max_microbatches]:
-                sharded_too = _tp_saves(spec, world, dims, schedule, m, v) if True in sp_options else ()
                 for zero in space.zero if spec.zero_dp else (0,):
                     for sp in sp_options:
                         saves_options = sharded_too if sp else ("gathered",)
@@ -295,9 +282,10 @@ def _try_memo(tried: dict, base: dict, name: str, request: dict, grad_sync: str,
     mode is the same plan, its `recompute` replaced, for each mode the strategy takes."""
     key = _memo_key(request, grad_sync)
     if key not in tried and request.get("tp_saves", "gathered") != "gathered":
-        # A sharded request is asked only where tp's own rule takes it (`_tp_saves`), so build_plan's
-        # other checks decide it as they decide its gathered twin, asked just before it: a refused twin
-        # is this request's refusal, in the same words, and only the twins accepted are built again.
+        # A sharded request differs from its gathered twin, asked just before it, only in check_tp_saves,
+        # whose clauses but the schedule's `_tp_saves` has passed: a twin refused is this request refused
+        # by the same rule (for a zero-bubble schedule build_plan might name tp_saves' clause instead; the
+        # count is the same), and only the twins accepted are built again, where build_plan checks the rest.
         twin = tried.get(_memo_key({k: v for k, v in request.items() if k != "tp_saves"}, grad_sync))
         if twin is not None and twin[0] is None:
             tried[key] = twin
