@@ -26,12 +26,14 @@ from functools import lru_cache
 from itertools import product
 from math import prod
 
+from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError
+from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, _check_recompute, build_plan
 from parallel.pp.schedules import SCHEDULES, built_schedule
 from parallel.registry import REGISTRY, Options, resolve
+from parallel.tp.rules import TP_SAVES, check_tp_saves, tp_cut_refusal
 
 
 class Config(dict):
@@ -148,12 +150,36 @@ def _dim_choices(spec, world: int) -> list[dict]:
     return out
 
 
-def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, has_recompute: bool):
+def _tp_saves(spec, world: int, dims: dict) -> tuple[str, ...]:
+    """What a sequence-parallel request may ask of parallel.tp_saves: gathered always, sharded too
+    where tp's own rule (`check_tp_saves`) takes it for this strategy and layout (not with cp > 1).
+    Its last clause, no zero-bubble schedule, needs the schedule built: build_plan checks it, asked
+    only for the requests whose gathered twin it accepted (`_try_memo`), whose schedule it has just built."""
+    try:
+        check_tp_saves("sharded", spec.name, ParallelDims(world, **dims), True, False)
+    except LayoutError:
+        return ("gathered",)
+    return TP_SAVES
+
+
+def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, has_recompute: bool,
+              model: GPTConfig | None = None):
+    """Every request of the search space for this registry entry. `model`: where given, the tp sizes
+    (and, under sequence parallelism, the sequence cuts) that tp's own rule refuses for it
+    (`tp_cut_refusal`, the predicate plan.py raises on) are left out before any request is built:
+    for a head count with few divisors they are most of the space (128 heads on 2,520 devices)."""
     # By pipeline depth first: layouts of one pp (their tp and dp differ) ask for the same schedules
     # one after another, while parallel/pp/schedules.py's cache still holds them.
     for dims in sorted(_dim_choices(spec, world), key=lambda d: (d["pp"], d["cp"], d["tp"], d["ep"])):
         if dims["cp"] > 1 and not space.context_parallel:
             continue
+        cuts = model is not None and spec.tensor_parallel and dims["tp"] > 1
+        if cuts and tp_cut_refusal(model, dims["tp"], False):
+            continue
+        sp_options = space.sequence_parallel if spec.sequence_parallel and dims["tp"] > 1 else (False,)
+        if cuts and tp_cut_refusal(model, dims["tp"], True):
+            sp_options = tuple(sp for sp in sp_options if not sp)
+        sharded_too = _tp_saves(spec, world, dims) if True in sp_options else ()
         if global_batch % dims["dp"]:
             yield {**dims, "microbatches": 1}  # plan.py refuses it with its own message
             continue
@@ -169,11 +195,14 @@ def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, 
             pp_layers = balanced_layers(n_layers, pieces) if pipelined and space.uneven_stages else None
             for m in [d for d in divisors(local) if d <= space.max_microbatches]:
                 for zero in space.zero if spec.zero_dp else (0,):
-                    for sp in space.sequence_parallel if spec.sequence_parallel and dims["tp"] > 1 else (False,):
-                        for recompute in space.recompute if has_recompute else (None,):
+                    for sp in sp_options:
+                        saves_options = sharded_too if sp else ("gathered",)
+                        for saves, recompute in product(saves_options, space.recompute if has_recompute else (None,)):
                             request = {**dims, "zero": zero, "sequence_parallel": sp, "schedule": schedule,
                                        "virtual_stages": v, "microbatches": m,
                                        "pp_layers": pp_layers}
+                            if saves != "gathered":
+                                request["tp_saves"] = saves
                             if recompute is not None:
                                 request["recompute"] = recompute
                             yield request
@@ -222,7 +251,7 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
     pruned = 0
     for spec in specs:
         tried: dict[tuple, tuple[RunPlan | None, str]] = {}  # a request without its recompute -> build_plan's answer
-        for request in _requests(spec, world, global_batch, shape.gpt.n_layers, space, has_recompute):
+        for request in _requests(spec, world, global_batch, shape.gpt.n_layers, space, has_recompute, shape.gpt):
             if beyond is not None and beyond(spec, request):
                 pruned += 1
                 continue
@@ -251,7 +280,15 @@ def _try_memo(tried: dict, base: dict, name: str, request: dict, grad_sync: str,
     build_plan but its recompute check (`_check_recompute`, which reads only the mode and the strategy)
     reads the same fields for every mode, so the modes share its answer, and a plan accepted for one
     mode is the same plan, its `recompute` replaced, for each mode the strategy takes."""
-    key = (grad_sync, tuple(sorted((k, str(v)) for k, v in request.items() if k != "recompute")))
+    key = _memo_key(request, grad_sync)
+    if key not in tried and request.get("tp_saves", "gathered") != "gathered":
+        # A sharded request differs from its gathered twin, asked just before it, only in check_tp_saves,
+        # whose clauses but the schedule's `_tp_saves` has passed: a twin refused is this request refused
+        # by the same rule (for a zero-bubble schedule build_plan might name tp_saves' clause instead; the
+        # count is the same), and only the twins accepted are built again, where build_plan checks the rest.
+        twin = tried.get(_memo_key({k: v for k, v in request.items() if k != "tp_saves"}, grad_sync))
+        if twin is not None and twin[0] is None:
+            tried[key] = twin
     if key not in tried:
         tried[key] = _try(base, name, {**request, "recompute": "none"} if "recompute" in request else request,
                           grad_sync, env)
@@ -264,6 +301,10 @@ def _try_memo(tried: dict, base: dict, name: str, request: dict, grad_sync: str,
     except ConfigError as e:
         return None, _reason(str(e))
     return replace(plan, recompute=mode), ""
+
+
+def _memo_key(request: dict, grad_sync: str) -> tuple:
+    return grad_sync, tuple(sorted((k, str(v)) for k, v in request.items() if k != "recompute"))
 
 
 def _try(base: dict, name: str, request: dict, grad_sync: str, env: LaunchEnv) -> tuple[RunPlan | None, str]:
@@ -307,5 +348,5 @@ def _key(c: Candidate) -> tuple:
     schedule = None
     if c.plan.spec.pipelined and layout.dims.pp > 1:
         schedule = schedule_identity(layout.schedule, layout.dims.pp, layout.microbatches, layout.virtual_stages)
-    return (layout.dims, layout.microbatches, layout.microbatch_size, layout.sequence_parallel,
+    return (layout.dims, layout.microbatches, layout.microbatch_size, layout.sequence_parallel, layout.tp_saves,
             layout.pp_layers, c.zero, c.grad_sync, schedule, c.request.get("recompute"))

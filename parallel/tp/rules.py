@@ -23,43 +23,44 @@ TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks 
              "MoE block's router and experts")
 
 
-def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_parallel: bool) -> None:
-    """The model must split evenly over tp ranks.
+def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | None:
+    """Why the model does not split evenly over t tp ranks, or None where it does.
 
     Heads are split whole, so n_heads % tp == 0; then d_model = n_heads·head_dim and the MLP
     width mlp_ratio·d_model divide by tp as well, and the Q/K/V, output projection, fc and
     proj shards are all whole. The padded vocabulary is split for the embedding and the head;
-    the sequence, under sequence parallelism, for everything between the regions.
+    the sequence, under sequence parallelism, for everything between the regions. (A predicate
+    of its own, apart from the raise, so that the planner's search can leave out the tp sizes it
+    refuses before it builds a request for them.)
     """
-    t = dims.tp
     if t == 1:
-        return
+        return None
     if model.n_heads % t:
         options = [d for d in range(1, model.n_heads + 1) if model.n_heads % d == 0]
         listed = ", ".join(map(str, options[:-1])) + f" or {options[-1]}" if len(options) > 1 else str(options[0])
-        raise LayoutError(
-            f"model.n_heads={model.n_heads} is not divisible by parallel.tp={t}: "
-            f"use a tp that divides the head count ({listed})"
-        )
+        return (f"model.n_heads={model.n_heads} is not divisible by parallel.tp={t}: "
+                f"use a tp that divides the head count ({listed})")
     vocab = model.padded_vocab_size
     if vocab % t:
         multiple = model.vocab_pad_multiple * t // gcd(model.vocab_pad_multiple, t)
-        raise LayoutError(
-            f"the padded vocabulary {vocab} (model.vocab_size={model.vocab_size} rounded up to a multiple of "
-            f"model.vocab_pad_multiple={model.vocab_pad_multiple}) is not divisible by parallel.tp={t}: "
-            f"pad to a multiple of tp, e.g. model.vocab_pad_multiple={multiple}"
-        )
+        return (f"the padded vocabulary {vocab} (model.vocab_size={model.vocab_size} rounded up to a multiple of "
+                f"model.vocab_pad_multiple={model.vocab_pad_multiple}) is not divisible by parallel.tp={t}: "
+                f"pad to a multiple of tp, e.g. model.vocab_pad_multiple={multiple}")
     if sequence_parallel and model.seq_len % t:
-        raise LayoutError(
-            f"model.seq_len={model.seq_len} is not divisible by parallel.tp={t}, and sequence parallelism cuts "
-            f"each sequence into tp pieces: use a seq_len that is a multiple of {t}, or parallel=tp without it"
-        )
+        return (f"model.seq_len={model.seq_len} is not divisible by parallel.tp={t}, and sequence parallelism cuts "
+                f"each sequence into tp pieces: use a seq_len that is a multiple of {t}, or parallel=tp without it")
     if model.dropout:
-        raise LayoutError(
-            f"model.dropout={model.dropout} with parallel.tp={t}: each tp rank would draw its own dropout mask on "
-            "activations that must stay identical across the group, and the replicas would drift apart: "
-            "set model.dropout=0"
-        )
+        return (f"model.dropout={model.dropout} with parallel.tp={t}: each tp rank would draw its own dropout mask on "
+                "activations that must stay identical across the group, and the replicas would drift apart: "
+                "set model.dropout=0")
+    return None
+
+
+def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_parallel: bool) -> None:
+    """The model must split evenly over tp ranks (`tp_cut_refusal` says why not)."""
+    why = tp_cut_refusal(model, dims.tp, sequence_parallel)
+    if why:
+        raise LayoutError(why)
 
 
 def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_parallel: bool,

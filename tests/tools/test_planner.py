@@ -116,7 +116,7 @@ def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
     accepted, refused = set(), 0
     has_recompute = "recompute" in base["train"]
     for spec in [s for s in REGISTRY.values() if "baseline" not in s.tags]:
-        for request in _requests(spec, world, batch, shape.gpt.n_layers, SMALL_SPACE, has_recompute):
+        for request in _requests(spec, world, batch, shape.gpt.n_layers, SMALL_SPACE, has_recompute, shape.gpt):
             cfg = OmegaConf.create(base)
             cfg.train.global_batch = batch
             cfg.parallel.name, cfg.parallel.grad_sync = spec.name, "bucketed"

@@ -76,3 +76,26 @@ def test_a_3072_device_search_of_the_1008b_shape_finds_layouts_that_fit():
     pruned = {"dp": 3072, "tp": 1, "pp": 1, "cp": 1, "zero": 1}
     assert beyond(spec, pruned)
     assert shape.gpt.n_layers * shape.layer_parameters(1) * (2 + 2 + 12 / 3072) > cluster.usable_bytes
+
+
+def test_the_search_finds_the_layout_that_fits_only_saving_the_sequence_piece():
+    """llama3_8b, 32768 tokens on 8 H100s, tp's own strategy without ZeRO or recomputation: the fastest
+    layout that fits, dp 2 x tp 4 with sequence parallelism, fits only keeping this rank's sequence piece
+    of each column-parallel input (parallel.tp_saves=sharded, Megatron's): saving the all-gathered inputs
+    (2·s·b·h per layer) puts it over the device. The search asks for both and ranks it first."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="plan", overrides=["model=llama3_8b", "model.seq_len=32768", "cluster=h100_sxm"])
+        base = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+    base.update({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "train", "data")})
+    shape = ModelShape.from_preset(OmegaConf.to_container(cfg.model, resolve=True))
+    cluster = cluster_from_config(OmegaConf.to_container(cfg.cluster, resolve=True), None, 8)
+    space = Space(zero=(0,), recompute=("none",), context_parallel=False)
+    rows, _ = plan_rows(shape, base, [], cluster, 8, 8, space, only=["tp"])
+    best = rows[0]
+    layout = best["layout"]
+    assert best["fits"] and layout["tp_saves"] == "sharded" and (layout["dp"], layout["tp"]) == (2, 4)
+    assert "parallel.tp_saves=sharded" in best["run_overrides"]
+    same = ("dp", "tp", "microbatches", "sequence_parallel")
+    twin = [r for r in rows if r["layout"]["tp_saves"] == "gathered" and all(r["layout"][k] == layout[k] for k in same)]
+    assert len(twin) == 1 and twin[0]["fits"] is False
+    assert twin[0]["memory_bytes_per_device"]["total"] > cluster.usable_bytes > best["memory_bytes_per_device"]["total"]
