@@ -28,8 +28,8 @@ from parallel.dp import rules as dp_rules
 from parallel.layout import Layout
 from parallel.pp import rules as pp_rules
 from parallel.pp.actions import splits_backward
-from parallel.pp.schedules import build_schedule
-from parallel.registry import check_layout, check_model, resolve, spec_of
+from parallel.pp.schedules import built_schedule
+from parallel.registry import check_layout, check_model, resolve, sequence_piece_keepers, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error
@@ -286,8 +286,11 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         pp_rules.check_pipeline(model, dims, p.schedule, p.microbatches, p.virtual_stages, p.pp_layers,
                                 spec.schedule_check)
     tp_saves = p.get("tp_saves", "gathered")
-    tp_rules.check_tp_saves(tp_saves, strategy, dims, sequence_parallel, spec.pipelined and splits_backward(
-        build_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)))
+    # Whether the schedule splits its backward matters only to a sharded request (the schedule is
+    # checked above, and built once per (p, m, v) by the cache).
+    split = (tp_saves == "sharded" and spec.pipelined
+             and splits_backward(built_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)))
+    tp_rules.check_tp_saves(tp_saves, spec, sequence_piece_keepers(), dims, sequence_parallel, split)
     if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/compose/mesh3d.py)
         if zero:  # the ZeroOptimizer replaces grad_sync
             zero_rules.check_zero_in_pipeline(zero, sequence_parallel, p.virtual_stages, p.schedule,

@@ -81,6 +81,12 @@ def register(spec: StrategySpec) -> StrategySpec:
     return spec
 
 
+def sequence_piece_keepers() -> tuple[str, ...]:
+    """The entries whose column-parallel linears can keep the sequence piece (`tp_saves=True`:
+    parallel.tp_saves=sharded), named in its refusal."""
+    return tuple(name for name, spec in REGISTRY.items() if spec.tp_saves)
+
+
 def spec_of(name: str) -> StrategySpec:
     if name not in REGISTRY:
         raise ConfigError(f"parallel.name={name!r} is not a strategy: choose one of {', '.join(REGISTRY)}")

@@ -64,6 +64,7 @@ class StrategySpec:
     bucket_mb: bool = False  # parallel.bucket_mb alone (PyTorch's DDP)
     zero_dp: bool = False  # parallel.zero sets the ZeRO stage of its dp dimension (parallel/compose/route.py)
     recompute: bool = False  # train.recompute (selective | full) applies: parallel/core/recompute.py's transform
+    tp_saves: bool = False  # parallel.tp_saves=sharded applies: its column-parallel linears can keep the sequence piece
     cp_kind: str | None = None  # context parallelism: the attention it asks for ("ring" | "a2a"), wherever it runs
     checkpoints: bool = True  # train.checkpoint_every / train.resume
     exposed_comm_measured: bool = True  # false where it waits inside PyTorch, out of the log's sight

@@ -32,7 +32,7 @@ from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, RunPlan, _check_recompute, build_plan
 from parallel.pp.schedules import SCHEDULES, built_schedule
-from parallel.registry import REGISTRY, Options, resolve
+from parallel.registry import REGISTRY, Options, resolve, sequence_piece_keepers
 from parallel.tp.rules import TP_SAVES, check_tp_saves, tp_cut_refusal
 
 
@@ -156,7 +156,7 @@ def _tp_saves(spec, world: int, dims: dict) -> tuple[str, ...]:
     Its last clause, no zero-bubble schedule, needs the schedule built: build_plan checks it, asked
     only for the requests whose gathered twin it accepted (`_try_memo`), whose schedule it has just built."""
     try:
-        check_tp_saves("sharded", spec.name, ParallelDims(world, **dims), True, False)
+        check_tp_saves("sharded", spec, sequence_piece_keepers(), ParallelDims(world, **dims), True, False)
     except LayoutError:
         return ("gathered",)
     return TP_SAVES

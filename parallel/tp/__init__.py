@@ -37,5 +37,6 @@ ENTRIES = (
         build=_build_tp, comm=theory.tp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "tp"}), tensor_parallel=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
         counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True, activations=registry_activations,
+        tp_saves=True,
     ),
 )

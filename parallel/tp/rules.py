@@ -8,16 +8,15 @@ parallelism refuses a mixture of experts, the line the registry's model check en
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import gcd
 
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.spec import StrategySpec
 
 # parallel.tp_saves: what a column-parallel linear keeps for its weight gradient under sequence parallelism.
 TP_SAVES = ("gathered", "sharded")
-# The strategies whose column-parallel linears can keep the sequence piece (parallel/tp/layers.py): tp, and
-# the 3d recipe, which cuts its model with the same parallelize_tp.
-SAVES_SHARD_STRATEGIES = ("tp", "3d")
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
              "MoE block's router and experts")
@@ -63,11 +62,12 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
         raise LayoutError(why)
 
 
-def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_parallel: bool,
-                   splits_backward: bool = False) -> None:
+def check_tp_saves(tp_saves, spec: StrategySpec, keepers: Sequence[str], dims: ParallelDims,
+                   sequence_parallel: bool, splits_backward: bool = False) -> None:
     """`gathered` (the default) or `sharded`; `sharded` keeps each column-parallel input's sequence
     piece, which exists only under sequence parallelism with tp > 1 (`sequence_parallel` is the
-    resolved one), with this project's tp layers (tp, 3d), without context parallelism (whose
+    resolved one), with this project's tp layers (an entry that says `tp_saves=True`; `keepers`:
+    the registry's names of those, for the message), without context parallelism (whose
     cut of the sequence the pieces would be cut again; not derived) and with one backward per
     chunk: a zero-bubble schedule (`splits_backward`) runs a chunk's weight gradients apart from
     its input gradients, and each would gather the piece again."""
@@ -86,10 +86,10 @@ def check_tp_saves(tp_saves, strategy: str, dims: ParallelDims, sequence_paralle
             "the sequence, which only sequence parallelism over tp > 1 ranks cuts; use parallel=tp_sp with "
             "parallel.tp > 1, or set parallel.tp_saves=gathered"
         )
-    if strategy not in SAVES_SHARD_STRATEGIES:
+    if not spec.tp_saves:
         raise LayoutError(
-            f"parallel.tp_saves=sharded runs as parallel={strategy}, whose layers keep the gathered input: "
-            f"the sequence piece is kept by parallel={' and '.join(SAVES_SHARD_STRATEGIES)} only; "
+            f"parallel.tp_saves=sharded runs as parallel={spec.name}, whose layers keep the gathered input: "
+            f"the sequence piece is kept by parallel={' and '.join(keepers)} only; "
             "set parallel.tp_saves=gathered"
         )
     if dims.cp > 1:

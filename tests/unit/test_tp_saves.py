@@ -141,11 +141,12 @@ def test_sharded_saving_without_a_piece_to_keep_is_refused_in_one_line(world, ov
 def test_an_entry_with_other_tp_layers_is_refused():
     """Only tp and 3d take sequence parallelism today (the registry refuses it elsewhere first); an entry
     that took it with layers of its own would still be told its layers keep the gathered input."""
+    from parallel.registry import sequence_piece_keepers, spec_of
     from parallel.tp.rules import check_tp_saves
 
     with pytest.raises(LayoutError, match="runs as parallel=torch_tp, whose layers keep the gathered input: the "
                                           "sequence piece is kept by parallel=tp and 3d only"):
-        check_tp_saves("sharded", "torch_tp", ParallelDims.resolve(2, tp=2), True)
+        check_tp_saves("sharded", spec_of("torch_tp"), sequence_piece_keepers(), ParallelDims.resolve(2, tp=2), True)
 
 
 # -- the planner's one-layout mode ---------------------------------------------------------------------
