@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
-from parallel.replay.probe import PAYLOAD_BYTES, best_time
+from parallel.replay.probe import PAYLOAD_BYTES, best_time, run_probe
 
 
 def main() -> None:
@@ -45,17 +42,7 @@ def main() -> None:
 def measure(world: int, timeout_s: float = 120) -> dict:
     """{"bytes_per_s": per rank, "latency_s": per ring step} with `world` ranks (2 for one rank: a
     one-rank job has no links, and its rate is never used)."""
-    ranks = max(2, world)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           "-m", "parallel.planner.loopback"]
-    root = str(Path(__file__).resolve().parents[2])  # this checkout's code, in the child processes too
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"measuring loopback with {ranks} gloo ranks failed: {proc.stderr[-500:]}")
-    return json.loads(lines[-1])
+    return run_probe("parallel.planner.loopback", max(2, world), timeout_s)
 
 
 if __name__ == "__main__":

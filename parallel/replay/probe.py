@@ -109,20 +109,25 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) ->
                     f"{SMALL_BYTES // 1024} KiB and {PAYLOAD_BYTES // 2**20} MiB all-reduces after compute")
 
 
-def measure_once(timeout_s: float = 120) -> dict:
-    """{"bytes_per_s", "latency_s"}: this module's probe run by two ranks of their own (one per core),
-    for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
-    in what they measured, not in their probes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           "-m", "parallel.replay.probe"]
+def run_probe(module: str, ranks: int, timeout_s: float) -> dict:
+    """Run a probe `module` under torchrun with `ranks` gloo ranks of their own and read the JSON
+    line its rank 0 prints (this one; the planner's parallel/planner/loopback.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module]
     root = str(Path(__file__).resolve().parents[2])  # this checkout's code, in the child processes too
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path})
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"probing loopback with 2 gloo ranks failed: {proc.stderr[-500:]}")
+        raise RuntimeError(f"probing loopback with {ranks} gloo ranks ({module}) failed: {proc.stderr[-500:]}")
     return json.loads(lines[-1])
+
+
+def measure_once(timeout_s: float = 120) -> dict:
+    """{"bytes_per_s", "latency_s"}: this module's probe run by two ranks of their own (one per core),
+    for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
+    in what they measured, not in their probes."""
+    return run_probe("parallel.replay.probe", 2, timeout_s)
 
 
 def main() -> None:
