@@ -25,7 +25,8 @@ from parallel.replay.engine import Result, run
 from parallel.replay.links import LinkModel
 
 CATEGORIES = ("compute", "exposed_comm", "bubble", "optimizer", "other")
-PIPELINE_WORK = {"forward": "F", "backward": "B", "weight": "W", "recompute": "F"}
+# The phases of a pipeline action's own work (a recompute runs inside its B, and carries its label).
+PIPELINE_WORK = frozenset({"forward", "backward", "weight", "recompute"})
 WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 
 
