@@ -1,7 +1,8 @@
 """How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
 
     python bench/virtual_time.py [checks=stability,loaded,faithful,contention,pipelines,network] [model=tiny]
-                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run]
+                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run] [probes=5]
+                                 [rounds=5]
 
 Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
 root), reads the run's summary.json, and for some replays its saved events again:
@@ -9,8 +10,9 @@ root), reads the run's summary.json, and for some replays its saved events again
   stability    dp, tp, pp_1f1b (m 4), zero2, torch_ddp at world 4, `repeats` times each: virtual
                tokens/s against its median (the claim: within 5%), wall tokens/s beside
   loaded       the same while one busy process per core competes for the machine
-  faithful     the same at world 2 (a core per rank on a 2-core machine): virtual step against wall
-               step (the claim: within 5%, on an idle machine)
+  faithful     the same at world 2 (a core per rank on a 2-core machine), `rounds` rounds: virtual
+               step against wall step, the median of the runs' ratios (the claim: within 5%, on an
+               idle machine)
   contention   the world-4 runs of `stability` replayed with their 4 ranks sharing the machine's
                cores (processor sharing): against their wall step (the claim: within 10%)
   pipelines    every schedule of ours at p 4, m 8: the virtual bubble (idle share of the pipeline
@@ -20,7 +22,8 @@ root), reads the run's summary.json, and for some replays its saved events again
                inter_mbit=200, against launch.run's measured step on that emulated network (10%)
 
 The loopback link model is probed once (parallel/replay/probe.py's method: 2 ranks, one per core,
-the mean cost of all-reduces that follow compute) and given to every run (`virtual.loopback_*`), so
+the mean cost of all-reduces that follow compute; each figure the median of `probes` probe runs)
+and given to every run (`virtual.loopback_*`), so
 that the runs differ only in what they measured; loopback=per-run lets each run probe its own, as a
 plain run does.
 
@@ -114,14 +117,23 @@ def loaded(out: Path, common: list[str], repeats: int) -> str:
     return text
 
 
-def faithful(out: Path, common: list[str]) -> str:
+def faithful(out: Path, common: list[str], rounds: int) -> str:
+    """World 2, `rounds` rounds with the strategies taking turns in each: per strategy the median
+    virtual and wall steps and the median of the per-run ratios, with their range (one run's wall
+    step moves by 10-15% from run to run even on the idle machine)."""
+    runs: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+    for k in range(rounds):
+        for strategy in STRATEGIES:
+            runs[strategy].append(train(2, [*common, *layout(strategy)], out / f"w2-{strategy}-{k}"))
     rows = []
-    for strategy in STRATEGIES:
-        s = train(2, [*common, *layout(strategy)], out / f"w2-{strategy}")
-        v, w = s["virtual"]["step_time_s"], s["step_time_s"]
-        rows.append([strategy, f"{v * 1e3:.1f}", f"{w * 1e3:.1f}", f"{v / w - 1:+.1%}"])
-    return table("Faithfulness: world 2, a core per rank (step ms)", ["strategy", "virtual", "wall", "virtual/wall-1"],
-                 rows)
+    for strategy, summaries in runs.items():
+        v = [s["virtual"]["step_time_s"] for s in summaries]
+        w = [s["step_time_s"] for s in summaries]
+        ratios = [a / b - 1 for a, b in zip(v, w)]
+        rows.append([strategy, f"{statistics.median(v) * 1e3:.1f}", f"{statistics.median(w) * 1e3:.1f}",
+                     f"{statistics.median(ratios):+.1%}", f"{min(ratios):+.1%} to {max(ratios):+.1%}"])
+    return table(f"Faithfulness: world 2, a core per rank, {rounds} rounds (step ms, medians)",
+                 ["strategy", "virtual", "wall", "virtual/wall-1 (median of runs)", "range"], rows)
 
 
 def contention(runs: dict) -> str:
@@ -190,7 +202,7 @@ def network(out: Path, common: list[str]) -> str:
     rows = []
     net = ["net=ethernet_1g", "net.inter_mbit=200"]
     for strategy in ["dp", "tp", "pp_1f1b"]:
-        d = out / f"w2-{strategy}"
+        d = out / f"w2-{strategy}-0"
         s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else train(
             2, [*common, *layout(strategy)], d)
         loop = LinkModel.from_dict(s["virtual"]["link_model"])
@@ -208,7 +220,7 @@ def network(out: Path, common: list[str]) -> str:
 
 def main(argv: list[str]) -> None:
     opts = {"checks": "stability,loaded,faithful,contention,pipelines,network", "model": "tiny", "steps": "8",
-            "repeats": "3", "out": "runs/virtual-bench", "loopback": "once"}
+            "repeats": "3", "out": "runs/virtual-bench", "loopback": "once", "probes": "5", "rounds": "5"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -218,9 +230,11 @@ def main(argv: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     common = [f"model={opts['model']}", f"train.steps={opts['steps']}"]
     if opts["loopback"] == "once":
-        # One probe for every run (2 ranks, one per core), so that the runs differ only in what they measured.
-        loop = measure_once()
-        COMMANDS.append("torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
+        # One probe for every run (2 ranks, one per core), so that the runs differ only in what they
+        # measured: each figure the median of `probes` probe runs.
+        loop = measure_once(int(opts["probes"]))
+        COMMANDS.append(f"# {opts['probes']} x, the median of each figure:\n"
+                        "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
         common += [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
                    f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}"]
     checks = opts["checks"].split(",")
@@ -235,7 +249,7 @@ def main(argv: list[str]) -> None:
     if "loaded" in checks:
         parts.append(loaded(out, common, int(opts["repeats"])))
     if "faithful" in checks:
-        parts.append(faithful(out, common))
+        parts.append(faithful(out, common, int(opts["rounds"])))
     if "pipelines" in checks:
         parts.append(pipelines(out, common))
     if "network" in checks:

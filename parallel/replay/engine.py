@@ -11,9 +11,10 @@ them from the saved events; tests build them by hand):
 An `Op` is one collective (or one message) as all its members see it: the members that must post
 it, the links it loads and for how long. The rules, those of the issue that asked for this engine:
 
-* an op starts when its last member has posted it (a message: when both ends have), and not
-  before the previous collective of its group has completed (a group's collectives run in order;
-  messages are not queued behind collectives);
+* an op starts when its last member has posted it (a message: when both ends have), in its
+  group's order, and only while fewer than `lanes` of its group's collectives are in flight: a
+  group's collectives start in the order they were posted, `lanes` at a time at most (gloo runs
+  two at once, NCCL one; messages are not queued behind collectives);
 * it first waits its latency (`latency_s`: per-step latency x the algorithm's steps), then moves
   its bytes: `demand[link]` bytes over each link it loads; a link's bandwidth is shared equally
   by the ops moving bytes over it at the same moment, and an op progresses at the pace of its
@@ -47,6 +48,7 @@ class Op:
     queue: tuple | None = None  # ops of one queue start in order (a group's collectives); None: no queue
     latency_s: float = 0.0
     demand: dict = field(default_factory=dict)  # link -> bytes moved over it
+    lanes: int = 1  # how many ops of its queue may be in flight at once
     # filled in by the run
     posted: dict = field(default_factory=dict)  # rank -> time
     start: float | None = None
@@ -158,7 +160,8 @@ class Replay:
                 continue
             if op.queue is not None:
                 queue = self.queues[op.queue]
-                if queue[0] is not op or any(o.queue == op.queue for o in self.active):
+                in_flight = sum(o.queue == op.queue for o in self.active)
+                if queue[0] is not op or in_flight >= op.lanes:
                     continue
                 queue.pop(0)
             op.start = self.t

@@ -16,7 +16,8 @@ is the k-th of every member; the k-th message from rank a to rank b on a group i
 received from a. A collective's bytes and links are those of the algorithm gloo runs
 (parallel/net/predict.py: ring all-reduce, reduce-scatter as an all-reduce and a slice, ring
 all-gather, binomial broadcast, all-to-all blocks); its latency is the per-step latency of its
-links times the algorithm's steps (STEPS).
+links times the algorithm's steps (STEPS). A group's collectives start in their order, at most
+`links.lanes` at once (gloo's two worker threads; NCCL's one stream in a cluster what-if).
 
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
@@ -123,7 +124,7 @@ def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: Lin
             payload = max(span["payload_bytes"] for _, span in posts)
             sent = max(int(span["sent_bytes"]) for _, span in posts)
             demand, latency = collective_demand(s["op"], payload, sent, members, links)
-            ops[key] = Op(key, members, name, "exposed_comm", key[:3], latency, demand)
+            ops[key] = Op(key, members, name, "exposed_comm", key[:3], latency, demand, lanes=links.lanes)
     for key, op in ops.items():
         if len(op.members) < 2 and key[0] == "coll":
             op.latency_s, op.demand = 0.0, {}

@@ -43,6 +43,11 @@ class LinkModel:
     placement: str = "block"  # block: rank r on node r // procs_per_node; cyclic: r % nodes
     nodes: int = 1
     source: str = ""  # where the figures came from, in words
+    # How many collectives of one group the backend runs at once. gloo: 2, ProcessGroupGloo's worker
+    # threads (Options.threads), each on its own gloo context, so its own connections, taking the
+    # group's posted collectives in order; an async bucket's all-reduce overlaps the next one's.
+    # NCCL: 1, a communicator's collectives run in order on its one stream.
+    lanes: int = 2
     extra: dict = field(default_factory=dict)
 
     def node_of(self, rank: int) -> int:
@@ -62,15 +67,15 @@ class LinkModel:
 
     def as_dict(self) -> dict:
         return {"name": self.name, "source": self.source, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
-                "placement": self.placement, "intra": asdict(self.intra),
+                "placement": self.placement, "lanes": self.lanes, "intra": asdict(self.intra),
                 "inter": asdict(self.inter) if self.inter else None, **self.extra}
 
     @classmethod
     def from_dict(cls, d: dict) -> LinkModel:
-        known = {"name", "source", "nodes", "procs_per_node", "placement", "intra", "inter"}
+        known = {"name", "source", "nodes", "procs_per_node", "placement", "lanes", "intra", "inter"}
         return cls(d["name"], Link(**d["intra"]), Link(**d["inter"]) if d.get("inter") else None,
                    d.get("procs_per_node"), d.get("placement", "block"), d.get("nodes", 1), d.get("source", ""),
-                   {k: v for k, v in d.items() if k not in known})
+                   int(d.get("lanes", 2)), {k: v for k, v in d.items() if k not in known})
 
 
 def loopback(bytes_per_s: float, latency_s: float, source: str = "") -> LinkModel:
@@ -87,7 +92,7 @@ def from_net(settings: dict, loop: LinkModel) -> LinkModel:
     inter = (Link(inter_mbit * 1e6 / 8, loop.intra.latency_s + latency, "node") if inter_mbit
              else Link(loop.intra.bytes_per_s, loop.intra.latency_s + latency, "rank")) if nodes > 1 else None
     return LinkModel(f"net={settings.get('name', '?')}", intra, inter, int(settings.get("procs_per_node") or 0) or None,
-                     settings.get("placement", "block"), nodes,
+                     settings.get("placement", "block"), nodes, lanes=loop.lanes,
                      source=f"net.* settings (intra {intra_mbit} Mbit/s, inter {inter_mbit} Mbit/s per node, "
                             f"latency {settings.get('latency_ms', 0)} ms); unshaped classes and per-step latency: "
                             f"{loop.source}")
@@ -99,6 +104,6 @@ def from_cluster(name: str, gpus_per_node: int, intra_bytes_per_s: float, inter_
     nodes = max(1, -(-world // gpus_per_node))
     return LinkModel(f"cluster={name}", Link(intra_bytes_per_s * comm_efficiency, intra_latency_s, "rank"),
                      Link(inter_bytes_per_s * comm_efficiency, inter_latency_s, "rank") if nodes > 1 else None,
-                     gpus_per_node, "block", nodes,
+                     gpus_per_node, "block", nodes, lanes=1,  # NCCL: one stream per communicator
                      source=f"conf/cluster/{name}.yaml: NVLink {intra_bytes_per_s / 1e9:g} GB/s, inter-node "
                             f"{inter_bytes_per_s / 1e9:g} GB/s per GPU one way, x comm_efficiency {comm_efficiency:g}")

@@ -22,7 +22,7 @@ step pays the mean cost of each call, so the mean is the figure:
 Both from the same bursts, so the two equations t = 2 L + sent / rate are solved together. About
 0.4 s per run. A figure given in the config (`virtual.loopback_gbytes_per_s`,
 `virtual.loopback_latency_us`) is used as given instead: launch.compare and bench/virtual_time.py
-measure it once for all their runs (`measure_once`, which runs this module under
+measure it once for all their runs (`measure_once`: the median of three runs of this module under
 `python -m torch.distributed.run --nproc-per-node 2 -m parallel.replay.probe`). Nothing here goes
 through the communication log: it is not the strategy's traffic.
 """
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -123,11 +124,16 @@ def run_probe(module: str, ranks: int, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-def measure_once(timeout_s: float = 120) -> dict:
+def measure_once(runs: int = 3, timeout_s: float = 120) -> dict:
     """{"bytes_per_s", "latency_s"}: this module's probe run by two ranks of their own (one per core),
     for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
-    in what they measured, not in their probes."""
-    return run_probe("parallel.replay.probe", 2, timeout_s)
+    in what they measured, not in their probes.
+
+    Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move a
+    lot on this machine kind: five back-to-back runs on the idle machine gave 1.18-2.01 GB/s and
+    0.75-1.02 ms per ring step, and every run of a sweep inherits its probe's error in one direction."""
+    probes = [run_probe("parallel.replay.probe", 2, timeout_s) for _ in range(max(1, runs))]
+    return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s")}
 
 
 def main() -> None:

@@ -56,6 +56,16 @@ def test_a_groups_collectives_run_in_order_and_messages_do_not_queue_behind_them
     assert run(programs, {"L": 10, "M": 10}).ends == [2, 2]  # second after first, though on another link
 
 
+def test_a_group_with_two_lanes_runs_two_collectives_at_once_and_the_third_after_the_first():
+    # gloo: two worker threads per group, each with its own connections, taking the posted ops in order
+    ops = [Op(("g", k), (0, 1), latency_s=1, demand={"L": 10}, queue=("g",), lanes=2) for k in range(3)]
+    programs = [[Post(ops[0], 0), Post(ops[1], 1), Post(ops[2], 2), Wait((0, 1, 2))]] * 2
+    result = run(programs, {"L": 10})
+    # 0 and 1 wait their latency together, then share L (10 bytes each at 5/s: t = 3); 2 starts then
+    assert [(o.start, o.end) for o in result.ops] == [(0, 3), (0, 3), (3, 5)]
+    assert result.ends == [5, 5]
+
+
 def test_processor_sharing_slows_compute_by_cores_over_ranks_computing():
     assert run([[Compute(1)], [Compute(1)]], cores=1).ends == [2, 2]
     assert run([[Compute(1)], [Compute(2)]], cores=1).ends == [2, 3]
