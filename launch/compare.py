@@ -322,15 +322,19 @@ def loopback_overrides(cfg: DictConfig, device: torch.device) -> list[str]:
     as the peak is: each run probing its own would put the probe's spread between the strategies."""
     given = cfg.get("virtual") or {}
     if given.get("loopback_gbytes_per_s") and given.get("loopback_latency_us") is not None:
+        p2p = given.get("loopback_p2p_latency_us")
         return [f"virtual.loopback_gbytes_per_s={given.loopback_gbytes_per_s}",
-                f"virtual.loopback_latency_us={given.loopback_latency_us}"]
+                f"virtual.loopback_latency_us={given.loopback_latency_us}",
+                *([f"virtual.loopback_p2p_latency_us={p2p}"] if p2p is not None else [])]
     if device.type != "cpu":
         return []
     loop = measure_once()
     print(f"compare: loopback for virtual time {loop['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
-          f"{loop['latency_s'] * 1e6:.0f} us per ring step (probed once, given to every run)", flush=True)
+          f"{loop['latency_s'] * 1e6:.0f} us per ring step, {loop['p2p_latency_s'] * 1e6:.0f} us per message "
+          "(probed once, given to every run)", flush=True)
     return [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
-            f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}"]
+            f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}",
+            f"virtual.loopback_p2p_latency_us={loop['p2p_latency_s'] * 1e6}"]
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")

@@ -52,12 +52,18 @@ def tc(ns: str, *args: str) -> list[str]:
     return ["tc", "-n", ns, *args]
 
 
+def tbf_burst_bytes(mbit: float) -> int:
+    """The bucket of a tbf at `mbit` Mbit/s: 1 ms of traffic but at least one largest frame. So
+    much passes at once, unshaped, after the link has been idle long enough to refill it (the
+    replay's link model has the same bucket: parallel/replay/links.py)."""
+    return max(FRAME, int(mbit * 1e6 / 8 * 0.001))
+
+
 def tbf_args(mbit: float) -> list[str]:
-    """tbf at `mbit` Mbit/s: a bucket of 1 ms of traffic but at least one largest frame (what
-    passes at once, unshaped), a queue of 200 ms (32 to 256 MiB) so that shaping delays traffic
-    and does not drop it."""
+    """tbf at `mbit` Mbit/s: its bucket (`tbf_burst_bytes`), a queue of 200 ms (32 to 256 MiB) so
+    that shaping delays traffic and does not drop it."""
     bytes_per_s = mbit * 1e6 / 8
-    burst = max(FRAME, int(bytes_per_s * 0.001))
+    burst = tbf_burst_bytes(mbit)
     limit = min(max(32 << 20, int(bytes_per_s * 0.2)), 256 << 20)
     return ["rate", f"{int(round(mbit * 1000))}kbit", "burst", str(burst), "limit", str(limit)]
 

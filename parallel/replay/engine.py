@@ -19,6 +19,10 @@ it, the links it loads and for how long. The rules, those of the issue that aske
   its bytes: `demand[link]` bytes over each link it loads; a link's bandwidth is shared equally
   by the ops moving bytes over it at the same moment, and an op progresses at the pace of its
   most loaded link (a ring is as fast as its slowest edge);
+* a link may have a token bucket (`buckets[link] = (burst bytes, line bytes/s)`: an emulated
+  link's tbf). While the bucket holds tokens the link carries `line` bytes/s, and the bucket
+  drains by what it carries beyond the link's rate; empty, the link carries its rate. It refills
+  at the rate by what the link leaves unused, up to `burst`, and starts the step full;
 * every member's view of the op completes when the op does: a receive at the later of the two
   posts plus the transfer; a blocking call, or a wait, returns then.
 
@@ -115,6 +119,7 @@ class Deadlock(RuntimeError):
 
 
 EPS = 1e-12
+TOKEN_EPS = 1e-6  # bytes: a bucket holding less than this is empty
 
 
 class Replay:
@@ -123,9 +128,11 @@ class Replay:
     `run()` below drives it: everything that can happen at one instant (`settle`), then time moves
     to the next event (`advance`)."""
 
-    def __init__(self, programs: list[list], bandwidth: dict, cores: float | None):
+    def __init__(self, programs: list[list], bandwidth: dict, cores: float | None, buckets: dict | None = None):
         n = len(programs)
         self.programs, self.bandwidth, self.cores, self.n = programs, bandwidth, cores, n
+        self.buckets = buckets or {}  # link -> (burst bytes, line bytes/s)
+        self.tokens = {link: float(burst) for link, (burst, _) in self.buckets.items()}
         self.pc = [0] * n  # the next task of each rank
         self.remaining = [0.0] * n  # compute seconds left (at one core's pace) of the current task
         self.computing: list[Compute | None] = [None] * n
@@ -246,9 +253,16 @@ class Replay:
         return all(not math.isnan(e) for e in self.ends)
 
     # -- time moving to the next event -------------------------------------------------------------
-    def rates(self) -> tuple[list[int], float, dict]:
-        """The ranks computing and their pace (processor sharing), and each transfer's rate: its
-        share of each link it loads (equal shares), at the pace of its most loaded link."""
+    def capacity(self, link) -> float:
+        """Bytes/s the link carries now: its line rate while its bucket holds tokens, else its rate."""
+        if link in self.buckets and self.tokens[link] > TOKEN_EPS:
+            return self.buckets[link][1]
+        return self.bandwidth[link]
+
+    def rates(self) -> tuple[list[int], float, dict, dict]:
+        """The ranks computing and their pace (processor sharing), each transfer's rate (the
+        fraction of its bytes per second): its share of each link it loads (equal shares), at the
+        pace of its most loaded link; and the bytes/s each bucketed link carries."""
         busy = [r for r in range(self.n) if self.computing[r] is not None]
         pace = 1.0 if self.cores is None or not busy else min(1.0, self.cores / len(busy))
         moving = [op for op in self.active if self.phase_of[op.key] == "bytes"]
@@ -257,21 +271,33 @@ class Replay:
             for link, nbytes in op.demand.items():
                 if nbytes > 0:
                     load[link] = load.get(link, 0) + 1
-        rate = {op.key: min(self.bandwidth[link] / load[link] / nbytes for link, nbytes in op.demand.items()
+        rate = {op.key: min(self.capacity(link) / load[link] / nbytes for link, nbytes in op.demand.items()
                             if nbytes > 0) for op in moving}
-        return busy, pace, rate
+        flow = dict.fromkeys(self.buckets, 0.0)
+        for op in moving:
+            for link, nbytes in op.demand.items():
+                if link in flow:
+                    flow[link] += rate[op.key] * nbytes
+        return busy, pace, rate, flow
 
     def advance(self) -> None:
-        """Move time to the next event: a compute finishing, a latency elapsing or a transfer ending."""
-        busy, pace, rate = self.rates()
+        """Move time to the next event: a compute finishing, a latency elapsing, a transfer ending
+        or a bucket running dry."""
+        busy, pace, rate, flow = self.rates()
         steps = [self.remaining[r] / pace for r in busy]
         steps += [self.left[op.key] / rate[op.key] if op.key in rate else self.left[op.key] for op in self.active]
+        drain = {link: flow[link] - self.bandwidth[link] for link in self.buckets}
+        steps += [self.tokens[link] / drain[link] for link in self.buckets
+                  if self.tokens[link] > TOKEN_EPS and drain[link] > 0]
         if not steps:
             stuck = {r: repr(self.programs[r][self.pc[r] - 1]) for r in range(self.n) if math.isnan(self.ends[r])}
             raise Deadlock(f"deadlock at t={self.t:.6f}s: every unfinished rank waits for an op a member never "
                            f"posts: {stuck}")
         dt = min(steps)
         self.t += dt
+        for link, (burst, _) in self.buckets.items():
+            tokens = min(float(burst), self.tokens[link] - drain[link] * dt)
+            self.tokens[link] = tokens if tokens > TOKEN_EPS else 0.0
         for r in busy:
             self.remaining[r] = 0.0 if self.remaining[r] / pace <= dt else self.remaining[r] - dt * pace
         for op in self.active:
@@ -282,10 +308,12 @@ class Replay:
                 self.left[key] = max(0.0, self.left[key] - dt)
 
 
-def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None) -> Result:
+def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None,
+        buckets: dict | None = None) -> Result:
     """Play `programs` (one per rank) together; `bandwidth[link]`: bytes/s of each link an op
-    loads; `cores`: None for a core per rank, else the cores the ranks share."""
-    play = Replay(programs, bandwidth or {}, cores)
+    loads; `cores`: None for a core per rank, else the cores the ranks share; `buckets[link]`:
+    (burst bytes, line bytes/s) of a link's token bucket."""
+    play = Replay(programs, bandwidth or {}, cores, buckets)
     play.settle()
     while not play.done:
         play.advance()

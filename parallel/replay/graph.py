@@ -17,7 +17,9 @@ received from a. A collective's bytes and links are those of the algorithm gloo 
 (parallel/net/predict.py: ring all-reduce, reduce-scatter as an all-reduce and a slice, ring
 all-gather, binomial broadcast, all-to-all blocks); its latency is the per-step latency of its
 links times the algorithm's steps (STEPS). A group's collectives start in their order, at most
-`links.lanes` at once (gloo's two worker threads; NCCL's one stream in a cluster what-if).
+`links.lanes` at once (gloo's two worker threads; NCCL's one stream in a cluster what-if). A
+message's latency is its link's `message_latency_s` (on loopback probed apart from a collective's:
+gloo sends and receives on the calling thread, without the worker threads' handoffs).
 
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
@@ -117,7 +119,7 @@ def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: Lin
             link, figures = links.edge(src, dst)
             payload = send["payload_bytes"]
             ops[key] = Op(key, (src, dst), f"send/recv {group} {send['tag']}",
-                          "bubble" if group == "pp" else "exposed_comm", None, figures.latency_s,
+                          "bubble" if group == "pp" else "exposed_comm", None, figures.message_latency_s,
                           {link: payload} if payload else {})
         else:
             members = key[2]

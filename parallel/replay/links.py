@@ -12,11 +12,13 @@ step of an algorithm), and a placement of ranks on nodes:
 
 Three sources, one constructor each:
 
-    loopback(bytes_per_s, latency_s)      this machine, net=none: the rate and per-step latency
-                                          one rank reaches with one rank per core (probe.py), so
-                                          the probe itself is not contended
+    loopback(bytes_per_s, latency_s)      this machine, net=none: the rate, the per-step latency of
+                                          a collective and the latency of one message that one
+                                          rank reaches with one rank per core (probe.py), so the
+                                          probe itself is not contended
     from_net(settings, loopback)          an emulated network's net.* (conf/net/): inter_mbit per
-                                          node, intra_mbit per node (null: loopback), latency_ms
+                                          node, intra_mbit per node (null: loopback), latency_ms;
+                                          a shaped link has its tbf's token bucket
     from_cluster(...)                     a conf/cluster/ preset's NVLink and inter-node rates
                                           and latencies: the same figures the planner uses
                                           (launch/replay.py reads the preset)
@@ -26,12 +28,27 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from parallel.net.shaping import tbf_burst_bytes
+
 
 @dataclass(frozen=True)
 class Link:
     bytes_per_s: float
     latency_s: float
     scope: str = "rank"  # rank | node: who has a link of this class of their own
+    # A token bucket in front of the rate (an emulated link's tbf, parallel/net/shaping.py): up to
+    # `burst_bytes` pass at `line_bytes_per_s` (the unshaped rate) while the bucket holds tokens;
+    # it refills at `bytes_per_s`. 0: no bucket, every byte at the rate.
+    burst_bytes: float = 0.0
+    line_bytes_per_s: float = 0.0
+    # One point-to-point message's latency where it differs from a collective's per step (gloo on
+    # loopback: a send or receive runs on the calling thread, a collective is handed to the group's
+    # worker threads and back). None: the per-step latency.
+    p2p_latency_s: float | None = None
+
+    @property
+    def message_latency_s(self) -> float:
+        return self.latency_s if self.p2p_latency_s is None else self.p2p_latency_s
 
 
 @dataclass(frozen=True)
@@ -62,8 +79,16 @@ class LinkModel:
             return (("intra", src) if self.intra.scope == "rank" else ("intra-node", node)), self.intra
         return (("inter", src) if self.inter.scope == "rank" else ("inter-node", node)), self.inter
 
+    def link_class(self, link: tuple) -> Link:
+        return self.intra if link[0].startswith("intra") else self.inter
+
     def bandwidth(self, link: tuple) -> float:
-        return (self.intra if link[0].startswith("intra") else self.inter).bytes_per_s
+        return self.link_class(link).bytes_per_s
+
+    def bucket(self, link: tuple) -> tuple[float, float] | None:
+        """(burst bytes, line bytes/s) of the link's token bucket, or None where it has none."""
+        figures = self.link_class(link)
+        return (figures.burst_bytes, figures.line_bytes_per_s) if figures.burst_bytes > 0 else None
 
     def as_dict(self) -> dict:
         return {"name": self.name, "source": self.source, "nodes": self.nodes, "procs_per_node": self.procs_per_node,
@@ -78,19 +103,28 @@ class LinkModel:
                    int(d.get("lanes", 2)), {k: v for k, v in d.items() if k not in known})
 
 
-def loopback(bytes_per_s: float, latency_s: float, source: str = "") -> LinkModel:
+def loopback(bytes_per_s: float, latency_s: float, source: str = "", p2p_latency_s: float | None = None) -> LinkModel:
     """This machine's loopback: every rank on one node, each with its own share."""
-    return LinkModel("loopback", Link(bytes_per_s, latency_s, "rank"), source=source)
+    return LinkModel("loopback", Link(bytes_per_s, latency_s, "rank", p2p_latency_s=p2p_latency_s), source=source)
 
 
 def from_net(settings: dict, loop: LinkModel) -> LinkModel:
-    """An emulated network (net.* as launch.run sets it up); unshaped classes run at loopback's rate."""
+    """An emulated network (net.* as launch.run sets it up); unshaped classes run at loopback's rate.
+    A shaped class gets its tbf's bucket (the same size launch.run gives tc), passing at loopback's
+    rate while it holds tokens."""
     nodes = int(settings.get("nodes") or 1)
     latency = float(settings.get("latency_ms") or 0) * 1e-3
     intra_mbit, inter_mbit = settings.get("intra_mbit"), settings.get("inter_mbit")
-    intra = (Link(intra_mbit * 1e6 / 8, loop.intra.latency_s, "node") if intra_mbit else loop.intra)
-    inter = (Link(inter_mbit * 1e6 / 8, loop.intra.latency_s + latency, "node") if inter_mbit
-             else Link(loop.intra.bytes_per_s, loop.intra.latency_s + latency, "rank")) if nodes > 1 else None
+    line, own = loop.intra.bytes_per_s, loop.intra
+
+    def shaped(mbit: float, added_s: float) -> Link:
+        return Link(mbit * 1e6 / 8, own.latency_s + added_s, "node", float(tbf_burst_bytes(mbit)), line,
+                    own.message_latency_s + added_s)
+
+    intra = shaped(intra_mbit, 0.0) if intra_mbit else own
+    inter = (shaped(inter_mbit, latency) if inter_mbit
+             else Link(own.bytes_per_s, own.latency_s + latency, "rank", p2p_latency_s=own.message_latency_s + latency)
+             ) if nodes > 1 else None
     return LinkModel(f"net={settings.get('name', '?')}", intra, inter, int(settings.get("procs_per_node") or 0) or None,
                      settings.get("placement", "block"), nodes, lanes=loop.lanes,
                      source=f"net.* settings (intra {intra_mbit} Mbit/s, inter {inter_mbit} Mbit/s per node, "

@@ -18,12 +18,19 @@ step pays the mean cost of each call, so the mean is the figure:
               over its 2(n-1) = 2 ring steps, less those bytes' time
     rate      the bytes one rank sends in an all-reduce of PAYLOAD_BYTES (2(n-1)/n S = S at n = 2)
               over its mean time less the two steps' latency
+    p2p       one message's latency: half the mean time of a SMALL_BYTES ping-pong (a send and a
+              receive each way), less its bytes' time. gloo runs a send or a receive on the
+              calling thread and a collective on the group's worker threads, and the handoffs
+              are where a loopback call stalls: three probe runs on the idle machine gave
+              0.14-0.26 ms per message against 0.60-0.81 ms per ring step (bench/gloo_call_costs.py
+              shows the two distributions)
 
-Both from the same bursts, so the two equations t = 2 L + sent / rate are solved together. About
-0.4 s per run. A figure given in the config (`virtual.loopback_gbytes_per_s`,
-`virtual.loopback_latency_us`) is used as given instead: launch.compare and bench/virtual_time.py
-measure it once for all their runs (`measure_once`: the median of three runs of this module under
-`python -m torch.distributed.run --nproc-per-node 2 -m parallel.replay.probe`). Nothing here goes
+The first two from the same bursts, so the two equations t = 2 L + sent / rate are solved
+together. About 0.5 s per run. A figure given in the config (`virtual.loopback_gbytes_per_s`,
+`virtual.loopback_latency_us`, `virtual.loopback_p2p_latency_us`) is used as given instead:
+launch.compare and bench/virtual_time.py measure it once for all their runs (`measure_once`: the
+median of three runs of this module under `python -m torch.distributed.run --nproc-per-node 2 -m
+parallel.replay.probe`). Nothing here goes
 through the communication log: it is not the strategy's traffic.
 """
 
@@ -45,7 +52,7 @@ from parallel.replay.links import LinkModel, loopback
 PAYLOAD_BYTES = 8 * 2**20
 SMALL_BYTES = 16 * 2**10
 BURST_S = 0.5e-3          # thread CPU time of compute before each timed call: a run's calls follow compute
-SMALL_REPEATS, BIG_REPEATS = 120, 8
+SMALL_REPEATS, BIG_REPEATS, P2P_REPEATS = 120, 8, 120
 # When no two ranks share a node (every rank on its own emulated node): this machine's figures as
 # measured for the planner (conf/cluster/this_machine.yaml: 2 ranks, 1.3 GB/s, 80 us per 4-byte all-reduce).
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
@@ -76,8 +83,9 @@ def mean_after_compute(fn, repeats: int, burst_s: float = BURST_S) -> float:
     return total / repeats
 
 
-def measure_pair(group=None) -> tuple[float, float]:
-    """(bytes_per_s, latency_s per ring step) between the two ranks of `group` (both call it)."""
+def measure_pair(group=None) -> tuple[float, float, float]:
+    """(bytes_per_s, latency_s per ring step, p2p latency_s per message) between the two ranks of
+    `group` (both call it)."""
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
     dist.all_reduce(big, group=group)  # warm: connections made, buffers allocated
     dist.all_reduce(small, group=group)
@@ -86,28 +94,48 @@ def measure_pair(group=None) -> tuple[float, float]:
     # t = 2 L + S / rate for each size (n = 2: each rank sends S); solve the two together
     rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
     latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
-    return rate, latency
+    members = dist.get_process_group_ranks(group) if group is not None else [0, 1]
+    me = dist.get_rank()
+    peer = members[1] if me == members[0] else members[0]
+    first = me == members[0]
+
+    def ping_pong():  # one message each way: the first member sends, then receives
+        if first:
+            dist.send(small, peer, group=group)
+            dist.recv(small, peer, group=group)
+        else:
+            dist.recv(small, peer, group=group)
+            dist.send(small, peer, group=group)
+
+    ping_pong()
+    t_pp = mean_after_compute(ping_pong, P2P_REPEATS)
+    p2p = max(t_pp / 2 - SMALL_BYTES / rate, 1e-6)
+    return rate, latency, p2p
 
 
 def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) -> LinkModel:
     """Every rank calls this (a group is made); every rank gets the model (rank 0's figures)."""
     given = given or {}
     if given.get("loopback_gbytes_per_s") and given.get("loopback_latency_us") is not None:
+        p2p = given.get("loopback_p2p_latency_us")
         return loopback(float(given["loopback_gbytes_per_s"]) * 1e9, float(given["loopback_latency_us"]) * 1e-6,
-                        "given (virtual.loopback_gbytes_per_s, virtual.loopback_latency_us)")
+                        "given (virtual.loopback_gbytes_per_s, virtual.loopback_latency_us"
+                        + (", virtual.loopback_p2p_latency_us)" if p2p is not None else ")"),
+                        float(p2p) * 1e-6 if p2p is not None else None)
     partner = next((r for r in range(1, world) if node_of(r) == node_of(0)), None)
     if world < 2 or partner is None or not dist.is_initialized():
         return loopback(FALLBACK["bytes_per_s"], FALLBACK["latency_s"],
                         "this machine's planner figures (no two ranks on one node to probe with)")
     pair = dist.new_group([0, partner], backend="gloo")
-    figures = torch.zeros(2, dtype=torch.float64)
+    figures = torch.zeros(3, dtype=torch.float64)
     if rank in (0, partner):
         figures[:] = torch.tensor(measure_pair(pair))
     dist.broadcast(figures, src=0)
     dist.destroy_process_group(pair)
     return loopback(float(figures[0]), float(figures[1]),
                     f"probed in this run: ranks 0 and {partner}, one per core, mean of "
-                    f"{SMALL_BYTES // 1024} KiB and {PAYLOAD_BYTES // 2**20} MiB all-reduces after compute")
+                    f"{SMALL_BYTES // 1024} KiB and {PAYLOAD_BYTES // 2**20} MiB all-reduces and of "
+                    f"{SMALL_BYTES // 1024} KiB ping-pongs after compute", float(figures[2]))
 
 
 def run_probe(module: str, ranks: int, timeout_s: float) -> dict:
@@ -125,7 +153,7 @@ def run_probe(module: str, ranks: int, timeout_s: float) -> dict:
 
 
 def measure_once(runs: int = 3, timeout_s: float = 120) -> dict:
-    """{"bytes_per_s", "latency_s"}: this module's probe run by two ranks of their own (one per core),
+    """{"bytes_per_s", "latency_s", "p2p_latency_s"}: this module's probe run by two ranks of their own (one per core),
     for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
     in what they measured, not in their probes.
 
@@ -133,16 +161,16 @@ def measure_once(runs: int = 3, timeout_s: float = 120) -> dict:
     lot on this machine kind: five back-to-back runs on the idle machine gave 1.18-2.01 GB/s and
     0.75-1.02 ms per ring step, and every run of a sweep inherits its probe's error in one direction."""
     probes = [run_probe("parallel.replay.probe", 2, timeout_s) for _ in range(max(1, runs))]
-    return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s")}
+    return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s", "p2p_latency_s")}
 
 
 def main() -> None:
-    """Under torchrun with 2 ranks: print {"bytes_per_s", "latency_s"} as JSON on rank 0."""
+    """Under torchrun with 2 ranks: print {"bytes_per_s", "latency_s", "p2p_latency_s"} as JSON on rank 0."""
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rate, latency = measure_pair()
+    rate, latency, p2p = measure_pair()
     if dist.get_rank() == 0:
-        print(json.dumps({"bytes_per_s": rate, "latency_s": latency}))
+        print(json.dumps({"bytes_per_s": rate, "latency_s": latency, "p2p_latency_s": p2p}))
     dist.destroy_process_group()
 
 

@@ -34,19 +34,22 @@ def replay_step(events: list[dict], index: int, links: LinkModel, cores: float |
                 compute_scale: float = 1.0) -> Result:
     steps = [e["steps"][index] for e in events]
     programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale)
-    bandwidth = _bandwidths(programs, links)
-    return run(programs, bandwidth, cores)
+    bandwidth, buckets = _link_figures(programs, links)
+    return run(programs, bandwidth, cores, buckets)
 
 
-def _bandwidths(programs, links: LinkModel) -> dict:
-    seen = {}
+def _link_figures(programs, links: LinkModel) -> tuple[dict, dict]:
+    """The rate of every link the ops load, and the token bucket of those that have one."""
+    rates, buckets = {}, {}
     for program in programs:
         for task in program:
             op = getattr(task, "op", None)
             if op is not None:
                 for link in op.demand:
-                    seen[link] = links.bandwidth(link)
-    return seen
+                    rates[link] = links.bandwidth(link)
+                    if (bucket := links.bucket(link)) is not None:
+                        buckets[link] = bucket
+    return rates, buckets
 
 
 def rank_breakdown(result: Result, rank: int) -> dict:

@@ -66,6 +66,31 @@ def test_a_group_with_two_lanes_runs_two_collectives_at_once_and_the_third_after
     assert result.ends == [5, 5]
 
 
+def test_a_token_bucket_lets_its_burst_through_at_line_rate_and_the_rest_at_the_rate():
+    # rate 10 B/s, a bucket of 20 B passing 1000 B/s: 50 bytes take (50 - 20) / 10 = 3 s, not 5
+    op = Op(("m",), (0, 1), demand={"L": 50})
+    result = run([[Call(op)], [Call(op)]], {"L": 10}, buckets={"L": (20, 1000)})
+    assert result.ends == pytest.approx([3.0, 3.0], abs=1e-9)
+    # a transfer within the burst passes at line rate
+    small = Op(("s",), (0, 1), demand={"L": 20})
+    assert run([[Call(small)], [Call(small)]], {"L": 10}, buckets={"L": (20, 1000)}).ends == pytest.approx([0.02] * 2)
+
+
+def test_a_token_bucket_refills_at_the_rate_while_the_link_is_idle():
+    # 20 B drain the bucket; 1 s of compute refills 10 B of it: the next 20 B take 0.01 + 10/10 s
+    first, second = Op(("a",), (0, 1), demand={"L": 20}), Op(("b",), (0, 1), demand={"L": 20})
+    programs = [[Call(first), Compute(1.0), Call(second)]] * 2
+    ends = run(programs, {"L": 10}, buckets={"L": (20, 1000)}).ends
+    # first: 20 B at 1000 B/s, draining at 990 B/s, runs dry after 20/990 s having moved 20.2 B: it is
+    # done at 0.02 s with 0.202 B of tokens left; refilled by 10 B in 1 s: 10.2 B at line rate, the
+    # rest at 10 B/s
+    t1 = 0.02
+    tokens = min(20.0, 20 - 990 * t1 + 10 * 1.0)
+    burst_time = tokens / 990
+    moved = 1000 * burst_time
+    assert ends == pytest.approx([t1 + 1.0 + burst_time + (20 - moved) / 10] * 2, rel=1e-9)
+
+
 def test_processor_sharing_slows_compute_by_cores_over_ranks_computing():
     assert run([[Compute(1)], [Compute(1)]], cores=1).ends == [2, 2]
     assert run([[Compute(1)], [Compute(2)]], cores=1).ends == [2, 3]
