@@ -47,7 +47,7 @@ from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel, from_net  # noqa: E402
-from parallel.replay.probe import measure_once  # noqa: E402
+from parallel.replay.probe import figure_overrides, measure_once  # noqa: E402
 from parallel.replay.virtual import replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
@@ -247,9 +247,7 @@ def main(argv: list[str]) -> None:
         loop = measure_once(int(opts["probes"]))
         COMMANDS.append(f"# {opts['probes']} x, the median of each figure:\n"
                         "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
-        common += [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
-                   f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}",
-                   f"virtual.loopback_p2p_latency_us={loop['p2p_latency_s'] * 1e6}"]
+        common += figure_overrides(loop)
     checks = opts["checks"].split(",")
     parts = [f"# virtual time validation, {time.strftime('%Y-%m-%d %H:%M')}, {usable_cores()} cores, model "
              f"{opts['model']}, {opts['steps']} steps"]

@@ -67,7 +67,7 @@ from parallel.compare.rounds import aggregate_rounds, rotated
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
 from parallel.net.netns import remove_leftovers
 from parallel.plan import model_config
-from parallel.replay.probe import measure_once
+from parallel.replay.probe import figure_overrides, given_figures, measure_once
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
 from parallel.runner import run_one
 
@@ -320,21 +320,16 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
 def loopback_overrides(cfg: DictConfig, device: torch.device) -> list[str]:
     """Virtual time's loopback link, probed once (two ranks, one per core) and given to every run,
     as the peak is: each run probing its own would put the probe's spread between the strategies."""
-    given = cfg.get("virtual") or {}
-    if given.get("loopback_gbytes_per_s") and given.get("loopback_latency_us") is not None:
-        p2p = given.get("loopback_p2p_latency_us")
-        return [f"virtual.loopback_gbytes_per_s={given.loopback_gbytes_per_s}",
-                f"virtual.loopback_latency_us={given.loopback_latency_us}",
-                *([f"virtual.loopback_p2p_latency_us={p2p}"] if p2p is not None else [])]
+    given = given_figures(cfg.get("virtual") or {})
+    if given is not None:
+        return figure_overrides(given)
     if device.type != "cpu":
         return []
     loop = measure_once()
     print(f"compare: loopback for virtual time {loop['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
           f"{loop['latency_s'] * 1e6:.0f} us per ring step, {loop['p2p_latency_s'] * 1e6:.0f} us per message "
           "(probed once, given to every run)", flush=True)
-    return [f"virtual.loopback_gbytes_per_s={loop['bytes_per_s'] / 1e9}",
-            f"virtual.loopback_latency_us={loop['latency_s'] * 1e6}",
-            f"virtual.loopback_p2p_latency_us={loop['p2p_latency_s'] * 1e6}"]
+    return figure_overrides(loop)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="compare", version_base="1.3")

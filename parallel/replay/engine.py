@@ -11,9 +11,8 @@ them from the saved events; tests build them by hand):
 An `Op` is one collective (or one message) as all its members see it: the members that must post
 it, the links it loads and for how long. The rules, those of the issue that asked for this engine:
 
-* an op starts when its last member has posted it (a message: when both ends have), in its
-  group's order, and only while fewer than `lanes` of its group's collectives are in flight: a
-  group's collectives start in the order they were posted, `lanes` at a time at most (gloo runs
+* an op starts when its last member has posted it (a message: when both ends have); a group's
+  collectives start in the order they were posted, `lanes` of them in flight at most (gloo runs
   two at once, NCCL one; messages are not queued behind collectives);
 * it first waits its latency (`latency_s`: per-step latency x the algorithm's steps), then moves
   its bytes: `demand[link]` bytes over each link it loads; a link's bandwidth is shared equally

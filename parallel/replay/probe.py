@@ -30,8 +30,8 @@ together. About 0.5 s per run. A figure given in the config (`virtual.loopback_g
 `virtual.loopback_latency_us`, `virtual.loopback_p2p_latency_us`) is used as given instead:
 launch.compare and bench/virtual_time.py measure it once for all their runs (`measure_once`: the
 median of three runs of this module under `python -m torch.distributed.run --nproc-per-node 2 -m
-parallel.replay.probe`). Nothing here goes
-through the communication log: it is not the strategy's traffic.
+parallel.replay.probe`; `figure_overrides` hands them on). Nothing here goes through the
+communication log: it is not the strategy's traffic.
 """
 
 from __future__ import annotations
@@ -113,15 +113,35 @@ def measure_pair(group=None) -> tuple[float, float, float]:
     return rate, latency, p2p
 
 
+def given_figures(virtual) -> dict | None:
+    """The loopback figures a config's `virtual` block gives, in `measure_once`'s keys and units
+    (p2p_latency_s None where only the first two are given: a message then costs a ring step), or
+    None where it does not give both the rate and the latency."""
+    if not virtual.get("loopback_gbytes_per_s") or virtual.get("loopback_latency_us") is None:
+        return None
+    p2p = virtual.get("loopback_p2p_latency_us")
+    return {"bytes_per_s": float(virtual["loopback_gbytes_per_s"]) * 1e9,
+            "latency_s": float(virtual["loopback_latency_us"]) * 1e-6,
+            "p2p_latency_s": float(p2p) * 1e-6 if p2p is not None else None}
+
+
+def figure_overrides(figures: dict) -> list[str]:
+    """The `virtual.loopback_*` overrides that give a run `figures` (`measure_once`'s keys), as a
+    sweep gives its one probe to every run."""
+    out = [f"virtual.loopback_gbytes_per_s={figures['bytes_per_s'] / 1e9}",
+           f"virtual.loopback_latency_us={figures['latency_s'] * 1e6}"]
+    if figures.get("p2p_latency_s") is not None:
+        out.append(f"virtual.loopback_p2p_latency_us={figures['p2p_latency_s'] * 1e6}")
+    return out
+
+
 def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) -> LinkModel:
     """Every rank calls this (a group is made); every rank gets the model (rank 0's figures)."""
-    given = given or {}
-    if given.get("loopback_gbytes_per_s") and given.get("loopback_latency_us") is not None:
-        p2p = given.get("loopback_p2p_latency_us")
-        return loopback(float(given["loopback_gbytes_per_s"]) * 1e9, float(given["loopback_latency_us"]) * 1e-6,
-                        "given (virtual.loopback_gbytes_per_s, virtual.loopback_latency_us"
-                        + (", virtual.loopback_p2p_latency_us)" if p2p is not None else ")"),
-                        float(p2p) * 1e-6 if p2p is not None else None)
+    figures = given_figures(given or {})
+    if figures is not None:
+        named = "virtual.loopback_gbytes_per_s, virtual.loopback_latency_us" + (
+            ", virtual.loopback_p2p_latency_us" if figures["p2p_latency_s"] is not None else "")
+        return loopback(figures["bytes_per_s"], figures["latency_s"], f"given ({named})", figures["p2p_latency_s"])
     partner = next((r for r in range(1, world) if node_of(r) == node_of(0)), None)
     if world < 2 or partner is None or not dist.is_initialized():
         return loopback(FALLBACK["bytes_per_s"], FALLBACK["latency_s"],

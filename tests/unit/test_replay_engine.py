@@ -157,3 +157,19 @@ def test_every_schedule_replays_to_the_simulators_idle_time(name, stages, microb
     split = splits_backward(plans)
     assert figures["mean_backward_s"] == pytest.approx((cost.input_grad + (0 if split else cost.weight_grad)) / virtual)
     assert figures["mean_weight_s"] == pytest.approx(cost.weight_grad / virtual if split else 0.0)
+
+
+def test_given_loopback_figures_go_to_a_run_as_overrides_and_come_back_the_same():
+    from parallel.replay.probe import figure_overrides, given_figures
+
+    def parsed(overrides):
+        return {o.split("=")[0].removeprefix("virtual."): float(o.split("=")[1]) for o in overrides}
+
+    figures = {"bytes_per_s": 1.5e9, "latency_s": 875e-6, "p2p_latency_s": 248e-6}
+    back = given_figures(parsed(figure_overrides(figures)))
+    assert back == pytest.approx(figures)
+    # without a message latency a message costs a ring step; without the rate or latency, nothing is given
+    two = {"bytes_per_s": 1.5e9, "latency_s": 875e-6, "p2p_latency_s": None}
+    assert len(figure_overrides(two)) == 2 and given_figures(parsed(figure_overrides(two)))["p2p_latency_s"] is None
+    assert given_figures({"loopback_gbytes_per_s": None, "loopback_latency_us": 10}) is None
+    assert given_figures({"loopback_gbytes_per_s": 1.0, "loopback_latency_us": None}) is None
