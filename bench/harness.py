@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 from launch.config import CONFIG_DIR
 from parallel.core.data import load_corpus
+from parallel.core.host_memory import apply_host_allocator
 from parallel.dist.comm import CommLog
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
 from parallel.plan import build_plan
@@ -48,6 +49,7 @@ def plan_for(env: LaunchEnv, defaults: list[str], overrides: list[str]):
 def run_distributed(env: LaunchEnv, plan, body) -> None:
     """Set threads, load the corpus, create the groups, run `body(plan, ctx, corpus)`, tear down, exit."""
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    apply_host_allocator(plan.host_allocator)  # as launch.train does: ours and PyTorch's alike
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
     try:

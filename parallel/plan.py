@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from parallel.core.host_memory import HOST_ALLOCATORS
 from parallel.core.model import MOE_FIELDS, GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
@@ -58,6 +59,7 @@ class RunPlan:
     weight_decay: float
     seed: int
     threads: int | None
+    host_allocator: str
     data_path: str | None
     data_max_bytes: int
     run_dir: str | None
@@ -181,6 +183,10 @@ def _check_numbers(cfg) -> None:
     if t.threads is not None and (not _is_int(t.threads) or t.threads < 1):
         raise ConfigError(f"train.threads={t.threads!r} must be a positive integer, "
                           "or null to share the cores among the ranks")
+    if t.get("host_allocator", "keep") not in HOST_ALLOCATORS:
+        raise ConfigError(f"train.host_allocator={t.get('host_allocator')!r}: "
+                          f"choose one of {', '.join(HOST_ALLOCATORS)} "
+                          "(keep: freed host memory stays in the process; system: the C library's defaults)")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
                         ("train.save_grads", t.save_grads),
                         ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log),
@@ -330,6 +336,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         weight_decay=float(t.weight_decay),
         seed=int(t.seed),
         threads=t.threads,
+        host_allocator=str(t.get("host_allocator", "keep")),
         data_path=cfg.data.path,
         data_max_bytes=int(cfg.data.max_bytes),
         run_dir=cfg.run.dir,

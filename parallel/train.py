@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
+from parallel.core.host_memory import apply_host_allocator
 from parallel.core.model import GPT, count_parameters
 from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
@@ -73,12 +74,14 @@ class Run:
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     """Run the plan; returns the run directory (summary.json is in it on rank 0)."""
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
+    host_allocator = apply_host_allocator(plan.host_allocator)  # before the first tensor (core/host_memory.py)
     count_every_thread(torch.get_num_threads() > 1)  # the second clock: all the compute's threads (timing.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
     try:
         run = setup(plan, ctx)
+        log.info("host allocator: %s", host_allocator)
         run_steps(run, corpus)
         run.links = _link_model(run, resolved_config)
         report(run, resolved_config)
