@@ -74,7 +74,7 @@ class Run:
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     """Run the plan; returns the run directory (summary.json is in it on rank 0)."""
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
-    host_allocator = apply_host_allocator(plan.host_allocator)  # before the first tensor (core/host_memory.py)
+    host_allocator = apply_host_allocator(plan.host_allocator)  # before the run allocates (core/host_memory.py)
     count_every_thread(torch.get_num_threads() > 1)  # the second clock: all the compute's threads (timing.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)

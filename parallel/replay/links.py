@@ -115,16 +115,19 @@ def from_net(settings: dict, loop: LinkModel) -> LinkModel:
     nodes = int(settings.get("nodes") or 1)
     latency = float(settings.get("latency_ms") or 0) * 1e-3
     intra_mbit, inter_mbit = settings.get("intra_mbit"), settings.get("inter_mbit")
-    line, own = loop.intra.bytes_per_s, loop.intra
+    own = loop.intra  # loopback: what an unshaped link carries, and a shaped one's bucket passes at
 
     def shaped(mbit: float, added_s: float) -> Link:
-        return Link(mbit * 1e6 / 8, own.latency_s + added_s, "node", float(tbf_burst_bytes(mbit)), line,
+        return Link(mbit * 1e6 / 8, own.latency_s + added_s, "node", float(tbf_burst_bytes(mbit)), own.bytes_per_s,
                     own.message_latency_s + added_s)
 
     intra = shaped(intra_mbit, 0.0) if intra_mbit else own
-    inter = (shaped(inter_mbit, latency) if inter_mbit
-             else Link(own.bytes_per_s, own.latency_s + latency, "rank", p2p_latency_s=own.message_latency_s + latency)
-             ) if nodes > 1 else None
+    if nodes <= 1:
+        inter = None
+    elif inter_mbit:
+        inter = shaped(inter_mbit, latency)
+    else:  # unshaped between nodes: loopback's rate, a link per rank, plus the added latency
+        inter = Link(own.bytes_per_s, own.latency_s + latency, "rank", p2p_latency_s=own.message_latency_s + latency)
     return LinkModel(f"net={settings.get('name', '?')}", intra, inter, int(settings.get("procs_per_node") or 0) or None,
                      settings.get("placement", "block"), nodes, lanes=loop.lanes,
                      source=f"net.* settings (intra {intra_mbit} Mbit/s, inter {inter_mbit} Mbit/s per node, "
