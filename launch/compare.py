@@ -11,9 +11,9 @@ Not run under torchrun itself: for each strategy (a preset of conf/parallel/) it
 `python -m torch.distributed.run --standalone` (plain python for `single`) with a timeout, passing
 the model, data and train settings and `run.dir=<sweep dir>/<strategy>`, then reads that run's
 summary.json. A strategy that fails or times out gets a row with its error; the sweep goes on.
-With `compare.rounds=N` the sweep runs N times, its order rotated each round (run dirs
-<sweep dir>/round<k>/<strategy>), and each row holds the median and min-max over the rounds
-(parallel/compare/rounds.py).
+With `compare.rounds=N` the sweep runs N times, its order rotated each round with each of ours
+beside its PyTorch counterpart (run dirs <sweep dir>/round<k>/<strategy>), and each row holds the
+median and min-max over the rounds (parallel/compare/rounds.py).
 The report (results.csv, results.json, report.md, PNG plots) goes to `run.dir`
 (default runs/<time>-compare-w<world>), and the short table (120 columns) to the console.
 
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -63,7 +64,7 @@ from parallel.compare.networks import (
     strategy_world,
 )
 from parallel.compare.report import console_table, write_csv, write_json, write_markdown
-from parallel.compare.rounds import aggregate_rounds, rotated
+from parallel.compare.rounds import aggregate_rounds, round_order
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
 from parallel.net.netns import remove_leftovers
 from parallel.plan import model_config
@@ -93,6 +94,28 @@ def missing_preset(strategy: str) -> str | None:
     if (Path(CONFIG_DIR) / "parallel" / f"{strategy}.yaml").exists():
         return None
     return f"no preset conf/parallel/{strategy}.yaml: not a strategy of this checkout"
+
+
+def swept_counterparts(strategies: list[str]) -> dict[str, str]:
+    """Each swept preset of ours -> the swept preset of its PyTorch counterpart (the registry's
+    `counterpart`, with the same pipeline schedule), so that the rounds keep the two side by side.
+    The presets are composed as launch.train composes them; the ratios themselves are paired
+    later from what the runs report (parallel/compare/rows.py)."""
+    from parallel.registry import REGISTRY
+
+    kinds = {}
+    for name in strategies:
+        if missing_preset(name):
+            continue
+        p = compose(config_name="config", overrides=[f"parallel={name}"]).parallel
+        kinds[name] = (p.name, p.get("schedule"))
+    partners = {}
+    for name, (kind, schedule) in kinds.items():
+        counterpart = REGISTRY[kind].counterpart if kind in REGISTRY else None
+        theirs = next((other for other, k in kinds.items() if k == (counterpart, schedule)), None)
+        if theirs is not None:
+            partners[name] = theirs
+    return partners
 
 
 def progress(done: int, total: int, text: str, width: int = 24) -> str:
@@ -230,8 +253,9 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
 
     # Every run of every round; rows are made at the end, once `single`'s losses (the reference) are known.
     runs, orders, total = [], [], rounds * len(strategies)
+    partners = swept_counterparts(strategies) if rounds > 1 else {}
     for k in range(rounds):
-        orders.append(rotated(strategies, k))
+        orders.append(round_order(strategies, k, partners))
         for strategy in orders[-1]:
             world = strategy_world(strategy, c, network)
             run_dir = sweep_dir / strategy if rounds == 1 else sweep_dir / f"round{k}" / strategy

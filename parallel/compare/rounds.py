@@ -1,8 +1,16 @@
 """`compare.rounds=N`: the sweep repeated N times, its order rotated each round, one row per strategy.
 
-Round k runs the strategies in the given order rotated by k (round 0 as given, round 1 from the
-second strategy on, ...), so that no strategy is always the first on a cold machine or always the
-one after the same neighbour; every run of every round is its own torchrun launch.
+The order of a round is built from units: each of our strategies with its PyTorch counterpart
+when both are swept (the first of ours to name it; `partners`), every other strategy alone.
+Round k runs the units in the given order rotated left by k, so that no strategy is always the
+first on a cold machine or always the one after the same neighbour, and inside a pair ours runs
+first in even rounds and PyTorch's first in odd ones. A pair's two runs are therefore always
+neighbours, one run apart, whatever the rotation, and the machine's drift between two runs (a
+minute) is charged to each side equally often. A rotation of the plain list would split one pair
+per round across the whole sweep: at world 2 on the 2-core machine, such a split ZB-H1 pair read
+0.80 where its adjacent rounds read 0.97-1.04, its PyTorch run having opened the round before the
+machine slowed by a quarter and ours closed it after. Every run of every round is its own torchrun
+launch.
 
 A strategy's row over its rounds:
 
@@ -14,8 +22,8 @@ A strategy's row over its rounds:
                                     over rounds (with 3 rounds a percentile interval would be
                                     these same two numbers; with one round there is none)
     ratio_to_baseline, ratio_lo, ratio_hi
-                                    per round ours / the counterpart's in that same round (two runs
-                                    minutes apart), then the median and min-max of those ratios
+                                    per round ours / the counterpart's in that same round (two
+                                    neighbouring runs), then the median and min-max of those ratios
     step_ms_min, step_ms_max        over every timed step of every round, and spread / noisy
                                     from them (spread: their difference over the median round's step)
     rounds_ok                       how many rounds ran it; a strategy that failed in some rounds
@@ -29,12 +37,30 @@ import statistics
 from parallel.compare.rows import NOISY_SPREAD
 
 
-def rotated(strategies: list[str], k: int) -> list[str]:
-    """The order of round k: the strategies rotated left by k."""
-    if not strategies:
+def units(strategies: list[str], partners: dict[str, str]) -> list[list[str]]:
+    """The sweep's strategies as units, in the given order: [ours, counterpart] where `partners`
+    maps ours to a counterpart that is swept and not already taken, [name] otherwise."""
+    placed: set[str] = set()
+    out = []
+    for name in strategies:
+        if name in placed:
+            continue
+        theirs = partners.get(name)
+        unit = [name, theirs] if theirs in strategies and theirs not in placed and theirs != name else [name]
+        placed.update(unit)
+        out.append(unit)
+    return out
+
+
+def round_order(strategies: list[str], k: int, partners: dict[str, str] | None = None) -> list[str]:
+    """The order of round k: the units rotated left by k, each pair ours-first in even rounds and
+    PyTorch's-first in odd ones (the module docstring says why)."""
+    groups = units(strategies, partners or {})
+    if not groups:
         return []
-    k %= len(strategies)
-    return strategies[k:] + strategies[:k]
+    shift = k % len(groups)
+    groups = groups[shift:] + groups[:shift]
+    return [name for unit in groups for name in (unit if k % 2 == 0 else unit[::-1])]
 
 
 def _interval(values: list[float]) -> tuple[float | None, float | None, float | None]:

@@ -21,7 +21,7 @@ from observability import check_time_breakdown
 
 from launch.compare import unquoted_overrides
 from parallel.compare.report import CONSOLE, CONSOLE_WIDTH, console_table
-from parallel.compare.rounds import aggregate_rounds, rotated
+from parallel.compare.rounds import aggregate_rounds, round_order
 from parallel.compare.rows import COLUMNS, NOISY_SPREAD, failed_row
 from parallel.core.phases import PhaseLog
 from parallel.dist.groups import LaunchEnv
@@ -144,7 +144,7 @@ def row(strategy, tokens, round_=0, ratio=None, status="ok", spread=(90.0, 110.0
 
 
 def test_rounds_rotate_and_report_the_median_with_its_interval():
-    orders = [rotated(["a", "b", "c"], k) for k in range(4)]
+    orders = [round_order(["a", "b", "c"], k) for k in range(4)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     rounds = [[row("dp", 1000, 0, ratio=0.9), row("ddp", 1100, 0)],
               [row("dp", 1200, 1, ratio=1.1, spread=(80.0, 200.0)), row("ddp", 1090, 1)],
@@ -158,6 +158,40 @@ def test_rounds_rotate_and_report_the_median_with_its_interval():
     assert ddp["rounds_ok"] == 2 and ddp["tokens_per_s_lo"] == 1090 and "timeout in 1 of 3 rounds" in ddp["error"]
     one = aggregate_rounds([[row("dp", 1000)]], ["dp"])[0]
     assert one["tokens_per_s"] == 1000 and one["tokens_per_s_lo"] is None
+
+
+def test_rounds_keep_each_pair_side_by_side_and_alternate_which_runs_first():
+    sweep = ["single", "dp", "torch_ddp", "pp_zbh1", "torch_pp_interleaved_zb", "tp"]
+    partners = {"dp": "torch_ddp", "pp_zbh1": "torch_pp_interleaved_zb", "tp": "torch_tp"}  # torch_tp not swept
+    orders = [round_order(sweep, k, partners) for k in range(5)]
+    assert orders[0] == sweep
+    assert orders[1] == ["torch_ddp", "dp", "torch_pp_interleaved_zb", "pp_zbh1", "tp", "single"]
+    assert orders[2] == ["pp_zbh1", "torch_pp_interleaved_zb", "tp", "single", "dp", "torch_ddp"]
+    for k, order in enumerate(orders):
+        assert sorted(order) == sorted(sweep)
+        for ours, theirs in [("dp", "torch_ddp"), ("pp_zbh1", "torch_pp_interleaved_zb")]:
+            # Neighbours in every round, ours first in even rounds and PyTorch's first in odd ones.
+            assert order.index(theirs) - order.index(ours) == (1 if k % 2 == 0 else -1), (k, order)
+    # Two of ours naming one counterpart: the first listed (dp_naive) takes it, dp runs alone.
+    two = {"dp": "torch_ddp", "dp_naive": "torch_ddp"}
+    assert round_order(["dp_naive", "dp", "torch_ddp"], 0, two) == ["dp_naive", "torch_ddp", "dp"]
+    assert round_order(["dp_naive", "dp", "torch_ddp"], 1, two) == ["dp", "torch_ddp", "dp_naive"]
+
+
+def test_the_sweep_finds_each_presets_counterpart_by_strategy_and_schedule():
+    from hydra import initialize_config_dir
+
+    from launch.compare import swept_counterparts
+    from launch.config import CONFIG_DIR
+
+    sweep = ["single", "dp", "torch_ddp", "zero1", "torch_zero1", "zero2", "torch_zero2", "zero3", "torch_fsdp2",
+             "tp", "torch_tp", "pp_gpipe", "torch_pp_gpipe", "pp_zbh1", "torch_pp_interleaved_zb", "pp_dualpipev",
+             "torch_pp_dualpipev", "pp_zbv", "nonexistent_preset"]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        partners = swept_counterparts(sweep)
+    assert partners == {"dp": "torch_ddp", "zero1": "torch_zero1", "zero2": "torch_zero2", "zero3": "torch_fsdp2",
+                        "tp": "torch_tp", "pp_gpipe": "torch_pp_gpipe", "pp_zbh1": "torch_pp_interleaved_zb",
+                        "pp_dualpipev": "torch_pp_dualpipev"}  # pp_zbv's counterpart is not in this sweep
 
 
 def test_console_table_fits_120_columns():
