@@ -21,6 +21,7 @@ until W when the backward is split (W needs the layer inputs the forward saved).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -118,11 +119,27 @@ def split_costs(forward: float, input_grad: float, weight_grad: float, comm: flo
     return Costs(forward, input_grad, weight_grad, comm, transfer)
 
 
-def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost: Costs | None = None,
+StageCosts = Mapping[tuple[int, int], Costs]  # (rank, chunk) -> that chunk's costs, as a whole share's
+
+
+def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost: Costs | StageCosts | None = None,
              placement: Placement | None = None) -> SimResult:
-    """Play the lists; `placement` says which rank holds which virtual stage (loop by default)."""
-    cost = cost or unit_costs()
-    transfer = getattr(cost, "transfer", 0.0)  # a plain function of the action charges messages nothing
+    """Play the lists; `placement` says which rank holds which virtual stage (loop by default).
+
+    `cost` is one Costs for every rank and chunk (the closed forms' assumption: every stage alike),
+    or a mapping (rank, chunk) -> Costs for stages that differ (a measured run's: the first stage
+    embeds the tokens and the last computes the head and the loss). A mapping's Costs keep the
+    meaning of one: a rank's whole share, of which a chunk costs 1/v; a message's transfer is its
+    sender's."""
+    per_stage = isinstance(cost, Mapping)
+    uniform = None if per_stage else (cost or unit_costs())
+
+    def price(rank: int, a: Action) -> float:
+        return (cost[(rank, a.chunk)] if per_stage else uniform)(a, virtual, split)
+
+    def transfer_of(rank: int, a: Action) -> float:
+        # a plain function of the action charges messages nothing
+        return getattr(cost[(rank, a.chunk)] if per_stage else uniform, "transfer", 0.0)
     p = len(plans)
     placement = placement or Placement(p, virtual)
     split = splits_backward(plans)
@@ -176,7 +193,7 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
                 raise ScheduleInvalid(f"rank {rank}: {a} sends to a virtual stage of its own rank")
             if key in sent:
                 raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
-            sent[key] = start + cost(a, virtual, split) + transfer
+            sent[key] = start + price(rank, a) + transfer_of(rank, a)
             sender[key] = len(spans)
             src, dst, what = message(rank, a, placement)
             channel.setdefault((src, dst), []).append(what)
@@ -193,10 +210,10 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
             if done[(a.op, a.mb, vs)]:
                 raise ScheduleInvalid(f"rank {rank}: {a} runs twice")
             done[(a.op, a.mb, vs)] += 1
-            busy[rank] += cost(a, virtual, split)
+            busy[rank] += price(rank, a)
             held[rank] += 1 if a.op == F else -1 if a.op == release else 0
             peak[rank] = max(peak[rank], held[rank])
-        end = start + cost(a, virtual, split)
+        end = start + price(rank, a)
         clock[rank] = end
         last_span[rank] = len(spans)
         spans.append(Span(rank, a, start, end, after))
@@ -225,7 +242,7 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
 
 
 def simulate_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
-                      cost: Costs | None = None) -> SimResult:
+                      cost: Costs | StageCosts | None = None) -> SimResult:
     """Build schedule `name` and play it on its own placement."""
     plans = build_schedule(name, stages, microbatches, virtual)
     return simulate(plans, microbatches, virtual, cost, schedule_placement(name, stages, virtual))

@@ -172,3 +172,18 @@ def test_a_schedule_without_a_closed_form_says_so(gpipe_lifo):
 
     with pytest.raises(ScheduleError, match="has no torch.distributed.pipelining counterpart"):
         check_torch_schedule("gpipe_lifo", 2, 4, 1)
+
+
+def test_stages_that_differ_get_their_own_costs():
+    """A measured pipeline's stages are not alike (the last computes the head and the loss): the
+    simulator takes (rank, chunk) -> Costs. One microbatch through two stages, by hand: rank 0's F
+    [0, 1], rank 1's F [1, 3] and B [3, 7], rank 0's B [7, 9]; busy 3 and 6 of 2 x 9."""
+    heavy_last = {(0, 0): unit_costs(1, 2), (1, 0): unit_costs(2, 4)}
+    for schedule in ("gpipe", "1f1b"):
+        result = simulate_schedule(schedule, 2, 1, cost=heavy_last)
+        assert (result.makespan, result.busy, result.bubble_fraction) == (9, [3, 6], 0.5)
+    # The same costs on every stage, given either way, play the same step.
+    alike = {(r, c): unit_costs(1, 2) for r in range(4) for c in range(2)}
+    for schedule in ("interleaved_1f1b", "zbv"):
+        assert simulate_schedule(schedule, 4, 8, 2, alike).makespan == simulate_schedule(
+            schedule, 4, 8, 2, unit_costs(1, 2)).makespan
