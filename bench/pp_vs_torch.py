@@ -129,6 +129,13 @@ def run(plans: dict, skipped: dict, ctx, corpus, rounds: int, steps: int, schedu
         profiles.report()
 
 
+def round_ratios(ours: list[float], theirs: list[float], steps: int) -> list[float]:
+    """torch's median step over ours, round by round (each list holds `steps` timed steps per round)."""
+    rounds = min(len(ours), len(theirs)) // steps
+    return [statistics.median(theirs[r * steps:(r + 1) * steps]) / statistics.median(ours[r * steps:(r + 1) * steps])
+            for r in range(rounds)]
+
+
 def report(plans, schedules, times, losses, norms, skipped, rounds: int, steps: int) -> None:
     plan = next(iter(plans.values()))
     med = {name: statistics.median(t) for name, t in times.items() if t}
@@ -139,14 +146,17 @@ def report(plans, schedules, times, losses, norms, skipped, rounds: int, steps: 
           f"global batch {plan.global_batch} | torch {torch.__version__} | "
           f"{rounds} rounds x {steps} steps per variant (medians of the slowest rank)")
     print(f"{'schedule':<17} {'ours ms':>9} {'ours tok/s':>11} {'torch ms':>9} {'torch tok/s':>12} "
-          f"{'ours/torch tok/s':>17}")
+          f"{'ours/torch tok/s':>17} {'rounds min-max':>15}")
     for s in schedules:
         o, t = med.get(f"ours_{s}"), med.get(f"torch_{s}")
+        spread = round_ratios(times.get(f"ours_{s}", []), times.get(f"torch_{s}", []), steps)
         cells = [f"{o * 1e3:9.1f}" if o else f"{'-':>9}", f"{tokens / o:11.0f}" if o else f"{'-':>11}",
                  f"{t * 1e3:9.1f}" if t else f"{'-':>9}", f"{tokens / t:12.0f}" if t else f"{'-':>12}",
-                 f"{t / o:17.3f}" if o and t else f"{'-':>17}"]
+                 f"{t / o:17.3f}" if o and t else f"{'-':>17}",
+                 f"{min(spread):.3f}-{max(spread):.3f}".rjust(15) if len(spread) > 1 else f"{'-':>15}"]
         print(f"{s:<17} " + " ".join(cells))
-    print("(ours/torch > 1: the hand-written pipeline is faster)")
+    print("(ours/torch > 1: the hand-written pipeline is faster; rounds min-max: the same ratio of medians "
+          "taken round by round, the two variants seconds apart in the same processes)")
     print(f"\nloss check, first {LOSS_STEPS} steps (same seed and data; relative difference ours vs torch):")
     for s in schedules:
         o, t = losses.get(f"ours_{s}", []), losses.get(f"torch_{s}", [])

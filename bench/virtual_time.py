@@ -17,7 +17,8 @@ root), reads the run's summary.json, and for some replays its saved events again
                cores (processor sharing): against their wall step (the claim: within 10%)
   pipelines    every schedule of ours at p 4, m 8: the virtual bubble (idle share of the pipeline
                ranks' time from the step's start to its last F/B/W) against the simulator's with the
-               run's measured mean F, B and W (CPU time per microbatch; the claim: within 3 points)
+               run's measured F, B and W (CPU time per chunk-microbatch; the claim: within 3 points):
+               one mean for all stages, then with the messages' costs, then each stage's own
   network      dp, tp, pp_1f1b at world 2 on loopback (the faithfulness runs), replayed onto
                net=ethernet_1g with inter_mbit=200, against `rounds` runs of launch.run on that
                emulated network: the medians (the claim: within 10%)
@@ -194,7 +195,7 @@ def stage_costs(run_dir: Path, summary: dict, v: int, split: bool, comm: float, 
 
 
 def pipelines(out: Path, common: list[str]) -> str:
-    rows = []
+    rows, stages = [], []
     for preset, schedule in PIPELINES.items():
         v = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
         # model=small: 8 layers, enough for 2 chunks per stage on 4 stages (tiny has 4)
@@ -215,8 +216,10 @@ def pipelines(out: Path, common: list[str]) -> str:
         with_p2p = simulate_schedule(schedule, 4, 8, v, split_costs(cost.forward, cost.input_grad, cost.weight_grad,
                                                                      costs["comm"], costs["transfer"]))
         # The same messages, and each stage's own F, B and W (chunk by chunk) instead of one mean.
-        staged = simulate_schedule(schedule, 4, 8, v, stage_costs(out / f"pp4-{preset}", s, v, split, costs["comm"],
-                                                                 costs["transfer"]))
+        per_stage = stage_costs(out / f"pp4-{preset}", s, v, split, costs["comm"], costs["transfer"])
+        staged = simulate_schedule(schedule, 4, 8, v, per_stage)
+        stages.append([preset, *(f"{stage}.{chunk}: {c.forward / v * 1e3:.1f} / {c.input_grad / v * 1e3:.1f} / "
+                                 f"{c.weight_grad / v * 1e3:.1f}" for (stage, chunk), c in sorted(per_stage.items()))])
         rows.append([preset, f"{bubble:.1%}", f"{sim.bubble_fraction:.1%}",
                      f"{(bubble - sim.bubble_fraction) * 100:+.1f}", f"{with_p2p.bubble_fraction:.1%}",
                      f"{(bubble - with_p2p.bubble_fraction) * 100:+.1f}", f"{staged.bubble_fraction:.1%}",
@@ -224,7 +227,16 @@ def pipelines(out: Path, common: list[str]) -> str:
     return table("Pipelines: p 4, m 8 (bubble)",
                  ["preset", "virtual", "simulator (measured F, B, W)", "points",
                   "simulator (F, B, W, each message's posting CPU time and its transfer)", "points",
-                  "simulator (each stage's own F, B, W, and the messages)", "points", "wall (measured)"], rows)
+                  "simulator (each stage's own F, B, W, and the messages)", "points", "wall (measured)"], rows) + (
+        stage_table(stages) if stages else "")
+
+
+def stage_table(stages: list[list[str]]) -> str:
+    """Each preset's per-stage F / B / W, one column per (stage, chunk) in order."""
+    width = max(len(r) for r in stages)
+    return table("Each stage's own F / B / W (ms of CPU time per chunk-microbatch; an unsplit schedule's B is the "
+                 "whole backward)", ["preset", *["stage.chunk: F / B / W"] * (width - 1)],
+                 [r + [""] * (width - len(r)) for r in stages])
 
 
 def network(out: Path, common: list[str], rounds: int) -> str:
