@@ -1,7 +1,8 @@
 """`compare.rounds=N`: the sweep repeated N times, its order rotated each round, one row per strategy.
 
 The order of a round is built from units: each of our strategies with its PyTorch counterpart
-when both are swept (the first of ours to name it; `partners`), every other strategy alone.
+when both are swept (the first of ours to name it; `partners`), placed where the first of the two
+is listed, every other strategy alone.
 Round k runs the units in the given order rotated left by k, so that no strategy is always the
 first on a cold machine or always the one after the same neighbour, and inside a pair ours runs
 first in even rounds and PyTorch's first in odd ones. A pair's two runs are therefore always
@@ -38,15 +39,21 @@ from parallel.compare.rows import NOISY_SPREAD
 
 
 def units(strategies: list[str], partners: dict[str, str]) -> list[list[str]]:
-    """The sweep's strategies as units, in the given order: [ours, counterpart] where `partners`
-    maps ours to a counterpart that is swept and not already taken, [name] otherwise."""
+    """The sweep's strategies as units, placed where the first of the two is listed: [ours,
+    counterpart] where `partners` maps ours to a swept counterpart not already taken (whichever of
+    the two is listed first), [name] otherwise."""
+    swept = set(strategies)
+    pairs = {}  # each side of a pair -> (ours, theirs), the first of ours listed taking a counterpart
+    for ours in strategies:
+        theirs = partners.get(ours)
+        if theirs in swept and theirs != ours and ours not in pairs and theirs not in pairs:
+            pairs[ours] = pairs[theirs] = (ours, theirs)
     placed: set[str] = set()
     out = []
     for name in strategies:
         if name in placed:
             continue
-        theirs = partners.get(name)
-        unit = [name, theirs] if theirs in strategies and theirs not in placed and theirs != name else [name]
+        unit = list(pairs.get(name, (name,)))
         placed.update(unit)
         out.append(unit)
     return out

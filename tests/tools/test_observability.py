@@ -172,6 +172,9 @@ def test_rounds_keep_each_pair_side_by_side_and_alternate_which_runs_first():
         for ours, theirs in [("dp", "torch_ddp"), ("pp_zbh1", "torch_pp_interleaved_zb")]:
             # Neighbours in every round, ours first in even rounds and PyTorch's first in odd ones.
             assert order.index(theirs) - order.index(ours) == (1 if k % 2 == 0 else -1), (k, order)
+    # PyTorch's listed first: the pair still runs side by side, ours first in even rounds.
+    assert round_order(["torch_ddp", "single", "dp"], 0, {"dp": "torch_ddp"}) == ["dp", "torch_ddp", "single"]
+    assert round_order(["torch_ddp", "single", "dp"], 1, {"dp": "torch_ddp"}) == ["single", "torch_ddp", "dp"]
     # Two of ours naming one counterpart: the first listed (dp_naive) takes it, dp runs alone.
     two = {"dp": "torch_ddp", "dp_naive": "torch_ddp"}
     assert round_order(["dp_naive", "dp", "torch_ddp"], 0, two) == ["dp_naive", "torch_ddp", "dp"]
