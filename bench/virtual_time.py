@@ -170,28 +170,15 @@ def pipeline_bubble(run_dir: Path, summary: dict) -> tuple[float, dict]:
     return vpipe["bubble"], costs
 
 
-def stage_costs(run_dir: Path, summary: dict, v: int, split: bool, comm: float, transfer: float) -> dict:
-    """(pipeline stage, chunk) -> Costs from the first pipeline's own F, B and W CPU seconds in the
-    replayed step: the stages differ (the first embeds the tokens, the last computes the head and
-    the loss), which one mean per action cannot hold. Each as a whole share's (a chunk's times v)."""
-    vpipe = summary["virtual"]["pipeline"]
-    index = summary["virtual"]["step_times_s"].index(summary["virtual"]["step_time_s"])
-    seconds, actions = {}, {}
-    for e in saved.load(run_dir):
-        if e["rank"] not in vpipe["ranks"]:
-            continue
-        stage = e["coords"]["pp"]
-        for ph in e["steps"][index]["phases"]:
-            if ph["phase"] not in ("forward", "backward", "weight", "recompute") or ph["label"][:1] not in "FBW":
-                continue
-            op, chunk = ph["label"][0], int(ph["label"].partition(".")[2] or 0)
-            key = (stage, chunk, op)
-            seconds[key] = seconds.get(key, 0.0) + ph["cpu_end"] - ph["cpu_start"]
-            actions.setdefault(key, set()).add(ph["label"])  # a recompute and its backward are one B
-    mean = {key: seconds[key] / len(actions[key]) for key in seconds}
-    return {(stage, chunk): split_costs(mean[(stage, chunk, F)] * v, mean[(stage, chunk, B)] * v,
-                                        mean.get((stage, chunk, W), 0.0) * v if split else 0.0, comm, transfer)
-            for stage, chunk, op in mean if op == F}
+def stage_costs(summary: dict, v: int, split: bool, comm: float, transfer: float) -> dict:
+    """(pipeline stage, chunk) -> Costs from the replayed step's own F, B and W of each stage
+    (summary.json's virtual.pipeline.by_stage_s): the stages differ (the first's input gradient
+    stops at the embedding), which one mean per action cannot hold. Each as a whole share's (a
+    chunk's times v)."""
+    by_stage = summary["virtual"]["pipeline"]["by_stage_s"]
+    return {tuple(int(x) for x in key.split(".")): split_costs(m["F"] * v, m["B"] * v, m["W"] * v if split else 0.0,
+                                                              comm, transfer)
+            for key, m in by_stage.items()}
 
 
 def pipelines(out: Path, common: list[str]) -> str:
@@ -216,7 +203,7 @@ def pipelines(out: Path, common: list[str]) -> str:
         with_p2p = simulate_schedule(schedule, 4, 8, v, split_costs(cost.forward, cost.input_grad, cost.weight_grad,
                                                                      costs["comm"], costs["transfer"]))
         # The same messages, and each stage's own F, B and W (chunk by chunk) instead of one mean.
-        per_stage = stage_costs(out / f"pp4-{preset}", s, v, split, costs["comm"], costs["transfer"])
+        per_stage = stage_costs(s, v, split, costs["comm"], costs["transfer"])
         staged = simulate_schedule(schedule, 4, 8, v, per_stage)
         stages.append([preset, *(f"{stage}.{chunk}: {c.forward / v * 1e3:.1f} / {c.input_grad / v * 1e3:.1f} / "
                                  f"{c.weight_grad / v * 1e3:.1f}" for (stage, chunk), c in sorted(per_stage.items()))])

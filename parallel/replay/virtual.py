@@ -77,8 +77,9 @@ def pipeline_figures(result: Result, events: list[dict]) -> dict | None:
     """A pipeline's replayed bubble, as the wall clock's is measured (parallel/pp/timeline.py): the
     idle share of the first pipeline's ranks' time, from the step's start to its last F, B or W;
     and the mean CPU seconds of one chunk-microbatch's F, B and W there (the closed forms' and the
-    simulator's inputs, in virtual time). None for a run without our pipeline's actions (no pp, or
-    PyTorch's schedules, whose actions run inside torch as one compute phase)."""
+    simulator's inputs, in virtual time), over all stages and per "stage.chunk" (`by_stage_s`).
+    None for a run without our pipeline's actions (no pp, or PyTorch's schedules, whose actions
+    run inside torch as one compute phase)."""
     if len({e["coords"].get("pp", 0) for e in events}) < 2:
         return None
     first = {e["rank"] for e in events if all(v == 0 for d, v in (e.get("coords") or {}).items() if d != "pp")}
@@ -93,8 +94,20 @@ def pipeline_figures(result: Result, events: list[dict]) -> dict | None:
         pieces = [i for i in work if i.label.startswith(op)]
         actions = {(i.rank, i.label) for i in pieces}  # a recompute and its backward are one B
         mean[op] = sum(i.end - i.start for i in pieces) / len(actions) if actions else 0.0
+    # Each stage's own, chunk by chunk: the stages differ (the first's B stops at the embedding).
+    stage_of = {e["rank"]: e["coords"].get("pp", 0) for e in events if e["rank"] in first}
+    seconds: dict[tuple, float] = defaultdict(float)
+    labels: dict[tuple, set] = defaultdict(set)
+    for i in work:
+        key = (stage_of[i.rank], int(i.label.partition(".")[2] or 0), i.label[0])
+        seconds[key] += i.end - i.start
+        labels[key].add(i.label)
+    by_stage: dict[str, dict] = defaultdict(lambda: dict.fromkeys(("F", "B", "W"), 0.0))
+    for (stage, chunk, op), total in sorted(seconds.items()):
+        by_stage[f"{stage}.{chunk}"][op] = total / len(labels[(stage, chunk, op)])
     return {"bubble": 1.0 - busy / (len(first) * end) if end > 0 else 0.0, "ranks": sorted(first),
-            "mean_forward_s": mean["F"], "mean_backward_s": mean["B"], "mean_weight_s": mean["W"]}
+            "mean_forward_s": mean["F"], "mean_backward_s": mean["B"], "mean_weight_s": mean["W"],
+            "by_stage_s": dict(by_stage)}
 
 
 def waits_on(mean: dict, exposed_by_op: dict) -> str:

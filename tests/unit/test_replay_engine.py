@@ -157,6 +157,11 @@ def test_every_schedule_replays_to_the_simulators_idle_time(name, stages, microb
     split = splits_backward(plans)
     assert figures["mean_backward_s"] == pytest.approx((cost.input_grad + (0 if split else cost.weight_grad)) / virtual)
     assert figures["mean_weight_s"] == pytest.approx(cost.weight_grad / virtual if split else 0.0)
+    # Every stage's own, chunk by chunk: here all alike, so each is the mean.
+    assert sorted(figures["by_stage_s"]) == sorted(f"{s}.{c}" for s in range(stages) for c in range(virtual))
+    for per in figures["by_stage_s"].values():
+        assert (per["F"], per["B"], per["W"]) == pytest.approx(
+            (figures["mean_forward_s"], figures["mean_backward_s"], figures["mean_weight_s"]), rel=1e-12)
 
 
 def test_given_loopback_figures_go_to_a_run_as_overrides_and_come_back_the_same():
