@@ -1,16 +1,22 @@
 """What one gloo call costs on this machine, call by call: the distribution behind the loopback link model.
 
     torchrun --standalone --nproc-per-node 2 bench/gloo_call_costs.py [calls=150] [sizes_kib=2,16,128,1024]
+        [burst_ms=0.5] [policies=normal,batch]
 
-Two ranks, a core each. For each size, `calls` blocking all-reduces, each after `burst_ms` of
-matmuls on both ranks (the probe's pattern, parallel/replay/probe.py), and then the same size as a
-send/receive ping-pong. Printed per size: the 10th, 50th and 90th percentiles, the mean, and the
-share of calls over 3 ms. Beside them, rank 0 times a plain TCP ping-pong of 16 KiB with a child
-process over the loopback device, the kernel's own cost with no gloo in the way.
+Two ranks, a core each. For each size and each gloo event-loop policy (`train.gloo_loop_policy`,
+parallel/dist/gloo_loop.py; both in the same two processes, one after the other), `calls`
+blocking all-reduces, each after `burst_ms` of matmuls on both ranks (the probe's pattern,
+parallel/replay/probe.py), and then the same size as a send/receive ping-pong. Printed per size
+and policy: the 10th, 50th and 90th percentiles, the mean, and the share of calls over 3 ms.
+Beside them, rank 0 times a plain TCP ping-pong of 16 KiB with a child process over the loopback
+device, the kernel's own cost with no gloo in the way.
 
-Why it is here: the replay's loopback model is one latency and one rate (a call's mean). On this
-machine kind the mean hides a heavy tail, a share of calls that take 3-5 ms whatever their size,
-and that share moves from one run to the next; docs/virtual-time.md gives the measured figures.
+Why it is here: the replay's loopback model is one latency and one rate (a call's mean). Under
+the kernel's default policy gloo's calls have a heavy tail on this machine kind, a share of calls
+that take 3-5 ms whatever their size (one scheduler tick: gloo's event-loop thread spins on a
+lock whose holder it took the core from), and that share moves from one run to the next. With
+`batch` the tail is gone. `taskset -c 0 torchrun ...` (both ranks on one core) shows the mechanism
+alone: every ping-pong a tick under `normal`. docs/virtual-time.md gives the measured figures.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from parallel.dist.gloo_loop import GLOO_LOOP_POLICIES, apply_gloo_loop_policy
 
 TCP_PORT_OFFSET = 7  # the ping-pong's port: MASTER_PORT + this
 
@@ -101,7 +109,7 @@ def tcp_ping_pong(calls: int, nbytes: int = 16 * 1024) -> list[float]:
 
 
 def main(argv: list[str]) -> None:
-    opts = {"calls": "150", "sizes_kib": "2,16,128,1024", "burst_ms": "0.5"}
+    opts = {"calls": "150", "sizes_kib": "2,16,128,1024", "burst_ms": "0.5", "policies": "normal,batch"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -112,17 +120,24 @@ def main(argv: list[str]) -> None:
     if dist.get_world_size() != 2:
         raise SystemExit("run it with --nproc-per-node 2: two ranks, a core each")
     calls, burst_s = int(opts["calls"]), float(opts["burst_ms"]) * 1e-3
+    policies = opts["policies"].split(",")
+    for policy in policies:
+        if policy not in GLOO_LOOP_POLICIES:
+            raise SystemExit(f"policies={opts['policies']!r}: each one of {', '.join(GLOO_LOOP_POLICIES)}")
     rows = {}
     for kib in (int(k) for k in opts["sizes_kib"].split(",")):
         t = torch.ones(kib * 1024 // 4)
-        rows[f"all_reduce {kib} KiB after {opts['burst_ms']} ms"] = percentiles(all_reduces(t, calls, burst_s))
-        rows[f"send/recv ping-pong {kib} KiB"] = percentiles(ping_pongs(t, calls))
+        for policy in policies:
+            apply_gloo_loop_policy(policy)
+            rows[f"all_reduce {kib} KiB after {opts['burst_ms']} ms, {policy}"] = percentiles(
+                all_reduces(t, calls, burst_s))
+            rows[f"send/recv ping-pong {kib} KiB, {policy}"] = percentiles(ping_pongs(t, calls))
     dist.barrier()
     if dist.get_rank() == 0:
         rows["plain TCP ping-pong 16 KiB (no gloo)"] = percentiles(tcp_ping_pong(calls))
         print(f"# gloo call costs, ms, {calls} calls each, 2 ranks ({time.strftime('%Y-%m-%d %H:%M')})")
         for name, row in rows.items():
-            print(f"{name:40s} {json.dumps(row)}")
+            print(f"{name:48s} {json.dumps(row)}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -21,6 +21,7 @@ from launch.config import CONFIG_DIR
 from parallel.core.data import load_corpus
 from parallel.core.host_memory import apply_host_allocator
 from parallel.dist.comm import CommLog
+from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown, threads_per_rank
 from parallel.plan import build_plan
 
@@ -52,6 +53,8 @@ def run_distributed(env: LaunchEnv, plan, body) -> None:
     apply_host_allocator(plan.host_allocator)  # as launch.train does: ours and PyTorch's alike
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
+    ctx.gloo_loop_policy = plan.gloo_loop_policy  # as launch.train sets it; timed_step applies it to new groups too
+    apply_gloo_loop_policy(ctx.gloo_loop_policy)
     try:
         body(plan, ctx, corpus)
     finally:
@@ -77,6 +80,8 @@ def timed_step(ctx, step_fn):
     Returns (seconds of the slowest rank on rank 0, None elsewhere; what step_fn returned; this
     rank's traffic of the step). A step lasts as long as its slowest rank.
     """
+    if ctx.gloo_loop_policy is not None:  # groups the variants made since (dist/gloo_loop.py), before the clock
+        apply_gloo_loop_policy(ctx.gloo_loop_policy)
     ctx.log.begin_step()
     start = time.perf_counter()
     result = step_fn()

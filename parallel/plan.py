@@ -23,6 +23,7 @@ from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
 from parallel.cp import rules as cp_rules
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
+from parallel.dist.gloo_loop import GLOO_LOOP_POLICIES
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dist.timing import default_warmup_steps
 from parallel.dp import rules as dp_rules
@@ -60,6 +61,7 @@ class RunPlan:
     seed: int
     threads: int | None
     host_allocator: str
+    gloo_loop_policy: str
     data_path: str | None
     data_max_bytes: int
     run_dir: str | None
@@ -187,6 +189,10 @@ def _check_numbers(cfg) -> None:
         raise ConfigError(f"train.host_allocator={t.get('host_allocator')!r}: "
                           f"choose one of {', '.join(HOST_ALLOCATORS)} "
                           "(keep: freed host memory stays in the process; system: the C library's defaults)")
+    if t.get("gloo_loop_policy", "batch") not in GLOO_LOOP_POLICIES:
+        raise ConfigError(f"train.gloo_loop_policy={t.get('gloo_loop_policy')!r}: "
+                          f"choose one of {', '.join(GLOO_LOOP_POLICIES)} "
+                          "(batch: gloo's event-loop threads never preempt on wake-up; normal: the kernel's default)")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
                         ("train.save_grads", t.save_grads),
                         ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log),
@@ -337,6 +343,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         seed=int(t.seed),
         threads=t.threads,
         host_allocator=str(t.get("host_allocator", "keep")),
+        gloo_loop_policy=str(t.get("gloo_loop_policy", "batch")),
         data_path=cfg.data.path,
         data_max_bytes=int(cfg.data.max_bytes),
         run_dir=cfg.run.dir,

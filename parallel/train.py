@@ -21,6 +21,7 @@ from parallel.core.model import GPT, count_parameters
 from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
+from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
 from parallel.dist.timing import StepTimer, count_every_thread
 from parallel.moe.stats import RoutingMeter
@@ -82,6 +83,9 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     try:
         run = setup(plan, ctx)
         log.info("host allocator: %s", host_allocator)
+        # Once the groups exist (each has its own gloo device and event-loop thread); again after
+        # each warm-up step below, for the groups PyTorch's own strategies make lazily.
+        log.info("gloo event loop: %s", apply_gloo_loop_policy(plan.gloo_loop_policy))
         run_steps(run, corpus)
         run.links = _link_model(run, resolved_config)
         report(run, resolved_config)
@@ -172,6 +176,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
                         local_microbatches(global_batch, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank,
                            strategy.model.parameters())
+        if plan.start_step < step <= plan.start_step + plan.warmup_steps:
+            apply_gloo_loop_policy(plan.gloo_loop_policy)  # groups made during the steps before (dist/gloo_loop.py)
         ctx.log.begin_step()
         timer.start()
         strategy.phases.begin_step(clock)
@@ -268,7 +274,7 @@ def _link_model(run: Run, resolved_config: dict):
     node_of = (lambda r: r // int(settings.get("procs_per_node") or 1)) if settings else (lambda r: 0)
     if settings and settings.get("placement") == "cyclic":
         node_of = lambda r: r % int(settings.get("nodes") or 1)  # noqa: E731
-    loop = probe_loopback(run.ctx.rank, run.plan.dims.world_size, node_of, virtual)
+    loop = probe_loopback(run.ctx.rank, run.plan.dims.world_size, node_of, virtual, run.plan.gloo_loop_policy)
     return from_net(settings, loop) if settings and settings.get("name") != "none" else loop
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
+from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.replay.probe import PAYLOAD_BYTES, best_time, run_probe
 
 
@@ -27,6 +29,7 @@ def main() -> None:
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo")
+    apply_gloo_loop_policy(sys.argv[1] if len(sys.argv) > 1 else "batch")  # as a run sets it (run_probe)
     n = dist.get_world_size()
     torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1) // n))
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)

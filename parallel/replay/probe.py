@@ -8,11 +8,14 @@ while every other rank waits in a barrier (a gloo barrier blocks in a receive: i
 They measure a collective the way a training step meets one: **coming out of compute, and on
 average**. Each timed all-reduce follows a burst of matmuls on both ranks (`BURST_S` of thread CPU
 time), and the figure is the mean over many, not the best. Measured on a 2-core machine with a
-core per rank, a 128 KiB gloo all-reduce takes 0.12-0.3 ms at best but 0.25-1.4 ms at the median
-and 3-4 ms one time in three or four (the threads gloo wakes to move the bytes do not always run at
-once). The best of a burst of back-to-back calls, the planner's method (parallel/planner/loopback.py),
-misses all of that, and a step of 22 such calls is then replayed at a fifth of its wall time. A
-step pays the mean cost of each call, so the mean is the figure:
+core per rank, a 128 KiB gloo all-reduce takes 0.2-0.3 ms at best but 0.3-0.5 ms at the median
+and about 1 ms at the 90th percentile: each call hands work between the rank's thread, a gloo
+worker thread and gloo's event-loop thread, and each handoff waits for a wake-up. (Under the
+kernel's default policy for gloo's event loop, `train.gloo_loop_policy=normal`, a further 7-18%
+of calls take 3-5 ms, a scheduler tick: parallel/dist/gloo_loop.py. The probe's ranks set the
+same policy as the runs.) The best of a burst of back-to-back calls, the planner's method
+(parallel/planner/loopback.py), misses the handoffs, and a step of 22 such calls is then replayed
+at a fraction of its wall time. A step pays the mean cost of each call, so the mean is the figure:
 
     latency   the mean time of a small all-reduce (SMALL_BYTES, whose bytes take microseconds)
               over its 2(n-1) = 2 ring steps, less those bytes' time
@@ -20,10 +23,9 @@ step pays the mean cost of each call, so the mean is the figure:
               over its mean time less the two steps' latency
     p2p       one message's latency: half the mean time of a SMALL_BYTES ping-pong (a send and a
               receive each way), less its bytes' time. gloo runs a send or a receive on the
-              calling thread and a collective on the group's worker threads, and the handoffs
-              are where a loopback call stalls: three probe runs on the idle machine gave
-              0.14-0.26 ms per message against 0.60-0.81 ms per ring step (bench/gloo_call_costs.py
-              shows the two distributions)
+              calling thread and a collective on the group's worker threads, so a message makes
+              fewer handoffs than a ring step (bench/gloo_call_costs.py shows the two
+              distributions)
 
 The first two from the same bursts, so the two equations t = 2 L + sent / rate are solved
 together. About 0.5 s per run. A figure given in the config (`virtual.loopback_gbytes_per_s`,
@@ -47,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.replay.links import LinkModel, loopback
 
 PAYLOAD_BYTES = 8 * 2**20
@@ -135,8 +138,10 @@ def figure_overrides(figures: dict) -> list[str]:
     return out
 
 
-def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) -> LinkModel:
-    """Every rank calls this (a group is made); every rank gets the model (rank 0's figures)."""
+def probe_loopback(rank: int, world: int, node_of, given: dict | None = None,
+                   gloo_loop_policy: str = "batch") -> LinkModel:
+    """Every rank calls this (a group is made, its gloo event loop set as the run's:
+    `train.gloo_loop_policy`); every rank gets the model (rank 0's figures)."""
     figures = given_figures(given or {})
     if figures is not None:
         named = "virtual.loopback_gbytes_per_s, virtual.loopback_latency_us" + (
@@ -147,6 +152,7 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) ->
         return loopback(FALLBACK["bytes_per_s"], FALLBACK["latency_s"],
                         "this machine's planner figures (no two ranks on one node to probe with)")
     pair = dist.new_group([0, partner], backend="gloo")
+    apply_gloo_loop_policy(gloo_loop_policy)
     figures = torch.zeros(3, dtype=torch.float64)
     if rank in (0, partner):
         figures[:] = torch.tensor(measure_pair(pair))
@@ -158,10 +164,12 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None) ->
                     f"{SMALL_BYTES // 1024} KiB ping-pongs after compute", float(figures[2]))
 
 
-def run_probe(module: str, ranks: int, timeout_s: float) -> dict:
+def run_probe(module: str, ranks: int, timeout_s: float, gloo_loop_policy: str = "batch") -> dict:
     """Run a probe `module` under torchrun with `ranks` gloo ranks of their own and read the JSON
-    line its rank 0 prints (this one; the planner's parallel/planner/loopback.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module]
+    line its rank 0 prints (this one; the planner's parallel/planner/loopback.py). Its gloo event
+    loop is set as a run's would be (`train.gloo_loop_policy`, its only argument)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module,
+           gloo_loop_policy]
     root = str(Path(__file__).resolve().parents[2])  # this checkout's code, in the child processes too
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
@@ -172,7 +180,7 @@ def run_probe(module: str, ranks: int, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-def measure_once(runs: int = 3, timeout_s: float = 120) -> dict:
+def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = "batch") -> dict:
     """{"bytes_per_s", "latency_s", "p2p_latency_s"}: this module's probe run by two ranks of their own (one per core),
     for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
     in what they measured, not in their probes.
@@ -180,13 +188,15 @@ def measure_once(runs: int = 3, timeout_s: float = 120) -> dict:
     Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move a
     lot on this machine kind: five back-to-back runs on the idle machine gave 1.18-2.01 GB/s and
     0.75-1.02 ms per ring step, and every run of a sweep inherits its probe's error in one direction."""
-    probes = [run_probe("parallel.replay.probe", 2, timeout_s) for _ in range(max(1, runs))]
+    probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy) for _ in range(max(1, runs))]
     return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s", "p2p_latency_s")}
 
 
 def main() -> None:
-    """Under torchrun with 2 ranks: print {"bytes_per_s", "latency_s", "p2p_latency_s"} as JSON on rank 0."""
+    """Under torchrun with 2 ranks: print {"bytes_per_s", "latency_s", "p2p_latency_s"} as JSON on rank 0.
+    Its one optional argument is `train.gloo_loop_policy` (default batch)."""
     dist.init_process_group("gloo")
+    apply_gloo_loop_policy(sys.argv[1] if len(sys.argv) > 1 else "batch")
     torch.set_num_threads(1)
     rate, latency, p2p = measure_pair()
     if dist.get_rank() == 0:
