@@ -349,7 +349,7 @@ def loopback_overrides(cfg: DictConfig, device: torch.device) -> list[str]:
         return figure_overrides(given)
     if device.type != "cpu":
         return []
-    loop = measure_once()
+    loop = measure_once(gloo_loop_policy=str(cfg.train.get("gloo_loop_policy", "batch")))  # as the runs set it
     print(f"compare: loopback for virtual time {loop['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
           f"{loop['latency_s'] * 1e6:.0f} us per ring step, {loop['p2p_latency_s'] * 1e6:.0f} us per message "
           "(probed once, given to every run)", flush=True)

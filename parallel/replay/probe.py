@@ -185,9 +185,11 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
     in what they measured, not in their probes.
 
-    Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move a
-    lot on this machine kind: five back-to-back runs on the idle machine gave 1.18-2.01 GB/s and
-    0.75-1.02 ms per ring step, and every run of a sweep inherits its probe's error in one direction."""
+    Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move
+    on this machine kind: five back-to-back runs on the idle machine gave 1.23-1.71 GB/s, 180-256 us
+    per ring step and 70-232 us per message (2026-12-02, gloo's event loop at SCHED_BATCH; under the
+    kernel's default policy 0.84-2.01 GB/s and 572-1020 us per ring step), and every run of a sweep
+    inherits its probe's error in one direction."""
     probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy) for _ in range(max(1, runs))]
     return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s", "p2p_latency_s")}
 
