@@ -24,6 +24,12 @@ not starved, it only waits for the running thread's slice instead of taking the 
 Setting it needs no privilege (a thread may always lower its own claim). Nothing a rank computes
 changes: only which thread the kernel runs first.
 
+The price is paid where *other* processes keep the cores busy: the loop thread then waits out
+their slices too, where under the default policy it would have taken the core at once. With one
+busy process per core beside the run, zero2's step took 1.7-2x as long under `batch` (whole
+runs alternating, docs/measured.md). Hence the choice, and `batch` as the default for what this sandbox
+runs on: a machine whose cores are its ranks'.
+
 `train.gloo_loop_policy` chooses: `batch` (the default: every gloo event-loop thread of the rank
 is set to SCHED_BATCH once its process groups exist) or `normal` (SCHED_OTHER, the kernel's
 default, as a plain PyTorch job has it). Under NCCL there is no such thread and the choice
