@@ -26,8 +26,14 @@ it, the links it loads and for how long. The rules, those of the issue that aske
   posts plus the transfer; a blocking call, or a wait, returns then.
 
 Compute runs at one core's pace per rank (`cores=None`: a device per rank), or, to reproduce a
-machine with fewer cores than ranks, by processor sharing: the ranks computing at one moment each
-progress at min(1, cores / computing) of a core (a rank blocked in a wait uses none).
+machine with fewer cores than ranks, by processor sharing. There the cores are shared by whatever
+wants one at that moment: each rank that computes, and each member of an op in flight (on this
+machine a collective or a message is moved by the members' gloo threads, on the same cores:
+measured, four tp ranks on two cores kept them 67% busy, 22% of it in gloo's threads). Each of
+those progresses at min(1, cores / wanting) of a core: a computing rank through its compute, an op
+through its latency and its bytes. A rank blocked in a wait uses none. The count is an upper
+bound on what an op needs (a gloo thread waiting for its peer's bytes sleeps), the same for every
+op, with nothing fitted.
 
 Time advances from one event (a compute finishing, a latency elapsing, a transfer ending) to the
 next; everything that can happen at an instant happens before time moves. Nothing here knows
@@ -259,19 +265,23 @@ class Replay:
         return self.bandwidth[link]
 
     def rates(self) -> tuple[list[int], float, dict, dict]:
-        """The ranks computing and their pace (processor sharing), each transfer's rate (the
-        fraction of its bytes per second): its share of each link it loads (equal shares), at the
-        pace of its most loaded link; and the bytes/s each bucketed link carries."""
+        """The ranks computing and the pace of everything that wants a core (processor sharing:
+        computing ranks and the members of ops in flight), each transfer's rate (the fraction of
+        its bytes per second): its share of each link it loads (equal shares), at the pace of its
+        most loaded link, times that pace; and the bytes/s each bucketed link carries."""
         busy = [r for r in range(self.n) if self.computing[r] is not None]
-        pace = 1.0 if self.cores is None or not busy else min(1.0, self.cores / len(busy))
+        pace = 1.0
+        if self.cores is not None:
+            wanting = len(busy) + len({m for op in self.active for m in op.members})
+            pace = min(1.0, self.cores / wanting) if wanting else 1.0
         moving = [op for op in self.active if self.phase_of[op.key] == "bytes"]
         load: dict = {}
         for op in moving:
             for link, nbytes in op.demand.items():
                 if nbytes > 0:
                     load[link] = load.get(link, 0) + 1
-        rate = {op.key: min(self.capacity(link) / load[link] / nbytes for link, nbytes in op.demand.items()
-                            if nbytes > 0) for op in moving}
+        rate = {op.key: pace * min(self.capacity(link) / load[link] / nbytes for link, nbytes in op.demand.items()
+                                   if nbytes > 0) for op in moving}
         flow = dict.fromkeys(self.buckets, 0.0)
         for op in moving:
             for link, nbytes in op.demand.items():
@@ -284,7 +294,8 @@ class Replay:
         or a bucket running dry."""
         busy, pace, rate, flow = self.rates()
         steps = [self.remaining[r] / pace for r in busy]
-        steps += [self.left[op.key] / rate[op.key] if op.key in rate else self.left[op.key] for op in self.active]
+        steps += [self.left[op.key] / rate[op.key] if op.key in rate else self.left[op.key] / pace
+                  for op in self.active]
         drain = {link: flow[link] - self.bandwidth[link] for link in self.buckets}
         steps += [self.tokens[link] / drain[link] for link in self.buckets
                   if self.tokens[link] > TOKEN_EPS and drain[link] > 0]
@@ -303,8 +314,8 @@ class Replay:
             key = op.key
             if key in rate:
                 self.left[key] = 0.0 if self.left[key] / rate[key] <= dt else self.left[key] - dt * rate[key]
-            else:
-                self.left[key] = max(0.0, self.left[key] - dt)
+            else:  # its latency, at the pace of the cores it shares
+                self.left[key] = 0.0 if self.left[key] / pace <= dt else self.left[key] - dt * pace
 
 
 def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None,

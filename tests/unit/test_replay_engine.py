@@ -97,6 +97,28 @@ def test_processor_sharing_slows_compute_by_cores_over_ranks_computing():
     assert run([[Compute(1)]] * 4, cores=2).ends == [2, 2, 2, 2]
 
 
+def test_processor_sharing_counts_the_members_of_an_op_in_flight():
+    # A blocking call on one core: its two members' threads share it, the latency takes twice as long;
+    # with a core each it takes its own time.
+    def call():
+        return Op(("ar",), (0, 1), latency_s=1.0)
+    shared_call = call()
+    assert run([[Call(shared_call)], [Call(shared_call)]], cores=1).ends == [2, 2]
+    own = call()
+    assert run([[Call(own)], [Call(own)]], cores=2).ends == [1, 1]
+    # Posted, then 1 s of compute on each rank, all on one core: two computing ranks and two
+    # members of the op in flight want it, so compute and latency both run at a quarter (4 s);
+    # without processor sharing, 1 s each.
+    def overlapped():
+        op = call()
+        return [[Post(op, "h"), Compute(1), Wait(("h",))], [Post(op, "h"), Compute(1), Wait(("h",))]]
+    assert run(overlapped(), cores=1).ends == [4, 4]
+    assert run(overlapped()).ends == [1, 1]
+    # Bytes too: 10 bytes over a 10 B/s link, the two members sharing one core: 2 s.
+    moving = Op(("bytes",), (0, 1), demand={"l": 10.0})
+    assert run([[Call(moving)], [Call(moving)]], {"l": 10.0}, cores=1).ends == pytest.approx([2, 2])
+
+
 def test_an_op_a_member_never_posts_is_a_deadlock():
     op = Op(("x",), (0, 1))
     with pytest.raises(Deadlock):
