@@ -56,8 +56,13 @@ def test_a_live_run_sets_every_gloo_loop_thread_of_every_rank(tmp_path):
         policies = {r: _loop_thread_policies(pid) for r, pid in pids.items()}
         logged = (run_dir / "logs" / "rank1.log").read_text()
     finally:
-        proc.kill()
-        proc.communicate(timeout=60)
+        # SIGTERM: torchrun stops its workers and waits for them (SIGKILL would leave them training on).
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=60)
     for r, found in policies.items():
         assert found, f"rank {r} has no {LOOP_THREAD_NAME} thread"
         assert set(found) == {os.SCHED_BATCH}, f"rank {r}: policies {found}, SCHED_BATCH is {os.SCHED_BATCH}"
