@@ -53,8 +53,7 @@ def run_distributed(env: LaunchEnv, plan, body) -> None:
     apply_host_allocator(plan.host_allocator)  # as launch.train does: ours and PyTorch's alike
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, CommLog())
-    ctx.gloo_loop_policy = plan.gloo_loop_policy  # as launch.train sets it; timed_step applies it to new groups too
-    apply_gloo_loop_policy(ctx.gloo_loop_policy)
+    ctx.gloo_loop_policy = plan.gloo_loop_policy  # as launch.train sets it: timed_step applies it before each step
     try:
         body(plan, ctx, corpus)
     finally:

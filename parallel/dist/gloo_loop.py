@@ -13,8 +13,8 @@ woke up on the lock holder's core: Linux lets a freshly woken thread preempt the
 the loop thread takes the core from the very thread it waits for, and nothing moves until the
 scheduler's next tick takes it back (4 ms at HZ=250). Measured on this project's CPU machine kind
 (2 cores, torch 2.13, `bench/gloo_call_costs.py`): with every thread of two ranks on one core a
-16 KiB send/receive ping-pong took 3.8-4.2 ms, each one a tick, against 0.2-0.4 ms with the loop
-threads set as below; with a core per rank, 7-18% of 16 KiB and 128 KiB all-reduces took over
+16 KiB send/receive ping-pong took 3.9-4.1 ms, each one a tick, against 0.06-0.09 ms with the
+loop threads set as below; with a core per rank, 7-18% of 16 KiB and 128 KiB all-reduces took over
 3 ms, against 0-3% with them set. The stall is gloo's, not the network's: a plain TCP ping-pong
 between the same two processes takes 10-100 us and never stalls.
 
@@ -43,15 +43,14 @@ from pathlib import Path
 
 GLOO_LOOP_POLICIES = ("batch", "normal")
 LOOP_THREAD_NAME = "gloo_tcp_loop"  # gloo's tcp::Loop names its thread so (pthread_setname_np)
-_TASKS = Path("/proc/self/task")
 
 
-def gloo_loop_threads() -> list[int]:
-    """Thread ids of this process's gloo event-loop threads (Linux); [] where there are none or
-    no /proc to read."""
+def gloo_loop_threads(pid: int | str = "self") -> list[int]:
+    """Thread ids of the gloo event-loop threads of process `pid` (this one by default; Linux);
+    [] where there are none or no /proc to read."""
     tids = []
     try:
-        entries = list(_TASKS.iterdir())
+        entries = list(Path(f"/proc/{pid}/task").iterdir())
     except OSError:
         return []
     for task in entries:

@@ -16,7 +16,7 @@ import time
 import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT, TINY, train_command
 
-from parallel.dist.gloo_loop import LOOP_THREAD_NAME, apply_gloo_loop_policy
+from parallel.dist.gloo_loop import LOOP_THREAD_NAME, apply_gloo_loop_policy, gloo_loop_threads
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"),
                                 reason="scheduling policies per thread are Linux's")
@@ -24,15 +24,7 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or not os.path.is
 
 def _loop_thread_policies(pid: int) -> list[int]:
     """The scheduling policy of each gloo event-loop thread of process `pid`."""
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/comm") as f:
-                if f.read().strip() == LOOP_THREAD_NAME:
-                    out.append(os.sched_getscheduler(int(task)))
-        except (OSError, ProcessLookupError):
-            continue
-    return out
+    return [os.sched_getscheduler(tid) for tid in gloo_loop_threads(pid)]
 
 
 def test_a_live_run_sets_every_gloo_loop_thread_of_every_rank(tmp_path):
