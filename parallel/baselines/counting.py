@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.dist.comm import CommLog, Communicator, tensor_bytes
-from parallel.dist.timing import cpu_time
+from parallel.dist.timing import cpu_stamp
 
 # functional op -> (the project's op name, payload rule): "input" the input tensor (an all-reduce's
 # tensor, a reduce-scatter's full input), "gathered" input x group size (an all-gather's full output)
@@ -103,7 +103,7 @@ class FunctionalCollectiveCounter:
         def call(tensor, *args):
             group, size = self.groups(args[-1])  # the group name is every functional collective's last argument
             payload = tensor_bytes(tensor) * (size if rule == "gathered" else 1)
-            start, cpu_start = time.perf_counter(), cpu_time()
+            start, cpu_start = time.perf_counter(), cpu_stamp()
             out = original(tensor, *args)
             end = time.perf_counter()
             tag = f"{self.prefix}/{op}"
@@ -116,7 +116,7 @@ class FunctionalCollectiveCounter:
 
     def _timed_wait(self, original):
         def call(tensor):
-            start, cpu_start = time.perf_counter(), cpu_time()
+            start, cpu_start = time.perf_counter(), cpu_stamp()
             out = original(tensor)
             end = time.perf_counter()
             awaited = self._awaiting.pop(id(tensor), None)
@@ -159,7 +159,7 @@ class PipelineP2PCounter:
 
     def _counted(self, original):
         def call(p2p_ops, *args, **kwargs):
-            start, cpu_start = time.perf_counter(), cpu_time()
+            start, cpu_start = time.perf_counter(), cpu_stamp()
             works = original(p2p_ops, *args, **kwargs)
             share = (time.perf_counter() - start) / max(len(p2p_ops), 1)
             seconds = share if self.log.timed else 0.0
@@ -182,7 +182,7 @@ class PipelineP2PCounter:
 
     def _timed_wait(self, original):
         def call(works, *args, **kwargs):
-            start, cpu_start = time.perf_counter(), cpu_time()
+            start, cpu_start = time.perf_counter(), cpu_stamp()
             out = original(works, *args, **kwargs)
             end = time.perf_counter()
             waits = self._batches.pop(id(works), ())

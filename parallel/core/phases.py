@@ -39,13 +39,13 @@ class PhaseLog:
 
     def __init__(self):
         self.clock = None  # set for the duration of a step by the training loop
-        self._marks: list[tuple[str, str, object, float]] = []  # phase, label, stamp, thread CPU time
+        self._marks: list[tuple[str, str, object, tuple]] = []  # phase, label, stamp, CPU stamp (timing.cpu_stamp)
         self._resolver = None
 
     def begin_step(self, clock) -> None:
         """The step began at the clock's origin: until the strategy's first mark it is "unmarked"."""
         self.clock = clock
-        self._marks = [("unmarked", "", clock.origin, clock.origin_cpu)]
+        self._marks = [("unmarked", "", clock.origin, (clock.origin_cpu, clock.origin_helpers))]
 
     def __call__(self, phase: str, label: str = "") -> None:
         if self.clock is None:
@@ -59,14 +59,17 @@ class PhaseLog:
         self._resolver, self.clock = self.clock, None
 
     def resolve(self) -> list[dict]:
-        """[{phase, label, start, end, cpu_start, cpu_end}] in seconds from the step's origin (wall,
-        and the thread's CPU time), in order, the last one ending at the step's end; phases of zero
-        wall length (two marks in a row) are left out."""
+        """[{phase, label, start, end, cpu_start, cpu_end, helper_start, helper_end}] in seconds from
+        the step's origin (wall, the thread's CPU time, and the CPU time of the process's other
+        threads, gloo's), in order, the last one ending at the step's end; phases of zero wall
+        length (two marks in a row) are left out."""
         if self._resolver is None:
             return []
         clock = self._resolver
         times = [clock.seconds(stamp) for _, _, stamp, _ in self._marks] + [clock.seconds(clock.end)]
-        cpus = [clock.cpu_seconds(c) for _, _, _, c in self._marks] + [clock.cpu_seconds(clock.end_cpu)]
+        stamps = [c for _, _, _, c in self._marks] + [(clock.end_cpu, clock.end_helpers)]
+        cpus = [clock.cpu_seconds(c) for c in stamps]
+        helpers = [clock.helper_seconds(c) for c in stamps]
         return [{"phase": phase, "label": label, "start": times[i], "end": times[i + 1],
-                 "cpu_start": cpus[i], "cpu_end": cpus[i + 1]}
+                 "cpu_start": cpus[i], "cpu_end": cpus[i + 1], "helper_start": helpers[i], "helper_end": helpers[i + 1]}
                 for i, (phase, label, _, _) in enumerate(self._marks) if times[i + 1] > times[i]]

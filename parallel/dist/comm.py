@@ -41,7 +41,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-from parallel.dist.timing import cpu_time
+from parallel.dist.timing import cpu_stamp
 
 TOOLING_PREFIX = "tooling/"
 
@@ -144,17 +144,18 @@ class CommLog:
         return traffic
 
     def span(self, kind: str, op: str, group: str, tag: str, start, end, entry: Totals | None = None, *,
-             cpu_start: float | None = None, peer: int | None = None, waits: tuple = (),
+             cpu_start: tuple | None = None, peer: int | None = None, waits: tuple = (),
              posted: bool = False) -> int | None:
         """Keep one call's span in this step (start, end: StepClock stamps; `entry`: the call's
         record, whose bytes the span carries; none for a wait, whose call carried them); returns
-        its id (None when not spanning). The thread's CPU time at the end is read here, at the
-        start by the caller (`cpu_start`; None: the same as the end). `peer`: a send's or receive's
+        its id (None when not spanning). The CPU stamp (timing.cpu_stamp: the thread's and the other
+        threads' CPU time) at the end is read here, at the start by the caller (`cpu_start`; None:
+        the same as the end). `peer`: a send's or receive's
         other end (global rank); `waits`: the ids of the posts a wait waits for; `posted`: a call
         drawn as blocking (PyTorch's pipeline posts) that the replay must treat as a post."""
         if not self.spanning:
             return None
-        cpu_end = cpu_time()
+        cpu_end = cpu_stamp()
         payload, sent = (entry.payload_bytes, entry.sent_bytes) if entry is not None else (0, 0)
         self._spans.append((kind, op, group, tag, payload, sent, start, end,
                             cpu_end if cpu_start is None else cpu_start, cpu_end, peer, tuple(waits), posted))
@@ -163,10 +164,10 @@ class CommLog:
     def resolve_spans(self) -> list[dict]:
         if self.clock is None:
             return []
-        seconds, cpu = self.clock.seconds, self.clock.cpu_seconds
+        seconds, cpu, helper = self.clock.seconds, self.clock.cpu_seconds, self.clock.helper_seconds
         return [{"kind": kind, "op": op, "group": group, "tag": tag, "payload_bytes": payload,
                  "sent_bytes": float(sent), "start": seconds(start), "end": seconds(end), "blocked": kind != "post",
-                 "cpu_start": cpu(c0), "cpu_end": cpu(c1), "id": self._span_base + i, "peer": peer, "waits": list(waits),
+                 "cpu_start": cpu(c0), "cpu_end": cpu(c1), "helper_start": helper(c0), "helper_end": helper(c1), "id": self._span_base + i, "peer": peer, "waits": list(waits),
                  "posted": posted}
                 for i, (kind, op, group, tag, payload, sent, start, end, c0, c1, peer, waits, posted)
                 in enumerate(self._spans)]
@@ -288,7 +289,7 @@ class Handle:
         log = self._comm.log
         interval = DeviceInterval() if log.timed and self._cuda else None
         start = time.perf_counter() if log.timed and not self._cuda else 0.0
-        cpu_start = cpu_time() if log.spanning else None
+        cpu_start = cpu_stamp() if log.spanning else None
         waits = () if self._span_id is None else (self._span_id,)
         try:
             self._work.wait()
@@ -333,7 +334,7 @@ class Communicator:
         clocked = timed or spanning
         interval = DeviceInterval() if clocked and cuda else None
         start = time.perf_counter() if clocked and not cuda else 0.0
-        cpu_start = cpu_time() if spanning else None
+        cpu_start = cpu_stamp() if spanning else None
         try:
             work = fn()
         except RuntimeError as e:
@@ -379,7 +380,7 @@ class Communicator:
 
     def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
         """An async sum whose result is a Future of the tensor (what DDP communication hooks return)."""
-        start, cpu_start = time.perf_counter(), cpu_time()
+        start, cpu_start = time.perf_counter(), cpu_stamp()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         entry = self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
         # Host time even on a GPU: DDP calls this hook from its reducer, and waits for it there, out
@@ -434,7 +435,7 @@ class Communicator:
         ]
         clock = self.log.clock if self.log.spanning else None
         start = clock.now() if clock is not None else None
-        cpu_start = cpu_time() if clock is not None else None
+        cpu_start = cpu_stamp() if clock is not None else None
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:

@@ -58,6 +58,9 @@ class Op:
     latency_s: float = 0.0
     demand: dict = field(default_factory=dict)  # link -> bytes moved over it
     lanes: int = 1  # how many ops of its queue may be in flight at once
+    # CPU seconds the op took of each member (its gloo threads, and its calling thread inside the
+    # call), measured in the run (graph.communication_cpu); None: not known
+    cpu: dict | None = None
     # filled in by the run
     posted: dict = field(default_factory=dict)  # rank -> time
     start: float | None = None
@@ -151,6 +154,7 @@ class Replay:
         self.active: list[Op] = []  # started, not complete
         self.left: dict[tuple, float] = {}  # op key -> latency seconds left, then ("bytes" phase) fraction left
         self.phase_of: dict[tuple, str] = {}
+        self.shares: dict[tuple, dict] = {}  # op key -> {member: share of a core it wants in flight}
         self.t = 0.0
 
     # -- what happens at one instant ---------------------------------------------------------------
@@ -264,37 +268,75 @@ class Replay:
             return self.buckets[link][1]
         return self.bandwidth[link]
 
-    def rates(self) -> tuple[list[int], float, dict, dict]:
-        """The ranks computing and the pace of everything that wants a core (processor sharing:
-        computing ranks and the members of ops in flight), each transfer's rate (the fraction of
-        its bytes per second): its share of each link it loads (equal shares), at the pace of its
-        most loaded link, times that pace; and the bytes/s each bucketed link carries."""
+    def nominal_s(self, op: Op) -> float:
+        """How long the op takes alone on its links: its latency and its bytes at the links' rates."""
+        moves = [nbytes / self.bandwidth[link] for link, nbytes in op.demand.items() if nbytes > 0]
+        return op.latency_s + (max(moves) if moves else 0.0)
+
+    def cpu_share(self, op: Op, rank: int) -> float | None:
+        """The share of a core the op wants of a member while in flight: the CPU it took of that
+        member spread over its time alone on its links, at most one core; None: not measured."""
+        if op.cpu is None:
+            return None
+        if op.key not in self.shares:
+            nominal = self.nominal_s(op)
+            self.shares[op.key] = {m: min(1.0, c / nominal) if nominal > 0 else 0.0 for m, c in op.cpu.items()}
+        return self.shares[op.key].get(rank, 0.0)
+
+    def paces(self) -> tuple[list[float], dict]:
+        """Processor sharing: the pace of each rank's compute and of each op in flight.
+
+        What a rank's communication wants: the sum of its ops' measured shares (`cpu_share`), at
+        most one core. An op without a measured CPU wants nothing of a core per rank (a run saved
+        before the other threads' clock replays as before it) and a whole core of shared cores
+        (the upper bound). A core per rank (`cores=None`): the rank's compute (one core) and its
+        communication share its core; when they want more than it, each goes at 1 / wanted. An op
+        goes at the pace of its slowest member. `cores=C` shared by all ranks: every computing
+        rank and every rank's communication want their part of the C cores; all go at
+        min(1, C / wanted)."""
+        computing = [1.0 if self.computing[r] is not None else 0.0 for r in range(self.n)]
+        communicating = [0.0] * self.n  # what each rank's ops in flight want, at most a core
+        for op in self.active:
+            for m in op.members:
+                share = self.cpu_share(op, m)
+                if share is None:
+                    share = 0.0 if self.cores is None else 1.0
+                communicating[m] = min(1.0, communicating[m] + share)
+        if self.cores is None:
+            rank_pace = [1.0 / max(1.0, c + o) for c, o in zip(computing, communicating)]
+            return rank_pace, {op.key: min(rank_pace[m] for m in op.members) for op in self.active}
+        wanted = sum(computing) + sum(communicating)
+        pace = min(1.0, self.cores / wanted) if wanted > 0 else 1.0
+        return [pace] * self.n, {op.key: pace for op in self.active}
+
+    def rates(self) -> tuple[list[int], list[float], dict, dict, dict]:
+        """The ranks computing, the pace of each rank's compute and of each op (`paces`), each
+        transfer's rate (the fraction of its bytes per second): its share of each link it loads
+        (equal shares), at the pace of its most loaded link, times the op's pace; and the bytes/s
+        each bucketed link carries."""
         busy = [r for r in range(self.n) if self.computing[r] is not None]
-        pace = 1.0
-        if self.cores is not None:
-            wanting = len(busy) + len({m for op in self.active for m in op.members})
-            pace = min(1.0, self.cores / wanting) if wanting else 1.0
+        pace, op_pace = self.paces()
         moving = [op for op in self.active if self.phase_of[op.key] == "bytes"]
         load: dict = {}
         for op in moving:
             for link, nbytes in op.demand.items():
                 if nbytes > 0:
                     load[link] = load.get(link, 0) + 1
-        rate = {op.key: pace * min(self.capacity(link) / load[link] / nbytes for link, nbytes in op.demand.items()
-                                   if nbytes > 0) for op in moving}
+        rate = {op.key: op_pace[op.key] * min(self.capacity(link) / load[link] / nbytes
+                                              for link, nbytes in op.demand.items() if nbytes > 0) for op in moving}
         flow = dict.fromkeys(self.buckets, 0.0)
         for op in moving:
             for link, nbytes in op.demand.items():
                 if link in flow:
                     flow[link] += rate[op.key] * nbytes
-        return busy, pace, rate, flow
+        return busy, pace, op_pace, rate, flow
 
     def advance(self) -> None:
         """Move time to the next event: a compute finishing, a latency elapsing, a transfer ending
         or a bucket running dry."""
-        busy, pace, rate, flow = self.rates()
-        steps = [self.remaining[r] / pace for r in busy]
-        steps += [self.left[op.key] / rate[op.key] if op.key in rate else self.left[op.key] / pace
+        busy, pace, op_pace, rate, flow = self.rates()
+        steps = [self.remaining[r] / pace[r] for r in busy]
+        steps += [self.left[op.key] / rate[op.key] if op.key in rate else self.left[op.key] / op_pace[op.key]
                   for op in self.active]
         drain = {link: flow[link] - self.bandwidth[link] for link in self.buckets}
         steps += [self.tokens[link] / drain[link] for link in self.buckets
@@ -309,13 +351,10 @@ class Replay:
             tokens = min(float(burst), self.tokens[link] - drain[link] * dt)
             self.tokens[link] = tokens if tokens > TOKEN_EPS else 0.0
         for r in busy:
-            self.remaining[r] = 0.0 if self.remaining[r] / pace <= dt else self.remaining[r] - dt * pace
+            self.remaining[r] = 0.0 if self.remaining[r] / pace[r] <= dt else self.remaining[r] - dt * pace[r]
         for op in self.active:
-            key = op.key
-            if key in rate:
-                self.left[key] = 0.0 if self.left[key] / rate[key] <= dt else self.left[key] - dt * rate[key]
-            else:  # its latency, at the pace of the cores it shares
-                self.left[key] = 0.0 if self.left[key] / pace <= dt else self.left[key] - dt * pace
+            key, speed = op.key, rate.get(op.key, op_pace[op.key])  # bytes, or its latency at its pace
+            self.left[key] = 0.0 if self.left[key] / speed <= dt else self.left[key] - dt * speed
 
 
 def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None,

@@ -6,10 +6,13 @@ Per rank, events/rank<r>.json:
     groups                  {group name: its members' global ranks, in group-rank order}
     steps                   per timed step: step, wall_s (the rank's step time), cpu_s (its thread's
                             CPU time in the step), phases [{phase, label, start, end, cpu_start,
-                            cpu_end}], spans [{kind, op, group, tag, payload_bytes, sent_bytes,
-                            start, end, cpu_start, cpu_end, id, peer, waits, posted}]
+                            cpu_end, helper_start, helper_end}], spans [{kind, op, group, tag,
+                            payload_bytes, sent_bytes, start, end, cpu_start, cpu_end,
+                            helper_start, helper_end, id, peer, waits, posted}]
 
-Times are seconds from the rank's step start, on each clock. This is everything the replay
+Times are seconds from the rank's step start, on each clock: wall (start, end), the compute
+thread's CPU time (cpu_*), the CPU time of the process's other threads, gloo's (helper_*; runs
+saved before it was recorded have none, and are replayed without it). This is everything the replay
 reads: `python -m launch.replay <run dir>` replays a run later, on other links, without rerunning.
 """
 
@@ -19,7 +22,7 @@ import json
 from pathlib import Path
 
 SPAN_FIELDS = ("kind", "op", "group", "tag", "payload_bytes", "sent_bytes", "start", "end", "cpu_start", "cpu_end",
-               "id", "peer", "waits", "posted")
+               "helper_start", "helper_end", "id", "peer", "waits", "posted")
 DIRECTORY = "events"
 
 

@@ -84,10 +84,12 @@ def collective_demand(op: str, payload: int, sent: int, members: tuple[int, ...]
 
 
 def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: LinkModel,
-          compute_scale: float = 1.0) -> list[list]:
+          compute_scale: float = 1.0, with_cpu: bool = True) -> list[list]:
     """Every rank's program for one step. `rank_steps[r]`: rank r's saved step ({phases, spans});
     `groups[r]`: its groups' members (global ranks); `compute_scale`: compute time is multiplied by it
-    (a what-if on another device)."""
+    (a what-if on another device); `with_cpu`: each op carries the CPU it took of each member
+    (`communication_cpu`), which the engine charges to the members' cores (False: a device whose
+    communication takes none of its compute, the cluster what-if)."""
     n = len(rank_steps)
     keyed: list[list[tuple]] = []  # per rank: (span, op key) in order
     by_key: dict[tuple, list[tuple[int, dict]]] = defaultdict(list)
@@ -130,7 +132,81 @@ def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: Lin
     for key, op in ops.items():
         if len(op.members) < 2 and key[0] == "coll":
             op.latency_s, op.demand = 0.0, {}
+    if with_cpu:
+        spent = [communication_cpu(rank_steps[r], keyed[r]) for r in range(n)]
+        for key, op in ops.items():
+            if all(spent[m] is not None for m in op.members):
+                op.cpu = {m: spent[m][0].get(key, 0.0) for m in op.members}
     return [_program(r, rank_steps[r], keyed[r], ops, compute_scale) for r in range(n)]
+
+
+def _weight(span: dict) -> float:
+    return float(max(span["payload_bytes"], 1))
+
+
+def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | None:
+    """What each op took of the rank's CPU: ({op key: seconds}, seconds left unattributed); None
+    for a step saved without the other threads' clock.
+
+    Two parts. The CPU time of the rank's other threads (gloo's: the event loop that moves the
+    bytes, the workers that reduce them) between two stamps of the step goes to the ops in flight
+    between them, in proportion to their payload bytes; an op is in flight from its post (or call)
+    to the end of the wait that names it (a blocking call: to its own end; a post no wait names: to
+    the end of the phase it waits at, the module docstring's rule). CPU time they spent while no op
+    was in flight is left unattributed and returned beside. And the compute thread's own CPU time
+    inside a blocking call or a wait (gloo sends and receives on the calling thread): the call's op
+    or the ops the wait names."""
+    phases = step["phases"]
+    if any("helper_start" not in x for x in [*phases, *(s for s, _ in keyed)]):
+        return None
+    if not phases:
+        return {}, 0.0
+    step_end = phases[-1]["end"]
+    ends_of = defaultdict(float)
+    for s, _ in keyed:
+        if s["kind"] == "wait":
+            for w in s.get("waits", ()):
+                ends_of[w] = max(ends_of[w], s["end"])
+    life: dict[tuple, tuple[float, float, float]] = {}  # key -> (start, end, weight)
+    spent: dict[tuple, float] = defaultdict(float)
+    weight_of_id: dict = {}
+    for s, key in keyed:
+        if key is None:
+            continue
+        weight_of_id[s["id"]] = (key, _weight(s))
+        if not is_post(s):
+            end = s["end"]
+            spent[key] += max(0.0, s["cpu_end"] - s["cpu_start"])
+        elif s["id"] in ends_of:
+            end = ends_of[s["id"]]
+        elif key[0] == "p2p":
+            end = step_end
+        else:
+            i = _phase_at(phases, s["cpu_start"])
+            later = [p["start"] for p in phases[i + 1:] if p["phase"] != phases[i]["phase"]]
+            end = later[0] if later else step_end
+        life[key] = (s["start"], max(end, s["start"]), _weight(s))
+    for s, key in keyed:  # the calling thread inside a wait: the ops it waits for
+        if key is None:
+            named = [weight_of_id[w] for w in s.get("waits", ()) if w in weight_of_id]
+            total = sum(w for _, w in named)
+            for k, w in named:
+                spent[k] += max(0.0, s["cpu_end"] - s["cpu_start"]) * w / total
+    stamps = sorted({(p["start"], p["helper_start"]) for p in phases} | {(p["end"], p["helper_end"]) for p in phases}
+                    | {(x["start"], x["helper_start"]) for x, _ in keyed} | {(x["end"], x["helper_end"]) for x, _ in keyed})
+    unattributed = 0.0
+    for (t0, h0), (t1, h1) in zip(stamps, stamps[1:]):
+        gained = h1 - h0
+        if gained <= 0 or t1 <= t0:
+            continue
+        middle = (t0 + t1) / 2
+        flying = [(k, w) for k, (a, b, w) in life.items() if a <= middle <= b]
+        total = sum(w for _, w in flying)
+        if not flying:
+            unattributed += gained
+        for k, w in flying:
+            spent[k] += gained * w / total
+    return dict(spent), unattributed
 
 
 def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float) -> list:

@@ -31,9 +31,11 @@ WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 
 
 def replay_step(events: list[dict], index: int, links: LinkModel, cores: float | None = None,
-                compute_scale: float = 1.0) -> Result:
+                compute_scale: float = 1.0, with_cpu: bool = True) -> Result:
+    """Step `index` of the saved run replayed; `with_cpu`: charge each rank's core with the CPU its
+    communication took (False: a device with its own copy engines, the cluster what-if)."""
     steps = [e["steps"][index] for e in events]
-    programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale)
+    programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale, with_cpu)
     bandwidth, buckets = _link_figures(programs, links)
     return run(programs, bandwidth, cores, buckets)
 
@@ -130,7 +132,7 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
     n_steps = min(len(e["steps"]) for e in events)
     if n_steps == 0:
         raise ValueError("no timed step was saved: nothing to replay")
-    results = [replay_step(events, i, links, cores, compute_scale) for i in range(n_steps)]
+    results = [replay_step(events, i, links, cores, compute_scale, with_cpu=what_if is None) for i in range(n_steps)]
     times = [r.step_s for r in results]
     index = sorted(range(n_steps), key=lambda i: times[i])[(n_steps - 1) // 2]
     result = results[index]
@@ -142,6 +144,7 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         for k, v in b["exposed_by_op"].items():
             exposed[k] += v / world
     mean = {c: statistics.fmean(r[c] for r in by_rank) for c in CATEGORIES}
+    measured = [op.cpu for op in result.ops if op.cpu is not None]
     step_s = result.step_s
     tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
     block = {
@@ -161,11 +164,16 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         "pipeline": pipeline_figures(result, events),
         "link_model": links.as_dict(),
         "cores": cores,
+        "communication_cpu_s": statistics.fmean(sum(c.get(r, 0.0) for c in measured) for r in range(world))
+        if measured else None,
         "compute_scale": compute_scale,
         "what_if": what_if,
-        "definition": "each timed step replayed with a device per rank (parallel/replay/): compute in the thread's "
-                      "CPU time, communication by the link model; the lower median over the timed steps"
-                      + ("" if cores is None else f"; compute by processor sharing of {cores:g} cores"),
+        "definition": "each timed step replayed with a core per rank (parallel/replay/): compute in the thread's "
+                      "CPU time, communication by the link model, the CPU the communication took (gloo's threads) "
+                      "sharing the rank's core; the lower median over the timed steps"
+                      + ("" if cores is None else f"; everything by processor sharing of {cores:g} cores")
+                      + ("" if what_if is None else "; what-if: compute scaled to the cluster's devices, "
+                                                    "communication taking none of it"),
     }
     return block, virtual_traces(result, events, index)
 
