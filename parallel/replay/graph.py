@@ -192,8 +192,8 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
             total = sum(w for _, w in named)
             for k, w in named:
                 spent[k] += max(0.0, s["cpu_end"] - s["cpu_start"]) * w / total
-    stamps = sorted({(p["start"], p["helper_start"]) for p in phases} | {(p["end"], p["helper_end"]) for p in phases}
-                    | {(x["start"], x["helper_start"]) for x, _ in keyed} | {(x["end"], x["helper_end"]) for x, _ in keyed})
+    marked = [*phases, *(x for x, _ in keyed)]
+    stamps = sorted({(x["start"], x["helper_start"]) for x in marked} | {(x["end"], x["helper_end"]) for x in marked})
     unattributed = 0.0
     for (t0, h0), (t1, h1) in zip(stamps, stamps[1:]):
         gained = h1 - h0
