@@ -147,6 +147,9 @@ def describe(block: dict, summary_wall: float | None = None) -> str:
              + (f" | wall step of the run {_ms(summary_wall)}" if summary_wall else ""),
              f"breakdown (mean over ranks): {parts}",
              f"waits on: {block['waits_on']}"]
+    if block.get("communication_cpu_s") is not None:
+        lines.append(f"communication's CPU, charged to the ranks' cores: {_ms(block['communication_cpu_s'])} "
+                     "a rank (gloo's threads while its ops were in flight, the calling thread in its calls)")
     return "\n".join(lines)
 
 

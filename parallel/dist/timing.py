@@ -21,8 +21,8 @@ step from it.
 Each stamp of that clock also reads the process's CPU time: the difference is the CPU time of the
 rank's other threads, gloo's (its event loop and its worker threads, which move and reduce the
 bytes), so that the replay can charge a rank's core with what its communication takes of it.
-A stamp is the pair (thread, process); a mark costs two clock reads (vDSO-less `clock_gettime`
-calls, about a microsecond each).
+A stamp is the pair (thread, process): two `clock_gettime` calls, 0.78 µs together where the
+thread's alone took 0.28 µs (measured on the 2-core machine, docs/virtual-time.md).
 """
 
 from __future__ import annotations

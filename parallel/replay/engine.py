@@ -25,15 +25,20 @@ it, the links it loads and for how long. The rules, those of the issue that aske
 * every member's view of the op completes when the op does: a receive at the later of the two
   posts plus the transfer; a blocking call, or a wait, returns then.
 
-Compute runs at one core's pace per rank (`cores=None`: a device per rank), or, to reproduce a
-machine with fewer cores than ranks, by processor sharing. There the cores are shared by whatever
-wants one at that moment: each rank that computes, and each member of an op in flight (on this
-machine a collective or a message is moved by the members' gloo threads, on the same cores:
-measured, four tp ranks on two cores kept them 67% busy, 22% of it in gloo's threads). Each of
-those progresses at min(1, cores / wanting) of a core: a computing rank through its compute, an op
-through its latency and its bytes. A rank blocked in a wait uses none. The count is an upper
-bound on what an op needs (a gloo thread waiting for its peer's bytes sleeps), the same for every
-op, with nothing fitted.
+Each rank has a core of its own (`cores=None`), which also runs its communication: an op may
+carry the CPU it took of each member in the run (`Op.cpu`, graph.py measures it), and while in
+flight it wants that CPU spread over its time alone on its links (`cpu_share`, at most a core; a
+rank's ops together at most a core). A rank's compute and its ops share its core (processor
+sharing), so compute that overlaps a transfer is stretched by the transfer's CPU; a rank blocked
+in a call leaves its core to the op. An op goes at the pace of its slowest member. An op without
+`cpu` wants nothing: a device with its own copy engine.
+
+To reproduce a machine with fewer cores than ranks (`cores=C`), the C cores are shared by
+whatever wants one at that moment: each rank that computes and each member of an op in flight,
+a core each (on this machine gloo's threads move a collective or a message on the same cores, and
+an op waits for them to get one at every handoff: an upper bound on what it needs). Each
+progresses at min(1, C / wanted): a computing rank through its compute, an op through its latency
+and its bytes. A rank blocked in a wait uses none. Nothing is fitted.
 
 Time advances from one event (a compute finishing, a latency elapsing, a transfer ending) to the
 next; everything that can happen at an instant happens before time moves. Nothing here knows
@@ -286,21 +291,22 @@ class Replay:
     def paces(self) -> tuple[list[float], dict]:
         """Processor sharing: the pace of each rank's compute and of each op in flight.
 
-        What a rank's communication wants: the sum of its ops' measured shares (`cpu_share`), at
-        most one core. An op without a measured CPU wants nothing of a core per rank (a run saved
-        before the other threads' clock replays as before it) and a whole core of shared cores
-        (the upper bound). A core per rank (`cores=None`): the rank's compute (one core) and its
-        communication share its core; when they want more than it, each goes at 1 / wanted. An op
-        goes at the pace of its slowest member. `cores=C` shared by all ranks: every computing
-        rank and every rank's communication want their part of the C cores; all go at
-        min(1, C / wanted)."""
+        A core per rank (`cores=None`): a rank's communication wants the sum of its ops' measured
+        shares (`cpu_share`; nothing for an op without a measurement: a run saved before the other
+        threads' clock replays as before it), at most one core; the rank's compute (one core) and
+        its communication share its core, and when they want more than it each goes at
+        1 / wanted. An op goes at the pace of its slowest member.
+
+        `cores=C` shared by all ranks: every computing rank wants a core, and so does every rank
+        with an op in flight, whatever the op's measured CPU: on a machine whose cores are all
+        busy an op's progress waits for its threads to get a core at each handoff, a latency its
+        CPU time does not show (the measured shares replayed 7-21% under the world-4 wall steps,
+        docs/virtual-time.md). All go at min(1, C / wanted)."""
         computing = [1.0 if self.computing[r] is not None else 0.0 for r in range(self.n)]
         communicating = [0.0] * self.n  # what each rank's ops in flight want, at most a core
         for op in self.active:
             for m in op.members:
-                share = self.cpu_share(op, m)
-                if share is None:
-                    share = 0.0 if self.cores is None else 1.0
+                share = 1.0 if self.cores is not None else (self.cpu_share(op, m) or 0.0)
                 communicating[m] = min(1.0, communicating[m] + share)
         if self.cores is None:
             rank_pace = [1.0 / max(1.0, c + o) for c, o in zip(computing, communicating)]

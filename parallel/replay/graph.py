@@ -21,6 +21,10 @@ links times the algorithm's steps (STEPS). A group's collectives start in their 
 message's latency is its link's `message_latency_s` (on loopback probed apart from a collective's:
 gloo sends and receives on the calling thread, without the worker threads' handoffs).
 
+Each op also carries the CPU it took of each member (`communication_cpu`: the CPU time of the
+rank's other threads, gloo's, while it was in flight, and of the calling thread inside its call or
+wait), which the engine charges to the member's core.
+
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
 all-reduces at the end of backward; a message that no wait names (none in this project's

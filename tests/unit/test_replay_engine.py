@@ -119,6 +119,36 @@ def test_processor_sharing_counts_the_members_of_an_op_in_flight():
     assert run([[Call(moving)], [Call(moving)]], {"l": 10.0}, cores=1).ends == pytest.approx([2, 2])
 
 
+def test_a_core_per_rank_is_shared_between_its_compute_and_the_measured_cpu_of_its_ops():
+    # 4 bytes at 2 B/s: 2 s alone on the link. Rank 0's threads took 1 s of CPU for it (half a core
+    # over those 2 s), rank 1's none. Posted, then 3 s of compute on each: rank 0's core is wanted
+    # 1.5 times, so its compute and the op go at 2/3 (the op at its slowest member's pace): the op
+    # ends at 3, rank 0 has computed 2 s and finishes at 4; rank 1 finishes its compute at 3.
+    def programs(cpu):
+        op = Op(("ar",), (0, 1), demand={"l": 4}, cpu=cpu)
+        return [[Post(op, "h"), Compute(3), Wait(("h",))] for _ in range(2)]
+    assert run(programs({0: 1.0, 1: 0.0}), {"l": 2}).ends == pytest.approx([4, 3])
+    assert run(programs(None), {"l": 2}).ends == [3, 3]  # not measured: a device's copy engine
+    # Blocked in the call, nothing competes with the op: its measured CPU costs no time.
+    op = Op(("ar",), (0, 1), demand={"l": 4}, cpu={0: 1.0, 1: 1.0})
+    assert run([[Call(op)], [Call(op)]], {"l": 2}).ends == [2, 2]
+    # Two ops in flight on a rank want at most its core between them, beside its compute.
+    a = Op(("a",), (0, 1), latency_s=1.0, cpu={0: 1.0, 1: 0.0})
+    b = Op(("b",), (0, 1), latency_s=1.0, cpu={0: 1.0, 1: 0.0})
+    two = [[Post(a, 1), Post(b, 2), Compute(1), Wait((1, 2))] for _ in range(2)]
+    assert run(two).ends == pytest.approx([2, 2])  # rank 0 at 1/2: the ops' 1 s of latency takes 2
+
+
+def test_shared_cores_count_a_whole_core_for_each_member_of_an_op_in_flight_measured_or_not():
+    # The overlapped case of the test before on one core, the op's members having used half a core
+    # each: still two computing ranks and two members want it, everything at 1/4: 4 s.
+    def overlapped(cpu):
+        op = Op(("ar",), (0, 1), latency_s=1.0, cpu=cpu)
+        return [[Post(op, "h"), Compute(1), Wait(("h",))] for _ in range(2)]
+    assert run(overlapped({0: 0.5, 1: 0.5}), cores=1).ends == [4, 4]
+    assert run(overlapped(None), cores=1).ends == [4, 4]
+
+
 def test_an_op_a_member_never_posts_is_a_deadlock():
     op = Op(("x",), (0, 1))
     with pytest.raises(Deadlock):
