@@ -6,6 +6,9 @@
     python -m launch.replay <run dir> cores=2                                 the run's own links, N ranks
                                                                                 sharing 2 cores (contention)
     python -m launch.replay <run dir>                                         the run's own replay again
+    python -m launch.replay <run dir> comm_cpu=free                           the communication taking no CPU
+                                                                                of the ranks' cores (a device's
+                                                                                copy engine; charged by default)
 
 It reads the events every run saves (events/rank<r>.json: parallel/replay/events.py) and the
 run's summary.json, replays every timed step (parallel/replay/), prints the step, its breakdown
@@ -52,14 +55,19 @@ def parse(argv: list[str]) -> tuple[Path, dict]:
     run_dir, options = Path(argv[0]), {"fields": {}}
     for arg in argv[1:]:
         if "=" not in arg:
-            raise ReplayError(f"{arg!r}: expected key=value (net=, net.<field>=, cluster=, cores=, out=)")
+            raise ReplayError(f"{arg!r}: expected key=value (net=, net.<field>=, cluster=, cores=, comm_cpu=, out=)")
         key, value = arg.split("=", 1)
         if key.startswith("net."):
             options["fields"][key[4:]] = _value(value)
         elif key in ("net", "cluster", "cores", "out"):
             options[key] = value
+        elif key == "comm_cpu":
+            if value not in ("charged", "free"):
+                raise ReplayError(f"comm_cpu={value!r}: charged (the communication's CPU shares each rank's core, "
+                                  "the default) or free (it takes none: a device's copy engine)")
+            options[key] = value
         else:
-            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, out=")
+            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, comm_cpu=, out=")
     return run_dir, options
 
 
@@ -110,12 +118,16 @@ def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     links, scale, peak, label = links_for(options, summary, len(events))
     cores = float(options["cores"]) if "cores" in options else None
     name = options.get("out") or f"replay-{(options.get('cluster') or options.get('net') or 'own')}" + (
-        "".join(f"-{k}{v}" for k, v in options["fields"].items()) + (f"-cores{options['cores']}" if cores else ""))
+        "".join(f"-{k}{v}" for k, v in options["fields"].items()) + (f"-cores{options['cores']}" if cores else "")
+        + ("-comm_cpu_free" if options.get("comm_cpu") == "free" else ""))
     out = run_dir / name if "out" not in options else Path(name)
     out = _fresh(out)
     what_if = label if "cluster" in options else None
+    comm_cpu = {"charged": True, "free": False}.get(options.get("comm_cpu"))
     block = write_virtual(out, events, summary, links, draw=True, cores=cores, compute_scale=scale, what_if=what_if,
-                          peak=peak)
+                          peak=peak, comm_cpu=comm_cpu)
+    if comm_cpu is False:
+        label += "; the communication taking none of the ranks' CPU"
     block["replay"] = label
     summary["virtual"] = block
     summary["replayed_from"] = {"run_dir": str(run_dir), "what": label, "command": "python -m launch.replay "

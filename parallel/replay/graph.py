@@ -200,9 +200,9 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
     stamps = sorted({(x["start"], x["helper_start"]) for x in marked} | {(x["end"], x["helper_end"]) for x in marked})
     unattributed = 0.0
     for (t0, h0), (t1, h1) in zip(stamps, stamps[1:]):
+        # Signed: the clock's two reads are not one atomic sample, and it steps back by up to tens
+        # of microseconds between stamps (timing.cpu_stamp); summed, the steps cancel.
         gained = h1 - h0
-        if gained <= 0 or t1 <= t0:
-            continue
         middle = (t0 + t1) / 2
         flying = [(k, w) for k, (a, b, w) in life.items() if a <= middle <= b]
         total = sum(w for _, w in flying)
@@ -210,7 +210,7 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
             unattributed += gained
         for k, w in flying:
             spent[k] += gained * w / total
-    return dict(spent), unattributed
+    return {k: max(0.0, v) for k, v in spent.items()}, max(0.0, unattributed)
 
 
 def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float) -> list:

@@ -127,12 +127,14 @@ def waits_on(mean: dict, exposed_by_op: dict) -> str:
 
 def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, flops_per_token: float,
                peak_per_device: float, cores: float | None = None, compute_scale: float = 1.0,
-               what_if: str | None = None) -> tuple[dict, list[dict]]:
-    """The `virtual` block and the median step's virtual trace of every rank."""
+               what_if: str | None = None, comm_cpu: bool | None = None) -> tuple[dict, list[dict]]:
+    """The `virtual` block and the median step's virtual trace of every rank. `comm_cpu`: charge
+    the CPU each rank's communication took to its core (None: yes, but in a cluster what-if)."""
+    charged = what_if is None if comm_cpu is None else comm_cpu
     n_steps = min(len(e["steps"]) for e in events)
     if n_steps == 0:
         raise ValueError("no timed step was saved: nothing to replay")
-    results = [replay_step(events, i, links, cores, compute_scale, with_cpu=what_if is None) for i in range(n_steps)]
+    results = [replay_step(events, i, links, cores, compute_scale, with_cpu=charged) for i in range(n_steps)]
     times = [r.step_s for r in results]
     index = sorted(range(n_steps), key=lambda i: times[i])[(n_steps - 1) // 2]
     result = results[index]
@@ -144,7 +146,7 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         for k, v in b["exposed_by_op"].items():
             exposed[k] += v / world
     mean = {c: statistics.fmean(r[c] for r in by_rank) for c in CATEGORIES}
-    measured = [op.cpu for op in result.ops if op.cpu is not None]
+    measured = [op.cpu for op in result.ops if op.cpu is not None] if cores is None else []
     step_s = result.step_s
     tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
     block = {
@@ -170,10 +172,10 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         "what_if": what_if,
         "definition": "each timed step replayed with a core per rank (parallel/replay/): compute in the thread's "
                       "CPU time, communication by the link model, the CPU the communication took (gloo's threads) "
-                      "sharing the rank's core; the lower median over the timed steps"
+                      + ("sharing the rank's core" if charged else "taking none of it (a device's copy engine)")
+                      + "; the lower median over the timed steps"
                       + ("" if cores is None else f"; everything by processor sharing of {cores:g} cores")
-                      + ("" if what_if is None else "; what-if: compute scaled to the cluster's devices, "
-                                                    "communication taking none of it"),
+                      + ("" if what_if is None else "; what-if: compute scaled to the cluster's devices"),
     }
     return block, virtual_traces(result, events, index)
 

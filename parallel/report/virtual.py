@@ -32,13 +32,15 @@ def peak_per_device(summary: dict) -> float:
 
 
 def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw: bool, *, cores: float | None = None,
-                  compute_scale: float = 1.0, what_if: str | None = None, peak: float | None = None) -> dict:
+                  compute_scale: float = 1.0, what_if: str | None = None, peak: float | None = None,
+                  comm_cpu: bool | None = None) -> dict:
     """Replay `events` on `links`; the `virtual` block, with trace_virtual.json (and the timeline) in run_dir.
-    `peak`: one device's peak FLOP/s (None: one core's, or the run's GPU's)."""
+    `peak`: one device's peak FLOP/s (None: one core's, or the run's GPU's); `comm_cpu`: charge the
+    communication's CPU to the ranks' cores (None: unless a cluster what-if)."""
     block, traces = replay_run(events, links, tokens_per_step=summary["tokens_per_step"],
                                flops_per_token=summary["mfu"]["flops_per_token"],
                                peak_per_device=peak or peak_per_device(summary),
-                               cores=cores, compute_scale=compute_scale, what_if=what_if)
+                               cores=cores, compute_scale=compute_scale, what_if=what_if, comm_cpu=comm_cpu)
     labels = [rank_label(e["rank"], e.get("coords") or {}, summary["parallel"]) for e in events]
     (Path(run_dir) / TRACE).write_text(json.dumps(chrome_trace(traces, labels)))
     if draw:

@@ -73,14 +73,16 @@ def check_virtual_replay(run_dir: Path, s: dict) -> None:
     v = s["virtual"]
     saved = events.load(run_dir)
     assert [e["rank"] for e in saved] == list(range(s["world_size"]))
-    # The other threads' CPU clock, stamped on every phase and span, does not go back (beyond the
-    # microseconds between its two reads: timing.cpu_stamp).
+    # The other threads' CPU clock is stamped on every phase and span, and goes back by no more
+    # than its reads' noise (timing.cpu_stamp: up to 70 µs measured; 0.5 ms allowed).
     for e in saved:
         for step in e["steps"]:
             phases = step["phases"]
-            assert all(p["helper_end"] >= p["helper_start"] - 1e-5 for p in phases)
-            assert all(b["helper_start"] >= a["helper_end"] - 1e-5 for a, b in zip(phases, phases[1:]))
-            assert all(x["helper_end"] >= x["helper_start"] - 1e-5 for x in step["spans"])
+            stamps = [x[k] for x in [*phases, *step["spans"]] for k in ("helper_start", "helper_end")]
+            assert all(isinstance(v, float) for v in stamps)
+            assert all(p["helper_end"] >= p["helper_start"] - 5e-4 for p in phases)
+            assert all(b["helper_start"] >= a["helper_end"] - 5e-4 for a, b in zip(phases, phases[1:]))
+            assert all(x["helper_end"] >= x["helper_start"] - 5e-4 for x in step["spans"])
     if s["world_size"] > 1:
         assert v["communication_cpu_s"] > 0  # gloo's threads took some CPU for the step's collectives
     links = LinkModel.from_dict(v["link_model"])

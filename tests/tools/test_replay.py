@@ -64,3 +64,18 @@ def test_processor_sharing_replay_and_refusals(pp_run):
     assert wrong.returncode == 2 and "net.procs_per_node" in wrong.stderr
     assert replay(pp_run.run_dir / "nowhere").returncode == 2
     assert replay(pp_run.run_dir, "colour=blue").returncode == 2
+
+
+def test_the_communications_cpu_is_charged_to_the_cores_unless_freed_or_a_cluster_what_if(pp_run, tmp_path):
+    own = json.loads((pp_run.run_dir / "summary.json").read_text())["virtual"]
+    assert own["communication_cpu_s"] > 0  # the pipeline's messages took some of the ranks' CPU
+    free = replay(pp_run.run_dir, "comm_cpu=free")
+    assert free.returncode == 0, free.stderr
+    block = json.loads((pp_run.run_dir / "replay-own-comm_cpu_free" / "summary.json").read_text())["virtual"]
+    assert block["communication_cpu_s"] is None and "none of the ranks' CPU" in block["replay"]
+    assert "copy engine" in block["definition"]
+    assert "communication's CPU" not in free.stdout and "communication's CPU" in replay(pp_run.run_dir).stdout
+    assert replay(pp_run.run_dir, "cluster=h100_sxm", f"out={tmp_path / 'h100'}").returncode == 0
+    assert json.loads((tmp_path / "h100" / "summary.json").read_text())["virtual"]["communication_cpu_s"] is None
+    bad = replay(pp_run.run_dir, "comm_cpu=maybe")
+    assert bad.returncode == 2 and "charged" in bad.stderr and "free" in bad.stderr

@@ -69,3 +69,15 @@ def test_the_ops_carry_every_members_cpu_and_a_step_saved_without_it_carries_non
     assert graph.communication_cpu(old, _keyed(old)) is None
     programs = graph.build([old, overlapped_step()], [{"dp": [0, 1]}] * 2, links)
     assert all(task.op.cpu is None for task in programs[1] if isinstance(task, Post))
+
+
+def test_a_step_back_of_the_other_threads_clock_cancels_against_the_next_stamp():
+    # The clock reads 1.0 at the post, 0.95 at a phase mark in flight (its noise), 1.6 at the wait:
+    # the op gets 0.6, as if the middle stamp had not been there.
+    step = {"phases": [_phase("backward", 0, 2, (0, 1), (0, 0.95)), _phase("optimizer", 2, 5, (1, 2), (0.95, 1.6))],
+            "spans": [_span("post", "g0", 100, (1, 1), (0.5, 0.5), (1.0, 1.0), 0),
+                      _span("wait", "g0", 0, (4, 4), (1.8, 1.8), (1.6, 1.6), 1, waits=(0,))]}
+    spent, unattributed = graph.communication_cpu(step, [(step["spans"][0], ("coll", "dp", (0, 1), 0)),
+                                                         (step["spans"][1], None)])
+    assert spent[("coll", "dp", (0, 1), 0)] == pytest.approx(0.6)
+    assert unattributed == pytest.approx(1.0)
