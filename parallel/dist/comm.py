@@ -17,7 +17,8 @@ subtracts from its phases and what trace.json draws (parallel/report/breakdown.p
 the last step's are kept, so the cost is one tuple per call.
 
 Each span also carries the second clock: the CPU time of the calling thread (`time.thread_time()`, parallel/dist/timing.py)
-at its start and end, the thread that runs the rank's compute. With it the replay
+at its start and end, the thread that runs the rank's compute, and beside it the CPU time of the
+rank's other threads (gloo's), which the replay charges to the ops in flight. With it the replay
 (parallel/replay/) rebuilds the step as if the rank had a core of its own: the compute between two
 calls is the CPU time between them, which does not advance while the thread waits for a core or
 blocks in a call. A span also names its peer (global rank) for a send or receive, its id, and for a
@@ -167,8 +168,8 @@ class CommLog:
         seconds, cpu, helper = self.clock.seconds, self.clock.cpu_seconds, self.clock.helper_seconds
         return [{"kind": kind, "op": op, "group": group, "tag": tag, "payload_bytes": payload,
                  "sent_bytes": float(sent), "start": seconds(start), "end": seconds(end), "blocked": kind != "post",
-                 "cpu_start": cpu(c0), "cpu_end": cpu(c1), "helper_start": helper(c0), "helper_end": helper(c1), "id": self._span_base + i, "peer": peer, "waits": list(waits),
-                 "posted": posted}
+                 "cpu_start": cpu(c0), "cpu_end": cpu(c1), "helper_start": helper(c0), "helper_end": helper(c1),
+                 "id": self._span_base + i, "peer": peer, "waits": list(waits), "posted": posted}
                 for i, (kind, op, group, tag, payload, sent, start, end, c0, c1, peer, waits, posted)
                 in enumerate(self._spans)]
 

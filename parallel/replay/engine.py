@@ -278,11 +278,11 @@ class Replay:
         moves = [nbytes / self.bandwidth[link] for link, nbytes in op.demand.items() if nbytes > 0]
         return op.latency_s + (max(moves) if moves else 0.0)
 
-    def cpu_share(self, op: Op, rank: int) -> float | None:
+    def cpu_share(self, op: Op, rank: int) -> float:
         """The share of a core the op wants of a member while in flight: the CPU it took of that
-        member spread over its time alone on its links, at most one core; None: not measured."""
+        member spread over its time alone on its links, at most one core; 0 where not measured."""
         if op.cpu is None:
-            return None
+            return 0.0
         if op.key not in self.shares:
             nominal = self.nominal_s(op)
             self.shares[op.key] = {m: min(1.0, c / nominal) if nominal > 0 else 0.0 for m, c in op.cpu.items()}
@@ -306,7 +306,7 @@ class Replay:
         communicating = [0.0] * self.n  # what each rank's ops in flight want, at most a core
         for op in self.active:
             for m in op.members:
-                share = 1.0 if self.cores is not None else (self.cpu_share(op, m) or 0.0)
+                share = 1.0 if self.cores is not None else self.cpu_share(op, m)
                 communicating[m] = min(1.0, communicating[m] + share)
         if self.cores is None:
             rank_pace = [1.0 / max(1.0, c + o) for c, o in zip(computing, communicating)]
