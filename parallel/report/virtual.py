@@ -36,7 +36,10 @@ def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw:
                   comm_cpu: bool | None = None) -> dict:
     """Replay `events` on `links`; the `virtual` block, with trace_virtual.json (and the timeline) in run_dir.
     `peak`: one device's peak FLOP/s (None: one core's, or the run's GPU's); `comm_cpu`: charge the
-    communication's CPU to the ranks' cores (None: unless a cluster what-if)."""
+    communication's CPU to the ranks' cores (None: unless a cluster what-if or a GPU run, whose
+    host threads take nothing of the device's compute)."""
+    if comm_cpu is None and summary.get("device") == "cuda":
+        comm_cpu = False
     block, traces = replay_run(events, links, tokens_per_step=summary["tokens_per_step"],
                                flops_per_token=summary["mfu"]["flops_per_token"],
                                peak_per_device=peak or peak_per_device(summary),
