@@ -79,3 +79,18 @@ def test_the_communications_cpu_is_charged_to_the_cores_unless_freed_or_a_cluste
     assert json.loads((tmp_path / "h100" / "summary.json").read_text())["virtual"]["communication_cpu_s"] is None
     bad = replay(pp_run.run_dir, "comm_cpu=maybe")
     assert bad.returncode == 2 and "charged" in bad.stderr and "free" in bad.stderr
+
+
+def test_a_gpu_runs_own_replay_leaves_the_communications_cpu_out(pp_run, tmp_path):
+    # The same saved events as a GPU run would have them: NCCL's host threads take nothing of the
+    # device's compute, so its replay charges none of their CPU (the CPU run's charges some).
+    from parallel.replay import events
+    from parallel.replay.links import LinkModel
+    from parallel.report.virtual import write_virtual
+
+    summary = json.loads((pp_run.run_dir / "summary.json").read_text())
+    saved = events.load(pp_run.run_dir)
+    links = LinkModel.from_dict(summary["virtual"]["link_model"])
+    assert write_virtual(tmp_path, saved, summary, links, draw=False)["communication_cpu_s"] > 0
+    gpu = {**summary, "device": "cuda"}
+    assert write_virtual(tmp_path, saved, gpu, links, draw=False)["communication_cpu_s"] is None
