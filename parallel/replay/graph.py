@@ -186,9 +186,8 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
         elif key[0] == "p2p":
             end = step_end
         else:
-            i = _phase_at(phases, s["cpu_start"])
-            later = [p["start"] for p in phases[i + 1:] if p["phase"] != phases[i]["phase"]]
-            end = later[0] if later else step_end
+            later = _implicit_wait_phase(phases, s)
+            end = later["start"] if later else step_end
         life[key] = (s["start"], max(end, s["start"]), _weight(s))
     for s, key in keyed:  # the calling thread inside a wait: the ops it waits for
         if key is None:
@@ -228,9 +227,8 @@ def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float)
         if key[0] == "p2p":
             implicit.append((end_cpu, [s["id"]]))
             continue
-        i = _phase_at(phases, s["cpu_start"])
-        later = [p["cpu_start"] for p in phases[i + 1:] if p["phase"] != phases[i]["phase"]]
-        implicit.append((later[0] if later else end_cpu, [s["id"]]))
+        later = _implicit_wait_phase(phases, s)
+        implicit.append((later["cpu_start"] if later else end_cpu, [s["id"]]))
     implicit.sort(key=lambda x: x[0])
     program: list = []
     cursor = phases[0]["cpu_start"]
@@ -267,6 +265,14 @@ def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float)
     flush_implicit(math.inf)
     compute_to(end_cpu)
     return program
+
+
+def _implicit_wait_phase(phases: list[dict], post: dict) -> dict | None:
+    """The phase at whose start a collective's post that no wait names is waited for: the first
+    after the phase it was posted in (DDP's reducer waits at the end of backward); None: the step's
+    end."""
+    i = _phase_at(phases, post["cpu_start"])
+    return next((p for p in phases[i + 1:] if p["phase"] != phases[i]["phase"]), None)
 
 
 def _phase_at(phases: list[dict], cpu: float) -> int:

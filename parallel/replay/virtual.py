@@ -33,7 +33,7 @@ WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 def replay_step(events: list[dict], index: int, links: LinkModel, cores: float | None = None,
                 compute_scale: float = 1.0, with_cpu: bool = True) -> Result:
     """Step `index` of the saved run replayed; `with_cpu`: charge each rank's core with the CPU its
-    communication took (False: a device with its own copy engines, the cluster what-if)."""
+    communication took (False: a device with its own copy engines: the cluster what-if, a GPU run)."""
     steps = [e["steps"][index] for e in events]
     programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale, with_cpu)
     bandwidth, buckets = _link_figures(programs, links)
