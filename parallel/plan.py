@@ -22,6 +22,7 @@ from parallel.core.model import MOE_FIELDS, GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
 from parallel.cp import rules as cp_rules
+from parallel.dist.binding import PIN_CHOICES
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dist.gloo_loop import GLOO_LOOP_POLICIES
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
@@ -62,6 +63,7 @@ class RunPlan:
     threads: int | None
     host_allocator: str
     gloo_loop_policy: str
+    pin_cores: str
     data_path: str | None
     data_max_bytes: int
     run_dir: str | None
@@ -193,6 +195,10 @@ def _check_numbers(cfg) -> None:
         raise ConfigError(f"train.gloo_loop_policy={t.get('gloo_loop_policy')!r}: "
                           f"choose one of {', '.join(GLOO_LOOP_POLICIES)} "
                           "(batch: gloo's event-loop threads never preempt on wake-up; normal: the kernel's default)")
+    if t.get("pin_cores", "auto") not in PIN_CHOICES:
+        raise ConfigError(f"train.pin_cores={t.get('pin_cores')!r}: choose one of {', '.join(PIN_CHOICES)} "
+                          "(auto: each rank on a core of its own where the machine has one for every rank; "
+                          "off: the kernel places the threads)")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
                         ("train.save_grads", t.save_grads),
                         ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log),
@@ -344,6 +350,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         threads=t.threads,
         host_allocator=str(t.get("host_allocator", "keep")),
         gloo_loop_policy=str(t.get("gloo_loop_policy", "batch")),
+        pin_cores=str(t.get("pin_cores", "auto")),
         data_path=cfg.data.path,
         data_max_bytes=int(cfg.data.max_bytes),
         run_dir=cfg.run.dir,

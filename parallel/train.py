@@ -20,6 +20,7 @@ from parallel.core.host_memory import apply_host_allocator
 from parallel.core.model import GPT, count_parameters
 from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
+from parallel.dist.binding import bind_rank, machine_ids
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
@@ -109,6 +110,10 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
     ctx.peers = peer_table(ctx.comm("world"))
+    # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
+    # machine has one for each (dist/binding.py).
+    cores = bind_rank(plan.pin_cores, machine_ids(ctx.comm("world")), ctx.rank, torch.get_num_threads(),
+                      ctx.device.type)
     log.info(
         "run %s | strategy %s | world %d = dp %d x cp %d x tp %d x pp %d | backend %s | device %s | precision %s "
         "| rank %d pid %d",
@@ -117,8 +122,8 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     )
     # Where this process runs (torchrun's GROUP_RANK is the node's rank): the per-rank logs show the layout.
     logging.getLogger("parallel.rank").info(
-        "rank %d | node %s | local rank %d of %d | coords %s", ctx.rank, os.environ.get("GROUP_RANK", "0"),
-        ctx.env.local_rank, ctx.env.local_world_size, ctx.coords,
+        "rank %d | node %s | local rank %d of %d | coords %s | cores: %s", ctx.rank, os.environ.get("GROUP_RANK", "0"),
+        ctx.env.local_rank, ctx.env.local_world_size, ctx.coords, cores,
     )
     layout_warning = plan.dims.node_layout_warning(ctx.env.local_world_size)
     if layout_warning and ctx.is_rank0:

@@ -22,13 +22,13 @@ whole run / (peak per device x devices); on CPU the ranks share one machine, so 
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
 from parallel.algebra import active_parameter_count
 from parallel.core.model import GPTConfig
+from parallel.dist.binding import host_cores
 
 
 def matmul_parameters(cfg: GPTConfig) -> int:
@@ -43,10 +43,11 @@ def flops_per_token(cfg: GPTConfig) -> int:
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity), not the host's count: a container often
-    sees many more CPUs in os.cpu_count() than it is allowed, and oversubscribed threads would
-    measure a fraction of the real peak."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores this machine's ranks may run on (the process's affinity), not the host's count: a
+    container often sees many more CPUs in os.cpu_count() than it is allowed, and oversubscribed
+    threads would measure a fraction of the real peak. In a rank bound to a core of its own
+    (`train.pin_cores`), the cores its machine's ranks shared before (parallel/dist/binding.py)."""
+    return host_cores()
 
 
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -34,6 +34,7 @@ TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1"]
     (1, ["train.threads=0"], r"train.threads=0 must be a positive integer, or null"),
     (1, ["train.host_allocator=jemalloc"], r"train.host_allocator='jemalloc': choose one of keep, system"),
     (2, ["train.gloo_loop_policy=idle"], r"train.gloo_loop_policy='idle': choose one of batch, normal"),
+    (2, ["train.pin_cores=always"], r"train.pin_cores='always': choose one of auto, off"),
     (2, ["parallel=pp_1f1b", "parallel.virtual_stages=x"], r"parallel.virtual_stages='x' must be an integer >= 1"),
     (1, ["train.checkpoint_every=-1"], r"train.checkpoint_every=-1 must be an integer >= 0"),
     (1, ["train.check_finite=maybe"], r"train.check_finite='maybe' must be true or false"),

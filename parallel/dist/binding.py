@@ -1,0 +1,144 @@
+"""A core of its own for each rank, when the machine has one for every rank (`train.pin_cores`).
+
+The virtual clock (parallel/replay/) replays a step as if each rank had a core of its own, and the
+wall clock of a run with a core per rank is what it is checked against. Left to itself, Linux does
+not give a rank a core: it moves every thread of every rank to whichever core is free at each
+wake-up, so a rank's compute thread, its gloo threads and the other ranks' gloo threads meet on
+both cores in turn, and each handoff of a gloo call wakes its next thread on the other core.
+Measured on this project's CPU machine kind (2 cores, two ranks, 2026-12-02, whole runs
+alternating, docs/measured.md): bound, one rank's threads all on one core, tp's step took 20-23 ms
+where unbound it took 29-31 ms; a pipeline's 19-21 ms where 20-24; a 128 KiB all-reduce 0.3 ms
+from the last post where 0.39 ms at the median and 0.54-0.59 ms at the mean; and a
+16 KiB message 50-70 µs where 220-260 µs. This is what MPI launchers do by default
+(`--bind-to core` where there are at least as many cores as processes).
+
+`auto` (the default): on the CPU, when every rank of this machine can have `threads` cores (one
+per rank, or `train.threads` each) out of the cores the process may use, rank i of the machine
+takes the i-th block of them; every thread it has is moved there, and threads made later inherit
+it. Otherwise nothing is bound, and the log says why: more ranks than cores (the contention the
+virtual clock replays away), one rank that has every core already, or a GPU run. `off` binds
+nothing.
+
+Which ranks share a machine is decided by the kernel's boot id, not the hostname: containers on
+one host have hostnames of their own, and the emulated nodes of `launch.run` or a Slurm test
+cluster on one host share both the cores and the hostname, with LOCAL_RANK 0 on each.
+
+A bound rank sees one core in its own affinity; what the machine has for its ranks together (the
+CPU's peak FLOP/s is the machine's, parallel/report/mfu.py) stays readable in HOST_CORES_ENV,
+which the binding sets before it narrows the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+PIN_CHOICES = ("auto", "off")
+HOST_CORES_ENV = "PARALLEL_HOST_CORES"  # the cores the machine's ranks share, set before a rank narrows itself
+
+
+def allowed_cores() -> list[int]:
+    """The cores this thread may run on, in order ([0] where the system cannot say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+
+
+def machine_id() -> str:
+    """What identifies the machine whose cores this process shares: the running kernel's boot id
+    (the same in every container and network namespace of one host), else the hostname."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        import socket
+        return socket.gethostname()
+
+
+def machine_ids(world) -> list[str]:
+    """Every rank's `machine_id()`, in rank order, on every rank (two tooling calls; `world`: the
+    world's Communicator, None in a single process)."""
+    me = machine_id()
+    if world is None:
+        return [me]
+    table = world.gather_object(me, 0, tag="tooling/machines")
+    return world.broadcast_object(table, 0, tag="tooling/machines")
+
+
+def slot_on_machine(ids: list[str], rank: int) -> tuple[int, int]:
+    """(this rank's index among the ranks of its machine, how many ranks its machine has), from
+    every rank's `machine_id()` in rank order."""
+    mine = [r for r, m in enumerate(ids) if m == ids[rank]]
+    return mine.index(rank), len(mine)
+
+
+def cores_for(slot: int, ranks: int, allowed: list[int], threads: int) -> list[int] | None:
+    """The block of `allowed` that rank `slot` of `ranks` takes with `threads` cores each, or None
+    when the machine has too few cores for every rank to have its own."""
+    if ranks * threads > len(allowed):
+        return None
+    return allowed[slot * threads:(slot + 1) * threads]
+
+
+def move_threads(cores: list[int] | set[int]) -> dict[int, set[int]]:
+    """Move every thread of this process onto `cores`; returns each thread's previous cores. A
+    thread that ended while we looked is skipped."""
+    before = {}
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        try:
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cores)
+        except (ProcessLookupError, OSError):
+            continue
+    return before
+
+
+@contextlib.contextmanager
+def bound_to(cores: list[int] | None):
+    """Every thread of this process on `cores` for the block, as it was afterwards (None: nothing
+    moves). Used by the loopback probe inside a run whose ranks share cores, so that its two
+    ranks measure with a core each, as the virtual clock assumes."""
+    if cores is None or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = move_threads(cores)
+    try:
+        yield
+    finally:
+        for tid, previous in before.items():
+            try:
+                os.sched_setaffinity(tid, previous)
+            except (ProcessLookupError, OSError):
+                continue
+
+
+def bind_rank(choice: str, ids: list[str], rank: int, threads: int, device_type: str) -> str:
+    """Bind this rank as `train.pin_cores` says, given every rank's `machine_id()`; returns what
+    was done, in words, for the run's log."""
+    if choice not in PIN_CHOICES:
+        raise ValueError(f"train.pin_cores={choice!r}: choose one of {', '.join(PIN_CHOICES)}")
+    allowed = allowed_cores()
+    slot, ranks = slot_on_machine(ids, rank)
+    if choice == "off":
+        return f"off (the {ranks} rank(s) of this machine share its {len(allowed)} core(s) as the kernel places them)"
+    if not hasattr(os, "sched_setaffinity"):
+        return "not bound (this system cannot set a thread's cores)"
+    if device_type != "cpu":
+        return "not bound (a GPU run: the device computes, not the cores)"
+    cores = cores_for(slot, ranks, allowed, threads)
+    if cores is None:
+        return (f"not bound: {ranks} ranks with {threads} thread(s) each share {len(allowed)} core(s) "
+                "(the contention the virtual clock replays away)")
+    if len(cores) == len(allowed):
+        return f"not bound (the one rank of this machine has all its {len(allowed)} core(s))"
+    os.environ[HOST_CORES_ENV] = ",".join(str(c) for c in allowed)
+    move_threads(cores)
+    return f"rank {slot} of this machine's {ranks} on core(s) {','.join(str(c) for c in cores)} of {len(allowed)}"
+
+
+def host_cores() -> int:
+    """How many cores the ranks of this machine share: the process's own affinity, or, in a rank
+    that took a core of its own, what the machine's ranks had before they did."""
+    shared = os.environ.get(HOST_CORES_ENV)
+    if shared:
+        return len(shared.split(","))
+    return len(allowed_cores())
