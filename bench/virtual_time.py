@@ -14,7 +14,8 @@ root), reads the run's summary.json, and for some replays its saved events again
                step against wall step, the median of the runs' ratios (the claim: within 5%, on an
                idle machine)
   contention   the world-4 runs of `stability` replayed with their 4 ranks sharing the machine's
-               cores (processor sharing): against their wall step (the claim: within 10%)
+               cores (processor sharing), on the loopback probed unbound as their ranks are
+               (`pin_cores=off`): against their wall step (the claim: within 10%)
   pipelines    every schedule of ours at p 4, m 8: the virtual bubble (idle share of the pipeline
                ranks' time from the step's start to its last F/B/W) against the simulator's with the
                run's measured F, B and W (CPU time per chunk-microbatch; the claim: within 3 points):
@@ -47,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
-from parallel.replay.links import LinkModel, from_net  # noqa: E402
+from parallel.replay.links import LinkModel, from_net, loopback  # noqa: E402
 from parallel.replay.probe import figure_overrides, measure_once  # noqa: E402
 from parallel.replay.virtual import replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
@@ -138,16 +139,24 @@ def faithful(out: Path, common: list[str], rounds: int) -> str:
                  ["strategy", "virtual", "wall", "virtual/wall-1 (median of runs)", "range"], rows)
 
 
-def contention(runs: dict) -> str:
+def contention(runs: dict, unbound: LinkModel) -> str:
+    """Every world-4 run replayed with its ranks sharing the machine's cores, on the loopback as
+    unbound ranks meet it (`unbound`: probed with `pin_cores=off`, as these runs' ranks are not
+    bound), and on the run's own link (probed bound, a core per rank) beside it."""
     cores = usable_cores()
     rows = []
     for strategy, summaries in runs.items():
-        for d, s in summaries[:1]:
-            shared = replayed(d, s, cores=cores)
-            rows.append([strategy, f"{s['virtual']['step_time_s'] * 1e3:.1f}", f"{shared * 1e3:.1f}",
-                         f"{s['step_time_s'] * 1e3:.1f}", f"{shared / s['step_time_s'] - 1:+.1%}"])
+        walls, shared, own = [], [], []
+        for d, s in summaries:
+            walls.append(s["step_time_s"])
+            shared.append(replayed(d, s, cores=cores, links=unbound))
+            own.append(replayed(d, s, cores=cores))
+        rows.append([strategy, " / ".join(f"{w * 1e3:.1f}" for w in walls),
+                     " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(shared, walls)),
+                     " / ".join(f"{x / w - 1:+.1%}" for x, w in zip(own, walls))])
     return table(f"Contention: world-4 runs replayed with 4 ranks sharing {cores} cores (step ms)",
-                 ["strategy", "virtual (a core each)", f"replayed on {cores} cores", "wall", "replayed/wall-1"], rows)
+                 ["strategy", "wall", f"replayed on {cores} cores, unbound loopback (replayed/wall-1)",
+                  "on the run's own link, probed bound (replayed/wall-1)"], rows)
 
 
 def pipeline_bubble(run_dir: Path, summary: dict) -> tuple[float, dict]:
@@ -283,7 +292,13 @@ def main(argv: list[str]) -> None:
         text, runs = stability(out, common, int(opts["repeats"]))
         parts.append(text)
     if "contention" in checks:
-        parts.append(contention(runs))
+        # The contention replays' loopback, probed as these runs' unbound ranks meet it.
+        figures = measure_once(int(opts["probes"]), pin_cores="off")
+        COMMANDS.append(f"# {opts['probes']} x, the median of each figure (the contention replays' link):\n"
+                        "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe batch off")
+        unbound = loopback(figures["bytes_per_s"], figures["latency_s"], "probed unbound (pin_cores=off)",
+                           figures["p2p_latency_s"])
+        parts.append(contention(runs, unbound))
     if "loaded" in checks:
         parts.append(loaded(out, common, int(opts["repeats"])))
     if "faithful" in checks:

@@ -4,6 +4,10 @@ The replay needs the rate and the per-step latency one rank's transfers reach wh
 of its own, not the contended figures of N ranks on fewer cores. So two ranks of one node (global
 rank 0 and the next rank on its node) measure them between themselves, after the timed steps,
 while every other rank waits in a barrier (a gloo barrier blocks in a receive: it takes no core).
+Each of the two is bound to a core of its own while it measures, its gloo threads with it, as a
+virtual rank's core is (a run bound by `train.pin_cores` already is; parallel/dist/binding.py):
+unbound, each handoff of a call may wake its thread on the other core, and a call costs 2-3x the
+latency (docs/measured.md, "A core per rank").
 
 They measure a collective the way a training step meets one: **coming out of compute, and on
 average**. Each timed all-reduce follows a burst of matmuls on both ranks (`BURST_S` of thread CPU
@@ -49,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.dist.binding import HOST_CORES_ENV, allowed_cores, bind_rank, bound_to, machine_id
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.replay.links import LinkModel, loopback
 
@@ -155,21 +160,35 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None,
     apply_gloo_loop_policy(gloo_loop_policy)
     figures = torch.zeros(3, dtype=torch.float64)
     if rank in (0, partner):
-        figures[:] = torch.tensor(measure_pair(pair))
+        with bound_to(pair_cores(rank == 0)):
+            figures[:] = torch.tensor(measure_pair(pair))
     dist.broadcast(figures, src=0)
     dist.destroy_process_group(pair)
     return loopback(float(figures[0]), float(figures[1]),
-                    f"probed in this run: ranks 0 and {partner}, one per core, mean of "
+                    f"probed in this run: ranks 0 and {partner}, each bound to a core of its own, mean of "
                     f"{SMALL_BYTES // 1024} KiB and {PAYLOAD_BYTES // 2**20} MiB all-reduces and of "
                     f"{SMALL_BYTES // 1024} KiB ping-pongs after compute", float(figures[2]))
 
 
-def run_probe(module: str, ranks: int, timeout_s: float, gloo_loop_policy: str = "batch") -> dict:
+def pair_cores(first: bool) -> list[int] | None:
+    """The core one rank of the probing pair takes while it measures, or None where it is already
+    on a core of its own (a run bound by `train.pin_cores`) or the machine has a single core: in a
+    run with more ranks than cores the pair still measures with a core each (the others wait in a
+    barrier), as the virtual clock assumes and as a bound run has it (parallel/dist/binding.py)."""
+    allowed = allowed_cores()
+    if os.environ.get(HOST_CORES_ENV) or len(allowed) < 2:
+        return None
+    return [allowed[0] if first else allowed[1]]
+
+
+def run_probe(module: str, ranks: int, timeout_s: float, gloo_loop_policy: str = "batch",
+              pin_cores: str | None = None) -> dict:
     """Run a probe `module` under torchrun with `ranks` gloo ranks of their own and read the JSON
     line its rank 0 prints (this one; the planner's parallel/planner/loopback.py). Its gloo event
-    loop is set as a run's would be (`train.gloo_loop_policy`, its only argument)."""
+    loop is set as a run's would be (`train.gloo_loop_policy`, its first argument); `pin_cores`
+    (this module's second argument) binds its ranks or not as `train.pin_cores` would."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m", module,
-           gloo_loop_policy]
+           gloo_loop_policy, *([pin_cores] if pin_cores else [])]
     root = str(Path(__file__).resolve().parents[2])  # this checkout's code, in the child processes too
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
@@ -180,7 +199,8 @@ def run_probe(module: str, ranks: int, timeout_s: float, gloo_loop_policy: str =
     return json.loads(lines[-1])
 
 
-def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = "batch") -> dict:
+def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = "batch",
+                 pin_cores: str = "auto") -> dict:
     """{"bytes_per_s", "latency_s", "p2p_latency_s"}: this module's probe run by two ranks of their own (one per core),
     for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
     in what they measured, not in their probes.
@@ -189,17 +209,26 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     on this machine kind: five back-to-back runs on the idle machine gave 1.23-1.71 GB/s, 180-256 us
     per ring step and 70-232 us per message (2026-12-02, gloo's event loop at SCHED_BATCH; under the
     kernel's default policy 0.84-2.01 GB/s and 572-1020 us per ring step), and every run of a sweep
-    inherits its probe's error in one direction."""
-    probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy) for _ in range(max(1, runs))]
+    inherits its probe's error in one direction.
+
+    `pin_cores=off` probes with the two ranks' threads left where the kernel puts them, as in a
+    run with more ranks than cores (bench/virtual_time.py's contention check replays such runs on
+    it): each handoff of a call then may wake its thread on the other core."""
+    probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy, pin_cores)
+              for _ in range(max(1, runs))]
     return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s", "p2p_latency_s")}
 
 
 def main() -> None:
     """Under torchrun with 2 ranks: print {"bytes_per_s", "latency_s", "p2p_latency_s"} as JSON on rank 0.
-    Its one optional argument is `train.gloo_loop_policy` (default batch)."""
+    Its optional arguments: `train.gloo_loop_policy` (default batch), then `train.pin_cores`
+    (default auto: each rank on a core of its own, as a bound run's ranks are; off: not bound)."""
+    policy = sys.argv[1] if len(sys.argv) > 1 else "batch"
+    pin = sys.argv[2] if len(sys.argv) > 2 else "auto"
     dist.init_process_group("gloo")
-    apply_gloo_loop_policy(sys.argv[1] if len(sys.argv) > 1 else "batch")
+    apply_gloo_loop_policy(policy)
     torch.set_num_threads(1)
+    bind_rank(pin, [machine_id()] * dist.get_world_size(), dist.get_rank(), 1, "cpu")
     rate, latency, p2p = measure_pair()
     if dist.get_rank() == 0:
         print(json.dumps({"bytes_per_s": rate, "latency_s": latency, "p2p_latency_s": p2p}))
