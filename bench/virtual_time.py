@@ -266,6 +266,12 @@ def network(out: Path, common: list[str], rounds: int) -> str:
                  ["strategy", "replayed", "launch.run measured", "replayed/measured-1"], rows)
 
 
+def said(figures: dict) -> str:
+    """A probe's figures (`measure_once`'s keys) in words, each the median of the probe runs."""
+    return (f"{figures['bytes_per_s'] / 1e9:.2f} GB/s, {figures['latency_s'] * 1e6:.0f} µs per ring step, "
+            f"{figures['p2p_latency_s'] * 1e6:.0f} µs per message")
+
+
 def main(argv: list[str]) -> None:
     opts = {"checks": "stability,loaded,faithful,contention,pipelines,network", "model": "tiny", "steps": "8",
             "repeats": "3", "out": "runs/virtual-bench", "loopback": "once", "probes": "5", "rounds": "5"}
@@ -277,10 +283,12 @@ def main(argv: list[str]) -> None:
     out = ROOT / opts["out"]
     out.mkdir(parents=True, exist_ok=True)
     common = [f"model={opts['model']}", f"train.steps={opts['steps']}"]
+    probes_read: list[str] = []
     if opts["loopback"] == "once":
         # One probe for every run (2 ranks, one per core), so that the runs differ only in what they
         # measured: each figure the median of `probes` probe runs.
         loop = measure_once(int(opts["probes"]))
+        probes_read.append(f"loopback probed bound (every run's link): {said(loop)}")
         COMMANDS.append(f"# {opts['probes']} x, the median of each figure:\n"
                         "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
         common += figure_overrides(loop)
@@ -294,6 +302,7 @@ def main(argv: list[str]) -> None:
     if "contention" in checks:
         # The contention replays' loopback, probed as these runs' unbound ranks meet it.
         figures = measure_once(int(opts["probes"]), pin_cores="off")
+        probes_read.append(f"loopback probed unbound (the contention replays' link): {said(figures)}")
         COMMANDS.append(f"# {opts['probes']} x, the median of each figure (the contention replays' link):\n"
                         "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe batch off")
         unbound = loopback(figures["bytes_per_s"], figures["latency_s"], "probed unbound (pin_cores=off)",
@@ -307,6 +316,7 @@ def main(argv: list[str]) -> None:
         parts.append(pipelines(out, common))
     if "network" in checks:
         parts.append(network(out, common, int(opts["rounds"])))
+    parts.append("\n### Probes\n\n" + "\n".join(f"- {line}" for line in probes_read))
     parts.append("\n### Commands\n\n```\n" + "\n".join(COMMANDS) + "\n```")
     text = "\n".join(parts)
     print(text)
