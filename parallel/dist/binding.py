@@ -6,11 +6,12 @@ not give a rank a core: it moves every thread of every rank to whichever core is
 wake-up, so a rank's compute thread, its gloo threads and the other ranks' gloo threads meet on
 both cores in turn, and each handoff of a gloo call wakes its next thread on the other core.
 Measured on this project's CPU machine kind (2 cores, two ranks, 2026-12-02, whole runs
-alternating, docs/measured.md): bound, one rank's threads all on one core, tp's step took 20-23 ms
-where unbound it took 29-31 ms; a pipeline's 19-21 ms where 20-24; a 128 KiB all-reduce 0.3 ms
-from the last post where 0.39 ms at the median and 0.54-0.59 ms at the mean; and a
-16 KiB message 50-70 µs where 220-260 µs. This is what MPI launchers do by default
-(`--bind-to core` where there are at least as many cores as processes).
+alternating, docs/measured.md): bound, one rank's threads all on one core, tp's step took
+21.8-23.5 ms where unbound it took 28.8-31.4 ms, zero2's 17.4-18.3 where 20.1-20.6, with the same
+losses to the bit; a 128 KiB all-reduce in tp's steps 0.30-0.34 ms from the last post (the median)
+where 0.39 ms, with a mean of 0.54-0.59 ms; the loopback probe's message 45-70 µs where 220-290 µs.
+This is what MPI launchers do by default (`--bind-to core` where there are at least as many
+cores as processes).
 
 `auto` (the default): on the CPU, when every rank of this machine can have `threads` cores (one
 per rank, or `train.threads` each) out of the cores the process may use, rank i of the machine

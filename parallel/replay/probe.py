@@ -206,10 +206,12 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     in what they measured, not in their probes.
 
     Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move
-    on this machine kind: five back-to-back runs on the idle machine gave 1.23-1.71 GB/s, 180-256 us
-    per ring step and 70-232 us per message (2026-12-02, gloo's event loop at SCHED_BATCH; under the
-    kernel's default policy 0.84-2.01 GB/s and 572-1020 us per ring step), and every run of a sweep
-    inherits its probe's error in one direction.
+    on this machine kind: five back-to-back runs on the idle machine, the two ranks bound, gave
+    1.61-2.21 GB/s, 63-100 us per ring step and 50-71 us per message (2026-12-02; unbound, 1.23-1.71
+    GB/s, 180-256 us and 70-232 us; under the kernel's default policy for gloo's event loop the ring
+    step moved over 572-1020 us), and every run of a sweep inherits its probe's error in one
+    direction. A probe run four times as long spread as widely: the figures follow the host's
+    moment, not the number of calls.
 
     `pin_cores=off` probes with the two ranks' threads left where the kernel puts them, as in a
     run with more ranks than cores (bench/virtual_time.py's contention check replays such runs on
