@@ -5,6 +5,10 @@
                                                                                 scaled by the FLOP rates
     python -m launch.replay <run dir> cores=2                                 the run's own links, N ranks
                                                                                 sharing 2 cores (contention)
+    python -m launch.replay <run dir> cores=2 loopback=unbound                the same on this machine's
+                                                                                loopback probed now with its
+                                                                                ranks not bound, as a run with
+                                                                                more ranks than cores has it
     python -m launch.replay <run dir>                                         the run's own replay again
     python -m launch.replay <run dir> comm_cpu=free                           the communication taking no CPU
                                                                                 of the ranks' cores (a device's
@@ -31,7 +35,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from parallel.replay import events as saved
-from parallel.replay.links import LinkModel, from_cluster, from_net
+from parallel.replay.links import LinkModel, from_cluster, from_net, loopback
 from parallel.report.virtual import peak_per_device, write_virtual
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -61,13 +65,20 @@ def parse(argv: list[str]) -> tuple[Path, dict]:
             options["fields"][key[4:]] = _value(value)
         elif key in ("net", "cluster", "cores", "out"):
             options[key] = value
+        elif key == "loopback":
+            if value not in ("run", "unbound"):
+                raise ReplayError(f"loopback={value!r}: run (the run's own loopback figures, the default) or unbound "
+                                  "(probed now, two ranks not bound to cores, as a run with more ranks than cores "
+                                  "meets its loopback)")
+            options[key] = value
         elif key == "comm_cpu":
             if value not in ("charged", "free"):
                 raise ReplayError(f"comm_cpu={value!r}: charged (the communication's CPU shares each rank's core, "
                                   "the default) or free (it takes none: a device's copy engine)")
             options[key] = value
         else:
-            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, comm_cpu=, out=")
+            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, loopback=, comm_cpu=, "
+                              "out=")
     return run_dir, options
 
 
@@ -78,6 +89,14 @@ def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, floa
         raise ReplayError("the run's summary.json has no virtual link model (an older run, or its replay failed)")
     base = LinkModel.from_dict(own["link_model"])
     loop = base if base.name == "loopback" else LinkModel("loopback", base.intra, source=base.source)
+    if options.get("loopback") == "unbound":
+        if "cluster" in options:
+            raise ReplayError("loopback=unbound with cluster=: a cluster's links are the preset's, not this machine's")
+        if base.name != "loopback" and "net" not in options and not options["fields"]:
+            raise ReplayError(f"loopback=unbound: the run's own links are {base.name}'s, not loopback's; "
+                              "give net=none, or a net= what-if built on the loopback")
+        base = loop = unbound_loopback(str((summary.get("config") or {}).get("train", {}).get("gloo_loop_policy")
+                                           or "batch"))
     if "cluster" in options:
         from parallel.planner.cluster import cluster_from_config
 
@@ -109,6 +128,17 @@ def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, floa
     return base, 1.0, None, f"the run's own links ({base.name})"
 
 
+def unbound_loopback(gloo_loop_policy: str) -> LinkModel:
+    """This machine's loopback probed now with its two ranks not bound to cores (the median of three
+    probe runs, parallel/replay/probe.py): what a run with more ranks than cores, whose ranks are not
+    bound, meets. A replay on it is as repeatable as the probe, not to the bit."""
+    from parallel.replay.probe import measure_once
+
+    f = measure_once(3, gloo_loop_policy=gloo_loop_policy, pin_cores="off")
+    return loopback(f["bytes_per_s"], f["latency_s"], "probed now by launch.replay, two ranks not bound to cores, "
+                    "the median of three probe runs", f["p2p_latency_s"])
+
+
 def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
@@ -119,6 +149,7 @@ def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     cores = float(options["cores"]) if "cores" in options else None
     name = options.get("out") or f"replay-{(options.get('cluster') or options.get('net') or 'own')}" + (
         "".join(f"-{k}{v}" for k, v in options["fields"].items()) + (f"-cores{options['cores']}" if cores else "")
+        + ("-loopback_unbound" if options.get("loopback") == "unbound" else "")
         + ("-comm_cpu_free" if options.get("comm_cpu") == "free" else ""))
     out = run_dir / name if "out" not in options else Path(name)
     out = _fresh(out)
@@ -126,6 +157,8 @@ def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     comm_cpu = {"charged": True, "free": False}.get(options.get("comm_cpu"))
     block = write_virtual(out, events, summary, links, draw=True, cores=cores, compute_scale=scale, what_if=what_if,
                           peak=peak, comm_cpu=comm_cpu)
+    if options.get("loopback") == "unbound":
+        label += "; the loopback probed now, its ranks not bound to cores"
     if comm_cpu is False:
         label += "; the communication taking none of the ranks' CPU"
     block["replay"] = label

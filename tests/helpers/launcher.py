@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -201,3 +202,35 @@ def run_nodes(nproc_per_node: int, overrides: list[str], workdirs: list[Path], t
             err.close()
     return [NodeRun(code, (w / "agent.out").read_text(), (w / "agent.err").read_text(), w)
             for code, w in zip(codes, workdirs)]
+
+
+def look_at_live_ranks(run_dir: Path, overrides: list[str], look, at_step: int = 3, timeout: float = 120):
+    """Start a 2-rank run of 400 steps, wait until rank 0 has logged step `at_step` (past warm-up),
+    call `look({rank: pid})` on the live ranks from outside, stop the run, and return what `look`
+    returned with rank 1's log: for what only a running rank shows (its threads' policies, cores)."""
+    cmd = train_command(2, [*TINY, "parallel=dp", "train.steps=400", "train.warmup_steps=2", f"run.dir={run_dir}",
+                            *overrides])
+    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **CPU_ONLY})
+    try:
+        deadline, pids = time.monotonic() + timeout, {}
+        logs = {r: run_dir / "logs" / f"rank{r}.log" for r in (0, 1)}
+        while time.monotonic() < deadline and proc.poll() is None and len(pids) < 2:
+            if all(p.exists() for p in logs.values()) and f"step {at_step:4d} |" in logs[0].read_text():
+                for r, path in logs.items():
+                    found = re.search(rf"rank {r} pid (\d+)", path.read_text())
+                    if found:
+                        pids[r] = int(found.group(1))
+            time.sleep(0.2)
+        assert len(pids) == 2, f"the run never reached step {at_step}"
+        seen = look(pids)
+        logged = logs[1].read_text()
+    finally:
+        # SIGTERM: torchrun stops its workers and waits for them (SIGKILL would leave them training on).
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate(timeout=60)
+    return seen, logged

@@ -6,13 +6,11 @@ puts them (looked at from outside while the ranks train, as tests/runs/test_gloo
 
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
-from launcher import CPU_ONLY, PROJECT_ROOT, TINY, train_command
+from launcher import CPU_ONLY, PROJECT_ROOT, look_at_live_ranks
 
 from parallel.dist.binding import machine_id
 
@@ -82,33 +80,8 @@ def _cores_of_threads(pid: int) -> set[tuple[int, ...]]:
 
 def _live_cores(tmp_path, overrides: list[str]) -> tuple[dict[int, set], str]:
     """Each rank's threads' core sets once rank 0 has logged step 3, and rank 1's log."""
-    run_dir = tmp_path / "run"
-    cmd = train_command(2, [*TINY, "parallel=dp", "train.steps=400", "train.warmup_steps=2", f"run.dir={run_dir}",
-                            *overrides])
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **CPU_ONLY})
-    try:
-        deadline, pids = time.monotonic() + 120, {}
-        while time.monotonic() < deadline and proc.poll() is None and len(pids) < 2:
-            logs = {r: run_dir / "logs" / f"rank{r}.log" for r in (0, 1)}
-            if all(p.exists() for p in logs.values()) and "step    3 |" in logs[0].read_text():
-                for r, path in logs.items():
-                    found = re.search(rf"rank {r} pid (\d+)", path.read_text())
-                    if found:
-                        pids[r] = int(found.group(1))
-            time.sleep(0.2)
-        assert len(pids) == 2, "the run never reached step 3"
-        cores = {r: _cores_of_threads(pid) for r, pid in pids.items()}
-        logged = (run_dir / "logs" / "rank1.log").read_text()
-    finally:
-        # SIGTERM: torchrun stops its workers and waits for them (SIGKILL would leave them training on).
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate(timeout=60)
-    return cores, logged
+    return look_at_live_ranks(tmp_path / "run", overrides,
+                              lambda pids: {r: _cores_of_threads(pid) for r, pid in pids.items()})
 
 
 def test_each_rank_of_a_live_run_is_on_a_core_of_its_own(tmp_path):

@@ -11,10 +11,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 
 import pytest
-from launcher import CPU_ONLY, PROJECT_ROOT, TINY, train_command
+from launcher import CPU_ONLY, PROJECT_ROOT, look_at_live_ranks
 
 from parallel.dist.gloo_loop import LOOP_THREAD_NAME, apply_gloo_loop_policy, gloo_loop_threads
 
@@ -30,31 +29,8 @@ def _loop_thread_policies(pid: int) -> list[int]:
 def test_a_live_run_sets_every_gloo_loop_thread_of_every_rank(tmp_path):
     """Both ranks of a dp run, looked at from outside while they train (after the warm-up step that
     applies the policy again): every gloo event-loop thread, one per process group, is SCHED_BATCH."""
-    run_dir = tmp_path / "run"
-    cmd = train_command(2, [*TINY, "parallel=dp", "train.steps=400", "train.warmup_steps=2", f"run.dir={run_dir}"])
-    proc = subprocess.Popen(cmd, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **CPU_ONLY})
-    try:
-        deadline, pids = time.monotonic() + 120, {}
-        while time.monotonic() < deadline and proc.poll() is None and len(pids) < 2:
-            logs = {r: run_dir / "logs" / f"rank{r}.log" for r in (0, 1)}
-            if all(p.exists() for p in logs.values()) and "step    3 |" in logs[0].read_text():
-                for r, path in logs.items():
-                    found = re.search(rf"rank {r} pid (\d+)", path.read_text())
-                    if found:
-                        pids[r] = int(found.group(1))
-            time.sleep(0.2)
-        assert len(pids) == 2, "the run never reached step 3"
-        policies = {r: _loop_thread_policies(pid) for r, pid in pids.items()}
-        logged = (run_dir / "logs" / "rank1.log").read_text()
-    finally:
-        # SIGTERM: torchrun stops its workers and waits for them (SIGKILL would leave them training on).
-        proc.terminate()
-        try:
-            proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate(timeout=60)
+    policies, logged = look_at_live_ranks(tmp_path / "run", [], lambda pids: {
+        r: _loop_thread_policies(pid) for r, pid in pids.items()})
     for r, found in policies.items():
         assert found, f"rank {r} has no {LOOP_THREAD_NAME} thread"
         assert set(found) == {os.SCHED_BATCH}, f"rank {r}: policies {found}, SCHED_BATCH is {os.SCHED_BATCH}"

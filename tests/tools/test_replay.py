@@ -94,3 +94,18 @@ def test_a_gpu_runs_own_replay_leaves_the_communications_cpu_out(pp_run, tmp_pat
     assert write_virtual(tmp_path, saved, summary, links, draw=False)["communication_cpu_s"] > 0
     gpu = {**summary, "device": "cuda"}
     assert write_virtual(tmp_path, saved, gpu, links, draw=False)["communication_cpu_s"] is None
+
+
+def test_a_contention_replay_on_the_loopback_probed_unbound(pp_run):
+    """`loopback=unbound` probes this machine's loopback now with its ranks not bound (as a run
+    with more ranks than cores meets it) and replays on it; a bad choice, or a cluster's links, refused."""
+    result = replay(pp_run.run_dir, "cores=2", "loopback=unbound")
+    assert result.returncode == 0, result.stderr
+    block = json.loads((pp_run.run_dir / "replay-own-cores2-loopback_unbound" / "summary.json").read_text())["virtual"]
+    own = json.loads((pp_run.run_dir / "summary.json").read_text())["virtual"]["link_model"]
+    assert "not bound to cores" in block["link_model"]["source"] and "bound to a core" in own["source"]
+    assert block["link_model"]["intra"]["latency_s"] > 0 and block["cores"] == 2
+    bad = replay(pp_run.run_dir, "loopback=pinned")
+    assert bad.returncode == 2 and "loopback='pinned': run" in bad.stderr and "unbound" in bad.stderr
+    mixed = replay(pp_run.run_dir, "cluster=h100_sxm", "loopback=unbound")
+    assert mixed.returncode == 2 and "a cluster's links are the preset's" in mixed.stderr
