@@ -20,7 +20,7 @@ from parallel.core.host_memory import apply_host_allocator
 from parallel.core.model import GPT, count_parameters
 from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
-from parallel.dist.binding import bind_rank, machine_ids
+from parallel.dist.binding import bind_rank
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
@@ -112,7 +112,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).
-    cores = bind_rank(plan.pin_cores, machine_ids(ctx.comm("world")), ctx.rank, torch.get_num_threads(),
+    cores = bind_rank(plan.pin_cores, [machine for _, _, machine in ctx.peers], ctx.rank, torch.get_num_threads(),
                       ctx.device.type)
     log.info(
         "run %s | strategy %s | world %d = dp %d x cp %d x tp %d x pp %d | backend %s | device %s | precision %s "

@@ -54,16 +54,6 @@ def machine_id() -> str:
         return socket.gethostname()
 
 
-def machine_ids(world) -> list[str]:
-    """Every rank's `machine_id()`, in rank order, on every rank (two tooling calls; `world`: the
-    world's Communicator, None in a single process)."""
-    me = machine_id()
-    if world is None:
-        return [me]
-    table = world.gather_object(me, 0, tag="tooling/machines")
-    return world.broadcast_object(table, 0, tag="tooling/machines")
-
-
 def slot_on_machine(ids: list[str], rank: int) -> tuple[int, int]:
     """(this rank's index among the ranks of its machine, how many ranks its machine has), from
     every rank's `machine_id()` in rank order."""

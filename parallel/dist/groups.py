@@ -83,7 +83,7 @@ class DistContext:
     log: CommLog
     comms: dict[str, Communicator] = field(default_factory=dict)
     mesh: object = None
-    peers: list = field(default_factory=list)  # (hostname, pid) per rank, for failure messages
+    peers: list = field(default_factory=list)  # (hostname, pid, machine id) per rank: failure messages, binding
     gloo_loop_policy: str | None = None  # train.gloo_loop_policy, for tools that make groups as they go (gloo_loop.py)
 
     @property

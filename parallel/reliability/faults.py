@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from parallel.dist.binding import machine_id
+
 FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill_during_save")
 STEP_MODES = ("raise", "exit", "hang", "nan_weights")
 
@@ -68,10 +70,11 @@ def kill_during_save(mode: str | None, at_step: int | None, step: int):
     return kill
 
 
-def peer_table(world) -> list[tuple[str, int]]:
-    """(hostname, pid) of every rank, on every rank (two tooling calls at start-up): what lets a
-    survivor tell which of its peers on this machine is gone."""
-    me = (socket.gethostname(), os.getpid())
+def peer_table(world) -> list[tuple[str, int, str]]:
+    """(hostname, pid, machine id) of every rank, on every rank (two tooling calls at start-up): the
+    first two let a survivor tell which of its peers on this machine is gone; the kernel's boot id
+    tells which ranks share a machine's cores (parallel/dist/binding.py)."""
+    me = (socket.gethostname(), os.getpid(), machine_id())
     if world is None:
         return [me]
     table = world.gather_object(me, 0, tag="tooling/peers")
@@ -89,7 +92,7 @@ def _exited(pid: int) -> bool:
         return False  # no /proc here: cannot tell
 
 
-def gone_peers(table: list[tuple[str, int]], rank: int, wait_s: float = 0.3) -> list[str]:
+def gone_peers(table: list[tuple], rank: int, wait_s: float = 0.3) -> list[str]:
     """The ranks on this machine whose process has exited, waiting up to `wait_s` for one: a dying
     peer closes its sockets a moment before it becomes a zombie. Best effort, like every line a
     survivor prints: torchrun stops the survivors within a fraction of a second of the first
@@ -97,7 +100,8 @@ def gone_peers(table: list[tuple[str, int]], rank: int, wait_s: float = 0.3) -> 
     host = socket.gethostname()
     deadline = time.monotonic() + wait_s
     while True:
-        gone = [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(table) if r != rank and h == host and _exited(pid)]
+        gone = [f"rank {r} (pid {pid})" for r, (h, pid, *_) in enumerate(table)
+                if r != rank and h == host and _exited(pid)]
         if gone or time.monotonic() >= deadline:
             return gone
         time.sleep(0.05)
