@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 
 # Only torch-free modules here: a bad net setting is refused before torch is even imported.
 from launch.config import CODE_ROOT, CONFIG_DIR, unknown_preset
+from parallel.dist.binding import threads_per_rank
 from parallel.net.faults import FaultInjector, LinkFault, unreachable_nodes
 from parallel.net.netns import EmulatedNetwork, NetSetupError, stop_processes
 from parallel.net.placement import ENV_NAMESPACES
@@ -126,8 +127,7 @@ def train_overrides(cfg: DictConfig, spec: NetSpec, plan) -> tuple[list[str], Pa
     run_dir = Path(cfg.run.dir or default_run_dir(plan.strategy, spec.world_size)).absolute()
     overrides = [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]
     if cfg.train.threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        overrides.append(f"train.threads={max(1, cores // spec.world_size)}")
+        overrides.append(f"train.threads={threads_per_rank(spec.world_size)}")
     return overrides, run_dir
 
 

@@ -20,10 +20,10 @@ from parallel.core.host_memory import apply_host_allocator
 from parallel.core.model import GPT, count_parameters
 from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
-from parallel.dist.binding import bind_rank
+from parallel.dist.binding import bind_rank, threads_per_rank
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
-from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown, threads_per_rank
+from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown
 from parallel.dist.timing import StepTimer, count_every_thread
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe

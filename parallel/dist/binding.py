@@ -40,8 +40,18 @@ HOST_CORES_ENV = "PARALLEL_HOST_CORES"  # the cores the machine's ranks share, s
 
 
 def allowed_cores() -> list[int]:
-    """The cores this thread may run on, in order ([0] where the system cannot say)."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    """The cores this thread may run on, in order (where the system cannot say, every CPU it has):
+    a container often sees more CPUs in os.cpu_count() than it is allowed."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def threads_per_rank(local_world_size: int, requested: int | None = None) -> int:
+    """Share the cores among the ranks of this machine, so 4 ranks on 2 cores do not fight."""
+    if requested:
+        return requested
+    return max(1, len(allowed_cores()) // local_world_size)
 
 
 def machine_id() -> str:
@@ -78,7 +88,7 @@ def move_threads(cores: list[int] | set[int]) -> dict[int, set[int]]:
         try:
             before[tid] = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, cores)
-        except (ProcessLookupError, OSError):
+        except OSError:  # the thread ended while we looked (ProcessLookupError)
             continue
     return before
 
@@ -98,7 +108,7 @@ def bound_to(cores: list[int] | None):
         for tid, previous in before.items():
             try:
                 os.sched_setaffinity(tid, previous)
-            except (ProcessLookupError, OSError):
+            except OSError:  # the thread ended while we looked (ProcessLookupError)
                 continue
 
 

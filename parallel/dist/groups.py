@@ -66,14 +66,6 @@ def choose_device_type(requested_backend: str, backend: str | None, cuda_availab
     return "cpu"
 
 
-def threads_per_rank(local_world_size: int, requested: int | None = None) -> int:
-    """Share the cores among the ranks of this machine, so 4 ranks on 2 cores do not fight."""
-    if requested:
-        return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_world_size)
-
-
 @dataclass
 class DistContext:
     env: LaunchEnv

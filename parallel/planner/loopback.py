@@ -19,6 +19,7 @@ import json
 import os
 import sys
 
+from parallel.dist.binding import threads_per_rank
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.replay.probe import PAYLOAD_BYTES, best_time, run_probe
 
@@ -31,7 +32,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     apply_gloo_loop_policy(sys.argv[1] if len(sys.argv) > 1 else "batch")  # as a run sets it (run_probe)
     n = dist.get_world_size()
-    torch.set_num_threads(max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1) // n))
+    torch.set_num_threads(threads_per_rank(n))
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
     dist.all_reduce(big)
     seconds = best_time(lambda: dist.all_reduce(big), 5)

@@ -5,8 +5,9 @@ from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
 
 import parallel.dist.dims as dims_module
+from parallel.dist.binding import threads_per_rank
 from parallel.dist.dims import DIMS, MESH_DIMS, SIZES, LayoutError, ParallelDims, shared_coordinates
-from parallel.dist.groups import LaunchEnv, choose_backend, threads_per_rank
+from parallel.dist.groups import LaunchEnv, choose_backend
 from parallel.plan import ConfigError, build_plan
 
 
