@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))
 from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
-from parallel.replay.links import LinkModel, from_net, loopback  # noqa: E402
-from parallel.replay.probe import figure_overrides, measure_once  # noqa: E402
+from parallel.replay.links import LinkModel, from_net  # noqa: E402
+from parallel.replay.probe import figure_overrides, link_of, measure_once  # noqa: E402
 from parallel.replay.virtual import replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
@@ -305,8 +305,7 @@ def main(argv: list[str]) -> None:
         probes_read.append(f"loopback probed unbound (the contention replays' link): {said(figures)}")
         COMMANDS.append(f"# {opts['probes']} x, the median of each figure (the contention replays' link):\n"
                         "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe batch off")
-        unbound = loopback(figures["bytes_per_s"], figures["latency_s"], "probed unbound (pin_cores=off)",
-                           figures["p2p_latency_s"])
+        unbound = link_of(figures, "probed unbound (pin_cores=off)")
         parts.append(contention(runs, unbound))
     if "loaded" in checks:
         parts.append(loaded(out, common, int(opts["repeats"])))

@@ -35,7 +35,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from parallel.replay import events as saved
-from parallel.replay.links import LinkModel, from_cluster, from_net, loopback
+from parallel.replay.links import LinkModel, from_cluster, from_net
 from parallel.report.virtual import peak_per_device, write_virtual
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -132,11 +132,10 @@ def unbound_loopback(gloo_loop_policy: str) -> LinkModel:
     """This machine's loopback probed now with its two ranks not bound to cores (the median of three
     probe runs, parallel/replay/probe.py): what a run with more ranks than cores, whose ranks are not
     bound, meets. A replay on it is as repeatable as the probe, not to the bit."""
-    from parallel.replay.probe import measure_once
+    from parallel.replay.probe import link_of, measure_once
 
-    f = measure_once(3, gloo_loop_policy=gloo_loop_policy, pin_cores="off")
-    return loopback(f["bytes_per_s"], f["latency_s"], "probed now by launch.replay, two ranks not bound to cores, "
-                    "the median of three probe runs", f["p2p_latency_s"])
+    return link_of(measure_once(3, gloo_loop_policy=gloo_loop_policy, pin_cores="off"),
+                   "probed now by launch.replay, two ranks not bound to cores, the median of three probe runs")
 
 
 def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:

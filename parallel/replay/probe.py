@@ -133,6 +133,12 @@ def given_figures(virtual) -> dict | None:
             "p2p_latency_s": float(p2p) * 1e-6 if p2p is not None else None}
 
 
+def link_of(figures: dict, source: str) -> LinkModel:
+    """The loopback link model of a probe's figures (`measure_once`'s keys; a missing message
+    latency: a message costs a ring step)."""
+    return loopback(figures["bytes_per_s"], figures["latency_s"], source, figures.get("p2p_latency_s"))
+
+
 def figure_overrides(figures: dict) -> list[str]:
     """The `virtual.loopback_*` overrides that give a run `figures` (`measure_once`'s keys), as a
     sweep gives its one probe to every run."""
@@ -151,7 +157,7 @@ def probe_loopback(rank: int, world: int, node_of, given: dict | None = None,
     if figures is not None:
         named = "virtual.loopback_gbytes_per_s, virtual.loopback_latency_us" + (
             ", virtual.loopback_p2p_latency_us" if figures["p2p_latency_s"] is not None else "")
-        return loopback(figures["bytes_per_s"], figures["latency_s"], f"given ({named})", figures["p2p_latency_s"])
+        return link_of(figures, f"given ({named})")
     partner = next((r for r in range(1, world) if node_of(r) == node_of(0)), None)
     if world < 2 or partner is None or not dist.is_initialized():
         return loopback(FALLBACK["bytes_per_s"], FALLBACK["latency_s"],
