@@ -10,8 +10,18 @@ unbound, each handoff of a call may wake its thread on the other core, and a cal
 latency (docs/measured.md, "A core per rank").
 
 They measure a collective the way a training step meets one: **coming out of compute, and on
-average**. Each timed all-reduce follows a burst of matmuls on both ranks (`BURST_S` of thread CPU
-time), and the figure is the mean over many, not the best. Measured on a 2-core machine with a
+average**. Each timed all-reduce follows a burst of matmuls on both ranks (at least `BURST_S` of
+thread CPU time), and the figure is the mean over many, not the best.
+
+The burst works on more memory than the core's L2 cache holds (`burst_side`: the product of an
+n x n matrix reads and writes twice the L2), as a step's compute between two calls does: it
+leaves none of gloo's buffers, its threads' stacks or the call's code in the cache, and the call
+pays for fetching them again. A burst that fits in L1 (96 x 96, this probe's first) leaves them,
+and the calls it timed were the cheap ones: on a 2-core machine (512 KiB of L2 a core), probed in
+the same hour, 160-280 us per ring step after 96 x 96 bursts, 380-450 us after 384 x 384 ones;
+the same world-2 runs replayed on the first put tp's step 7% under its wall step, on the second
+5% over, and the other strategies closer on the second (docs/virtual-time.md, "The probe's
+burst"). Measured on a 2-core machine with a
 core per rank, a 128 KiB gloo all-reduce takes 0.2-0.3 ms at best but 0.3-0.5 ms at the median
 and about 1 ms at the 90th percentile: each call hands work between the rank's thread, a gloo
 worker thread and gloo's event-loop thread, and each handoff waits for a wake-up. (Under the
@@ -43,6 +53,7 @@ communication log: it is not the strategy's traffic.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -64,6 +75,7 @@ SMALL_REPEATS, BIG_REPEATS, P2P_REPEATS = 120, 8, 120
 # When no two ranks share a node (every rank on its own emulated node): this machine's figures as
 # measured for the planner (conf/cluster/this_machine.yaml: 2 ranks, 1.3 GB/s, 80 us per 4-byte all-reduce).
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
+FALLBACK_L2_BYTES = 2**20  # where the OS does not tell a core's L2 (1 MiB: a server core's of recent years)
 
 
 def best_time(fn, repeats: int) -> float:
@@ -76,15 +88,43 @@ def best_time(fn, repeats: int) -> float:
     return best
 
 
+def l2_cache_bytes(core: int = 0, cpus: Path = Path("/sys/devices/system/cpu")) -> int:
+    """The size of a core's L2 cache as Linux tells it (`cpus`: sysfs's cpu folder), or
+    FALLBACK_L2_BYTES where it is not told (another OS, a container without sysfs)."""
+    for index in sorted((cpus / f"cpu{core}" / "cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() != "2":
+                continue
+            size = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            return int(digits) * scale
+    return FALLBACK_L2_BYTES
+
+
+def burst_side(l2_bytes: int) -> int:
+    """The side n of the probe's burst matrix: its product a @ a reads n^2 fp32 numbers and writes
+    n^2, at least twice the core's L2 cache, so that every burst leaves none of the call's own data
+    there (rounded up to 32)."""
+    return 32 * math.ceil(math.sqrt(l2_bytes / 4) / 32)
+
+
 def mean_after_compute(fn, repeats: int, burst_s: float = BURST_S) -> float:
-    """The mean wall time of `fn` over `repeats` calls, each after `burst_s` of this thread's CPU
-    time spent in matmuls (both ranks run the same bursts, so they post together, as in a step)."""
-    a = torch.ones(96, 96)
+    """The mean wall time of `fn` over `repeats` calls, each after at least `burst_s` of this
+    thread's CPU time spent in matmuls over more memory than the core's L2 cache holds (both ranks
+    run the same bursts, so they post together, as in a step)."""
+    side = burst_side(l2_cache_bytes(allowed_cores()[0]))
+    a = torch.ones(side, side)
     total = 0.0
     for _ in range(repeats):
         start_cpu = time.thread_time()
-        while time.thread_time() - start_cpu < burst_s:
+        while True:
             a @ a
+            if time.thread_time() - start_cpu >= burst_s:
+                break
         start = time.perf_counter()
         fn()
         total += time.perf_counter() - start

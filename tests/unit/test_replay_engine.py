@@ -230,3 +230,27 @@ def test_given_loopback_figures_go_to_a_run_as_overrides_and_come_back_the_same(
     assert len(figure_overrides(two)) == 2 and given_figures(parsed(figure_overrides(two)))["p2p_latency_s"] is None
     assert given_figures({"loopback_gbytes_per_s": None, "loopback_latency_us": 10}) is None
     assert given_figures({"loopback_gbytes_per_s": 1.0, "loopback_latency_us": None}) is None
+
+
+def test_the_probe_burst_reads_the_cores_l2_and_works_on_twice_that_memory(tmp_path):
+    from parallel.replay.probe import FALLBACK_L2_BYTES, burst_side, l2_cache_bytes
+
+    def cache(core, index, level, kind, size):
+        index = tmp_path / f"cpu{core}" / "cache" / f"index{index}"
+        index.mkdir(parents=True)
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (index / name).write_text(f"{value}\n")
+
+    cache(0, 0, 1, "Data", "32K")
+    cache(0, 1, 1, "Instruction", "32K")
+    cache(0, 2, 2, "Unified", "512K")
+    cache(0, 3, 3, "Unified", "32768K")
+    cache(1, 0, 2, "Unified", "2M")
+    assert l2_cache_bytes(0, tmp_path) == 512 * 2**10
+    assert l2_cache_bytes(1, tmp_path) == 2 * 2**20
+    assert l2_cache_bytes(7, tmp_path) == FALLBACK_L2_BYTES  # a core sysfs does not describe
+    for l2 in (256 * 2**10, 512 * 2**10, 2**20, 1280 * 2**10, 2 * 2**20):
+        side = burst_side(l2)
+        # a @ a reads side^2 fp32 numbers and writes side^2: at least twice the L2, by under a step of 32
+        assert side % 32 == 0 and 2 * side * side * 4 >= 2 * l2 > 2 * (side - 32) ** 2 * 4
+    assert burst_side(512 * 2**10) == 384
