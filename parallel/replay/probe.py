@@ -252,7 +252,8 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     in what they measured, not in their probes.
 
     Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move
-    on this machine kind: five back-to-back runs on the idle machine, the two ranks bound, gave
+    on this machine kind: five back-to-back runs on the idle machine, the two ranks bound, with the
+    first (96 x 96) burst, gave
     1.61-2.21 GB/s, 63-100 us per ring step and 50-71 us per message (2026-12-02; unbound, 1.23-1.71
     GB/s, 180-256 us and 70-232 us; under the kernel's default policy for gloo's event loop the ring
     step moved over 572-1020 us), and every run of a sweep inherits its probe's error in one
