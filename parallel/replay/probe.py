@@ -112,12 +112,16 @@ def burst_side(l2_bytes: int) -> int:
     return 32 * math.ceil(math.sqrt(l2_bytes / 4) / 32)
 
 
-def mean_after_compute(fn, repeats: int, burst_s: float = BURST_S) -> float:
-    """The mean wall time of `fn` over `repeats` calls, each after at least `burst_s` of this
-    thread's CPU time spent in matmuls over more memory than the core's L2 cache holds (both ranks
-    run the same bursts, so they post together, as in a step)."""
+def burst_matrix() -> torch.Tensor:
+    """The matrix of this rank's bursts, sized by the L2 of the core it runs on (bound: its own)."""
     side = burst_side(l2_cache_bytes(allowed_cores()[0]))
-    a = torch.ones(side, side)
+    return torch.ones(side, side)
+
+
+def mean_after_compute(fn, repeats: int, a: torch.Tensor, burst_s: float = BURST_S) -> float:
+    """The mean wall time of `fn` over `repeats` calls, each after at least `burst_s` of this
+    thread's CPU time spent in `a @ a` (`burst_matrix`: more memory than the core's L2 holds; both
+    ranks run the same bursts, so they post together, as in a step)."""
     total = 0.0
     for _ in range(repeats):
         start_cpu = time.thread_time()
@@ -137,8 +141,9 @@ def measure_pair(group=None) -> tuple[float, float, float]:
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
     dist.all_reduce(big, group=group)  # warm: connections made, buffers allocated
     dist.all_reduce(small, group=group)
-    t_small = mean_after_compute(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS)
-    t_big = mean_after_compute(lambda: dist.all_reduce(big, group=group), BIG_REPEATS)
+    burst = burst_matrix()
+    t_small = mean_after_compute(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS, burst)
+    t_big = mean_after_compute(lambda: dist.all_reduce(big, group=group), BIG_REPEATS, burst)
     # t = 2 L + S / rate for each size (n = 2: each rank sends S); solve the two together
     rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
     latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
@@ -156,7 +161,7 @@ def measure_pair(group=None) -> tuple[float, float, float]:
             dist.send(small, peer, group=group)
 
     ping_pong()
-    t_pp = mean_after_compute(ping_pong, P2P_REPEATS)
+    t_pp = mean_after_compute(ping_pong, P2P_REPEATS, burst)
     p2p = max(t_pp / 2 - SMALL_BYTES / rate, 1e-6)
     return rate, latency, p2p
 
