@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from launch.config import CONFIG_DIR
 from parallel.core.data import load_corpus
 from parallel.core.host_memory import apply_host_allocator
-from parallel.dist.binding import threads_per_rank  # noqa: E402
+from parallel.dist.binding import threads_per_rank
 from parallel.dist.comm import CommLog
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error, init_distributed, shutdown
