@@ -22,6 +22,9 @@ it, the links it loads and for how long. The rules, those of the issue that aske
   link's tbf). While the bucket holds tokens the link carries `line` bytes/s, and the bucket
   drains by what it carries beyond the link's rate; empty, the link carries its rate. It refills
   at the rate by what the link leaves unused, up to `burst`, and starts the step full;
+* an op alone lasts at least the CPU it took of its busiest member (`Op.cpu`, below): a member's
+  threads share its core, so where the run measured more CPU than the latency and transfer take,
+  the op was CPU-bound and the surplus lengthens its latency (`cpu_beyond_links`);
 * every member's view of the op completes when the op does: a receive at the later of the two
   posts plus the transfer; a blocking call, or a wait, returns then.
 
@@ -186,7 +189,7 @@ class Replay:
                     continue
                 queue.pop(0)
             op.start = self.t
-            self.phase_of[op.key], self.left[op.key] = "latency", op.latency_s
+            self.phase_of[op.key], self.left[op.key] = "latency", op.latency_s + self.cpu_beyond_links(op)
             self.active.append(op)
             started = True
         return started
@@ -278,13 +281,26 @@ class Replay:
         moves = [nbytes / self.bandwidth[link] for link, nbytes in op.demand.items() if nbytes > 0]
         return op.latency_s + (max(moves) if moves else 0.0)
 
+    def cpu_beyond_links(self, op: Op) -> float:
+        """How much longer than its latency and transfer the op's busiest member spent CPU on it.
+
+        An op alone lasts at least the CPU it took of each member: a member's threads (gloo's, and
+        the calling thread inside the call) share one core, so their work is done one after the
+        other. Where the run measured more CPU than the link model's time, the op is CPU-bound and
+        the surplus is added to its latency (a phase that loads no link). 0 where its CPU was not
+        measured (a what-if on a cluster, `comm_cpu=free`, a run saved without the clock)."""
+        if not op.cpu:
+            return 0.0
+        return max(0.0, max(op.cpu.values()) - self.nominal_s(op))
+
     def cpu_share(self, op: Op, rank: int) -> float:
         """The share of a core the op wants of a member while in flight: the CPU it took of that
-        member spread over its time alone on its links, at most one core; 0 where not measured."""
+        member spread over its time alone (its links' time, or its busiest member's CPU where that
+        is longer: `cpu_beyond_links`), so at most one core; 0 where not measured."""
         if op.cpu is None:
             return 0.0
         if op.key not in self.shares:
-            nominal = self.nominal_s(op)
+            nominal = self.nominal_s(op) + self.cpu_beyond_links(op)
             self.shares[op.key] = {m: min(1.0, c / nominal) if nominal > 0 else 0.0 for m, c in op.cpu.items()}
         return self.shares[op.key].get(rank, 0.0)
 

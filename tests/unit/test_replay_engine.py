@@ -139,6 +139,28 @@ def test_a_core_per_rank_is_shared_between_its_compute_and_the_measured_cpu_of_i
     assert run(two).ends == pytest.approx([2, 2])  # rank 0 at 1/2: the ops' 1 s of latency takes 2
 
 
+def test_an_op_lasts_at_least_the_cpu_its_busiest_member_spent_on_it():
+    # 4 bytes at 2 B/s after 1 s of latency: 3 s on its links. Rank 0's threads took 5 s of CPU
+    # for it: CPU-bound, it lasts 5 s (2 s more latency), and wants rank 0's whole core meanwhile.
+    def op(cpu):
+        return Op(("ar",), (0, 1), latency_s=1.0, demand={"l": 4}, cpu=cpu)
+    busy = op({0: 5.0, 1: 1.0})
+    assert run([[Call(busy)], [Call(busy)]], {"l": 2}).ends == pytest.approx([5, 5])
+    # Within its links' time the CPU adds nothing; unmeasured, nothing either.
+    for cpu in ({0: 3.0, 1: 1.0}, None):
+        light = op(cpu)
+        assert run([[Call(light)], [Call(light)]], {"l": 2}).ends == pytest.approx([3, 3])
+    # Posted beside 2 s of compute: rank 0's core is wanted twice over (the op a whole core), so
+    # both go at 1/2 until the compute ends at 4 s, 2 s of the op's 5 done; the rest alone: 7 s.
+    posted = op({0: 5.0, 1: 0.0})
+    overlapped = [[Post(posted, "h"), Compute(2), Wait(("h",))] for _ in range(2)]
+    assert run(overlapped, {"l": 2}).ends == pytest.approx([7, 7])
+    # Sharing cores, every member of it in flight wants a core as before: on one core the two
+    # members go at 1/2, 10 s.
+    shared = op({0: 5.0, 1: 1.0})
+    assert run([[Call(shared)], [Call(shared)]], {"l": 2}, cores=1).ends == pytest.approx([10, 10])
+
+
 def test_shared_cores_count_a_whole_core_for_each_member_of_an_op_in_flight_measured_or_not():
     # The overlapped case of the test before on one core, the op's members having used half a core
     # each: still two computing ranks and two members want it, everything at 1/4: 4 s.
