@@ -8,7 +8,10 @@
     python -m launch.replay <run dir> cores=2 loopback=unbound                the same on this machine's
                                                                                 loopback probed now with its
                                                                                 ranks not bound, as a run with
-                                                                                more ranks than cores has it
+                                                                                more ranks than cores meets it
+                                                                                on an idle machine (the wait
+                                                                                for a core then counts twice:
+                                                                                a comparison, not the check)
     python -m launch.replay <run dir>                                         the run's own replay again
     python -m launch.replay <run dir> comm_cpu=free                           the communication taking no CPU
                                                                                 of the ranks' cores (a device's

@@ -266,8 +266,9 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     moment, not the number of calls.
 
     `pin_cores=off` probes with the two ranks' threads left where the kernel puts them, as in a
-    run with more ranks than cores (bench/virtual_time.py's contention check replays such runs on
-    it): each handoff of a call then may wake its thread on the other core."""
+    run with more ranks than cores (bench/virtual_time.py prints the contention replays on it beside
+    its check, which uses the runs' own bound figures): each handoff of a call then may wake its
+    thread on the other core."""
     probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy, pin_cores)
               for _ in range(max(1, runs))]
     return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s", "p2p_latency_s")}
