@@ -24,8 +24,12 @@ bytes), so that the replay can charge a rank's core with what its communication 
 A stamp is the pair (thread, process): two `clock_gettime` calls, 0.78 µs together where the
 thread's alone took 0.28 µs (measured on the 2-core machine, docs/virtual-time.md). The two reads
 are not one sample: measured over 4 ranks on 2 cores, a quarter of the stamps read the other
-threads' time lower than the stamp before, by up to 70 µs. Differences over an op's life sum
-those steps away; a single difference is good to about 0.1 ms.
+threads' time lower than the stamp before, by up to 70 µs. And the process clock takes a running
+thread's time in at the scheduler's tick or when it stops running (Linux since 4.8 leaves out
+the time a thread has run since, for scalability), so a read can fall short by up to a tick (4
+ms at HZ 250) for each thread running at that moment: under the whole test suite on 2 cores one
+span's end read 1.6 ms below its start (2026-12-02). Differences over an op's life sum those
+steps away; a single difference is good to about 0.1 ms on an idle machine, a tick on a busy one.
 """
 
 from __future__ import annotations

@@ -200,7 +200,8 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
     unattributed = 0.0
     for (t0, h0), (t1, h1) in zip(stamps, stamps[1:]):
         # Signed: the clock's two reads are not one atomic sample, and it steps back by up to tens
-        # of microseconds between stamps (timing.cpu_stamp); summed, the steps cancel.
+        # of microseconds between stamps, a scheduler tick on a busy machine (timing.cpu_stamp);
+        # summed, the steps cancel.
         gained = h1 - h0
         middle = (t0 + t1) / 2
         flying = [(k, w) for k, (a, b, w) in life.items() if a <= middle <= b]

@@ -66,6 +66,7 @@ def check_virtual_breakdown(s: dict) -> dict:
 
 def check_virtual_replay(run_dir: Path, s: dict) -> None:
     """The saved events replayed twice give the summary's virtual numbers, to the last bit."""
+    from parallel.dist.binding import allowed_cores
     from parallel.replay import events
     from parallel.replay.links import LinkModel
     from parallel.replay.virtual import replay_run
@@ -74,15 +75,18 @@ def check_virtual_replay(run_dir: Path, s: dict) -> None:
     saved = events.load(run_dir)
     assert [e["rank"] for e in saved] == list(range(s["world_size"]))
     # The other threads' CPU clock is stamped on every phase and span, and goes back by no more
-    # than its reads' noise (timing.cpu_stamp: up to 70 µs measured; 0.5 ms allowed).
+    # than its reads' noise (timing.cpu_stamp): the process clock takes a running thread's time in
+    # at the scheduler's tick, so a read can fall short by up to a tick for each thread running
+    # then, at most one a core. Allowed: a core's worth of the longest tick Linux builds (10 ms).
+    back = 10e-3 * len(allowed_cores())
     for e in saved:
         for step in e["steps"]:
             phases = step["phases"]
             stamps = [x[k] for x in [*phases, *step["spans"]] for k in ("helper_start", "helper_end")]
             assert all(isinstance(v, float) for v in stamps)
-            assert all(p["helper_end"] >= p["helper_start"] - 5e-4 for p in phases)
-            assert all(b["helper_start"] >= a["helper_end"] - 5e-4 for a, b in zip(phases, phases[1:]))
-            assert all(x["helper_end"] >= x["helper_start"] - 5e-4 for x in step["spans"])
+            assert all(p["helper_end"] >= p["helper_start"] - back for p in phases)
+            assert all(b["helper_start"] >= a["helper_end"] - back for a, b in zip(phases, phases[1:]))
+            assert all(x["helper_end"] >= x["helper_start"] - back for x in step["spans"])
     if s["world_size"] > 1:
         assert v["communication_cpu_s"] > 0  # gloo's threads took some CPU for the step's collectives
     links = LinkModel.from_dict(v["link_model"])
