@@ -1,8 +1,8 @@
 """How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
 
     python bench/virtual_time.py [checks=stability,loaded,faithful,contention,pipelines,network] [model=tiny]
-                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run] [probes=5]
-                                 [rounds=5]
+                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run|sampled]
+                                 [probes=5] [rounds=5]
 
 Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
 root), reads the run's summary.json, and for some replays its saved events again:
@@ -25,17 +25,27 @@ root), reads the run's summary.json, and for some replays its saved events again
                net=ethernet_1g with inter_mbit=200, against `rounds` runs of launch.run on that
                emulated network: the medians (the claim: within 10%)
 
-The loopback link model is probed once (parallel/replay/probe.py's method: 2 ranks, one per core,
-the mean cost of all-reduces that follow compute; each figure the median of `probes` probe runs)
-and given to every run (`virtual.loopback_*`), so
-that the runs differ only in what they measured; loopback=per-run lets each run probe its own, as a
-plain run does.
+Which loopback figures the runs are replayed on (`loopback=`):
 
-Prints one table per check, the exact commands it ran, and writes them to <out>/table.md.
+  once      probed once before the batch (parallel/replay/probe.py's method: 2 ranks, one per
+            core, the mean cost of all-reduces that follow compute; each figure the median of
+            `probes` probe runs) and given to every run (`virtual.loopback_*`), so that the runs
+            differ only in what they measured
+  per-run   each run probes its own at its end, as a plain run does
+  sampled   as `once`, and besides one probe run before every run of the batch: the tables are
+            printed twice, on the first probe (what the runs' summaries hold) and on the median
+            of all the probes taken across the batch, each run replayed again from its saved
+            events. The loopback's per-call latency on a small shared host follows the host's
+            moment (2-3x within minutes), and one probe before a 15-minute batch catches one
+            moment; the batch's median is the host's figure over the time the runs took. Neither
+            is fitted to the runs: both are probes. <out>/probes.json keeps every sample.
+
+Prints the tables and the exact commands it ran, and writes them to <out>/table.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -50,25 +60,66 @@ from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel, from_net  # noqa: E402
-from parallel.replay.probe import figure_overrides, link_of, measure_once  # noqa: E402
-from parallel.replay.virtual import replay_step  # noqa: E402
+from parallel.replay.probe import FIGURES, figure_overrides, link_of, measure_once, run_probe  # noqa: E402
+from parallel.replay.virtual import replay_run, replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
 STRATEGIES = ["dp", "tp", "pp_1f1b", "zero2", "torch_ddp"]
 PIPELINES = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved": "interleaved_1f1b", "pp_zbh1": "zbh1",
              "pp_zbv": "zbv", "pp_dualpipev": "dualpipev"}
-COMMANDS: list[str] = []
 
 
-def train(world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> dict:
-    if net:
-        cmd = [sys.executable, "-m", "launch.run", *net, *overrides, f"run.dir={run_dir}"]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               "-m", "launch.train", *overrides, f"run.dir={run_dir}", "run.timeline=false"]
-    COMMANDS.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", ""))
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
-    return json.loads((run_dir / "summary.json").read_text())
+class Batch:
+    """The runs of one invocation: the commands it ran (printed with the tables) and, with
+    `sampled`, one loopback probe run taken just before each run."""
+
+    def __init__(self, out: Path, common: list[str], sampled: bool):
+        self.out, self.common, self.sampled = out, common, sampled
+        self.commands: list[str] = []
+        self.samples: list[dict] = []
+
+    def train(self, world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> dict:
+        if self.sampled:
+            figures = run_probe("parallel.replay.probe", 2, 120)
+            self.samples.append({"before": run_dir.name, "time": time.strftime("%H:%M:%S"), **figures})
+        if net:
+            cmd = [sys.executable, "-m", "launch.run", *net, *overrides, f"run.dir={run_dir}"]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   "-m", "launch.train", *overrides, f"run.dir={run_dir}", "run.timeline=false"]
+        self.commands.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", ""))
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
+        return json.loads((run_dir / "summary.json").read_text())
+
+
+class View:
+    """The loopback figures a table's virtual figures stand on: each run's own (`figures` None:
+    what its summary.json holds), or one set for every run (each run replayed again from its
+    saved events on them)."""
+
+    def __init__(self, name: str, figures: dict | None = None):
+        self.name, self.figures = name, figures
+        self._blocks: dict[Path, dict] = {}
+
+    def link(self, summary: dict) -> LinkModel:
+        own = LinkModel.from_dict(summary["virtual"]["link_model"])
+        if self.figures is None:
+            return own
+        # The run's own model with the loopback's three figures replaced: placement, lanes and
+        # scope stay the run's.
+        intra = dataclasses.replace(own.intra, bytes_per_s=self.figures["bytes_per_s"],
+                                    latency_s=self.figures["latency_s"], p2p_latency_s=self.figures["p2p_latency_s"])
+        return dataclasses.replace(own, intra=intra, source=self.name)
+
+    def virtual(self, run_dir: Path, summary: dict) -> dict:
+        """The run's `virtual` block on this view's figures."""
+        if self.figures is None:
+            return summary["virtual"]
+        if run_dir not in self._blocks:
+            tokens = round(summary["virtual"]["tokens_per_s"] * summary["virtual"]["step_time_s"])
+            self._blocks[run_dir] = replay_run(saved.load(run_dir), self.link(summary), tokens_per_step=tokens,
+                                               flops_per_token=0.0, peak_per_device=0.0)[0]
+        return self._blocks[run_dir]
 
 
 def layout(strategy: str) -> list[str]:
@@ -89,95 +140,107 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def stability(out: Path, common: list[str], repeats: int, prefix: str = "w4", title: str = "") -> tuple[str, dict]:
-    rows, runs = [], {}
+def stability_runs(batch: Batch, repeats: int, prefix: str = "w4") -> dict:
+    runs = {}
     for strategy in STRATEGIES:
-        summaries = []
+        runs[strategy] = []
         for k in range(repeats):
-            d = out / f"{prefix}-{strategy}-{k}"
-            summaries.append((d, train(4, [*common, *layout(strategy)], d)))
-        runs[strategy] = summaries
-        v = [s["virtual"]["tokens_per_s"] for _, s in summaries]
+            d = batch.out / f"{prefix}-{strategy}-{k}"
+            runs[strategy].append((d, batch.train(4, [*batch.common, *layout(strategy)], d)))
+    return runs
+
+
+def stability(runs: dict, view: View, title: str = "") -> str:
+    rows = []
+    for strategy, summaries in runs.items():
+        v = [view.virtual(d, s)["tokens_per_s"] for d, s in summaries]
         w = [s["tokens_per_s"] for _, s in summaries]
         dev = max(abs(x / statistics.median(v) - 1) for x in v)
         wdev = max(abs(x / statistics.median(w) - 1) for x in w)
         rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{dev:.1%}", " / ".join(f"{x:.0f}" for x in w),
                      f"±{wdev:.1%}"])
+    repeats = len(next(iter(runs.values())))
     return table(f"Stability: world 4, {repeats} repeats{title} (tokens/s)",
-                 ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median"], rows), runs
+                 ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median"], rows)
 
 
-def loaded(out: Path, common: list[str], repeats: int) -> str:
+def loaded_runs(batch: Batch, repeats: int) -> tuple[dict, int]:
     """The stability runs again while one busy process per core competes for the machine."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())]
-    COMMANDS.append(f"# {len(spinners)} x python -c 'while True: pass' running during the loaded repeats")
+    batch.commands.append(f"# {len(spinners)} x python -c 'while True: pass' running during the loaded repeats")
     try:
-        title = f", {len(spinners)} busy processes beside them"
-        text, _ = stability(out, common, repeats, prefix="loaded", title=title)
+        return stability_runs(batch, repeats, prefix="loaded"), len(spinners)
     finally:
         for p in spinners:
             p.kill()
             p.wait()
-    return text
 
 
-def faithful(out: Path, common: list[str], rounds: int) -> str:
-    """World 2, `rounds` rounds with the strategies taking turns in each: per strategy the median
-    virtual and wall steps and the median of the per-run ratios, with their range (one run's wall
-    step moves by 10-15% from run to run even on the idle machine)."""
-    runs: dict[str, list[dict]] = {s: [] for s in STRATEGIES}
+def faithful_runs(batch: Batch, rounds: int) -> dict:
+    """World 2, `rounds` rounds with the strategies taking turns in each (one run's wall step
+    moves by 10-15% from run to run even on the idle machine)."""
+    runs: dict[str, list] = {s: [] for s in STRATEGIES}
     for k in range(rounds):
         for strategy in STRATEGIES:
-            runs[strategy].append(train(2, [*common, *layout(strategy)], out / f"w2-{strategy}-{k}"))
+            d = batch.out / f"w2-{strategy}-{k}"
+            runs[strategy].append((d, batch.train(2, [*batch.common, *layout(strategy)], d)))
+    return runs
+
+
+def faithful(runs: dict, view: View) -> str:
+    """Per strategy the median virtual and wall steps and the median of the per-run ratios, with
+    their range."""
     rows = []
     for strategy, summaries in runs.items():
-        v = [s["virtual"]["step_time_s"] for s in summaries]
-        w = [s["step_time_s"] for s in summaries]
+        v = [view.virtual(d, s)["step_time_s"] for d, s in summaries]
+        w = [s["step_time_s"] for _, s in summaries]
         ratios = [a / b - 1 for a, b in zip(v, w)]
         rows.append([strategy, f"{statistics.median(v) * 1e3:.1f}", f"{statistics.median(w) * 1e3:.1f}",
                      f"{statistics.median(ratios):+.1%}", f"{min(ratios):+.1%} to {max(ratios):+.1%}"])
+    rounds = len(next(iter(runs.values())))
     return table(f"Faithfulness: world 2, a core per rank, {rounds} rounds (step ms, medians)",
                  ["strategy", "virtual", "wall", "virtual/wall-1 (median of runs)", "range"], rows)
 
 
-def contention(runs: dict, unbound: LinkModel) -> str:
-    """Every world-4 run replayed with its ranks sharing the machine's cores, on the run's own link
-    (the claim), and beside it on the loopback as unbound ranks meet it on an idle machine
-    (`unbound`: probed with `pin_cores=off`).
+def contention(runs: dict, view: View, unbound: LinkModel) -> str:
+    """Every world-4 run replayed with its ranks sharing the machine's cores, on the view's link
+    (probed with a core per rank: the claim), and beside it on the loopback as unbound ranks meet
+    it on an idle machine (`unbound`: probed with `pin_cores=off`).
 
-    The claim uses the run's own link, probed with a core per rank, because the engine's shared
-    cores are what model the contention: a handoff's wait for a core is counted by the rule that
-    every member of an op in flight wants a core. The unbound probe's extra latency is that same
-    wait, met on an idle machine, so replaying it under the rule counts the wait twice; it stays
-    beside the claim as the comparison the earlier batches led with."""
+    The claim uses a link probed with a core per rank, because the engine's shared cores are what
+    model the contention: a handoff's wait for a core is counted by the rule that every member of
+    an op in flight wants a core. The unbound probe's extra latency is that same wait, met on an
+    idle machine, so replaying it under the rule counts the wait twice; it stays beside the claim
+    as the comparison the earlier batches led with."""
     cores = usable_cores()
     rows = []
     for strategy, summaries in runs.items():
         walls, own, shared = [], [], []
         for d, s in summaries:
             walls.append(s["step_time_s"])
-            own.append(replayed(d, s, cores=cores))
+            own.append(replayed(d, s, cores=cores, links=view.link(s)))
             shared.append(replayed(d, s, cores=cores, links=unbound))
         rows.append([strategy, " / ".join(f"{w * 1e3:.1f}" for w in walls),
                      " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(own, walls)),
                      " / ".join(f"{x / w - 1:+.1%}" for x, w in zip(shared, walls))])
     return table(f"Contention: world-4 runs replayed with 4 ranks sharing {cores} cores (step ms)",
-                 ["strategy", "wall", f"replayed on {cores} cores, the run's own link (replayed/wall-1)",
+                 ["strategy", "wall", f"replayed on {cores} cores (replayed/wall-1)",
                   "on the loopback probed unbound (replayed/wall-1)"], rows)
 
 
-def pipeline_bubble(run_dir: Path, summary: dict) -> tuple[float, dict]:
-    """The virtual bubble of the first pipeline (summary.json's virtual.pipeline, parallel/replay/virtual.py),
+def pipeline_bubble(run_dir: Path, summary: dict, view: View) -> tuple[float, dict]:
+    """The virtual bubble of the first pipeline (the virtual block's pipeline, parallel/replay/virtual.py),
     its mean F, B, W CPU seconds per chunk-microbatch, and the CPU time of posting one send or receive."""
-    vpipe = summary["virtual"]["pipeline"]
+    vpipe = view.virtual(run_dir, summary)["pipeline"]
+    block = view.virtual(run_dir, summary)
     events = saved.load(run_dir)
-    index = summary["virtual"]["step_times_s"].index(summary["virtual"]["step_time_s"])
+    index = block["step_times_s"].index(block["step_time_s"])
     # The CPU time of posting sends and receives (the executor's p2p phases), per send or receive.
     p2p = [p for e in events if e["rank"] in vpipe["ranks"] for p in e["steps"][index]["phases"]
            if p["phase"] == "p2p" and p["label"] != "wait sends"]
     actions = sum(len(p["label"].split()) for p in p2p)
     # A message's time on the link model: its latency (one step) plus an activation's bytes over the rate.
-    links = LinkModel.from_dict(summary["virtual"]["link_model"])
+    links = view.link(summary)
     sends = [sp["payload_bytes"] for e in events for sp in e["steps"][index]["spans"] if sp["op"] == "send"]
     payload = sum(sends) / max(len(sends), 1)
     costs = {"comm": sum(p["cpu_end"] - p["cpu_start"] for p in p2p) / max(actions, 1),
@@ -186,30 +249,40 @@ def pipeline_bubble(run_dir: Path, summary: dict) -> tuple[float, dict]:
     return vpipe["bubble"], costs
 
 
-def stage_costs(summary: dict, v: int, split: bool, comm: float, transfer: float) -> dict:
+def stage_costs(vpipe: dict, v: int, split: bool, comm: float, transfer: float) -> dict:
     """(pipeline stage, chunk) -> Costs from the replayed step's own F, B and W of each stage
-    (summary.json's virtual.pipeline.by_stage_s): the stages differ (the first's input gradient
+    (the virtual block's pipeline.by_stage_s): the stages differ (the first's input gradient
     stops at the embedding), which one mean per action cannot hold. Each as a whole share's (a
     chunk's times v)."""
-    by_stage = summary["virtual"]["pipeline"]["by_stage_s"]
     return {tuple(int(x) for x in key.split(".")): split_costs(m["F"] * v, m["B"] * v, m["W"] * v if split else 0.0,
                                                               comm, transfer)
-            for key, m in by_stage.items()}
+            for key, m in vpipe["by_stage_s"].items()}
 
 
-def pipelines(out: Path, common: list[str]) -> str:
-    rows, stages = [], []
-    for preset, schedule in PIPELINES.items():
-        v = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+def pipeline_runs(batch: Batch) -> dict:
+    """preset -> (run dir, summary) or the error text of a run that failed."""
+    runs: dict = {}
+    for preset in PIPELINES:
         # model=small: 8 layers, enough for 2 chunks per stage on 4 stages (tiny has 4)
-        overrides = [*[c for c in common if not c.startswith("model=")], "model=small", f"parallel={preset}",
+        overrides = [*[c for c in batch.common if not c.startswith("model=")], "model=small", f"parallel={preset}",
                      "parallel.pp=4", "parallel.microbatches=8"]
         try:
-            s = train(4, overrides, out / f"pp4-{preset}")
+            runs[preset] = (batch.out / f"pp4-{preset}", batch.train(4, overrides, batch.out / f"pp4-{preset}"))
         except subprocess.CalledProcessError as e:
-            rows.append([preset, "failed", e.stderr[-200:] if e.stderr else "", "", ""])
+            runs[preset] = e.stderr[-200:] if e.stderr else "failed"
+    return runs
+
+
+def pipelines(runs: dict, view: View) -> str:
+    rows, stages = [], []
+    for preset, run in runs.items():
+        if isinstance(run, str):
+            rows.append([preset, "failed", run, "", ""])
             continue
-        bubble, costs = pipeline_bubble(out / f"pp4-{preset}", s)
+        d, s = run
+        schedule = PIPELINES[preset]
+        v = 2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1
+        bubble, costs = pipeline_bubble(d, s, view)
         # Costs per microbatch through a rank's whole share: a chunk's measured time times v.
         split = costs[W] > 0
         cost = split_costs(costs[F] * v, costs[B] * v, costs[W] * v if split else 0)
@@ -219,7 +292,7 @@ def pipelines(out: Path, common: list[str]) -> str:
         with_p2p = simulate_schedule(schedule, 4, 8, v, split_costs(cost.forward, cost.input_grad, cost.weight_grad,
                                                                      costs["comm"], costs["transfer"]))
         # The same messages, and each stage's own F, B and W (chunk by chunk) instead of one mean.
-        per_stage = stage_costs(s, v, split, costs["comm"], costs["transfer"])
+        per_stage = stage_costs(view.virtual(d, s)["pipeline"], v, split, costs["comm"], costs["transfer"])
         staged = simulate_schedule(schedule, 4, 8, v, per_stage)
         stages.append([preset, *(f"{stage}.{chunk}: {c.forward / v * 1e3:.1f} / {c.input_grad / v * 1e3:.1f} / "
                                  f"{c.weight_grad / v * 1e3:.1f}" for (stage, chunk), c in sorted(per_stage.items()))])
@@ -242,41 +315,63 @@ def stage_table(stages: list[list[str]]) -> str:
                  [r + [""] * (width - len(r)) for r in stages])
 
 
-def network(out: Path, common: list[str], rounds: int) -> str:
-    """Each of the faithfulness check's world-2 loopback runs replayed onto 200 Mbit/s between 2
-    nodes, against `rounds` runs on that emulated network: the medians of both (a single run's
-    compute moves by 10-20% from run to run, on either side)."""
-    rows = []
+NETWORK_STRATEGIES = ["dp", "tp", "pp_1f1b"]
+
+
+def network_runs(batch: Batch, rounds: int, loopback_runs: dict) -> tuple[dict, dict]:
+    """`rounds` runs of launch.run on 200 Mbit/s between 2 nodes for dp, tp and pp_1f1b, and the
+    world-2 loopback runs they are predicted from (the faithfulness check's, or run here)."""
     net = ["net=ethernet_1g", "net.inter_mbit=200"]
-    for strategy in ["dp", "tp", "pp_1f1b"]:
-        predicted = []
-        for k in range(rounds):
-            d = out / f"w2-{strategy}-{k}"
-            s = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else train(
-                2, [*common, *layout(strategy)], d)
-            loop = LinkModel.from_dict(s["virtual"]["link_model"])
-            links = from_net({"name": "ethernet_1g", "nodes": 2, "procs_per_node": 1, "inter_mbit": 200}, loop)
-            predicted.append(replayed(d, s, links=links))
-        measured = []
+    sources, measured = {}, {}
+    for strategy in NETWORK_STRATEGIES:
+        sources[strategy] = loopback_runs.get(strategy) or [
+            (batch.out / f"w2-{strategy}-{k}", batch.train(2, [*batch.common, *layout(strategy)],
+                                                           batch.out / f"w2-{strategy}-{k}")) for k in range(rounds)]
         try:
-            for k in range(rounds):
-                measured.append(train(2, [*common, *layout(strategy)], out / f"net200-{strategy}-{k}",
-                                      net=net)["step_time_s"])
+            measured[strategy] = [batch.train(2, [*batch.common, *layout(strategy)],
+                                              batch.out / f"net200-{strategy}-{k}", net=net)["step_time_s"]
+                                  for k in range(rounds)]
         except subprocess.CalledProcessError as e:
-            rows.append([strategy, f"{statistics.median(predicted) * 1e3:.1f}", "failed", (e.stderr or "")[-160:], ""])
+            measured[strategy] = (e.stderr or "failed")[-160:]
+    return sources, measured
+
+
+def network(sources: dict, measured: dict, view: View) -> str:
+    """Each world-2 loopback run replayed onto 200 Mbit/s between 2 nodes, against the runs on that
+    emulated network: the medians of both (a single run's compute moves by 10-20% from run to
+    run, on either side)."""
+    rows = []
+    for strategy, runs in sources.items():
+        predicted = []
+        for d, s in runs:
+            links = from_net({"name": "ethernet_1g", "nodes": 2, "procs_per_node": 1, "inter_mbit": 200}, view.link(s))
+            predicted.append(replayed(d, s, links=links))
+        m = measured[strategy]
+        if isinstance(m, str):
+            rows.append([strategy, f"{statistics.median(predicted) * 1e3:.1f}", "failed", m, ""])
             continue
-        p, m = statistics.median(predicted), statistics.median(measured)
+        p, mm = statistics.median(predicted), statistics.median(m)
         rows.append([strategy, f"{p * 1e3:.1f} ({min(predicted) * 1e3:.1f}-{max(predicted) * 1e3:.1f})",
-                     f"{m * 1e3:.1f} ({min(measured) * 1e3:.1f}-{max(measured) * 1e3:.1f})", f"{p / m - 1:+.1%}"])
+                     f"{mm * 1e3:.1f} ({min(m) * 1e3:.1f}-{max(m) * 1e3:.1f})", f"{p / mm - 1:+.1%}"])
+    rounds = len(next(iter(sources.values())))
     return table(f"Network what-if: loopback runs at world 2 replayed onto 200 Mbit/s between 2 nodes, {rounds} "
                  "runs each (step ms, medians and ranges)",
                  ["strategy", "replayed", "launch.run measured", "replayed/measured-1"], rows)
 
 
 def said(figures: dict) -> str:
-    """A probe's figures (`measure_once`'s keys) in words, each the median of the probe runs."""
+    """A probe's figures (`measure_once`'s keys) in words."""
     return (f"{figures['bytes_per_s'] / 1e9:.2f} GB/s, {figures['latency_s'] * 1e6:.0f} µs per ring step, "
             f"{figures['p2p_latency_s'] * 1e6:.0f} µs per message")
+
+
+def spread(samples: list[dict]) -> str:
+    """The range of a batch's probe samples, each figure's lowest and highest."""
+    def span(key: str, scale: float, unit: str, digits: int) -> str:
+        values = [s[key] * scale for s in samples]
+        return f"{min(values):.{digits}f}-{max(values):.{digits}f} {unit}"
+    return ", ".join([span("bytes_per_s", 1e-9, "GB/s", 2), span("latency_s", 1e6, "µs per ring step", 0),
+                      span("p2p_latency_s", 1e6, "µs per message", 0)])
 
 
 def main(argv: list[str]) -> None:
@@ -287,43 +382,72 @@ def main(argv: list[str]) -> None:
         if key not in opts:
             raise SystemExit(f"unknown option {key!r}: {', '.join(opts)}")
         opts[key] = value
+    if opts["loopback"] not in ("once", "per-run", "sampled"):
+        raise SystemExit(f"loopback={opts['loopback']!r}: once, per-run or sampled")
+    checks = opts["checks"].split(",")
+    unknown = set(checks) - {"stability", "loaded", "faithful", "contention", "pipelines", "network"}
+    if unknown:
+        raise SystemExit(f"unknown check(s) {', '.join(sorted(unknown))}: stability, loaded, faithful, contention, "
+                         "pipelines, network")
     out = ROOT / opts["out"]
     out.mkdir(parents=True, exist_ok=True)
     common = [f"model={opts['model']}", f"train.steps={opts['steps']}"]
+    batch = Batch(out, common, sampled=opts["loopback"] == "sampled")
     probes_read: list[str] = []
-    if opts["loopback"] == "once":
+    started = time.strftime("%Y-%m-%d %H:%M")
+    if opts["loopback"] in ("once", "sampled"):
         # One probe for every run (2 ranks, one per core), so that the runs differ only in what they
         # measured: each figure the median of `probes` probe runs.
         loop = measure_once(int(opts["probes"]))
-        probes_read.append(f"loopback probed bound (every run's link): {said(loop)}")
-        COMMANDS.append(f"# {opts['probes']} x, the median of each figure:\n"
-                        "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
-        common += figure_overrides(loop)
-    checks = opts["checks"].split(",")
-    parts = [f"# virtual time validation, {time.strftime('%Y-%m-%d %H:%M')}, {usable_cores()} cores, model "
-             f"{opts['model']}, {opts['steps']} steps"]
-    runs = {}
-    if "stability" in checks or "contention" in checks:
-        text, runs = stability(out, common, int(opts["repeats"]))
-        parts.append(text)
+        probes_read.append(f"loopback probed bound before the batch (every run's link): {said(loop)}")
+        batch.commands.append(f"# {opts['probes']} x, the median of each figure:\n"
+                              "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe")
+        batch.common += figure_overrides(loop)
+    if batch.sampled:
+        batch.commands.append("# before every run below, once: torch.distributed.run --standalone "
+                              "--nproc-per-node=2 -m parallel.replay.probe")
+
+    # Every run first, the tables after: with `sampled`, the tables need the probes of the whole batch.
+    w4 = stability_runs(batch, int(opts["repeats"])) if {"stability", "contention"} & set(checks) else {}
+    unbound = None
     if "contention" in checks:
         # The loopback as unbound ranks meet it on an idle machine: the comparison column.
         figures = measure_once(int(opts["probes"]), pin_cores="off")
         probes_read.append(f"loopback probed unbound (the contention replays' comparison): {said(figures)}")
-        COMMANDS.append(f"# {opts['probes']} x, the median of each figure (the contention replays' comparison):\n"
-                        "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe batch off")
+        batch.commands.append(f"# {opts['probes']} x, the median of each figure (the contention replays' comparison):\n"
+                              "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe "
+                              "batch off")
         unbound = link_of(figures, "probed unbound (pin_cores=off)")
-        parts.append(contention(runs, unbound))
-    if "loaded" in checks:
-        parts.append(loaded(out, common, int(opts["repeats"])))
-    if "faithful" in checks:
-        parts.append(faithful(out, common, int(opts["rounds"])))
-    if "pipelines" in checks:
-        parts.append(pipelines(out, common))
-    if "network" in checks:
-        parts.append(network(out, common, int(opts["rounds"])))
+    loaded, spinners = loaded_runs(batch, int(opts["repeats"])) if "loaded" in checks else ({}, 0)
+    w2 = faithful_runs(batch, int(opts["rounds"])) if "faithful" in checks else {}
+    pp4 = pipeline_runs(batch) if "pipelines" in checks else {}
+    net = network_runs(batch, int(opts["rounds"]), w2) if "network" in checks else None
+
+    views = [View("each run's own figures" if opts["loopback"] == "per-run" else "the probe before the batch")]
+    if batch.sampled:
+        median = {key: statistics.median(s[key] for s in batch.samples) for key in FIGURES}
+        views.append(View(f"the median of {len(batch.samples)} probes across the batch", median))
+        probes_read.append(f"{len(batch.samples)} probe runs, one before each run: median {said(median)}; "
+                           f"range {spread(batch.samples)}")
+        (out / "probes.json").write_text(json.dumps(batch.samples, indent=1) + "\n")
+    parts = [f"# virtual time validation, {started}, {usable_cores()} cores, model {opts['model']}, "
+             f"{opts['steps']} steps, loopback={opts['loopback']}"]
+    for view in views:
+        parts.append(f"\n## Replayed on {view.name}")
+        if "stability" in checks:
+            parts.append(stability(w4, view))
+        if "contention" in checks:
+            parts.append(contention(w4, view, unbound))
+        if loaded:
+            parts.append(stability(loaded, view, f", {spinners} busy processes beside them"))
+        if w2:
+            parts.append(faithful(w2, view))
+        if pp4:
+            parts.append(pipelines(pp4, view))
+        if net:
+            parts.append(network(*net, view))
     parts.append("\n### Probes\n\n" + "\n".join(f"- {line}" for line in probes_read))
-    parts.append("\n### Commands\n\n```\n" + "\n".join(COMMANDS) + "\n```")
+    parts.append("\n### Commands\n\n```\n" + "\n".join(batch.commands) + "\n```")
     text = "\n".join(parts)
     print(text)
     (out / "table.md").write_text(text + "\n")

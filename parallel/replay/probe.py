@@ -75,6 +75,7 @@ SMALL_REPEATS, BIG_REPEATS, P2P_REPEATS = 120, 8, 120
 # When no two ranks share a node (every rank on its own emulated node): this machine's figures as
 # measured for the planner (conf/cluster/this_machine.yaml: 2 ranks, 1.3 GB/s, 80 us per 4-byte all-reduce).
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
+FIGURES = ("bytes_per_s", "latency_s", "p2p_latency_s")  # a probe's figures, the keys of its JSON line
 FALLBACK_L2_BYTES = 2**20  # where the OS does not tell a core's L2 (1 MiB: a server core's of recent years)
 
 
@@ -271,7 +272,7 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     thread on the other core."""
     probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy, pin_cores)
               for _ in range(max(1, runs))]
-    return {key: statistics.median(p[key] for p in probes) for key in ("bytes_per_s", "latency_s", "p2p_latency_s")}
+    return {key: statistics.median(p[key] for p in probes) for key in FIGURES}
 
 
 def main() -> None:
