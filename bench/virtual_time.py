@@ -1,7 +1,7 @@
 """How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
 
     python bench/virtual_time.py [checks=stability,loaded,faithful,contention,pipelines,network] [model=tiny]
-                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=once|per-run|sampled]
+                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=sampled|once|per-run]
                                  [probes=5] [rounds=5]
 
 Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
@@ -32,13 +32,15 @@ Which loopback figures the runs are replayed on (`loopback=`):
             `probes` probe runs) and given to every run (`virtual.loopback_*`), so that the runs
             differ only in what they measured
   per-run   each run probes its own at its end, as a plain run does
-  sampled   as `once`, and besides one probe run before every run of the batch: the tables are
-            printed twice, on the first probe (what the runs' summaries hold) and on the median
-            of all the probes taken across the batch, each run replayed again from its saved
-            events. The loopback's per-call latency on a small shared host follows the host's
-            moment (2-3x within minutes), and one probe before a 15-minute batch catches one
-            moment; the batch's median is the host's figure over the time the runs took. Neither
-            is fitted to the runs: both are probes. <out>/probes.json keeps every sample.
+  sampled   (the default) as `once`, and besides one probe run before every run of the batch
+            (but the `loaded` ones: a probe beside busy processes reads their contention, not
+            the link): the tables are printed twice, first on the median of all the probes taken
+            across the batch (the claim), each run replayed again from its saved events, then on
+            the probe before the batch (what the runs' summaries hold). The loopback's per-call
+            latency on a small shared host follows the host's moment (2-3x within minutes), and
+            one probe before a 20-minute batch catches one moment; the batch's median is the
+            host's figure over the time the runs took. Neither is fitted to the runs: both are
+            probes. <out>/probes.json keeps every sample.
 
 Prints the tables and the exact commands it ran, and writes them to <out>/table.md.
 """
@@ -77,9 +79,13 @@ class Batch:
         self.out, self.common, self.sampled = out, common, sampled
         self.commands: list[str] = []
         self.samples: list[dict] = []
+        # Off while something else loads the machine (the `loaded` check's busy processes): the link
+        # model is the loopback with a core per rank, and a probe beside two spinning processes reads
+        # their contention (6.3-7.4 ms per ring step against 120-443 µs, 2026-12-02 20:18-20:22).
+        self.probing = sampled
 
     def train(self, world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> dict:
-        if self.sampled:
+        if self.probing:
             figures = run_probe("parallel.replay.probe", 2, 120)
             self.samples.append({"before": run_dir.name, "time": time.strftime("%H:%M:%S"), **figures})
         if net:
@@ -167,10 +173,13 @@ def stability(runs: dict, view: View, title: str = "") -> str:
 def loaded_runs(batch: Batch, repeats: int) -> tuple[dict, int]:
     """The stability runs again while one busy process per core competes for the machine."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())]
-    batch.commands.append(f"# {len(spinners)} x python -c 'while True: pass' running during the loaded repeats")
+    batch.commands.append(f"# {len(spinners)} x python -c 'while True: pass' running during the loaded repeats"
+                          + (" (no probe before these)" if batch.sampled else ""))
+    batch.probing = False
     try:
         return stability_runs(batch, repeats, prefix="loaded"), len(spinners)
     finally:
+        batch.probing = batch.sampled
         for p in spinners:
             p.kill()
             p.wait()
@@ -376,7 +385,7 @@ def spread(samples: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     opts = {"checks": "stability,loaded,faithful,contention,pipelines,network", "model": "tiny", "steps": "8",
-            "repeats": "3", "out": "runs/virtual-bench", "loopback": "once", "probes": "5", "rounds": "5"}
+            "repeats": "3", "out": "runs/virtual-bench", "loopback": "sampled", "probes": "5", "rounds": "5"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -425,8 +434,9 @@ def main(argv: list[str]) -> None:
 
     views = [View("each run's own figures" if opts["loopback"] == "per-run" else "the probe before the batch")]
     if batch.sampled:
+        # The claim first: the batch's median; the probe before the batch (the runs' own figures) after it.
         median = {key: statistics.median(s[key] for s in batch.samples) for key in FIGURES}
-        views.append(View(f"the median of {len(batch.samples)} probes across the batch", median))
+        views.insert(0, View(f"the median of {len(batch.samples)} probes across the batch", median))
         probes_read.append(f"{len(batch.samples)} probe runs, one before each run: median {said(median)}; "
                            f"range {spread(batch.samples)}")
         (out / "probes.json").write_text(json.dumps(batch.samples, indent=1) + "\n")
