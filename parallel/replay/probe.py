@@ -46,8 +46,10 @@ together. About 0.5 s per run. A figure given in the config (`virtual.loopback_g
 `virtual.loopback_latency_us`, `virtual.loopback_p2p_latency_us`) is used as given instead:
 launch.compare and bench/virtual_time.py measure it once for all their runs (`measure_once`: the
 median of three runs of this module under `python -m torch.distributed.run --nproc-per-node 2 -m
-parallel.replay.probe`; `figure_overrides` hands them on). Nothing here goes through the
-communication log: it is not the strategy's traffic.
+parallel.replay.probe`; `figure_overrides` hands them on), and bench/virtual_time.py also
+probes once before each run and replays its batch on their median afterwards (`run_probe`, its
+`loopback=sampled`). Nothing here goes through the communication log: it is not the strategy's
+traffic.
 """
 
 from __future__ import annotations
