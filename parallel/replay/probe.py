@@ -29,7 +29,14 @@ kernel's default policy for gloo's event loop, `train.gloo_loop_policy=normal`, 
 of calls take 3-5 ms, a scheduler tick: parallel/dist/gloo_loop.py. The probe's ranks set the
 same policy as the runs.) The best of a burst of back-to-back calls, the planner's method
 (parallel/planner/loopback.py), misses the handoffs, and a step of 22 such calls is then replayed
-at a fraction of its wall time. A step pays the mean cost of each call, so the mean is the figure:
+at a fraction of its wall time. A step pays the mean cost of each call, so the mean is the figure.
+
+Each call is timed **from the later of the two ranks' posts** (`from_last_post`), as the replay
+starts an op when its last member has posted it. The two bursts end apart (one product of an
+L2-sized matrix takes milliseconds, and two cores finish theirs hundreds of µs apart), and a
+rank's own call time holds that wait for the other; the probe took it that way until 2026-12-02
+21:00 and charged it to the link. Both ranks stamp their calls on the host's monotonic clock,
+one clock for the two processes of one node:
 
     latency   the mean time of a small all-reduce (SMALL_BYTES, whose bytes take microseconds)
               over its 2(n-1) = 2 ring steps, less those bytes' time
@@ -121,11 +128,12 @@ def burst_matrix() -> torch.Tensor:
     return torch.ones(side, side)
 
 
-def mean_after_compute(fn, repeats: int, a: torch.Tensor, burst_s: float = BURST_S) -> float:
-    """The mean wall time of `fn` over `repeats` calls, each after at least `burst_s` of this
-    thread's CPU time spent in `a @ a` (`burst_matrix`: more memory than the core's L2 holds; both
-    ranks run the same bursts, so they post together, as in a step)."""
-    total = 0.0
+def stamps_after_compute(fn, repeats: int, a: torch.Tensor, burst_s: float = BURST_S) -> list[tuple[float, float]]:
+    """(post, end) of each of `repeats` calls of `fn` on this host's monotonic clock, each call
+    after at least `burst_s` of this thread's CPU time spent in `a @ a` (`burst_matrix`: more
+    memory than the core's L2 holds; both ranks run the same bursts, so they post together, as
+    in a step)."""
+    out = []
     for _ in range(repeats):
         start_cpu = time.thread_time()
         while True:
@@ -134,19 +142,45 @@ def mean_after_compute(fn, repeats: int, a: torch.Tensor, burst_s: float = BURST
                 break
         start = time.perf_counter()
         fn()
-        total += time.perf_counter() - start
-    return total / repeats
+        out.append((start, time.perf_counter()))
+    return out
+
+
+def pair_stamps(mine: list[tuple[float, float]], group=None) -> list[torch.Tensor]:
+    """Both members' (post, end) stamps, in group-rank order. time.perf_counter is the host's
+    monotonic clock (CLOCK_MONOTONIC on Linux), one clock for every process on the host, and the
+    probing pair is always two ranks of one node, so the two lists compare directly."""
+    stamps = torch.tensor(mine, dtype=torch.float64)
+    both = [torch.zeros_like(stamps) for _ in range(2)]
+    dist.all_gather(both, stamps, group=group)
+    return both
+
+
+def from_last_post(both: list[torch.Tensor], end_of: str = "mean") -> float:
+    """The mean time of a call between two ranks from the later of their two posts: when the
+    replay starts an op (its last member's post). A rank's own call time also holds its wait for
+    the other's post, the two bursts' difference (one matmul of an L2-sized matrix lasts 2-10 ms
+    here, and two cores finish theirs hundreds of µs apart), which the replay does not charge to
+    the link. `end_of`: "mean", the two ranks' ends averaged (a collective ends for both at
+    once, give or take the last chunk); "first", the first member's end (a ping-pong's round trip
+    ends when the first member has the reply)."""
+    a, b = both
+    last_post = torch.maximum(a[:, 0], b[:, 0])
+    end = (a[:, 1] + b[:, 1]) / 2 if end_of == "mean" else a[:, 1]
+    return float((end - last_post).mean())
 
 
 def measure_pair(group=None) -> tuple[float, float, float]:
     """(bytes_per_s, latency_s per ring step, p2p latency_s per message) between the two ranks of
-    `group` (both call it)."""
+    `group` (both call it): each call timed from the later of the two posts (`from_last_post`)."""
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
     dist.all_reduce(big, group=group)  # warm: connections made, buffers allocated
     dist.all_reduce(small, group=group)
     burst = burst_matrix()
-    t_small = mean_after_compute(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS, burst)
-    t_big = mean_after_compute(lambda: dist.all_reduce(big, group=group), BIG_REPEATS, burst)
+    small_stamps = stamps_after_compute(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS, burst)
+    big_stamps = stamps_after_compute(lambda: dist.all_reduce(big, group=group), BIG_REPEATS, burst)
+    t_small = from_last_post(pair_stamps(small_stamps, group))
+    t_big = from_last_post(pair_stamps(big_stamps, group))
     # t = 2 L + S / rate for each size (n = 2: each rank sends S); solve the two together
     rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
     latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
@@ -164,7 +198,9 @@ def measure_pair(group=None) -> tuple[float, float, float]:
             dist.send(small, peer, group=group)
 
     ping_pong()
-    t_pp = mean_after_compute(ping_pong, P2P_REPEATS, burst)
+    # The round trip from the later post to the first member's reply: two messages, each
+    # completing at the later of its two posts plus its transfer, as the replay has it.
+    t_pp = from_last_post(pair_stamps(stamps_after_compute(ping_pong, P2P_REPEATS, burst), group), end_of="first")
     p2p = max(t_pp / 2 - SMALL_BYTES / rate, 1e-6)
     return rate, latency, p2p
 

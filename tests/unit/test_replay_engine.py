@@ -276,3 +276,20 @@ def test_the_probe_burst_reads_the_cores_l2_and_works_on_twice_that_memory(tmp_p
         # a @ a reads side^2 fp32 numbers and writes side^2: at least twice the L2, by under a step of 32
         assert side % 32 == 0 and 2 * side * side * 4 >= 2 * l2 > 2 * (side - 32) ** 2 * 4
     assert burst_side(512 * 2**10) == 384
+
+
+def test_the_probe_times_a_call_from_the_later_of_the_two_posts():
+    """Known answers: rank 1 posts 300 µs after rank 0 and both end 200 µs after that, so the call
+    took 200 µs from its last post (a rank's own time, 500 µs, holds its wait for the other);
+    a ping-pong's round trip ends at the first member's end."""
+    import torch
+
+    from parallel.replay.probe import from_last_post
+
+    first = torch.tensor([[1.0000, 1.0005], [2.0003, 2.0005]], dtype=torch.float64)
+    second = torch.tensor([[1.0003, 1.0005], [2.0000, 2.0005]], dtype=torch.float64)
+    assert from_last_post([first, second]) == pytest.approx(200e-6, abs=1e-9)
+    # ends apart: the collective's end is the two ends' mean; the ping-pong's the first member's
+    second_late_end = torch.tensor([[1.0003, 1.0007], [2.0000, 2.0007]], dtype=torch.float64)
+    assert from_last_post([first, second_late_end]) == pytest.approx(300e-6, abs=1e-9)
+    assert from_last_post([first, second_late_end], end_of="first") == pytest.approx(200e-6, abs=1e-9)
