@@ -240,8 +240,8 @@ def contention(runs: dict, view: View, unbound: LinkModel) -> str:
 def pipeline_bubble(run_dir: Path, summary: dict, view: View) -> tuple[float, dict]:
     """The virtual bubble of the first pipeline (the virtual block's pipeline, parallel/replay/virtual.py),
     its mean F, B, W CPU seconds per chunk-microbatch, and the CPU time of posting one send or receive."""
-    vpipe = view.virtual(run_dir, summary)["pipeline"]
     block = view.virtual(run_dir, summary)
+    vpipe = block["pipeline"]
     events = saved.load(run_dir)
     index = block["step_times_s"].index(block["step_time_s"])
     # The CPU time of posting sends and receives (the executor's p2p phases), per send or receive.
