@@ -25,17 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def figures(t_small: float, t_big: float, t_pp: float) -> list[float]:
-    """(GB/s, µs per ring step, µs per message) from the three mean call times, as the probe solves them."""
-    from parallel.replay.probe import PAYLOAD_BYTES, SMALL_BYTES
-    rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
-    latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
-    p2p = max(t_pp / 2 - SMALL_BYTES / rate, 1e-6)
-    return [rate / 1e9, latency * 1e6, p2p * 1e6]
-
-
 def pair() -> None:
-    """Under torchrun with 2 ranks: one probe's calls, both estimators, a JSON line on rank 0."""
+    """Under torchrun with 2 ranks: the probe's calls, both estimators, a JSON line on rank 0."""
     import torch
     import torch.distributed as dist
 
@@ -47,30 +38,14 @@ def pair() -> None:
     apply_gloo_loop_policy("batch")
     torch.set_num_threads(1)
     bind_rank("auto", [machine_id()] * 2, dist.get_rank(), 1, "cpu")
-    small, big = torch.ones(probe.SMALL_BYTES // 4), torch.ones(probe.PAYLOAD_BYTES // 4)
-    dist.all_reduce(big)
-    dist.all_reduce(small)
-    first = dist.get_rank() == 0
-
-    def ping_pong():
-        if first:
-            dist.send(small, 1)
-            dist.recv(small, 1)
-        else:
-            dist.recv(small, 0)
-            dist.send(small, 0)
-
-    ping_pong()
-    burst = probe.burst_matrix()
-    calls = [probe.pair_stamps(probe.stamps_after_compute(fn, n, burst)) for fn, n in
-             [(lambda: dist.all_reduce(small), probe.SMALL_REPEATS), (lambda: dist.all_reduce(big), probe.BIG_REPEATS),
-              (ping_pong, probe.P2P_REPEATS)]]
-    if first:
-        own = [float((c[0][:, 1] - c[0][:, 0]).mean()) for c in calls]
-        last = [probe.from_last_post(calls[0]), probe.from_last_post(calls[1]),
-                probe.from_last_post(calls[2], end_of="first")]
-        apart = float((calls[0][0][:, 0] - calls[0][1][:, 0]).abs().mean())
-        print(json.dumps({"last": figures(*last), "own": figures(*own), "posts_apart_us": apart * 1e6}))
+    small, big, pp = probe.pair_calls()
+    if dist.get_rank() == 0:
+        own = [float((calls[0][:, 1] - calls[0][:, 0]).mean()) for calls in (small, big, pp)]
+        last = [probe.from_last_post(small), probe.from_last_post(big), probe.from_last_post(pp, end_of="first")]
+        in_words = lambda f: [f[0] / 1e9, f[1] * 1e6, f[2] * 1e6]  # noqa: E731
+        apart = float((small[0][:, 0] - small[1][:, 0]).abs().mean())
+        print(json.dumps({"last": in_words(probe.solve(*last)), "own": in_words(probe.solve(*own)),
+                          "posts_apart_us": apart * 1e6}))
     dist.destroy_process_group()
 
 

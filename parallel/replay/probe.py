@@ -170,26 +170,20 @@ def from_last_post(both: list[torch.Tensor], end_of: str = "mean") -> float:
     return float((end - last_post).mean())
 
 
-def measure_pair(group=None) -> tuple[float, float, float]:
-    """(bytes_per_s, latency_s per ring step, p2p latency_s per message) between the two ranks of
-    `group` (both call it): each call timed from the later of the two posts (`from_last_post`)."""
+def pair_calls(group=None) -> list[list[torch.Tensor]]:
+    """Both members' (post, end) stamps of the probe's three kinds of call between the two ranks
+    of `group` (both call it), each after a burst: SMALL_BYTES all-reduces, PAYLOAD_BYTES
+    all-reduces, SMALL_BYTES ping-pongs (one message each way: the first member sends, then
+    receives)."""
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
     dist.all_reduce(big, group=group)  # warm: connections made, buffers allocated
     dist.all_reduce(small, group=group)
-    burst = burst_matrix()
-    small_stamps = stamps_after_compute(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS, burst)
-    big_stamps = stamps_after_compute(lambda: dist.all_reduce(big, group=group), BIG_REPEATS, burst)
-    t_small = from_last_post(pair_stamps(small_stamps, group))
-    t_big = from_last_post(pair_stamps(big_stamps, group))
-    # t = 2 L + S / rate for each size (n = 2: each rank sends S); solve the two together
-    rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
-    latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
     members = dist.get_process_group_ranks(group) if group is not None else [0, 1]
     me = dist.get_rank()
     peer = members[1] if me == members[0] else members[0]
     first = me == members[0]
 
-    def ping_pong():  # one message each way: the first member sends, then receives
+    def ping_pong():
         if first:
             dist.send(small, peer, group=group)
             dist.recv(small, peer, group=group)
@@ -198,11 +192,30 @@ def measure_pair(group=None) -> tuple[float, float, float]:
             dist.send(small, peer, group=group)
 
     ping_pong()
-    # The round trip from the later post to the first member's reply: two messages, each
-    # completing at the later of its two posts plus its transfer, as the replay has it.
-    t_pp = from_last_post(pair_stamps(stamps_after_compute(ping_pong, P2P_REPEATS, burst), group), end_of="first")
+    burst = burst_matrix()
+    calls = [(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS),
+             (lambda: dist.all_reduce(big, group=group), BIG_REPEATS), (ping_pong, P2P_REPEATS)]
+    # Each kind's stamps gathered after its calls, so that no gather runs between a burst and its call.
+    return [pair_stamps(stamps_after_compute(fn, repeats, burst), group) for fn, repeats in calls]
+
+
+def solve(t_small: float, t_big: float, t_pp: float) -> tuple[float, float, float]:
+    """(bytes_per_s, latency_s per ring step, p2p latency_s per message) from the mean times of
+    the three kinds of call: t = 2 L + S / rate for each all-reduce (n = 2: each rank sends S),
+    the two solved together; a ping-pong is two messages."""
+    rate = (PAYLOAD_BYTES - SMALL_BYTES) / max(t_big - t_small, 1e-9)
+    latency = max((t_small - SMALL_BYTES / rate) / 2, 1e-6)
     p2p = max(t_pp / 2 - SMALL_BYTES / rate, 1e-6)
     return rate, latency, p2p
+
+
+def measure_pair(group=None) -> tuple[float, float, float]:
+    """(bytes_per_s, latency_s per ring step, p2p latency_s per message) between the two ranks of
+    `group` (both call it): each call timed from the later of the two posts (`from_last_post`);
+    a ping-pong's round trip to the first member's reply, two messages, each completing at the
+    later of its two posts plus its transfer, as the replay has it."""
+    small, big, pp = pair_calls(group)
+    return solve(from_last_post(small), from_last_post(big), from_last_post(pp, end_of="first"))
 
 
 def given_figures(virtual) -> dict | None:
