@@ -62,7 +62,7 @@ from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel, from_net  # noqa: E402
-from parallel.replay.probe import FIGURES, figure_overrides, link_of, measure_once, run_probe  # noqa: E402
+from parallel.replay.probe import figure_overrides, link_of, measure_once, median_figures, run_probe  # noqa: E402
 from parallel.replay.virtual import replay_run, replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
@@ -435,7 +435,7 @@ def main(argv: list[str]) -> None:
     views = [View("each run's own figures" if opts["loopback"] == "per-run" else "the probe before the batch")]
     if batch.sampled:
         # The claim first: the batch's median; the probe before the batch (the runs' own figures) after it.
-        median = {key: statistics.median(s[key] for s in batch.samples) for key in FIGURES}
+        median = median_figures(batch.samples)
         views.insert(0, View(f"the median of {len(batch.samples)} probes across the batch", median))
         probes_read.append(f"{len(batch.samples)} probe runs, one before each run: median {said(median)}; "
                            f"range {spread(batch.samples)}")

@@ -323,6 +323,11 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     thread on the other core."""
     probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy, pin_cores)
               for _ in range(max(1, runs))]
+    return median_figures(probes)
+
+
+def median_figures(probes: list[dict]) -> dict:
+    """Each of a probe's figures (FIGURES), the median over `probes` (probe runs' JSON lines)."""
     return {key: statistics.median(p[key] for p in probes) for key in FIGURES}
 
 
