@@ -1,0 +1,99 @@
+"""How fast this host runs the same work from one moment to the next: the floor under any CPU-timed figure.
+
+    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [model=tiny] [batch=4]
+
+One process, one intra-op thread, nothing else of ours running: `windows` times, the tiny model's
+forward and backward on a fixed batch of `batch` sequences (a world-4 rank's share of the default
+global batch), `steps` steps in a row, `gap_s` seconds of sleep between windows (a run's start-up
+separates two runs of the stability check by about that much). Each step is timed on the thread's
+CPU clock (`time.thread_time`, the clock the virtual time is built on) and on the wall clock; a
+window's figure is the lower median of its steps, as a run's step time is.
+
+Printed: the windows' figures (median, range, the largest deviation from the median), and the same
+statistic the stability check (bench/virtual_time.py) applies to a strategy's three repeats,
+applied to every `repeats` consecutive windows: how often the same work, on one thread, with no
+contention from other ranks, already stays within ±5% of its median. Where this host's own speed
+moves by more, no CPU-timed figure can stay within it.
+
+Why the CPU clock moves at all: on a virtual machine the thread's CPU time counts time on the vCPU,
+and the vCPU runs slower when its physical core's caches and memory bandwidth are busy with other
+guests' work, or at a lower frequency. Nothing inside the guest sees it (the hypervisor's steal
+time counts only time the vCPU did not run; hardware cycle and instruction counters are not
+exposed on this machine kind: `perf stat -e instructions true` reads "not supported").
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from parallel.core.model import GPT, GPTConfig, token_loss_sum  # noqa: E402
+
+
+def lower_median(xs: list[float]) -> float:
+    return sorted(xs)[(len(xs) - 1) // 2]
+
+
+def window(model: GPT, idx: torch.Tensor, targets: torch.Tensor, steps: int) -> tuple[float, float]:
+    """The lower median of `steps` forward+backward steps, on the thread's CPU clock and the wall clock."""
+    cpu, wall = [], []
+    for _ in range(steps):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        token_loss_sum(model(idx), targets).backward()
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    return lower_median(cpu), lower_median(wall)
+
+
+def max_dev(xs: list[float]) -> float:
+    m = statistics.median(xs)
+    return max(abs(x / m - 1) for x in xs)
+
+
+def main(argv: list[str]) -> None:
+    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "model": "tiny", "batch": "4"}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in opts:
+            sys.exit(f"host_speed: unknown option {key!r} (options: {', '.join(opts)})")
+        opts[key] = value
+    if opts["model"] != "tiny":
+        sys.exit("host_speed: only model=tiny is built in (the model the stability check runs)")
+    torch.set_num_threads(1)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (int(opts["batch"]), cfg.seq_len + 1), generator=gen)
+    idx, targets = tokens[:, :-1], tokens[:, 1:]
+    window(model, idx, targets, 5)  # warm-up: allocator and kernels
+    cpu, wall = [], []
+    for k in range(int(opts["windows"])):
+        if k:
+            time.sleep(float(opts["gap_s"]))
+        c, w = window(model, idx, targets, int(opts["steps"]))
+        cpu.append(c)
+        wall.append(w)
+        print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  wall {w * 1e3:6.2f} ms", flush=True)
+    r = int(opts["repeats"])
+    print(f"\n{len(cpu)} windows of {opts['steps']} steps, {opts['gap_s']} s apart, one thread (ms a step):")
+    for name, xs in (("CPU", cpu), ("wall", wall)):
+        m = statistics.median(xs)
+        print(f"  {name:4s} median {m * 1e3:.2f}, range {min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}, "
+              f"max dev. from median ±{max_dev(xs):.1%}")
+    groups = [cpu[i:i + r] for i in range(len(cpu) - r + 1)]
+    devs = sorted(max_dev(g) for g in groups)
+    within = sum(d <= 0.05 for d in devs)
+    print(f"  every {r} consecutive windows on the CPU clock (the stability check's statistic): "
+          f"{within} of {len(groups)} within ±5%; max dev. median ±{statistics.median(devs):.1%}, "
+          f"worst ±{devs[-1]:.1%}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
