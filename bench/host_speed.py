@@ -1,6 +1,6 @@
 """How fast this host runs the same work from one moment to the next: the floor under any CPU-timed figure.
 
-    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [model=tiny] [batch=4]
+    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4]
 
 One process, one intra-op thread, nothing else of ours running: `windows` times, the tiny model's
 forward and backward on a fixed batch of `batch` sequences (a world-4 rank's share of the default
@@ -20,6 +20,8 @@ and the vCPU runs slower when its physical core's caches and memory bandwidth ar
 guests' work, or at a lower frequency. Nothing inside the guest sees it (the hypervisor's steal
 time counts only time the vCPU did not run; hardware cycle and instruction counters are not
 exposed on this machine kind: `perf stat -e instructions true` reads "not supported").
+bench/virtual_time.py times one such window before each of its runs and prints, beside the
+stability check, how far the host alone moved over the same repeats.
 """
 
 from __future__ import annotations
@@ -41,15 +43,28 @@ def lower_median(xs: list[float]) -> float:
     return sorted(xs)[(len(xs) - 1) // 2]
 
 
-def window(model: GPT, idx: torch.Tensor, targets: torch.Tensor, steps: int) -> tuple[float, float]:
-    """The lower median of `steps` forward+backward steps, on the thread's CPU clock and the wall clock."""
-    cpu, wall = [], []
-    for _ in range(steps):
-        c0, w0 = time.thread_time(), time.perf_counter()
-        token_loss_sum(model(idx), targets).backward()
-        cpu.append(time.thread_time() - c0)
-        wall.append(time.perf_counter() - w0)
-    return lower_median(cpu), lower_median(wall)
+class Workload:
+    """The fixed work: the tiny model's forward and backward on `batch` sequences, on one thread.
+    bench/virtual_time.py times one window of it before each of its runs."""
+
+    def __init__(self, batch: int = 4):
+        torch.set_num_threads(1)
+        cfg = GPTConfig()
+        self.model = GPT(cfg)
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+        self.idx, self.targets = tokens[:, :-1], tokens[:, 1:]
+        self.window(5)  # warm-up: the allocator and the kernels
+
+    def window(self, steps: int) -> tuple[float, float]:
+        """The lower median of `steps` forward+backward steps, on the thread's CPU clock and the wall clock."""
+        cpu, wall = [], []
+        for _ in range(steps):
+            c0, w0 = time.thread_time(), time.perf_counter()
+            token_loss_sum(self.model(self.idx), self.targets).backward()
+            cpu.append(time.thread_time() - c0)
+            wall.append(time.perf_counter() - w0)
+        return lower_median(cpu), lower_median(wall)
 
 
 def max_dev(xs: list[float]) -> float:
@@ -58,26 +73,18 @@ def max_dev(xs: list[float]) -> float:
 
 
 def main(argv: list[str]) -> None:
-    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "model": "tiny", "batch": "4"}
+    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
             sys.exit(f"host_speed: unknown option {key!r} (options: {', '.join(opts)})")
         opts[key] = value
-    if opts["model"] != "tiny":
-        sys.exit("host_speed: only model=tiny is built in (the model the stability check runs)")
-    torch.set_num_threads(1)
-    cfg = GPTConfig()
-    model = GPT(cfg)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (int(opts["batch"]), cfg.seq_len + 1), generator=gen)
-    idx, targets = tokens[:, :-1], tokens[:, 1:]
-    window(model, idx, targets, 5)  # warm-up: allocator and kernels
+    work = Workload(int(opts["batch"]))
     cpu, wall = [], []
     for k in range(int(opts["windows"])):
         if k:
             time.sleep(float(opts["gap_s"]))
-        c, w = window(model, idx, targets, int(opts["steps"]))
+        c, w = work.window(int(opts["steps"]))
         cpu.append(c)
         wall.append(w)
         print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  wall {w * 1e3:6.2f} ms", flush=True)

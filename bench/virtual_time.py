@@ -8,7 +8,11 @@ Each check runs `launch.train` under torchrun (or `launch.run` on an emulated ne
 root), reads the run's summary.json, and for some replays its saved events again:
 
   stability    dp, tp, pp_1f1b (m 4), zero2, torch_ddp at world 4, `repeats` times each: virtual
-               tokens/s against its median (the claim: within 5%), wall tokens/s beside
+               tokens/s against its median (the claim: within 5%), wall tokens/s beside, and the
+               host alone: one window of bench/host_speed.py's fixed single-threaded work, timed
+               in this process just before each run, so that a spread the host's own speed
+               brought shows as such (a virtual machine's core runs the same work slower when
+               other guests load it, and a thread's CPU time grows with it)
   loaded       the same while one busy process per core competes for the machine
   faithful     the same at world 2 (a core per rank on a 2-core machine), `rounds` rounds: virtual
                step against wall step, the median of the runs' ratios (the claim: within 5%, on an
@@ -42,7 +46,8 @@ Which loopback figures the runs are replayed on (`loopback=`):
             host's figure over the time the runs took. Neither is fitted to the runs: both are
             probes. <out>/probes.json keeps every sample.
 
-Prints the tables and the exact commands it ran, and writes them to <out>/table.md.
+Prints the tables and the exact commands it ran, and writes them to <out>/table.md (the probes to
+<out>/probes.json, the host windows to <out>/host_speed.json).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from host_speed import Workload, max_dev  # noqa: E402  (bench/, this script's own folder)
+
 from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
@@ -67,6 +74,7 @@ from parallel.replay.virtual import replay_run, replay_step  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
 STRATEGIES = ["dp", "tp", "pp_1f1b", "zero2", "torch_ddp"]
+HOST_WINDOW_STEPS = 30  # bench/host_speed.py's default window: about 0.2 s of the tiny model on one thread
 PIPELINES = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved": "interleaved_1f1b", "pp_zbh1": "zbh1",
              "pp_zbv": "zbv", "pp_dualpipev": "dualpipev"}
 
@@ -79,6 +87,8 @@ class Batch:
         self.out, self.common, self.sampled = out, common, sampled
         self.commands: list[str] = []
         self.samples: list[dict] = []
+        self.host = Workload()
+        self.host_cpu: dict[str, float] = {}  # run directory's name -> the host's window just before it (s a step)
         # Off while something else loads the machine (the `loaded` check's busy processes): the link
         # model is the loopback with a core per rank, and a probe beside two spinning processes reads
         # their contention (6.3-7.4 ms per ring step against 120-443 µs, 2026-12-02 20:18-20:22).
@@ -88,6 +98,7 @@ class Batch:
         if self.probing:
             figures = run_probe("parallel.replay.probe", 2, 120)
             self.samples.append({"before": run_dir.name, "time": time.strftime("%H:%M:%S"), **figures})
+        self.host_cpu[run_dir.name] = self.host.window(HOST_WINDOW_STEPS)[0]
         if net:
             cmd = [sys.executable, "-m", "launch.run", *net, *overrides, f"run.dir={run_dir}"]
         else:
@@ -156,18 +167,20 @@ def stability_runs(batch: Batch, repeats: int, prefix: str = "w4") -> dict:
     return runs
 
 
-def stability(runs: dict, view: View, title: str = "") -> str:
+def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "") -> str:
     rows = []
     for strategy, summaries in runs.items():
         v = [view.virtual(d, s)["tokens_per_s"] for d, s in summaries]
         w = [s["tokens_per_s"] for _, s in summaries]
-        dev = max(abs(x / statistics.median(v) - 1) for x in v)
-        wdev = max(abs(x / statistics.median(w) - 1) for x in w)
-        rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{dev:.1%}", " / ".join(f"{x:.0f}" for x in w),
-                     f"±{wdev:.1%}"])
+        h = [host_cpu[d.name] for d, _ in summaries]
+        rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{max_dev(v):.1%}",
+                     " / ".join(f"{x:.0f}" for x in w), f"±{max_dev(w):.1%}",
+                     " / ".join(f"{x * 1e3:.2f}" for x in h), f"±{max_dev(h):.1%}"])
     repeats = len(next(iter(runs.values())))
-    return table(f"Stability: world 4, {repeats} repeats{title} (tokens/s)",
-                 ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median"], rows)
+    return table(f"Stability: world 4, {repeats} repeats{title} (tokens/s; the host alone: CPU ms a step of "
+                 "bench/host_speed.py's one-thread window, timed just before each run)",
+                 ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median", "the host alone",
+                  "max dev. from median"], rows)
 
 
 def loaded_runs(batch: Batch, repeats: int) -> tuple[dict, int]:
@@ -440,16 +453,17 @@ def main(argv: list[str]) -> None:
         probes_read.append(f"{len(batch.samples)} probe runs, one before each run: median {said(median)}; "
                            f"range {spread(batch.samples)}")
         (out / "probes.json").write_text(json.dumps(batch.samples, indent=1) + "\n")
+    (out / "host_speed.json").write_text(json.dumps(batch.host_cpu, indent=1) + "\n")
     parts = [f"# virtual time validation, {started}, {usable_cores()} cores, model {opts['model']}, "
              f"{opts['steps']} steps, loopback={opts['loopback']}"]
     for view in views:
         parts.append(f"\n## Replayed on {view.name}")
         if "stability" in checks:
-            parts.append(stability(w4, view))
+            parts.append(stability(w4, view, batch.host_cpu))
         if "contention" in checks:
             parts.append(contention(w4, view, unbound))
         if loaded:
-            parts.append(stability(loaded, view, f", {spinners} busy processes beside them"))
+            parts.append(stability(loaded, view, batch.host_cpu, f", {spinners} busy processes beside them"))
         if w2:
             parts.append(faithful(w2, view))
         if pp4:
