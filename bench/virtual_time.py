@@ -63,7 +63,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from host_speed import Workload, max_dev  # noqa: E402  (bench/, this script's own folder)
+from host_speed import Workload, lower_median, max_dev  # noqa: E402  (bench/, this script's own folder)
 
 from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
@@ -147,8 +147,7 @@ def replayed(run_dir: Path, summary: dict, cores: float | None = None, links: Li
     """The lower-median replayed step of a run's saved events (cores: processor sharing)."""
     events = saved.load(run_dir)
     links = links or LinkModel.from_dict(summary["virtual"]["link_model"])
-    times = sorted(replay_step(events, i, links, cores).step_s for i in range(len(events[0]["steps"])))
-    return times[(len(times) - 1) // 2]
+    return lower_median([replay_step(events, i, links, cores).step_s for i in range(len(events[0]["steps"]))])
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:
