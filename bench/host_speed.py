@@ -1,6 +1,6 @@
 """How fast this host runs the same work from one moment to the next: the floor under any CPU-timed figure.
 
-    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4]
+    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4] [reference=0]
 
 One process, one intra-op thread, nothing else of ours running: `windows` times, the tiny model's
 forward and backward on a fixed batch of `batch` sequences (a world-4 rank's share of the default
@@ -22,6 +22,12 @@ time counts only time the vCPU did not run; hardware cycle and instruction count
 exposed on this machine kind: `perf stat -e instructions true` reads "not supported").
 bench/virtual_time.py times one such window before each of its runs and prints, beside the
 stability check, how far the host alone moved over the same repeats.
+
+With `reference=1` every model step is followed, in the same thread, by two reference kernels: a
+compute-bound one (four 256x256 fp32 matmuls) and a pure-Python loop (20000 integer additions, the
+interpreter alone). If the host slowed every kind of work alike, the model's step divided by a
+reference would hold still while each moved, and a run's CPU times could be put on a steady scale
+by timing a reference beside them. The printed spreads of those two ratios say whether it does.
 """
 
 from __future__ import annotations
@@ -67,33 +73,86 @@ class Workload:
         return lower_median(cpu), lower_median(wall)
 
 
+class Reference:
+    """Two fixed kernels of other kinds than the model's step, timed on the thread's CPU clock."""
+
+    def __init__(self):
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.randn(256, 256, generator=gen)
+        self.b = torch.randn(256, 256, generator=gen)
+
+    def matmul(self) -> float:
+        c0 = time.thread_time()
+        for _ in range(4):
+            torch.mm(self.a, self.b)
+        return time.thread_time() - c0
+
+    @staticmethod
+    def python_loop() -> float:
+        c0 = time.thread_time()
+        total = 0
+        for i in range(20000):
+            total += i
+        return time.thread_time() - c0
+
+
+def interleaved_window(work: Workload, ref: Reference, steps: int) -> tuple[float, float, float]:
+    """`steps` rounds of one model step, one matmul kernel, one Python loop: each one's lower median
+    (CPU seconds), so that the three sample the same moments of the host."""
+    model, mm, py = [], [], []
+    for _ in range(steps):
+        c0 = time.thread_time()
+        token_loss_sum(work.model(work.idx), work.targets).backward()
+        model.append(time.thread_time() - c0)
+        mm.append(ref.matmul())
+        py.append(ref.python_loop())
+    return lower_median(model), lower_median(mm), lower_median(py)
+
+
 def max_dev(xs: list[float]) -> float:
     m = statistics.median(xs)
     return max(abs(x / m - 1) for x in xs)
 
 
 def main(argv: list[str]) -> None:
-    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4"}
+    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4", "reference": "0"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
             sys.exit(f"host_speed: unknown option {key!r} (options: {', '.join(opts)})")
         opts[key] = value
+    if opts["reference"] not in ("0", "1"):
+        sys.exit(f"host_speed: reference={opts['reference']!r}: give 0 or 1")
     work = Workload(int(opts["batch"]))
-    cpu, wall = [], []
+    ref = Reference() if opts["reference"] == "1" else None
+    cpu, wall, mm, py = [], [], [], []
     for k in range(int(opts["windows"])):
         if k:
             time.sleep(float(opts["gap_s"]))
-        c, w = work.window(int(opts["steps"]))
-        cpu.append(c)
-        wall.append(w)
-        print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  wall {w * 1e3:6.2f} ms", flush=True)
+        if ref is None:
+            c, w = work.window(int(opts["steps"]))
+            cpu.append(c)
+            wall.append(w)
+            print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  wall {w * 1e3:6.2f} ms", flush=True)
+        else:
+            c, m, p = interleaved_window(work, ref, int(opts["steps"]))
+            cpu.append(c)
+            mm.append(m)
+            py.append(p)
+            print(f"window {k:2d}: model {c * 1e3:6.2f} ms  matmul {m * 1e3:6.3f} ms  Python loop {p * 1e3:6.3f} ms"
+                  f"  model/matmul {c / m:5.2f}  model/Python {c / p:5.2f}", flush=True)
     r = int(opts["repeats"])
     print(f"\n{len(cpu)} windows of {opts['steps']} steps, {opts['gap_s']} s apart, one thread (ms a step):")
-    for name, xs in (("CPU", cpu), ("wall", wall)):
+    series = [("CPU", cpu), ("wall", wall)] if ref is None else [("model", cpu), ("matmul", mm), ("Python loop", py)]
+    for name, xs in series:
         m = statistics.median(xs)
         print(f"  {name:4s} median {m * 1e3:.2f}, range {min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}, "
               f"max dev. from median ±{max_dev(xs):.1%}")
+    if ref is not None:
+        for name, den in (("matmul", mm), ("Python loop", py)):
+            ratio = [c / d for c, d in zip(cpu, den)]
+            print(f"  model / {name}: median {statistics.median(ratio):.2f}, range {min(ratio):.2f}-{max(ratio):.2f}, "
+                  f"max dev. from median ±{max_dev(ratio):.1%} (to put runs on a steady scale it would have to hold within ±5%)")
     groups = [cpu[i:i + r] for i in range(len(cpu) - r + 1)]
     devs = sorted(max_dev(g) for g in groups)
     within = sum(d <= 0.05 for d in devs)
