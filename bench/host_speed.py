@@ -151,8 +151,9 @@ def main(argv: list[str]) -> None:
     if ref is not None:
         for name, den in (("matmul", mm), ("Python loop", py)):
             ratio = [c / d for c, d in zip(cpu, den)]
-            print(f"  model / {name}: median {statistics.median(ratio):.2f}, range {min(ratio):.2f}-{max(ratio):.2f}, "
-                  f"max dev. from median ±{max_dev(ratio):.1%} (to put runs on a steady scale it would have to hold within ±5%)")
+            print(f"  model / {name}: median {statistics.median(ratio):.2f}, "
+                  f"range {min(ratio):.2f}-{max(ratio):.2f}, max dev. from median ±{max_dev(ratio):.1%} "
+                  "(to put runs on a steady scale it would have to hold within ±5%)")
     groups = [cpu[i:i + r] for i in range(len(cpu) - r + 1)]
     devs = sorted(max_dev(g) for g in groups)
     within = sum(d <= 0.05 for d in devs)
