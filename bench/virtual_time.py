@@ -70,7 +70,7 @@ from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel, from_net  # noqa: E402
 from parallel.replay.probe import figure_overrides, link_of, measure_once, median_figures, run_probe  # noqa: E402
-from parallel.replay.virtual import replay_run, replay_step  # noqa: E402
+from parallel.replay.virtual import replay_run, replay_steps  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
 STRATEGIES = ["dp", "tp", "pp_1f1b", "zero2", "torch_ddp"]
@@ -147,7 +147,7 @@ def replayed(run_dir: Path, summary: dict, cores: float | None = None, links: Li
     """The lower-median replayed step of a run's saved events (cores: processor sharing)."""
     events = saved.load(run_dir)
     links = links or LinkModel.from_dict(summary["virtual"]["link_model"])
-    return lower_median([replay_step(events, i, links, cores).step_s for i in range(len(events[0]["steps"]))])
+    return lower_median([r.step_s for r in replay_steps(events, links, cores)])
 
 
 def table(title: str, header: list[str], rows: list[list]) -> str:

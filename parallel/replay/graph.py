@@ -23,7 +23,13 @@ gloo sends and receives on the calling thread, without the worker threads' hando
 
 Each op also carries the CPU it took of each member (`communication_cpu`: the CPU time of the
 rank's other threads, gloo's, while it was in flight, and of the calling thread inside its call or
-wait), which the engine charges to the member's core.
+wait), which the engine charges to the member's core. Given the whole run (`median_op_cpu`), that
+is the lower median over the run's timed steps of the same op's CPU on that member, not the one
+call's: one call's figure has a long tail that is the machine's, not the op's. With more ranks than
+cores, or beside another job, gloo's event-loop thread now and then takes 2-5 ms of CPU over a call
+whose median is 0.4 ms (docs/virtual-time.md, "What an op's CPU is"), and since an op lasts at
+least the CPU its busiest member spent on it, those tails would lengthen the replayed step by the
+contention the replay exists to remove.
 
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
@@ -87,34 +93,72 @@ def collective_demand(op: str, payload: int, sent: int, members: tuple[int, ...]
     return dict(demand), latency * algorithm_steps(op, n)
 
 
+def keyed_spans(rank: int, step: dict, groups: dict[str, list[int]]) -> list[tuple[dict, tuple | None]]:
+    """A rank's spans of one step in order, each with the key that matches it across ranks (the
+    module docstring's rule: the k-th collective on a group, the k-th message from a to b); a wait
+    has None."""
+    counts: dict[tuple, int] = defaultdict(int)
+    mine: list[tuple[dict, tuple | None]] = []
+    for s in in_step(step):
+        if s["kind"] == "wait":
+            mine.append((s, None))
+            continue
+        if s["op"] in P2P:
+            src, dst = (rank, s["peer"]) if s["op"] == "send" else (s["peer"], rank)
+            qkey = ("p2p", s["group"], src, dst)
+        else:
+            qkey = ("coll", s["group"], tuple(groups[s["group"]]))
+        key = (*qkey, counts[qkey])
+        counts[qkey] += 1
+        mine.append((s, key))
+    return mine
+
+
+def _identity(key: tuple, span: dict) -> tuple:
+    """What makes two steps' ops the same op: the matching key, and what the call was (a step
+    with an extra call on a group shifts the counts after it; those are not the same ops)."""
+    return (*key, span["op"], span["tag"], span["payload_bytes"])
+
+
+def median_op_cpu(events: list[dict]) -> dict[tuple, float] | None:
+    """Every op's CPU on every member over the run's timed steps: {(op identity, rank): the lower
+    median of that op's CPU on that rank across the steps it appears in}. None where a step was
+    saved without the other threads' clock (nothing to charge).
+
+    Why not each call's own figure: the CPU of one call has a long tail that comes from the
+    machine, not the op. Two gloo ranks all-reducing 256 KiB between matmuls, with the cores busy,
+    took 0.36 ms of their other threads' CPU per call at the median and 1.9-4.3 ms at the 90th
+    percentile (docs/virtual-time.md); the op's own work is what it takes when nothing else
+    intervenes, and most of its calls show that. The lower median, as a run's step is."""
+    samples: dict[tuple, list[float]] = defaultdict(list)
+    for e in events:
+        for step in e["steps"]:
+            keyed = keyed_spans(e["rank"], step, e["groups"])
+            got = communication_cpu(step, keyed)
+            if got is None:
+                return None
+            first = {key: span for span, key in keyed if key is not None}
+            for key, cpu in got[0].items():
+                samples[(_identity(key, first[key]), e["rank"])].append(cpu)
+    return {k: sorted(v)[(len(v) - 1) // 2] for k, v in samples.items()}
+
+
 def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: LinkModel,
-          compute_scale: float = 1.0, with_cpu: bool = True) -> list[list]:
+          compute_scale: float = 1.0, with_cpu: bool = True, op_cpu: dict[tuple, float] | None = None) -> list[list]:
     """Every rank's program for one step. `rank_steps[r]`: rank r's saved step ({phases, spans});
     `groups[r]`: its groups' members (global ranks); `compute_scale`: compute time is multiplied by it
     (a what-if on another device); `with_cpu`: each op carries the CPU it took of each member
     (`communication_cpu`), which the engine charges to the members' cores (False: a device whose
-    communication takes none of its compute, the cluster what-if)."""
+    communication takes none of its compute, the cluster what-if); `op_cpu`: the run's
+    `median_op_cpu`, which then replaces each call's own figure (an op it does not hold keeps its
+    own)."""
     n = len(rank_steps)
-    keyed: list[list[tuple]] = []  # per rank: (span, op key) in order
+    keyed = [keyed_spans(r, step, groups[r]) for r, step in enumerate(rank_steps)]
     by_key: dict[tuple, list[tuple[int, dict]]] = defaultdict(list)
-    for r, step in enumerate(rank_steps):
-        counts: dict[tuple, int] = defaultdict(int)
-        mine = []
-        for s in in_step(step):
-            if s["kind"] == "wait":
-                mine.append((s, None))
-                continue
-            members = tuple(groups[r][s["group"]])
-            if s["op"] in P2P:
-                src, dst = (r, s["peer"]) if s["op"] == "send" else (s["peer"], r)
-                qkey = ("p2p", s["group"], src, dst)
-            else:
-                qkey = ("coll", s["group"], members)
-            key = (*qkey, counts[qkey])
-            counts[qkey] += 1
-            mine.append((s, key))
-            by_key[key].append((r, s))
-        keyed.append(mine)
+    for r, mine in enumerate(keyed):
+        for s, key in mine:
+            if key is not None:
+                by_key[key].append((r, s))
     ops: dict[tuple, Op] = {}
     for key, posts in by_key.items():
         s = posts[0][1]
@@ -140,7 +184,12 @@ def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: Lin
         spent = [communication_cpu(rank_steps[r], keyed[r]) for r in range(n)]
         for key, op in ops.items():
             if all(spent[m] is not None for m in op.members):
-                op.cpu = {m: spent[m][0].get(key, 0.0) for m in op.members}
+                own = {m: spent[m][0].get(key, 0.0) for m in op.members}
+                if op_cpu is not None:
+                    span_of = dict(by_key[key])
+                    own = {m: op_cpu.get((_identity(key, span_of[m]), m), c) if m in span_of else c
+                           for m, c in own.items()}
+                op.cpu = own
     return [_program(r, rank_steps[r], keyed[r], ops, compute_scale) for r in range(n)]
 
 

@@ -31,13 +31,24 @@ WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 
 
 def replay_step(events: list[dict], index: int, links: LinkModel, cores: float | None = None,
-                compute_scale: float = 1.0, with_cpu: bool = True) -> Result:
+                compute_scale: float = 1.0, with_cpu: bool = True, op_cpu: dict | None = None) -> Result:
     """Step `index` of the saved run replayed; `with_cpu`: charge each rank's core with the CPU its
-    communication took (False: a device with its own copy engines: the cluster what-if, a GPU run)."""
+    communication took (False: a device with its own copy engines: the cluster what-if, a GPU run);
+    `op_cpu`: the run's `graph.median_op_cpu`, each op's typical CPU instead of this step's call's
+    (`replay_steps` passes it; None: the step's own figures)."""
     steps = [e["steps"][index] for e in events]
-    programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale, with_cpu)
+    programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale, with_cpu, op_cpu)
     bandwidth, buckets = _link_figures(programs, links)
     return run(programs, bandwidth, cores, buckets)
+
+
+def replay_steps(events: list[dict], links: LinkModel, cores: float | None = None, compute_scale: float = 1.0,
+                 with_cpu: bool = True) -> list[Result]:
+    """Every timed step of the saved run replayed, each op charged the lower median of its CPU over
+    the run's steps (graph.median_op_cpu: one call's figure carries the machine's contention)."""
+    n_steps = min(len(e["steps"]) for e in events)
+    op_cpu = graph.median_op_cpu(events) if with_cpu else None
+    return [replay_step(events, i, links, cores, compute_scale, with_cpu, op_cpu) for i in range(n_steps)]
 
 
 def _link_figures(programs, links: LinkModel) -> tuple[dict, dict]:
@@ -134,7 +145,7 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
     n_steps = min(len(e["steps"]) for e in events)
     if n_steps == 0:
         raise ValueError("no timed step was saved: nothing to replay")
-    results = [replay_step(events, i, links, cores, compute_scale, with_cpu=charged) for i in range(n_steps)]
+    results = replay_steps(events, links, cores, compute_scale, with_cpu=charged)
     times = [r.step_s for r in results]
     index = sorted(range(n_steps), key=lambda i: times[i])[(n_steps - 1) // 2]
     result = results[index]

@@ -81,3 +81,55 @@ def test_a_step_back_of_the_other_threads_clock_cancels_against_the_next_stamp()
                                                          (step["spans"][1], None)])
     assert spent[("coll", "dp", (0, 1), 0)] == pytest.approx(0.6)
     assert unattributed == pytest.approx(1.0)
+
+
+def _blocking_step(helper_in_call: float, tags=("g0",)) -> dict:
+    """Backward 0-3 s with blocking all-reduces of 100 bytes, one a second from 1 s: the calling
+    thread takes 0.2 s of CPU in each, the other threads `helper_in_call` s, and nothing outside."""
+    spans, helper = [], 0.0
+    for k, tag in enumerate(tags):
+        spans.append(_span("call", tag, 100, (1 + k, 1.5 + k), (1.0 + k, 1.2 + k),
+                           (helper, helper + helper_in_call), k))
+        helper += helper_in_call
+    return {"phases": [_phase("backward", 0, 1 + len(tags), (0, 1 + len(tags)), (0, helper))], "spans": spans}
+
+
+def _run(*steps_of_rank) -> list[dict]:
+    return [{"rank": r, "groups": {"dp": [0, 1]}, "steps": steps} for r, steps in enumerate(steps_of_rank)]
+
+
+def test_an_ops_cpu_is_its_lower_median_over_the_run_so_one_calls_tail_is_not_replayed():
+    from parallel.replay.virtual import replay_step, replay_steps
+
+    # Rank 0's second call took 4.5 s of its other threads' CPU (the machine's tail), every other
+    # call 0.5 s: the op's figure is 0.2 + 0.5 s on both members in every step.
+    events = _run([_blocking_step(0.5), _blocking_step(4.5), _blocking_step(0.5)], [_blocking_step(0.5)] * 3)
+    identity = ("coll", "dp", (0, 1), 0, "all_reduce", "g0", 100)
+    assert graph.median_op_cpu(events) == {(identity, 0): pytest.approx(0.7), (identity, 1): pytest.approx(0.7)}
+    links = loopback(1e9, 1e-4)
+    steps = [r.step_s for r in replay_steps(events, links)]
+    assert steps == [pytest.approx(steps[0])] * 3
+    assert steps[0] == pytest.approx(replay_step(events, 0, links).step_s)
+    # The step's own figure: the op lasts as long as its busiest member's 4.7 s of CPU, 4 s more.
+    assert replay_step(events, 1, links).step_s == pytest.approx(steps[0] + 4.0)
+    # Not charged (a device's copy engines): no CPU, no medians.
+    assert replay_steps(events, links, with_cpu=False)[1].step_s < steps[1]
+
+
+def test_an_op_only_one_step_has_keeps_its_own_cpu_and_shifts_no_other_op():
+    # Step 1 makes an extra call first: its g0 is the group's second call there, not the same op as
+    # step 0's first, so each keeps its own figure; a step saved without the other threads' clock
+    # gives no medians at all.
+    events = _run([_blocking_step(0.5), _blocking_step(2.0, tags=("extra", "g0"))],
+                  [_blocking_step(0.5), _blocking_step(2.0, tags=("extra", "g0"))])
+    medians = graph.median_op_cpu(events)
+    assert medians[(("coll", "dp", (0, 1), 0, "all_reduce", "g0", 100), 0)] == pytest.approx(0.7)
+    assert medians[(("coll", "dp", (0, 1), 0, "all_reduce", "extra", 100), 0)] == pytest.approx(2.2)
+    assert medians[(("coll", "dp", (0, 1), 1, "all_reduce", "g0", 100), 0)] == pytest.approx(2.2)
+    programs = graph.build([e["steps"][1] for e in events], [e["groups"] for e in events], loopback(1e9, 1e-4),
+                           op_cpu=medians)
+    assert [task.op.cpu[0] for task in programs[0] if isinstance(task, Call)] == [pytest.approx(2.2)] * 2
+    old = _blocking_step(0.5)
+    for record in (*old["phases"], *old["spans"]):
+        del record["helper_start"], record["helper_end"]
+    assert graph.median_op_cpu(_run([old], [old])) is None
