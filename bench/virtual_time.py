@@ -68,9 +68,10 @@ from host_speed import Workload, lower_median, max_dev  # noqa: E402  (bench/, t
 from parallel.pp.actions import B, F, W  # noqa: E402
 from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
+from parallel.replay import graph  # noqa: E402
 from parallel.replay.links import LinkModel, from_net  # noqa: E402
 from parallel.replay.probe import figure_overrides, link_of, measure_once, median_figures, run_probe  # noqa: E402
-from parallel.replay.virtual import replay_run, replay_steps  # noqa: E402
+from parallel.replay.virtual import replay_run, replay_step, replay_steps  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
 
 STRATEGIES = ["dp", "tp", "pp_1f1b", "zero2", "torch_ddp"]
@@ -180,6 +181,45 @@ def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "
                  "bench/host_speed.py's one-thread window, timed just before each run)",
                  ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median", "the host alone",
                   "max dev. from median"], rows)
+
+
+def call_cpu(run_dir: Path) -> list[float]:
+    """Every call's CPU on every member over the run's timed steps (graph.communication_cpu)."""
+    calls = []
+    for e in saved.load(run_dir):
+        for step in e["steps"]:
+            got = graph.communication_cpu(step, graph.keyed_spans(e["rank"], step, e["groups"]))
+            calls += list(got[0].values()) if got else []
+    return calls
+
+
+def op_cpu(unloaded: dict, loaded: dict, view: View) -> str:
+    """What one call's CPU is beside what the op's is: the calls' CPU (median, 90th and 99th
+    percentile over every call of the repeats), and the virtual step replayed with each op's
+    lower median over the run (what the engine does) and with each call's own figure."""
+    def quantiles(runs: list) -> str:
+        calls = sorted(c for d, _ in runs for c in call_cpu(d))
+        if not calls:
+            return "not measured"
+        return " / ".join(f"{calls[min(len(calls) - 1, int(q * len(calls)))] * 1e3:.2f}" for q in (0.5, 0.9, 0.99))
+
+    def steps(runs: list, own_calls: bool) -> str:
+        out = []
+        for d, s in runs:
+            events, links = saved.load(d), view.link(s)
+            results = ([replay_step(events, i, links) for i in range(len(events[0]["steps"]))] if own_calls
+                       else replay_steps(events, links))
+            out.append(lower_median([r.step_s for r in results]))
+        return f"{statistics.median(out) * 1e3:.1f}"
+
+    rows = [[strategy, quantiles(unloaded[strategy]), quantiles(loaded[strategy]),
+             f"{steps(unloaded[strategy], False)} / {steps(loaded[strategy], False)}",
+             f"{steps(unloaded[strategy], True)} / {steps(loaded[strategy], True)}"]
+            for strategy in unloaded if strategy in loaded]
+    return table("What an op's CPU is: one call's against the run's median (world 4; ms)",
+                 ["strategy", "a call's CPU, unloaded: median / 90th / 99th pct.", "the same, loaded",
+                  "virtual step, unloaded / loaded (each op its run's lower median: the engine)",
+                  "the same with each call's own CPU"], rows)
 
 
 def loaded_runs(batch: Batch, repeats: int) -> tuple[dict, int]:
@@ -463,6 +503,8 @@ def main(argv: list[str]) -> None:
             parts.append(contention(w4, view, unbound))
         if loaded:
             parts.append(stability(loaded, view, batch.host_cpu, f", {spinners} busy processes beside them"))
+            if w4:
+                parts.append(op_cpu(w4, loaded, view))
         if w2:
             parts.append(faithful(w2, view))
         if pp4:
