@@ -23,9 +23,10 @@ gloo sends and receives on the calling thread, without the worker threads' hando
 
 Each op also carries the CPU it took of each member (`communication_cpu`: the CPU time of the
 rank's other threads, gloo's, while it was in flight, and of the calling thread inside its call or
-wait), which the engine charges to the member's core. Given the whole run (`median_op_cpu`), that
-is the lower median over the run's timed steps of the same op's CPU on that member, not the one
-call's: one call's figure has a long tail that is the machine's, not the op's. With more ranks than
+wait), which the engine charges to the member's core. For the virtual clock (a core per rank;
+`median_op_cpu`, passed by virtual.replay_steps) that is the lower median over the run's timed
+steps of the same op's CPU on that member, not the one call's: one call's figure has a long tail
+that is the machine's, not the op's. With more ranks than
 cores, or beside another job, gloo's event-loop thread now and then takes 2-5 ms of CPU over a call
 whose median is 0.4 ms (docs/virtual-time.md, "What an op's CPU is"), and since an op lasts at
 least the CPU its busiest member spent on it, those tails would lengthen the replayed step by the

@@ -44,10 +44,15 @@ def replay_step(events: list[dict], index: int, links: LinkModel, cores: float |
 
 def replay_steps(events: list[dict], links: LinkModel, cores: float | None = None, compute_scale: float = 1.0,
                  with_cpu: bool = True) -> list[Result]:
-    """Every timed step of the saved run replayed, each op charged the lower median of its CPU over
-    the run's steps (graph.median_op_cpu: one call's figure carries the machine's contention)."""
+    """Every timed step of the saved run replayed.
+
+    With a core per rank (`cores` None: the virtual clock) each op is charged the lower median of
+    its CPU over the run's steps (graph.median_op_cpu): one call's figure carries the contention of
+    the machine the run shared, which a core per rank would not meet. With the ranks sharing
+    `cores` (the contention replay, which reproduces that machine) each call keeps its own figure:
+    the CPU the contended run really spent is part of what it waited on."""
     n_steps = min(len(e["steps"]) for e in events)
-    op_cpu = graph.median_op_cpu(events) if with_cpu else None
+    op_cpu = graph.median_op_cpu(events) if with_cpu and cores is None else None
     return [replay_step(events, i, links, cores, compute_scale, with_cpu, op_cpu) for i in range(n_steps)]
 
 

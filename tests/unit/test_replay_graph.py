@@ -112,6 +112,11 @@ def test_an_ops_cpu_is_its_lower_median_over_the_run_so_one_calls_tail_is_not_re
     assert steps[0] == pytest.approx(replay_step(events, 0, links).step_s)
     # The step's own figure: the op lasts as long as its busiest member's 4.7 s of CPU, 4 s more.
     assert replay_step(events, 1, links).step_s == pytest.approx(steps[0] + 4.0)
+    # Ranks sharing cores (the contention replay reproduces the machine the run shared): each call
+    # keeps the CPU the contended run really spent.
+    shared = replay_steps(events, links, cores=2)
+    assert shared[1].step_s == pytest.approx(replay_step(events, 1, links, 2).step_s)
+    assert shared[1].step_s > shared[0].step_s + 3.9
     # Not charged (a device's copy engines): no CPU, no medians.
     assert replay_steps(events, links, with_cpu=False)[1].step_s < steps[1]
 
