@@ -193,10 +193,11 @@ def call_cpu(run_dir: Path) -> list[float]:
     return calls
 
 
-def op_cpu(unloaded: dict, loaded: dict, view: View) -> str:
+def op_cpu(unloaded: dict, loaded: dict, view: View, core_each: dict | None = None) -> str:
     """What one call's CPU is beside what the op's is: the calls' CPU (median, 90th and 99th
     percentile over every call of the repeats), and the virtual step replayed with each op's
-    lower median over the run (what the engine does) and with each call's own figure."""
+    lower median over the run (what the engine does) and with each call's own figure.
+    `core_each`: the world-2 runs with a core per rank, whose calls' CPU is given beside."""
     def quantiles(runs: list) -> str:
         calls = sorted(c for d, _ in runs for c in call_cpu(d))
         if not calls:
@@ -215,11 +216,13 @@ def op_cpu(unloaded: dict, loaded: dict, view: View) -> str:
     rows = [[strategy, quantiles(unloaded[strategy]), quantiles(loaded[strategy]),
              f"{steps(unloaded[strategy], False)} / {steps(loaded[strategy], False)}",
              f"{steps(unloaded[strategy], True)} / {steps(loaded[strategy], True)}"]
+            + ([quantiles(core_each[strategy])] if core_each and strategy in core_each else [])
             for strategy in unloaded if strategy in loaded]
     return table("What an op's CPU is: one call's against the run's median (world 4; ms)",
                  ["strategy", "a call's CPU, unloaded: median / 90th / 99th pct.", "the same, loaded",
                   "virtual step, unloaded / loaded (each op its run's lower median: the engine)",
-                  "the same with each call's own CPU"], rows)
+                  "the same with each call's own CPU"]
+                 + (["a call's CPU at world 2, a core per rank"] if core_each else []), rows)
 
 
 def loaded_runs(batch: Batch, repeats: int) -> tuple[dict, int]:
@@ -504,7 +507,7 @@ def main(argv: list[str]) -> None:
         if loaded:
             parts.append(stability(loaded, view, batch.host_cpu, f", {spinners} busy processes beside them"))
             if w4:
-                parts.append(op_cpu(w4, loaded, view))
+                parts.append(op_cpu(w4, loaded, view, w2))
         if w2:
             parts.append(faithful(w2, view))
         if pp4:
