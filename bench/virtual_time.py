@@ -167,7 +167,10 @@ def stability_runs(batch: Batch, repeats: int, prefix: str = "w4") -> dict:
     return runs
 
 
-def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "") -> str:
+def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "", unloaded: dict | None = None) -> str:
+    """Each strategy's repeats: virtual and wall tokens/s and the host alone, each with its largest
+    deviation from its median. `unloaded`: the same strategies' repeats without the load, whose
+    medians the loaded ones are set against (the load should move the wall, not the virtual)."""
     rows = []
     for strategy, summaries in runs.items():
         v = [view.virtual(d, s)["tokens_per_s"] for d, s in summaries]
@@ -176,11 +179,17 @@ def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "
         rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{max_dev(v):.1%}",
                      " / ".join(f"{x:.0f}" for x in w), f"±{max_dev(w):.1%}",
                      " / ".join(f"{x * 1e3:.2f}" for x in h), f"±{max_dev(h):.1%}"])
+        if unloaded and strategy in unloaded:
+            base = unloaded[strategy]
+            v0 = statistics.median(view.virtual(d, s)["tokens_per_s"] for d, s in base)
+            w0 = statistics.median(s["tokens_per_s"] for _, s in base)
+            rows[-1].append(f"{statistics.median(v) / v0 - 1:+.1%} / {statistics.median(w) / w0 - 1:+.1%}")
     repeats = len(next(iter(runs.values())))
     return table(f"Stability: world 4, {repeats} repeats{title} (tokens/s; the host alone: CPU ms a step of "
                  "bench/host_speed.py's one-thread window, timed just before each run)",
                  ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median", "the host alone",
-                  "max dev. from median"], rows)
+                  "max dev. from median"]
+                 + (["median against the unloaded repeats': virtual / wall"] if unloaded else []), rows)
 
 
 def call_cpu(run_dir: Path) -> list[float]:
@@ -505,7 +514,7 @@ def main(argv: list[str]) -> None:
         if "contention" in checks:
             parts.append(contention(w4, view, unbound))
         if loaded:
-            parts.append(stability(loaded, view, batch.host_cpu, f", {spinners} busy processes beside them"))
+            parts.append(stability(loaded, view, batch.host_cpu, f", {spinners} busy processes beside them", w4))
             if w4:
                 parts.append(op_cpu(w4, loaded, view, w2))
         if w2:
