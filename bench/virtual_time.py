@@ -193,13 +193,9 @@ def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "
 
 
 def call_cpu(run_dir: Path) -> list[float]:
-    """Every call's CPU on every member over the run's timed steps (graph.communication_cpu)."""
-    calls = []
-    for e in saved.load(run_dir):
-        for step in e["steps"]:
-            got = graph.communication_cpu(step, graph.keyed_spans(e["rank"], step, e["groups"]))
-            calls += list(got[0].values()) if got else []
-    return calls
+    """Every call's CPU on every member over the run's timed steps (graph.op_cpu_samples)."""
+    samples = graph.op_cpu_samples(saved.load(run_dir)) or {}
+    return [c for calls in samples.values() for c in calls]
 
 
 def op_cpu(unloaded: dict, loaded: dict, view: View, core_each: dict | None = None) -> str:

@@ -121,16 +121,10 @@ def _identity(key: tuple, span: dict) -> tuple:
     return (*key, span["op"], span["tag"], span["payload_bytes"])
 
 
-def median_op_cpu(events: list[dict]) -> dict[tuple, float] | None:
-    """Every op's CPU on every member over the run's timed steps: {(op identity, rank): the lower
-    median of that op's CPU on that rank across the steps it appears in}. None where a step was
-    saved without the other threads' clock (nothing to charge).
-
-    Why not each call's own figure: the CPU of one call has a long tail that comes from the
-    machine, not the op. tp's calls at world 4 beside two busy processes took 0.46 ms at the
-    median, 1.67 at the 90th percentile and 4.19 at the 99th, against 0.45, 0.66 and 2.76 without
-    them (docs/virtual-time.md, "What an op's CPU is"); the op's own work is what it takes when
-    nothing else intervenes, and most of its calls show that. The lower median, as a run's step is."""
+def op_cpu_samples(events: list[dict]) -> dict[tuple, list[float]] | None:
+    """Every call's CPU on every member over the run's timed steps: {(op identity, rank): the CPU
+    of each of that op's calls on that rank} (`communication_cpu`, step by step). None where a
+    step was saved without the other threads' clock (nothing to charge)."""
     samples: dict[tuple, list[float]] = defaultdict(list)
     for e in events:
         for step in e["steps"]:
@@ -141,6 +135,22 @@ def median_op_cpu(events: list[dict]) -> dict[tuple, float] | None:
             first = {key: span for span, key in keyed if key is not None}
             for key, cpu in got[0].items():
                 samples[(_identity(key, first[key]), e["rank"])].append(cpu)
+    return dict(samples)
+
+
+def median_op_cpu(events: list[dict]) -> dict[tuple, float] | None:
+    """Every op's CPU on every member over the run's timed steps: {(op identity, rank): the lower
+    median of that op's CPU on that rank across the steps it appears in}. None where a step was
+    saved without the other threads' clock (nothing to charge).
+
+    Why not each call's own figure: the CPU of one call has a long tail that comes from the
+    machine, not the op. tp's calls at world 4 beside two busy processes took 0.46 ms at the
+    median, 1.67 at the 90th percentile and 4.19 at the 99th, against 0.45, 0.66 and 2.76 without
+    them (docs/virtual-time.md, "What an op's CPU is"); the op's own work is what it takes when
+    nothing else intervenes, and most of its calls show that. The lower median, as a run's step is."""
+    samples = op_cpu_samples(events)
+    if samples is None:
+        return None
     return {k: sorted(v)[(len(v) - 1) // 2] for k, v in samples.items()}
 
 
@@ -181,16 +191,17 @@ def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: Lin
     for key, op in ops.items():
         if len(op.members) < 2 and key[0] == "coll":
             op.latency_s, op.demand = 0.0, {}
-    if with_cpu:
+    if with_cpu and op_cpu is not None:
+        # The run's medians: an op no step charged a member anything for is not in them (0).
+        for key, op in ops.items():
+            span_of = dict(by_key[key])
+            op.cpu = {m: op_cpu.get((_identity(key, span_of[m]), m), 0.0) if m in span_of else 0.0
+                      for m in op.members}
+    elif with_cpu:
         spent = [communication_cpu(rank_steps[r], keyed[r]) for r in range(n)]
         for key, op in ops.items():
             if all(spent[m] is not None for m in op.members):
-                own = {m: spent[m][0].get(key, 0.0) for m in op.members}
-                if op_cpu is not None:
-                    span_of = dict(by_key[key])
-                    own = {m: op_cpu.get((_identity(key, span_of[m]), m), c) if m in span_of else c
-                           for m, c in own.items()}
-                op.cpu = own
+                op.cpu = {m: spent[m][0].get(key, 0.0) for m in op.members}
     return [_program(r, rank_steps[r], keyed[r], ops, compute_scale) for r in range(n)]
 
 
