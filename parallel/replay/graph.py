@@ -26,11 +26,10 @@ rank's other threads, gloo's, while it was in flight, and of the calling thread 
 wait), which the engine charges to the member's core. For the virtual clock (a core per rank;
 `median_op_cpu`, passed by virtual.replay_steps) that is the lower median over the run's timed
 steps of the same op's CPU on that member, not the one call's: one call's figure has a long tail
-that is the machine's, not the op's. With more ranks than
-cores, or beside another job, gloo's event-loop thread now and then takes 2-5 ms of CPU over a call
-whose median is 0.4 ms (docs/virtual-time.md, "What an op's CPU is"), and since an op lasts at
-least the CPU its busiest member spent on it, those tails would lengthen the replayed step by the
-contention the replay exists to remove.
+that is the machine's, not the op's. With more ranks than cores, or beside another job, gloo's
+threads now and then take 2-5 ms of CPU over a call whose median is 0.4 ms (docs/virtual-time.md,
+"What an op's CPU is"), and since an op lasts at least the CPU its busiest member spent on it,
+those tails would lengthen the replayed step by the contention the replay exists to remove.
 
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
@@ -132,9 +131,9 @@ def op_cpu_samples(events: list[dict]) -> dict[tuple, list[float]] | None:
             got = communication_cpu(step, keyed)
             if got is None:
                 return None
-            first = {key: span for span, key in keyed if key is not None}
+            span_of = {key: span for span, key in keyed if key is not None}  # one span per key a step
             for key, cpu in got[0].items():
-                samples[(_identity(key, first[key]), e["rank"])].append(cpu)
+                samples[(_identity(key, span_of[key]), e["rank"])].append(cpu)
     return dict(samples)
 
 
@@ -161,8 +160,8 @@ def build(rank_steps: list[dict], groups: list[dict[str, list[int]]], links: Lin
     (a what-if on another device); `with_cpu`: each op carries the CPU it took of each member
     (`communication_cpu`), which the engine charges to the members' cores (False: a device whose
     communication takes none of its compute, the cluster what-if); `op_cpu`: the run's
-    `median_op_cpu`, which then replaces each call's own figure (an op it does not hold keeps its
-    own)."""
+    `median_op_cpu`, which then replaces each call's own figure (a member it holds nothing for took
+    no CPU for that op in any step: 0, as its own figure would be)."""
     n = len(rank_steps)
     keyed = [keyed_spans(r, step, groups[r]) for r, step in enumerate(rank_steps)]
     by_key: dict[tuple, list[tuple[int, dict]]] = defaultdict(list)
