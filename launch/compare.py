@@ -381,9 +381,11 @@ def sweep(cfg: DictConfig) -> None:
         torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
     # The model preset first (a run's default is the dense `small`, which has no moe_* keys to set),
     # then every resolved field of it, so that what was overridden here reaches the runs.
+    # The loopback is probed only for a sweep with something to run: a list of names without presets
+    # (each fails at once, as its row says) starts no process.
+    loopback = loopback_overrides(cfg, device) if any(not missing_preset(s) for s in strategies) else []
     common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
-              *section_overrides(cfg, "train"),
-              f"train.peak_flops={peak}", *loopback_overrides(cfg, device), *c.overrides]
+              *section_overrides(cfg, "train"), f"train.peak_flops={peak}", *loopback, *c.overrides]
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
     on = f" x {len(networks)} networks" if multi else (f" on net={networks[0].label}" if networks[0].emulated else "")
     print(f"compare: {len(strategies)} strategies{on}{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "

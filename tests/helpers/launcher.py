@@ -25,12 +25,19 @@ import torch
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
+# Virtual time's loopback link, given rather than probed: a run probes it itself when these are null
+# (two ranks bound to a core each, about a second of a 4-rank run's 7 on 2 cores), and the figures
+# only scale the virtual block, which the tests check for consistency, not for its value. These are
+# a probe's median on a 2-core machine (docs/virtual-time.md); test_replay.py's run probes its own.
+GIVEN_LOOPBACK = ["virtual.loopback_gbytes_per_s=1.62", "virtual.loopback_latency_us=180",
+                  "virtual.loopback_p2p_latency_us=127"]
+
 # The settings every correctness test shares: the tiny model, a few steps, a small batch.
 # MFU's peak is given rather than measured (a quarter second of matmuls per run; test_mfu.py and the
-# compare test measure it). trace.json is written by every run; timeline.png (a second of matplotlib)
-# is drawn only where a test looks at it (run.timeline=true).
+# compare test measure it), and so is the loopback (GIVEN_LOOPBACK). trace.json is written by every
+# run; timeline.png (a second of matplotlib) is drawn only where a test looks at it (run.timeline=true).
 TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
-        "train.peak_flops=1e11", "run.timeline=false"]
+        "train.peak_flops=1e11", "run.timeline=false", *GIVEN_LOOPBACK]
 
 
 @dataclass

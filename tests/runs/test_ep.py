@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from launcher import assert_ok, run_train
+from launcher import GIVEN_LOOPBACK, assert_ok, run_train
 from test_layout import plan_for
 
 from parallel.algebra import parameter_count
@@ -37,7 +37,7 @@ from parallel.plan import ConfigError
 from parallel.registry import expected_comm
 
 MOE = ["model=tiny_moe", "train.steps=5", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
-       "train.peak_flops=1e11", "train.save_final=true", "train.save_grads=true"]
+       "train.peak_flops=1e11", "train.save_final=true", "train.save_grads=true", *GIVEN_LOOPBACK]
 LR = 1e-3  # conf/train/default.yaml
 TINY_MOE = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4, moe_experts=4, moe_top_k=2, moe_every=2)
 SMALL_MOE = GPTConfig(seq_len=128, n_layers=8, d_model=256, n_heads=8, moe_experts=8, moe_top_k=2, moe_every=2)

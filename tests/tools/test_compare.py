@@ -26,6 +26,11 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
         assert (out / name).stat().st_size > 0, name
     for strategy in ("single", "dp", "torch_ddp"):
         assert (out / strategy / "summary.json").exists()
+    # The loopback probed once before the runs (the suite's other sweeps are given it) and handed to each run.
+    assert "compare: loopback for virtual time" in proc.stdout and "(probed once, given to every run)" in proc.stdout
+    for strategy in ("dp", "torch_ddp"):
+        link = json.loads((out / strategy / "summary.json").read_text())["virtual"]["link_model"]
+        assert link["source"].startswith("given (virtual.loopback_gbytes_per_s"), link
 
     with open(out / "results.csv") as f:
         reader = csv.DictReader(f)
@@ -58,7 +63,8 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
 
 
 def test_compare_with_nothing_to_run_fails(tmp_path):
-    """A sweep in which no strategy ran (a misspelt name) writes what it has and exits non-zero."""
+    """A sweep in which no strategy ran (a misspelt name) writes what it has and exits non-zero,
+    without probing the loopback for runs that never start."""
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "launch.compare", "compare.strategies=[dpp]", "compare.peak_flops=1e11", "model=tiny",
            f"run.dir={out}"]
@@ -66,3 +72,4 @@ def test_compare_with_nothing_to_run_fails(tmp_path):
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "error: 1 of 1 strategies did not run: dpp" in proc.stderr
     assert (out / "results.csv").exists() and "0/1 strategies ran" in proc.stdout
+    assert "loopback for virtual time" not in proc.stdout  # nothing to run: no probe was started

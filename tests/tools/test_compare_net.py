@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from launcher import CPU_ONLY, PROJECT_ROOT
+from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT
 from net_launcher import require_network
 
 from parallel.compare.rows import COLUMNS
@@ -31,7 +31,7 @@ def test_sweep_per_network_and_the_crossover(tmp_path):
     out = tmp_path / "sweep"
     proc = _compare([f"compare.nets=[none,{SLOW}]", "compare.world=2", "compare.strategies=[dp,pp_1f1b]",
                      "model=tiny", "train.steps=4", "train.warmup_steps=1", "data.max_bytes=1000000",
-                     "compare.peak_flops=1e11", f"run.dir={out}"], timeout=400)
+                     "compare.peak_flops=1e11", *GIVEN_LOOPBACK, f"run.dir={out}"], timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not our_namespaces(), "a network of the sweep was left behind"
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
-from launcher import PROJECT_ROOT
+from launcher import GIVEN_LOOPBACK, PROJECT_ROOT
 from observability import check_time_breakdown
 
 from launch.compare import unquoted_overrides
@@ -226,7 +226,8 @@ def test_compare_rounds_rotate_the_order_and_report_intervals(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "launch.compare", "compare.world=2", "compare.strategies=[dp,torch_ddp]",
            "compare.rounds=2", 'compare.overrides=["parallel.microbatches=2"]', "compare.peak_flops=1e11",
-           "compare.timeout_s=200", "model=tiny", "train.steps=3", "data.max_bytes=1000000", f"run.dir={out}"]
+           "compare.timeout_s=200", "model=tiny", "train.steps=3", "data.max_bytes=1000000", *GIVEN_LOOPBACK,
+           f"run.dir={out}"]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Round 1 runs the strategies in the other order, each run its own launch and directory.

@@ -7,16 +7,21 @@ import subprocess
 import sys
 
 import pytest
-from launcher import TINY, assert_ok, run_train
+from launcher import GIVEN_LOOPBACK, TINY, assert_ok, run_train
 
 from parallel.report.breakdown import CATEGORIES
 
 
 @pytest.fixture(scope="module")
 def pp_run(tmp_path_factory):
-    run = run_train(2, [*TINY, "parallel=pp_1f1b", "parallel.microbatches=4", "train.steps=4", "run.timeline=false"],
+    # The one run of the suite that probes its loopback itself (the others are given GIVEN_LOOPBACK).
+    tiny = [a for a in TINY if a not in GIVEN_LOOPBACK]
+    run = run_train(2, [*tiny, "parallel=pp_1f1b", "parallel.microbatches=4", "train.steps=4", "run.timeline=false"],
                     tmp_path_factory.mktemp("replay") / "run")
     assert_ok(run)
+    link = run.summary["virtual"]["link_model"]
+    assert link["source"].startswith("probed in this run: ranks 0 and 1, each bound to a core"), link
+    assert link["intra"]["bytes_per_s"] > 0 and link["intra"]["latency_s"] > 0 and link["intra"]["p2p_latency_s"] > 0
     return run
 
 

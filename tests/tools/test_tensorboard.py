@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from launcher import CPU_ONLY, PROJECT_ROOT, TINY, Run, assert_ok, run_train
+from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT, TINY, Run, assert_ok, run_train
 
 from parallel.report import tensorboard
 
@@ -58,7 +58,7 @@ def test_the_sweep_writes_one_run_per_strategy(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, "-m", "launch.compare", "compare.world=2", "compare.strategies=[single,dp]",
                            "model=tiny", "train.steps=2", "train.warmup_steps=1", "data.max_bytes=1000000",
-                           "compare.peak_flops=1e11", "train.tensorboard=true", f"run.dir={sweep}"],
+                           "compare.peak_flops=1e11", "train.tensorboard=true", *GIVEN_LOOPBACK, f"run.dir={sweep}"],
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=200,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
