@@ -10,6 +10,7 @@ code it checks: counts from the GPT formula, bytes from the formulas, not from t
 from __future__ import annotations
 
 from fractions import Fraction
+from itertools import accumulate
 
 from parallel.algebra import (
     FP32_BYTES,
@@ -52,11 +53,25 @@ def stage_blocks(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers
                  schedule: str = "1f1b") -> list[list[int]]:
     """The blocks (by index) each pipeline rank holds: those of its v chunks, the virtual stages the
     schedule's placement gives it (r, r + p, r + 2p, ... on the loop; r and 2p-1-r on the V)."""
+    spans = _vstage_spans(cfg, dims, virtual, pp_layers, schedule)
+    return [_held_blocks(*spans, r) for r in range(dims.pp)]
+
+
+def rank_blocks(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
+                schedule: str = "1f1b") -> list[int]:
+    """The blocks of pipeline rank `pp_rank` alone (`stage_blocks`' row): the planner asks it of every
+    stage of thousands of layouts, and building every rank's row to read one costs p times as much."""
+    return _held_blocks(*_vstage_spans(cfg, dims, virtual, pp_layers, schedule), pp_rank)
+
+
+def _vstage_spans(cfg: GPTConfig, dims: ParallelDims, virtual: int, pp_layers, schedule: str):
+    """Each virtual stage's block count and first block, and the schedule's placement."""
     counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
-    starts = [sum(counts[:vs]) for vs in range(len(counts))]
-    placement = schedule_placement(schedule, dims.pp, virtual)
-    return [[i for vs in placement.vstages_of(r) for i in range(starts[vs], starts[vs] + counts[vs])]
-            for r in range(dims.pp)]
+    return counts, list(accumulate(counts, initial=0)), schedule_placement(schedule, dims.pp, virtual)
+
+
+def _held_blocks(counts: list[int], starts: list[int], placement, pp_rank: int) -> list[int]:
+    return [i for vs in placement.vstages_of(pp_rank) for i in range(starts[vs], starts[vs] + counts[vs])]
 
 
 def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
@@ -68,17 +83,22 @@ def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers
 def stage_ends(dims: ParallelDims, virtual: int = 1, schedule: str = "1f1b") -> list[tuple[bool, bool]]:
     """Per pipeline rank: whether it holds the first virtual stage (the embedding) and the last
     (the final norm, the head and the loss). On the loop rank 0 and rank p-1; on the V rank 0 both."""
+    return [rank_ends(dims, r, virtual, schedule) for r in range(dims.pp)]
+
+
+def rank_ends(dims: ParallelDims, pp_rank: int, virtual: int = 1, schedule: str = "1f1b") -> tuple[bool, bool]:
+    """`stage_ends`' entry of pipeline rank `pp_rank` alone."""
     placement = schedule_placement(schedule, dims.pp, virtual)
-    last = placement.vstages - 1
-    return [(0 in placement.vstages_of(r), last in placement.vstages_of(r)) for r in range(dims.pp)]
+    held = placement.vstages_of(pp_rank)
+    return 0 in held, placement.vstages - 1 in held
 
 
 def stage_parts(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
                 schedule: str = "1f1b") -> list[int]:
     """The parts one rank of stage `pp_rank` holds: its blocks and ends, each cut over tp."""
     refuse_moe(cfg, "pipeline stage counts")
-    first, last = stage_ends(dims, virtual, schedule)[pp_rank]
-    return rank_parts(ModelShape(gpt=cfg), stage_blocks(cfg, dims, virtual, pp_layers, schedule)[pp_rank],
+    first, last = rank_ends(dims, pp_rank, virtual, schedule)
+    return rank_parts(ModelShape(gpt=cfg), rank_blocks(cfg, dims, pp_rank, virtual, pp_layers, schedule),
                       first, last, dims.tp)
 
 

@@ -214,7 +214,7 @@ def schedule_placement(name: str, stages: int, virtual: int = 1) -> Placement:
     return Placement(stages, virtual, schedule_of(name).placement)
 
 
-@lru_cache(maxsize=128)
+@lru_cache(maxsize=512)
 def built_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
     """The action lists, built once per (name, p, m, v) and kept immutable (a refusal is not kept:
     it is raised again, with its message, each time)."""
