@@ -283,15 +283,21 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
 def _peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:
     """Walk one rank's forwards and backwards: a forward adds its chunk's bytes, a backward removes
     them; the global batch's storages count while a chunk reading them is in flight."""
-    held, peak = 0, 0
-    readers = {"inputs": 0, "targets": 0}
+    # Plain counters, not a dict of readers: the planner walks every rank of thousands of layouts.
+    held = peak = inputs = targets = 0
     for forward, vstage in walk:
         chunk = chunks[vstage]
-        sign = 1 if forward else -1
-        held += sign * chunk.per_microbatch
-        readers["inputs"] += sign * chunk.reads_inputs
-        readers["targets"] += sign * chunk.reads_targets
-        peak = max(peak, held + batch * ((readers["inputs"] > 0) + (readers["targets"] > 0)))
+        if forward:
+            held += chunk.per_microbatch
+            inputs += chunk.reads_inputs
+            targets += chunk.reads_targets
+        else:
+            held -= chunk.per_microbatch
+            inputs -= chunk.reads_inputs
+            targets -= chunk.reads_targets
+        now = held + batch * ((inputs > 0) + (targets > 0))
+        if now > peak:
+            peak = now
     return peak
 
 

@@ -127,21 +127,6 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
     return {"layer": whole + sharded, "input": w * h / cut}
 
 
-def _peak_held(walk, chunk_bytes: list[int]) -> int:
-    """The most one rank holds on its walk: a forward adds its chunk's bytes, a backward frees them
-    (activations._peak_in_flight without the global batch's storages, which this model leaves out;
-    the planner walks every rank of thousands of layouts, so the loop is kept bare)."""
-    held = peak = 0
-    for forward, vstage in walk:
-        if forward:
-            held += chunk_bytes[vstage]
-            if held > peak:
-                peak = held
-        else:
-            held -= chunk_bytes[vstage]
-    return peak
-
-
 def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> list[int]:
     """Saved bytes at the step's peak on every rank, as a Megatron-style implementation holds them
     (`block_units` per block and token; the embedding's and head's small saved tensors left out, the
@@ -160,9 +145,9 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
     if dims.pp == 1:
         peaks = [int(tokens * kept * layers[0]) + int(working)]
     else:
-        chunks = [int(tokens * kept * n) for n in layers]
+        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False) for n in layers]
         walk = pipeline_walk(layout)
-        peaks = [_peak_held(walk[r], chunks) + int(working) for r in range(dims.pp)]
+        peaks = [activations._peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // dims.pp
     return [peak for peak in peaks for _ in range(per_stage)]
