@@ -11,7 +11,10 @@
                                                                                 more ranks than cores meets it
                                                                                 on an idle machine (the wait
                                                                                 for a core then counts twice:
-                                                                                a comparison, not the check)
+                                                                                a comparison, not the check);
+                                                                                probes=N: the median of N probe
+                                                                                runs (default 3; 1 is quicker,
+                                                                                and as noisy as one probe)
     python -m launch.replay <run dir>                                         the run's own replay again
     python -m launch.replay <run dir> comm_cpu=free                           the communication taking no CPU
                                                                                 of the ranks' cores (a device's
@@ -62,7 +65,8 @@ def parse(argv: list[str]) -> tuple[Path, dict]:
     run_dir, options = Path(argv[0]), {"fields": {}}
     for arg in argv[1:]:
         if "=" not in arg:
-            raise ReplayError(f"{arg!r}: expected key=value (net=, net.<field>=, cluster=, cores=, comm_cpu=, out=)")
+            raise ReplayError(f"{arg!r}: expected key=value (net=, net.<field>=, cluster=, cores=, loopback=, probes=, "
+                              "comm_cpu=, out=)")
         key, value = arg.split("=", 1)
         if key.startswith("net."):
             options["fields"][key[4:]] = _value(value)
@@ -74,14 +78,22 @@ def parse(argv: list[str]) -> tuple[Path, dict]:
                                   "(probed now, two ranks not bound to cores, as a run with more ranks than cores "
                                   "meets its loopback)")
             options[key] = value
+        elif key == "probes":
+            if not value.isdigit() or int(value) < 1:
+                raise ReplayError(f"probes={value!r}: how many probe runs loopback=unbound takes the median of, "
+                                  "a whole number of at least 1 (default 3)")
+            options[key] = int(value)
         elif key == "comm_cpu":
             if value not in ("charged", "free"):
                 raise ReplayError(f"comm_cpu={value!r}: charged (the communication's CPU shares each rank's core, "
                                   "the default) or free (it takes none: a device's copy engine)")
             options[key] = value
         else:
-            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, loopback=, comm_cpu=, "
-                              "out=")
+            raise ReplayError(f"unknown option {key!r}: net=, net.<field>=, cluster=, cores=, loopback=, probes=, "
+                              "comm_cpu=, out=")
+    if "probes" in options and options.get("loopback") != "unbound":
+        raise ReplayError("probes= is the number of loopback probe runs: it goes with loopback=unbound (the run's "
+                          "own figures need none)")
     return run_dir, options
 
 
@@ -99,7 +111,7 @@ def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, floa
             raise ReplayError(f"loopback=unbound: the run's own links are {base.name}'s, not loopback's; "
                               "give net=none, or a net= what-if built on the loopback")
         base = loop = unbound_loopback(str((summary.get("config") or {}).get("train", {}).get("gloo_loop_policy")
-                                           or "batch"))
+                                           or "batch"), options.get("probes", 3))
     if "cluster" in options:
         from parallel.planner.cluster import cluster_from_config
 
@@ -131,14 +143,15 @@ def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, floa
     return base, 1.0, None, f"the run's own links ({base.name})"
 
 
-def unbound_loopback(gloo_loop_policy: str) -> LinkModel:
-    """This machine's loopback probed now with its two ranks not bound to cores (the median of three
-    probe runs, parallel/replay/probe.py): what a run with more ranks than cores, whose ranks are not
-    bound, meets. A replay on it is as repeatable as the probe, not to the bit."""
+def unbound_loopback(gloo_loop_policy: str, probes: int = 3) -> LinkModel:
+    """This machine's loopback probed now with its two ranks not bound to cores (the median of
+    `probes` probe runs, parallel/replay/probe.py): what a run with more ranks than cores, whose ranks
+    are not bound, meets. A replay on it is as repeatable as the probe, not to the bit."""
     from parallel.replay.probe import link_of, measure_once
 
-    return link_of(measure_once(3, gloo_loop_policy=gloo_loop_policy, pin_cores="off"),
-                   "probed now by launch.replay, two ranks not bound to cores, the median of three probe runs")
+    runs = "one probe run" if probes == 1 else f"the median of {probes} probe runs"
+    return link_of(measure_once(probes, gloo_loop_policy=gloo_loop_policy, pin_cores="off"),
+                   f"probed now by launch.replay, two ranks not bound to cores, {runs}")
 
 
 def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:

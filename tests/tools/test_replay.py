@@ -103,12 +103,19 @@ def test_a_gpu_runs_own_replay_leaves_the_communications_cpu_out(pp_run, tmp_pat
 
 def test_a_contention_replay_on_the_loopback_probed_unbound(pp_run):
     """`loopback=unbound` probes this machine's loopback now with its ranks not bound (as a run
-    with more ranks than cores meets it) and replays on it; a bad choice, or a cluster's links, refused."""
-    result = replay(pp_run.run_dir, "cores=2", "loopback=unbound")
+    with more ranks than cores meets it) and replays on it (`probes=1`: one probe run instead of the
+    median of three); a bad choice, a bad count, a count without the probe, or a cluster's links, refused."""
+    result = replay(pp_run.run_dir, "cores=2", "loopback=unbound", "probes=1")
     assert result.returncode == 0, result.stderr
     block = json.loads((pp_run.run_dir / "replay-own-cores2-loopback_unbound" / "summary.json").read_text())["virtual"]
     own = json.loads((pp_run.run_dir / "summary.json").read_text())["virtual"]["link_model"]
     assert "not bound to cores" in block["link_model"]["source"] and "bound to a core" in own["source"]
+    assert block["link_model"]["source"].endswith("two ranks not bound to cores, one probe run"), block["link_model"]
+    for count in ("0", "two"):
+        bad = replay(pp_run.run_dir, "loopback=unbound", f"probes={count}")
+        assert bad.returncode == 2 and f"probes='{count}': how many probe runs" in bad.stderr, bad.stderr
+    alone = replay(pp_run.run_dir, "cores=2", "probes=1")
+    assert alone.returncode == 2 and "it goes with loopback=unbound" in alone.stderr, alone.stderr
     assert block["link_model"]["intra"]["latency_s"] > 0 and block["cores"] == 2
     bad = replay(pp_run.run_dir, "loopback=pinned")
     assert bad.returncode == 2 and "loopback='pinned': run" in bad.stderr and "unbound" in bad.stderr
