@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from parallel.dist.groups import exit_process
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,6 +43,10 @@ def _entry(rank: int, world: int, port: int, out_dir: str, target, args) -> None
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalisation: on torch 2.13 gloo's threads outlive
+    # destroy_process_group and can abort the process at exit ("terminate called without an active
+    # exception", SIGABRT) after its work is done and written (parallel/dist/groups.py: exit_process).
+    exit_process(0)
 
 
 def run_ranks(world: int, target, *args) -> list[dict]:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel.dist.comm import CommLog, Communicator, summarize_traffic
+from parallel.dist.groups import exit_process
 
 
 def _worker(rank, world, store_path, results):
@@ -46,6 +47,8 @@ def _worker(rank, world, store_path, results):
         }
     finally:
         dist.destroy_process_group()
+    # gloo's threads can abort interpreter finalisation (parallel/dist/groups.py: exit_process).
+    exit_process(0)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.comm import CommLog, Communicator, ring_bytes_sent, summarize_traffic
+from parallel.dist.groups import exit_process
 from parallel.moe.expert_parallel import ExpertParallelMoE, local_expert_range
 from parallel.moe.theory import CALLS, exact_sent_per_rank, layer_call_bytes, rank_rows, uniform_sent_per_rank
 
@@ -115,6 +116,8 @@ def _worker(rank, store_path, results):
             results[(ep, index, comm.rank)] = out
     finally:
         dist.destroy_process_group()
+    # gloo's threads can abort interpreter finalisation (parallel/dist/groups.py: exit_process).
+    exit_process(0)
 
 
 @pytest.fixture(scope="module")
