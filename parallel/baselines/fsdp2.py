@@ -25,6 +25,29 @@ from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
 from parallel.zero.shards import BETAS, EPS
 
+# A checkpoint's full tensors are gathered this many bytes at a time (TorchFSDP2._gather): few
+# collectives, and never the whole model on one device.
+GATHER_BUCKET_BYTES = 64 * 2**20
+
+
+def gather_buckets(tensors: dict[str, torch.Tensor], full_shapes: dict[str, torch.Size], n: int,
+                   cap: int | None = None) -> list[list[str]]:
+    """Consecutive names of one dtype whose gathered tensors (each padded to ceil(d0/n) rows on each
+    of the n ranks) fit in `cap` bytes (default GATHER_BUCKET_BYTES) together; a tensor larger than
+    that is a bucket of its own."""
+    cap = GATHER_BUCKET_BYTES if cap is None else cap
+    buckets: list[list[str]] = []
+    filled, dtype = 0, None
+    for name, local in tensors.items():
+        shape = full_shapes[name]
+        nbytes = -(-shape[0] // n) * n * shape[1:].numel() * local.element_size()
+        if not buckets or local.dtype != dtype or filled + nbytes > cap:
+            buckets.append([])
+            filled, dtype = 0, local.dtype
+        buckets[-1].append(name)
+        filled += nbytes
+    return buckets
+
 
 class _CountedAllGather:
     """FSDP2's all-gather of one parameter group, through the communication log (synchronous: on
@@ -120,16 +143,14 @@ class TorchFSDP2(Strategy):
 
     def _gather(self, tensors: dict[str, torch.Tensor], tag: str) -> dict[str, torch.Tensor]:
         """Full tensors from dim-0 shards as FSDP2 cuts them (torch.chunk: ceil(d0/N) rows per rank,
-        the last ranks fewer). Each shard is padded to ceil(d0/N) rows and every shard of one dtype
-        is laid end to end in one flat buffer, so a checkpoint costs one all-gather per dtype, not
-        one per parameter (a hundred here, thousands in a large model, each paying the latency);
-        the gathered buffer holds every rank's run of shards in rank order, and each full tensor is
-        its rows from every rank's run, trimmed."""
+        the last ranks fewer). Each shard is padded to ceil(d0/N) rows and shards of one dtype are
+        laid end to end in one flat buffer, GATHER_BUCKET_BYTES of gathered tensors at a time: a
+        checkpoint costs a few all-gathers, not one per parameter (a hundred here, thousands in a
+        large model, each paying the latency), and the device never holds more than a bucket of
+        full tensors at once (the point of sharding). A gathered bucket holds every rank's run of
+        shards in rank order; each full tensor is its rows from every rank's run, trimmed."""
         n, out = self.comm.size, {}
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, local in tensors.items():
-            by_dtype.setdefault(local.dtype, []).append(name)
-        for names in by_dtype.values():
+        for names in gather_buckets(tensors, self.full_shapes, n):
             sizes = [-(-self.full_shapes[name][0] // n) * self.full_shapes[name][1:].numel() for name in names]
             first = tensors[names[0]]
             flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)

@@ -31,12 +31,17 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from launch.config import CONFIG_DIR
+from parallel.baselines import fsdp2
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT
 from parallel.dist.comm import CommLog
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown
 from parallel.plan import build_plan
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
+
+# FSDP2's checkpoint gathers its full tensors 64 KiB at a time here, not 64 MiB: the tiny model's state
+# (under 1 MB) then takes several all-gathers, and their boundaries are checked against the single run too.
+fsdp2.GATHER_BUCKET_BYTES = 64 * 2**10
 
 # Every strategy, ours and PyTorch's, at world 4 (single in one process of its own).
 PRESETS = [
@@ -132,6 +137,8 @@ def check_chain(plans, layouts: Layouts, env: LaunchEnv, root: Path) -> None:
         ctx = layouts.context(plan)
         saver = plan.spec.build(GPT(plan.model, seed=plan.seed), plan, ctx)
         train(saver, plan, ctx, batches, range(SAVE_AT))
+        if isinstance(saver, fsdp2.TorchFSDP2):  # the small bucket above really splits the gather
+            assert len(fsdp2.gather_buckets(saver.locals, saver.full_shapes, saver.comm.size)) > 1, name
         model_state, optim_state = saver.full_state_dict(), saver.full_optimizer_state()
         path = root / f"{i}-{name}"
         if env.rank == 0:
