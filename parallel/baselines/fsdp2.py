@@ -30,6 +30,11 @@ from parallel.zero.shards import BETAS, EPS
 GATHER_BUCKET_BYTES = 64 * 2**20
 
 
+def padded_shard_numel(shape: torch.Size, n: int) -> int:
+    """One rank's shard of a tensor of `shape` as FSDP2 cuts it, padded to ceil(d0/n) whole rows."""
+    return -(-shape[0] // n) * shape[1:].numel()
+
+
 def gather_buckets(tensors: dict[str, torch.Tensor], full_shapes: dict[str, torch.Size], n: int,
                    cap: int | None = None) -> list[list[str]]:
     """Consecutive names of one dtype whose gathered tensors (each padded to ceil(d0/n) rows on each
@@ -39,8 +44,7 @@ def gather_buckets(tensors: dict[str, torch.Tensor], full_shapes: dict[str, torc
     buckets: list[list[str]] = []
     filled, dtype = 0, None
     for name, local in tensors.items():
-        shape = full_shapes[name]
-        nbytes = -(-shape[0] // n) * n * shape[1:].numel() * local.element_size()
+        nbytes = n * padded_shard_numel(full_shapes[name], n) * local.element_size()
         if not buckets or local.dtype != dtype or filled + nbytes > cap:
             buckets.append([])
             filled, dtype = 0, local.dtype
@@ -151,7 +155,7 @@ class TorchFSDP2(Strategy):
         shards in rank order; each full tensor is its rows from every rank's run, trimmed."""
         n, out = self.comm.size, {}
         for names in gather_buckets(tensors, self.full_shapes, n):
-            sizes = [-(-self.full_shapes[name][0] // n) * self.full_shapes[name][1:].numel() for name in names]
+            sizes = [padded_shard_numel(self.full_shapes[name], n) for name in names]
             first = tensors[names[0]]
             flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)
             offset = 0

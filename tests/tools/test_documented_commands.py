@@ -167,9 +167,8 @@ def _runnable(command: Command) -> list[str]:
         nets = next((o for o in command.overrides if o.startswith("compare.nets=")), None)
         if nets is not None:
             # The sweep's world follows each network: networks of world 2 instead of the documented ones.
-            # A list with a preset
-            # changed in place ({preset:..., inter_mbit:...}) runs that form alone: the loopback and
-            # ethernet_1g sweep of the other command is not run twice.
+            # A list with a preset changed in place ({preset:..., inter_mbit:...}) runs that form alone:
+            # the loopback and ethernet_1g sweep of the other command is not run twice.
             if "{" in nets:
                 return [*argv, *tiny, *GIVEN_LOOPBACK, "compare.nets=[{preset:ethernet_1g,inter_mbit:200,label:slow}]"]
             return [*argv, *tiny, *GIVEN_LOOPBACK, "compare.nets=[none,ethernet_1g]"]
