@@ -274,13 +274,13 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
             raise ValueError(f"{p} pipeline stages: pass each rank's walk of its schedule (parallel/pp/theory.py)")
         cut, batch = Cut.of(layout, act_bytes), global_batch_bytes(model, global_batch)
         chunks = [chunk_bytes(model, cut, vs, layers) for vs in range(len(layers))]
-        peaks = [_peak_in_flight(walk[r], chunks, batch) for r in range(p)]
+        peaks = [peak_in_flight(walk[r], chunks, batch) for r in range(p)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // p
     return [peak for peak in peaks for _ in range(per_stage)]
 
 
-def _peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:
+def peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:
     """Walk one rank's forwards and backwards: a forward adds its chunk's bytes, a backward removes
     them; the global batch's storages count while a chunk reading them is in flight."""
     # Plain counters, not a dict of readers: the planner walks every rank of thousands of layouts.

@@ -147,7 +147,7 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
     else:
         chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False) for n in layers]
         walk = pipeline_walk(layout)
-        peaks = [activations._peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
+        peaks = [activations.peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // dims.pp
     return [peak for peak in peaks for _ in range(per_stage)]
