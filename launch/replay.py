@@ -22,9 +22,10 @@
 
 It reads the events every run saves (events/rank<r>.json: parallel/replay/events.py) and the
 run's summary.json, replays every timed step (parallel/replay/), prints the step, its breakdown
-and what it now waits on, and writes summary.json (the run's, its `virtual` block replaced and a
-`replayed_from` added), trace_virtual.json and timeline_virtual.png into a new directory
-(`out=<dir>`; default <run dir>/replay-<what>, never the run's own files).
+(and beside them the run's own wall step and breakdown) and what it now waits on, and writes
+summary.json (the run's, its `virtual` block replaced and a `replayed_from` added),
+trace_virtual.json and timeline_virtual.png into a new directory (`out=<dir>`; default
+<run dir>/replay-<what>, never the run's own files).
 
 On a cluster the compute is scaled by the ratio of one device's peak here (a core: the measured
 peak over the usable cores) to the cluster's per-GPU peak (conf/cluster/<preset>.yaml, the
@@ -198,15 +199,24 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
-def describe(block: dict, summary_wall: float | None = None) -> str:
-    b = block["time_breakdown_s"]
+def _parts(breakdown: dict, step: float) -> str:
+    return " | ".join(f"{k.replace('_', ' ')} {_ms(v)} ({v / step:.0%})" for k, v in breakdown.items()) if step else ""
+
+
+def describe(block: dict, run: dict | None = None) -> str:
+    """The replay in words; `run`: the saved run's summary.json, whose wall step and breakdown are
+    printed beside the replay's (where they differ by category with the same step, the replay put
+    the time in another place: processor sharing stretches compute where the machine's scheduler
+    runs ranks in turns and lengthens their waits)."""
     step = block["step_time_s"]
-    parts = " | ".join(f"{k.replace('_', ' ')} {_ms(v)} ({v / step:.0%})" for k, v in b.items()) if step else ""
+    wall = (run or {}).get("step_time_s")
     lines = [f"replayed: {block['replay']}" + (" [WHAT-IF]" if block.get("what_if") else ""),
              f"virtual step {_ms(step)} | {block['tokens_per_s']:.0f} tokens/s"
-             + (f" | wall step of the run {_ms(summary_wall)}" if summary_wall else ""),
-             f"breakdown (mean over ranks): {parts}",
-             f"waits on: {block['waits_on']}"]
+             + (f" | wall step of the run {_ms(wall)}" if wall else ""),
+             f"breakdown (mean over ranks): {_parts(block['time_breakdown_s'], step)}"]
+    if wall and (run or {}).get("time_breakdown_s"):
+        lines.append(f"the run's wall breakdown (mean over ranks): {_parts(run['time_breakdown_s'], wall)}")
+    lines.append(f"waits on: {block['waits_on']}")
     if block.get("communication_cpu_s") is not None:
         lines.append(f"communication's CPU, charged to the ranks' cores: {_ms(block['communication_cpu_s'])} "
                      "a rank (gloo's threads while its ops were in flight, the calling thread in its calls)")
@@ -221,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ReplayError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    wall = json.loads((run_dir / "summary.json").read_text()).get("step_time_s")
-    print(describe(block, wall))
+    print(describe(block, json.loads((run_dir / "summary.json").read_text())))
     print(f"wrote {out / 'summary.json'}, {out / 'trace_virtual.json'}, {out / 'timeline_virtual.png'}")
     return 0
 

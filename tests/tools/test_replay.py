@@ -65,6 +65,10 @@ def test_processor_sharing_replay_and_refusals(pp_run):
     assert shared.returncode == 0, shared.stderr
     block = json.loads((pp_run.run_dir / "replay-own-cores1" / "summary.json").read_text())["virtual"]
     assert block["cores"] == 1
+    # The run's own wall breakdown is printed beside the replay's, from its summary.json.
+    wall = json.loads((pp_run.run_dir / "summary.json").read_text())["time_breakdown_s"]
+    line = next(x for x in shared.stdout.splitlines() if x.startswith("the run's wall breakdown (mean over ranks): "))
+    assert f"compute {wall['compute'] * 1e3:.3g} ms" in line and f"bubble {wall['bubble'] * 1e3:.3g} ms" in line
     wrong = replay(pp_run.run_dir, "net=cluster")  # 2 nodes x 2 ranks, the run has 2
     assert wrong.returncode == 2 and "net.procs_per_node" in wrong.stderr
     assert replay(pp_run.run_dir / "nowhere").returncode == 2
