@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.dist.gloo_loop import GLOO_LOOP_POLICIES, apply_gloo_loop_policy
+from parallel.dist.groups import exit_process
 
 TCP_PORT_OFFSET = 7  # the ping-pong's port: MASTER_PORT + this
 
@@ -140,6 +141,7 @@ def main(argv: list[str]) -> None:
             print(f"{name:48s} {json.dumps(row)}")
     dist.barrier()
     dist.destroy_process_group()
+    exit_process(0)  # past gloo's finalisation abort (parallel/dist/groups.py)
 
 
 if __name__ == "__main__":

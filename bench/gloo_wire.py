@@ -28,6 +28,7 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
+    from parallel.dist.groups import exit_process
     from parallel.net import counters, predict
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -77,6 +78,7 @@ def worker() -> None:
                 print(f"| {op} | {group_name} ({n}) | {wire['inter']:.3f} | {pred['inter']:.3f} "
                       f"| {wire['intra']:.3f} | {pred['intra']:.3f} |", flush=True)
     dist.destroy_process_group()
+    exit_process(0)  # past gloo's finalisation abort (parallel/dist/groups.py)
 
 
 def main() -> None:

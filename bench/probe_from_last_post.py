@@ -32,6 +32,7 @@ def pair() -> None:
 
     from parallel.dist.binding import bind_rank, machine_id
     from parallel.dist.gloo_loop import apply_gloo_loop_policy
+    from parallel.dist.groups import exit_process
     from parallel.replay import probe
 
     dist.init_process_group("gloo")
@@ -47,6 +48,7 @@ def pair() -> None:
         print(json.dumps({"last": in_words(probe.solve(*last)), "own": in_words(probe.solve(*own)),
                           "posts_apart_us": apart * 1e6}))
     dist.destroy_process_group()
+    exit_process(0)  # past gloo's finalisation abort (parallel/dist/groups.py)
 
 
 def main(argv: list[str]) -> None:
