@@ -1,6 +1,6 @@
 """How fast this host runs the same work from one moment to the next: the floor under any CPU-timed figure.
 
-    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4] [reference=0]
+    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4] [reference=0] [beside=0]
 
 One process, one intra-op thread, nothing else of ours running: `windows` times, the tiny model's
 forward and backward on a fixed batch of `batch` sequences (a world-4 rank's share of the default
@@ -28,10 +28,17 @@ compute-bound one (four 256x256 fp32 matmuls) and a pure-Python loop (20000 inte
 interpreter alone). If the host slowed every kind of work alike, the model's step divided by a
 reference would hold still while each moved, and a run's CPU times could be put on a steady scale
 by timing a reference beside them. The printed spreads of those two ratios say whether it does.
+
+With `beside=1` a second process, bound to another core (this one bound to the first), times the
+same windows at the same moments (both start each window together). If the host slowed both
+cores alike, a probe process running beside a run would carry the run's moment, and the run's CPU
+times could be divided by it; the printed spread of the two processes' ratio says whether it does.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -109,41 +116,77 @@ def interleaved_window(work: Workload, ref: Reference, steps: int) -> tuple[floa
     return lower_median(model), lower_median(mm), lower_median(py)
 
 
+def beside_worker(core: int, batch: int, windows: int, steps: int, barrier, results) -> None:
+    """The second process of `beside=1`: the same windows, each started with the first process's."""
+    os.sched_setaffinity(0, {core})
+    work = Workload(batch)
+    for _ in range(windows):
+        barrier.wait()
+        results.put(work.window(steps)[0])
+
+
 def max_dev(xs: list[float]) -> float:
     m = statistics.median(xs)
     return max(abs(x / m - 1) for x in xs)
 
 
 def main(argv: list[str]) -> None:
-    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4", "reference": "0"}
+    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4", "reference": "0",
+            "beside": "0"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
             sys.exit(f"host_speed: unknown option {key!r} (options: {', '.join(opts)})")
         opts[key] = value
-    if opts["reference"] not in ("0", "1"):
-        sys.exit(f"host_speed: reference={opts['reference']!r}: give 0 or 1")
+    for key in ("reference", "beside"):
+        if opts[key] not in ("0", "1"):
+            sys.exit(f"host_speed: {key}={opts[key]!r}: give 0 or 1")
+    if opts["reference"] == "1" and opts["beside"] == "1":
+        sys.exit("host_speed: reference=1 and beside=1 are two experiments: give one")
+    cores = sorted(os.sched_getaffinity(0))
+    if opts["beside"] == "1" and len(cores) < 2:
+        sys.exit(f"host_speed: beside=1 needs two usable cores, this process has {len(cores)}")
+    windows, steps = int(opts["windows"]), int(opts["steps"])
     work = Workload(int(opts["batch"]))
     ref = Reference() if opts["reference"] == "1" else None
+    other, barrier, results, beside = None, None, None, []
+    if opts["beside"] == "1":
+        os.sched_setaffinity(0, {cores[0]})
+        spawn = multiprocessing.get_context("spawn")
+        barrier, results = spawn.Barrier(2), spawn.Queue()
+        other = spawn.Process(target=beside_worker, args=(cores[1], int(opts["batch"]), windows, steps, barrier,
+                                                           results), daemon=True)
+        other.start()
     cpu, wall, mm, py = [], [], [], []
-    for k in range(int(opts["windows"])):
+    for k in range(windows):
         if k:
             time.sleep(float(opts["gap_s"]))
-        if ref is None:
-            c, w = work.window(int(opts["steps"]))
+        if other is not None:
+            barrier.wait(timeout=300)
+            c, w = work.window(steps)
+            b = results.get(timeout=300)
+            cpu.append(c)
+            wall.append(w)
+            beside.append(b)
+            print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  beside {b * 1e3:6.2f} ms  ratio {c / b:5.2f}", flush=True)
+        elif ref is None:
+            c, w = work.window(steps)
             cpu.append(c)
             wall.append(w)
             print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  wall {w * 1e3:6.2f} ms", flush=True)
         else:
-            c, m, p = interleaved_window(work, ref, int(opts["steps"]))
+            c, m, p = interleaved_window(work, ref, steps)
             cpu.append(c)
             mm.append(m)
             py.append(p)
             print(f"window {k:2d}: model {c * 1e3:6.2f} ms  matmul {m * 1e3:6.3f} ms  Python loop {p * 1e3:6.3f} ms"
                   f"  model/matmul {c / m:5.2f}  model/Python {c / p:5.2f}", flush=True)
+    if other is not None:
+        other.join(timeout=60)
     r = int(opts["repeats"])
     print(f"\n{len(cpu)} windows of {opts['steps']} steps, {opts['gap_s']} s apart, one thread (ms a step):")
-    series = [("CPU", cpu), ("wall", wall)] if ref is None else [("model", cpu), ("matmul", mm), ("Python loop", py)]
+    series = ([("model", cpu), ("matmul", mm), ("Python loop", py)] if ref is not None
+              else [("CPU", cpu), ("beside", beside)] if beside else [("CPU", cpu), ("wall", wall)])
     for name, xs in series:
         m = statistics.median(xs)
         print(f"  {name:4s} median {m * 1e3:.2f}, range {min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}, "
@@ -154,6 +197,11 @@ def main(argv: list[str]) -> None:
             print(f"  model / {name}: median {statistics.median(ratio):.2f}, "
                   f"range {min(ratio):.2f}-{max(ratio):.2f}, max dev. from median ±{max_dev(ratio):.1%} "
                   "(to put runs on a steady scale it would have to hold within ±5%)")
+    if beside:
+        ratio = [c / b for c, b in zip(cpu, beside)]
+        print(f"  this core / the other: median {statistics.median(ratio):.2f}, "
+              f"range {min(ratio):.2f}-{max(ratio):.2f}, max dev. from median ±{max_dev(ratio):.1%} "
+              "(for a probe beside a run to carry the run's moment it would have to hold within ±5%)")
     groups = [cpu[i:i + r] for i in range(len(cpu) - r + 1)]
     devs = sorted(max_dev(g) for g in groups)
     within = sum(d <= 0.05 for d in devs)

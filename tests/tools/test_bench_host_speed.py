@@ -2,7 +2,8 @@
 
 Nothing here looks at a timing: a few windows of a few steps check that every documented option
 parses, that each window prints both clocks (or, with `reference=1`, the model beside its two
-reference kernels and their ratios), and that a bad option is refused by name before any work.
+reference kernels and their ratios; with `beside=1`, a second process's window beside it), and
+that a bad option is refused by name before any work.
 """
 
 from __future__ import annotations
@@ -48,3 +49,22 @@ def test_bad_options_are_refused_by_name():
     assert bad.returncode != 0 and "unknown option 'window'" in bad.stderr and "windows" in bad.stderr
     bad = host_speed("reference=2")
     assert bad.returncode != 0 and "reference='2': give 0 or 1" in bad.stderr
+    bad = host_speed("beside=yes")
+    assert bad.returncode != 0 and "beside='yes': give 0 or 1" in bad.stderr
+    bad = host_speed("reference=1", "beside=1")
+    assert bad.returncode != 0 and "give one" in bad.stderr
+
+
+def test_a_second_process_beside_times_the_same_windows():
+    beside = host_speed("windows=3", "steps=2", "gap_s=0", "beside=1")
+    if len(os.sched_getaffinity(0)) < 2:
+        assert beside.returncode != 0 and "beside=1 needs two usable cores" in beside.stderr
+        return
+    assert beside.returncode == 0, beside.stderr
+    out = beside.stdout
+    lines = re.findall(r"window +\d+: CPU +([\d.]+) ms +beside +([\d.]+) ms +ratio +([\d.]+)", out)
+    assert len(lines) == 3
+    # The printed ratio is the two printed figures' (to the printing's rounding).
+    assert all(abs(float(c) / float(b) - float(r)) < 0.02 for c, b, r in lines)
+    assert re.search(r"^  beside median [\d.]+, range", out, re.M)
+    assert re.search(r"this core / the other: median [\d.]+, range [\d.]+-[\d.]+, max dev\. from median ±", out)
