@@ -21,6 +21,7 @@ import sys
 
 from parallel.dist.binding import threads_per_rank
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
+from parallel.dist.groups import exit_process
 from parallel.replay.probe import PAYLOAD_BYTES, best_time, run_probe
 
 
@@ -41,6 +42,7 @@ def main() -> None:
         sent = 2 * (n - 1) / n * PAYLOAD_BYTES
         print(json.dumps({"bytes_per_s": sent / seconds, "latency_s": tiny / max(1, 2 * (n - 1)), "ranks": n}))
     dist.destroy_process_group()
+    exit_process(0)  # past gloo's finalisation abort (parallel/dist/groups.py): the JSON line is out
 
 
 def measure(world: int, timeout_s: float = 120) -> dict:

@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from parallel.dist.binding import HOST_CORES_ENV, allowed_cores, bind_rank, bound_to, machine_id
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
+from parallel.dist.groups import exit_process
 from parallel.replay.links import LinkModel, loopback
 
 PAYLOAD_BYTES = 8 * 2**20
@@ -345,6 +346,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(json.dumps({"bytes_per_s": rate, "latency_s": latency, "p2p_latency_s": p2p}))
     dist.destroy_process_group()
+    exit_process(0)  # past gloo's finalisation abort (parallel/dist/groups.py): the JSON line is out
 
 
 if __name__ == "__main__":
