@@ -392,9 +392,10 @@ def network_runs(batch: Batch, rounds: int) -> dict:
     """`rounds` rounds of dp, tp and pp_1f1b at world 2, each a pair made back to back: a run on
     the loopback, then `launch.run` on 200 Mbit/s between 2 nodes. The prediction comes from the
     pair's loopback run and is checked against the pair's network run, seconds apart: this host's
-    own speed holds for seconds and moves over minutes (bench/host_speed.py), so a loopback run
-    made a quarter of an hour before its network run (the faithfulness runs, until 2026-12-03)
-    compared two moments of the host as much as two networks."""
+    own speed moves by a third from one stretch of seconds to the next (bench/host_speed.py), so a
+    loopback run made a quarter of an hour before its network run (the faithfulness runs, until
+    2026-12-03) compared two moments of the host as much as two networks. Pairs narrow that, and
+    their median is the claim; a single pair can still straddle two stretches."""
     net = ["net=ethernet_1g", "net.inter_mbit=200"]
     pairs: dict[str, list] = {s: [] for s in NETWORK_STRATEGIES}
     for k in range(rounds):
