@@ -163,10 +163,9 @@ def main(argv: list[str]) -> None:
             time.sleep(float(opts["gap_s"]))
         if other is not None:
             barrier.wait(timeout=300)
-            c, w = work.window(steps)
+            c, _ = work.window(steps)
             b = results.get(timeout=300)
             cpu.append(c)
-            wall.append(w)
             beside.append(b)
             print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  beside {b * 1e3:6.2f} ms  ratio {c / b:5.2f}", flush=True)
         elif ref is None:
