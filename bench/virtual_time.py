@@ -397,7 +397,7 @@ def network_runs(batch: Batch, rounds: int) -> dict:
     2026-12-03) compared two moments of the host as much as two networks. Pairs narrow that, and
     their median is the claim; a single pair can still straddle two stretches."""
     net = ["net=ethernet_1g", "net.inter_mbit=200"]
-    pairs: dict[str, list] = {s: [] for s in NETWORK_STRATEGIES}
+    pairs: dict[str, list | str] = {s: [] for s in NETWORK_STRATEGIES}  # str: why its network run failed
     for k in range(rounds):
         for strategy in NETWORK_STRATEGIES:
             if isinstance(pairs[strategy], str):
