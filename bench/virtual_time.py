@@ -1,8 +1,8 @@
 """How well virtual device time (parallel/replay/) matches what runs measure: the validation table.
 
     python bench/virtual_time.py [checks=stability,loaded,faithful,contention,pipelines,network] [model=tiny]
-                                 [steps=8] [repeats=3] [out=runs/virtual-bench] [loopback=sampled|once|per-run]
-                                 [probes=5] [rounds=5]
+                                 [steps=8] [repeats=3] [repeats_at=once|apart] [out=runs/virtual-bench]
+                                 [loopback=sampled|once|per-run] [probes=5] [rounds=5]
 
 Each check runs `launch.train` under torchrun (or `launch.run` on an emulated network, which needs
 root), reads the run's summary.json, and for some replays its saved events again:
@@ -12,8 +12,14 @@ root), reads the run's summary.json, and for some replays its saved events again
                host alone: one window of bench/host_speed.py's fixed single-threaded work, timed
                in this process just before each run, so that a spread the host's own speed
                brought shows as such (a virtual machine's core runs the same work slower when
-               other guests load it, and a thread's CPU time grows with it)
-  loaded       the same while one busy process per core competes for the machine
+               other guests load it, and a thread's CPU time grows with it). With
+               `repeats_at=once` (the default) a strategy's repeats are started at the same moment,
+               three torchruns whose ranks share the cores, so that they meet the same stretches of
+               the host: their spread is then the clock's own, and the same repeats made one after
+               another (the contention check's runs) are printed beside them, the host's moments
+               and all; `repeats_at=apart` makes only those
+  loaded       the same (started together or apart alike) while one busy process per core competes
+               for the machine
   faithful     the same at world 2 (a core per rank on a 2-core machine), `rounds` rounds: virtual
                step against wall step, the median of the runs' ratios (the claim: within 5%, on an
                idle machine)
@@ -110,6 +116,36 @@ class Batch:
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
         return json.loads((run_dir / "summary.json").read_text())
 
+    def train_together(self, world: int, overrides: list[str], run_dirs: list[Path]) -> list[dict]:
+        """The same run once per directory, all started at the same moment: one torchrun each, their
+        ranks sharing the machine's cores for as long as they overlap. One probe and one host window
+        before them stand for all of them."""
+        if self.probing:
+            figures = run_probe("parallel.replay.probe", 2, 120)
+            self.samples.append({"before": run_dirs[0].name, "time": time.strftime("%H:%M:%S"), **figures})
+        host = self.host.window(HOST_WINDOW_STEPS)[0]
+        procs = []
+        for d in run_dirs:
+            self.host_cpu[d.name] = host
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   "-m", "launch.train", *overrides, f"run.dir={d}", "run.timeline=false"]
+            self.commands.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", "") + " &")
+            procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                text=True)))
+        self.commands.append("wait")
+        failed = None
+        for cmd, proc in procs:
+            try:
+                _, err = proc.communicate(timeout=900)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                _, err = proc.communicate()
+            if proc.returncode and failed is None:
+                failed = subprocess.CalledProcessError(proc.returncode, cmd, stderr=err)
+        if failed is not None:
+            raise failed
+        return [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+
 
 class View:
     """The loopback figures a table's virtual figures stand on: each run's own (`figures` None:
@@ -158,20 +194,30 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def stability_runs(batch: Batch, repeats: int, prefix: str = "w4") -> dict:
+def stability_runs(batch: Batch, repeats: int, prefix: str = "w4", together: bool = False) -> dict:
+    """Each strategy's `repeats` runs at world 4: one after another, or (`together`) all at once.
+
+    Made one after another, the repeats meet the host at moments a minute apart, and this kind of
+    host runs the same single-threaded work a third slower or faster from one stretch of seconds to
+    the next (bench/host_speed.py): their spread is the host's as much as the clock's. Made at once,
+    the repeats' ranks take turns on the same cores through the same stretches of the host, so
+    what still separates their virtual figures is the clock itself: the contention between ranks
+    (3 x 4 ranks on the cores) that it claims to remove, and the noise of its own measurement."""
     runs = {}
     for strategy in STRATEGIES:
-        runs[strategy] = []
-        for k in range(repeats):
-            d = batch.out / f"{prefix}-{strategy}-{k}"
-            runs[strategy].append((d, batch.train(4, [*batch.common, *layout(strategy)], d)))
+        overrides = [*batch.common, *layout(strategy)]
+        dirs = [batch.out / f"{prefix}-{strategy}-{k}" for k in range(repeats)]
+        summaries = (batch.train_together(4, overrides, dirs) if together
+                     else [batch.train(4, overrides, d) for d in dirs])
+        runs[strategy] = list(zip(dirs, summaries))
     return runs
 
 
-def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "", unloaded: dict | None = None) -> str:
+def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "", base: dict | None = None,
+              base_name: str = "") -> str:
     """Each strategy's repeats: virtual and wall tokens/s and the host alone, each with its largest
-    deviation from its median. `unloaded`: the same strategies' repeats without the load, whose
-    medians the loaded ones are set against (the load should move the wall, not the virtual)."""
+    deviation from its median. `base`: the same strategies' repeats made another way (`base_name`:
+    without the load, or one after another), whose medians these are set against."""
     rows = []
     for strategy, summaries in runs.items():
         v = [view.virtual(d, s)["tokens_per_s"] for d, s in summaries]
@@ -180,17 +226,17 @@ def stability(runs: dict, view: View, host_cpu: dict[str, float], title: str = "
         rows.append([strategy, " / ".join(f"{x:.0f}" for x in v), f"±{max_dev(v):.1%}",
                      " / ".join(f"{x:.0f}" for x in w), f"±{max_dev(w):.1%}",
                      " / ".join(f"{x * 1e3:.2f}" for x in h), f"±{max_dev(h):.1%}"])
-        if unloaded and strategy in unloaded:
-            base = unloaded[strategy]
-            v0 = statistics.median(view.virtual(d, s)["tokens_per_s"] for d, s in base)
-            w0 = statistics.median(s["tokens_per_s"] for _, s in base)
+        if base and strategy in base:
+            v0 = statistics.median(view.virtual(d, s)["tokens_per_s"] for d, s in base[strategy])
+            w0 = statistics.median(s["tokens_per_s"] for _, s in base[strategy])
             rows[-1].append(f"{statistics.median(v) / v0 - 1:+.1%} / {statistics.median(w) / w0 - 1:+.1%}")
     repeats = len(next(iter(runs.values())))
     return table(f"Stability: world 4, {repeats} repeats{title} (tokens/s; the host alone: CPU ms a step of "
-                 "bench/host_speed.py's one-thread window, timed just before each run)",
+                 "bench/host_speed.py's one-thread window, timed just before each run, or each set of runs "
+                 "made at once)",
                  ["strategy", "virtual", "max dev. from median", "wall", "max dev. from median", "the host alone",
                   "max dev. from median"]
-                 + (["median against the unloaded repeats': virtual / wall"] if unloaded else []), rows)
+                 + ([f"median against the repeats {base_name}: virtual / wall"] if base else []), rows)
 
 
 def call_cpu(run_dir: Path) -> list[float]:
@@ -231,14 +277,14 @@ def op_cpu(unloaded: dict, loaded: dict, view: View, core_each: dict | None = No
                  + (["a call's CPU at world 2, a core per rank"] if core_each else []), rows)
 
 
-def loaded_runs(batch: Batch, repeats: int) -> tuple[dict, int]:
+def loaded_runs(batch: Batch, repeats: int, together: bool) -> tuple[dict, int]:
     """The stability runs again while one busy process per core competes for the machine."""
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(usable_cores())]
     batch.commands.append(f"# {len(spinners)} x python -c 'while True: pass' running during the loaded repeats"
                           + (" (no probe before these)" if batch.sampled else ""))
     batch.probing = False
     try:
-        return stability_runs(batch, repeats, prefix="loaded"), len(spinners)
+        return stability_runs(batch, repeats, prefix="loaded", together=together), len(spinners)
     finally:
         batch.probing = batch.sampled
         for p in spinners:
@@ -460,7 +506,8 @@ def spread(samples: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     opts = {"checks": "stability,loaded,faithful,contention,pipelines,network", "model": "tiny", "steps": "8",
-            "repeats": "3", "out": "runs/virtual-bench", "loopback": "sampled", "probes": "5", "rounds": "5"}
+            "repeats": "3", "repeats_at": "once", "out": "runs/virtual-bench", "loopback": "sampled", "probes": "5",
+            "rounds": "5"}
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -468,6 +515,14 @@ def main(argv: list[str]) -> None:
         opts[key] = value
     if opts["loopback"] not in ("once", "per-run", "sampled"):
         raise SystemExit(f"loopback={opts['loopback']!r}: once, per-run or sampled")
+    if opts["repeats_at"] not in ("once", "apart"):
+        raise SystemExit(f"repeats_at={opts['repeats_at']!r}: once (the repeats started together) or apart "
+                         "(one after another)")
+    together = opts["repeats_at"] == "once"
+    if together and opts["loopback"] == "per-run":
+        raise SystemExit("repeats_at=once needs loopback=sampled or once: with loopback=per-run each run probes "
+                         "the loopback at its end, while the other repeats still load the cores, and reads their "
+                         "contention, not the link (give repeats_at=apart with loopback=per-run)")
     checks = opts["checks"].split(",")
     unknown = set(checks) - {"stability", "loaded", "faithful", "contention", "pipelines", "network"}
     if unknown:
@@ -492,7 +547,14 @@ def main(argv: list[str]) -> None:
                               "--nproc-per-node=2 -m parallel.replay.probe")
 
     # Every run first, the tables after: with `sampled`, the tables need the probes of the whole batch.
-    w4 = stability_runs(batch, int(opts["repeats"])) if {"stability", "contention"} & set(checks) else {}
+    # The contention check replays runs made one at a time (4 ranks on the cores, nothing else): the
+    # stability check's repeats are made at once unless repeats_at=apart, and then it shows the
+    # contention check's runs beside them, the same repeats made one after another.
+    repeats = int(opts["repeats"])
+    apart = "contention" in checks or ("stability" in checks and not together)
+    w4 = stability_runs(batch, repeats) if apart else {}
+    w4_once = (stability_runs(batch, repeats, prefix="w4once", together=True)
+               if together and "stability" in checks else {})
     unbound = None
     if "contention" in checks:
         # The loopback as unbound ranks meet it on an idle machine: the comparison column.
@@ -502,7 +564,7 @@ def main(argv: list[str]) -> None:
                               "torch.distributed.run --standalone --nproc-per-node=2 -m parallel.replay.probe "
                               "batch off")
         unbound = link_of(figures, "probed unbound (pin_cores=off)")
-    loaded, spinners = loaded_runs(batch, int(opts["repeats"])) if "loaded" in checks else ({}, 0)
+    loaded, spinners = loaded_runs(batch, repeats, together) if "loaded" in checks else ({}, 0)
     w2 = faithful_runs(batch, int(opts["rounds"])) if "faithful" in checks else {}
     pp4 = pipeline_runs(batch) if "pipelines" in checks else {}
     net = network_runs(batch, int(opts["rounds"])) if "network" in checks else None
@@ -517,17 +579,25 @@ def main(argv: list[str]) -> None:
         (out / "probes.json").write_text(json.dumps(batch.samples, indent=1) + "\n")
     (out / "host_speed.json").write_text(json.dumps(batch.host_cpu, indent=1) + "\n")
     parts = [f"# virtual time validation, {started}, {usable_cores()} cores, model {opts['model']}, "
-             f"{opts['steps']} steps, loopback={opts['loopback']}"]
+             f"{opts['steps']} steps, loopback={opts['loopback']}, repeats_at={opts['repeats_at']}"]
     for view in views:
         parts.append(f"\n## Replayed on {view.name}")
-        if "stability" in checks:
-            parts.append(stability(w4, view, batch.host_cpu))
+        if w4_once:
+            parts.append(stability(w4_once, view, batch.host_cpu, ", started together (3 x 4 ranks on the cores)",
+                                   w4, "made one after another"))
+        if "stability" in checks and w4:
+            parts.append(stability(w4, view, batch.host_cpu, ", made one after another"
+                                   + (" (the contention check's runs)" if together else "")))
         if "contention" in checks:
             parts.append(contention(w4, view, unbound))
         if loaded:
-            parts.append(stability(loaded, view, batch.host_cpu, f", {spinners} busy processes beside them", w4))
-            if w4:
-                parts.append(op_cpu(w4, loaded, view, w2))
+            unloaded = w4_once if together else w4
+            parts.append(stability(loaded, view, batch.host_cpu,
+                                   f", {spinners} busy processes beside them"
+                                   + (", started together" if together else ", made one after another"),
+                                   unloaded, "made the same way without the load"))
+            if unloaded:
+                parts.append(op_cpu(unloaded, loaded, view, w2))
         if w2:
             parts.append(faithful(w2, view))
         if pp4:
