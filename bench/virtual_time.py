@@ -61,6 +61,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -117,9 +119,15 @@ class Batch:
         return json.loads((run_dir / "summary.json").read_text())
 
     def train_together(self, world: int, overrides: list[str], run_dirs: list[Path]) -> list[dict]:
-        """The same run once per directory, all started at the same moment: one torchrun each, their
-        ranks sharing the machine's cores for as long as they overlap. One probe and one host window
-        before them stand for all of them."""
+        """The same run once per directory, all at once: one torchrun each, their ranks sharing the
+        machine's cores. One probe and one host window before them stand for all of them.
+
+        Started at once is not enough: a run spends seconds importing torch and meeting its
+        rendezvous, more with twelve processes on two cores, and the first run's steps were done
+        before the third's began (dp, 30 steps: 2.7 s of steps, 3.1 s apart; 2026-12-03 23:10). So
+        each run is held (SIGSTOP, its torchrun and its ranks) once it has written its first step,
+        a warm-up step, and all are let go together (`hold_until_all_stepped`): their timed steps
+        then run side by side."""
         if self.probing:
             figures = run_probe("parallel.replay.probe", 2, 120)
             self.samples.append({"before": run_dirs[0].name, "time": time.strftime("%H:%M:%S"), **figures})
@@ -132,7 +140,9 @@ class Batch:
             self.commands.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", "") + " &")
             procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                 text=True)))
-        self.commands.append("wait")
+        self.commands.append("wait  # each held after its first (warm-up) step until all have made it, then let go "
+                             "together")
+        hold_until_all_stepped([p for _, p in procs], run_dirs)
         failed = None
         for cmd, proc in procs:
             try:
@@ -145,6 +155,55 @@ class Batch:
         if failed is not None:
             raise failed
         return [json.loads((d / "summary.json").read_text()) for d in run_dirs]
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (torchrun starts each rank in a session of its own, so a
+    process group does not reach them; /proc does)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # gone since listdir
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the fields after the command name: state, ppid
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass  # exited meanwhile: its run's return code tells
+
+
+def hold_until_all_stepped(procs: list[subprocess.Popen], run_dirs: list[Path], limit_s: float = 300) -> None:
+    """Stop each run (its torchrun and every rank) once its metrics.jsonl has a line (rank 0 wrote
+    its first step: the ranks are past their imports and rendezvous, inside warm-up); when every run
+    is stopped, continue them all at once. A run that ends first, or `limit_s`, lets everyone go:
+    the caller reads the return codes. The stop lasts seconds, far inside a collective's timeout."""
+    held: dict[int, list[int]] = {}
+    deadline = time.monotonic() + limit_s
+    try:
+        while len(held) < len(procs) and time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                return
+            for k, (p, d) in enumerate(zip(procs, run_dirs)):
+                metrics = d / "metrics.jsonl"
+                if k not in held and metrics.exists() and metrics.stat().st_size > 0:
+                    held[k] = process_tree(p.pid)
+                    signal_all(held[k], signal.SIGSTOP)
+            time.sleep(0.01)
+    finally:
+        signal_all([pid for pids in held.values() for pid in pids], signal.SIGCONT)
 
 
 class View:

@@ -4,14 +4,17 @@ The bench's checks themselves are timings, measured and written into docs/virtua
 asserted here. What is asserted: a bad option is refused by name before any run, and repeats
 started together (`repeats_at=once`, the stability check's default) are real, separate runs of the
 same config: each its own directory and summary, the same losses to the bit, as the same config
-made twice one after another gives.
+made twice one after another gives; and the hold that lines their steps up stops a run, every
+process of it, until the last run has written its first step.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT
@@ -37,11 +40,16 @@ def test_bad_options_are_refused_by_name(args, said, tmp_path):
     assert not any(tmp_path.iterdir())  # refused before any run
 
 
-def test_repeats_started_together_are_separate_runs_of_one_config(tmp_path, monkeypatch):
+@pytest.fixture
+def virtual_time(monkeypatch):
+    """The bench as a module (it imports bench/host_speed.py from its own folder)."""
     monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
+    return importlib.import_module("virtual_time")
+
+
+def test_repeats_started_together_are_separate_runs_of_one_config(tmp_path, monkeypatch, virtual_time):
     for key, value in CPU_ONLY.items():
         monkeypatch.setenv(key, value)
-    import virtual_time
 
     # The loopback's figures given, as the bench gives its probe to every run: no run probes it.
     given = ["virtual.loopback_gbytes_per_s=1.0", "virtual.loopback_latency_us=200",
@@ -54,6 +62,54 @@ def test_repeats_started_together_are_separate_runs_of_one_config(tmp_path, monk
     assert all(s["virtual"]["link_model"]["intra"]["latency_s"] == pytest.approx(200e-6) for s in summaries)
     # Both commands are printed as started in the background, then waited for.
     assert [c.endswith(" &") for c in batch.commands] == [True, True, False]
-    assert batch.commands[-1] == "wait"
+    assert batch.commands[-1].startswith("wait")
     # One host window before them stands for both.
     assert batch.host_cpu[dirs[0].name] == batch.host_cpu[dirs[1].name] > 0
+
+
+HOLDER = """
+import pathlib, sys, time
+out = pathlib.Path(sys.argv[1])
+time.sleep(float(sys.argv[2]))
+stepped = time.time()
+(out / "metrics.jsonl").write_text("{}\\n")
+time.sleep(float(sys.argv[3]))  # stopped in here by the hold, if it holds
+(out / "times").write_text(f"{stepped} {time.time()}")
+"""
+
+
+def test_the_hold_keeps_each_run_stopped_until_every_run_has_stepped(tmp_path, virtual_time):
+    dirs = [tmp_path / "early", tmp_path / "late"]
+    for d in dirs:
+        d.mkdir()
+    # The early run writes its first step at once and would finish 0.3 s later; the late one
+    # writes its first step after 1.5 s.
+    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(d), delay, "0.3"])
+             for d, delay in zip(dirs, ("0", "1.5"))]
+    try:
+        virtual_time.hold_until_all_stepped(procs, dirs, limit_s=60)
+        assert [p.wait(timeout=30) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            p.kill()
+    early_stepped, early_done = map(float, (dirs[0] / "times").read_text().split())
+    late_stepped, _ = map(float, (dirs[1] / "times").read_text().split())
+    assert early_done >= late_stepped > early_stepped + 1.0
+
+
+def test_a_process_tree_reaches_processes_in_sessions_of_their_own(virtual_time):
+    # torchrun starts each rank with start_new_session=True: a process group would miss it.
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                               "'import time; time.sleep(60)'], start_new_session=True)"])
+    try:
+        for _ in range(500):
+            tree = virtual_time.process_tree(parent.pid)
+            if len(tree) == 2:
+                break
+            time.sleep(0.01)
+        assert tree[0] == parent.pid and len(tree) == 2
+        assert os.getsid(tree[1]) != os.getsid(parent.pid)
+    finally:
+        for pid in reversed(virtual_time.process_tree(parent.pid)):
+            os.kill(pid, 9)
+        parent.wait()
