@@ -127,7 +127,10 @@ class Batch:
         before the third's began (dp, 30 steps: 2.7 s of steps, 3.1 s apart; 2026-12-03 23:10). So
         each run is held (SIGSTOP, its torchrun and its ranks) once it has written its first step,
         a warm-up step, and all are let go together (`hold_until_all_stepped`): their timed steps
-        then run side by side."""
+        then run side by side. While they are held, each run's local rank i is bound to core i mod
+        the cores, the same in every run, so that no run sits on the slower of two cores that slow
+        down independently (dp's repeats ±8.9% and zero2's ±10.9% at 23:40 with their steps lined
+        up but the ranks left where the scheduler put them; ±0.5-0.8% and ±0.2-3.6% bound, 00:05)."""
         if self.probing:
             figures = run_probe("parallel.replay.probe", 2, 120)
             self.samples.append({"before": run_dirs[0].name, "time": time.strftime("%H:%M:%S"), **figures})
@@ -185,10 +188,40 @@ def signal_all(pids: list[int], sig: signal.Signals) -> None:
             pass  # exited meanwhile: its run's return code tells
 
 
+def local_rank_of(pid: int) -> int | None:
+    """A torchrun worker's LOCAL_RANK, from its environment (None: not a rank, or gone)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for entry in env:
+        if entry.startswith(b"LOCAL_RANK="):
+            return int(entry.split(b"=", 1)[1])
+    return None
+
+
+def spread_ranks_over_cores(pids: list[int], cores: list[int]) -> None:
+    """Every thread of local rank i on core i mod the cores: each run made at once then has the
+    same share of its ranks on each core. The two cores of this kind of host slow down
+    independently of each other (bench/host_speed.py beside=1: one over the other ±52%), and left to
+    itself the scheduler keeps a process on one core for long stretches, so one run's ranks could
+    sit mostly on the slower core and another's on the faster."""
+    for pid in pids:
+        rank = local_rank_of(pid)
+        if rank is None:
+            continue
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), {cores[rank % len(cores)]})
+        except OSError:
+            pass  # exited meanwhile: its run's return code tells
+
+
 def hold_until_all_stepped(procs: list[subprocess.Popen], run_dirs: list[Path], limit_s: float = 300) -> None:
     """Stop each run (its torchrun and every rank) once its metrics.jsonl has a line (rank 0 wrote
     its first step: the ranks are past their imports and rendezvous, inside warm-up); when every run
-    is stopped, continue them all at once. A run that ends first, or `limit_s`, lets everyone go:
+    is stopped, spread every run's ranks over the cores alike (`spread_ranks_over_cores`) and
+    continue them all at once. A run that ends first, or `limit_s`, lets everyone go:
     the caller reads the return codes. The stop lasts seconds, far inside a collective's timeout."""
     held: dict[int, list[int]] = {}
     deadline = time.monotonic() + limit_s
@@ -202,6 +235,10 @@ def hold_until_all_stepped(procs: list[subprocess.Popen], run_dirs: list[Path], 
                     held[k] = process_tree(p.pid)
                     signal_all(held[k], signal.SIGSTOP)
             time.sleep(0.01)
+        if len(held) == len(procs):
+            cores = sorted(os.sched_getaffinity(0))
+            for pids in held.values():
+                spread_ranks_over_cores(pids, cores)
     finally:
         signal_all([pid for pids in held.values() for pid in pids], signal.SIGCONT)
 

@@ -113,3 +113,22 @@ def test_a_process_tree_reaches_processes_in_sessions_of_their_own(virtual_time)
         for pid in reversed(virtual_time.process_tree(parent.pid)):
             os.kill(pid, 9)
         parent.wait()
+
+
+def test_ranks_are_spread_over_the_cores_by_local_rank(virtual_time):
+    cores = sorted(os.sched_getaffinity(0))
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ranks = [subprocess.Popen(sleeper, env={**os.environ, "LOCAL_RANK": str(r)}) for r in range(2)]
+    other = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    try:
+        for _ in range(500):  # until each has exec'd python, whose environment /proc shows
+            if all(virtual_time.local_rank_of(p.pid) == r for r, p in enumerate(ranks)):
+                break
+            time.sleep(0.01)
+        virtual_time.spread_ranks_over_cores([p.pid for p in [*ranks, other]], cores)
+        assert [os.sched_getaffinity(p.pid) for p in ranks] == [{cores[r % len(cores)]} for r in range(2)]
+        assert os.sched_getaffinity(other.pid) == set(cores)  # not a rank: left alone
+    finally:
+        for p in [*ranks, other]:
+            p.kill()
+            p.wait()
