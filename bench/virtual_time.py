@@ -14,10 +14,12 @@ root), reads the run's summary.json, and for some replays its saved events again
                brought shows as such (a virtual machine's core runs the same work slower when
                other guests load it, and a thread's CPU time grows with it). With
                `repeats_at=once` (the default) a strategy's repeats are started at the same moment,
-               three torchruns whose ranks share the cores, so that they meet the same stretches of
-               the host: their spread is then the clock's own, and the same repeats made one after
-               another (the contention check's runs) are printed beside them, the host's moments
-               and all; `repeats_at=apart` makes only those
+               three torchruns whose ranks share the cores, each held after its first warm-up step
+               until all have made it and its local rank i bound to core i mod the cores meanwhile,
+               so that they meet the same stretches of the host alike: their spread is then the
+               clock's own, and the same repeats made one after another (the contention check's
+               runs) are printed beside them, the host's moments and all; `repeats_at=apart` makes
+               only those
   loaded       the same (started together or apart alike) while one busy process per core competes
                for the machine
   faithful     the same at world 2 (a core per rank on a 2-core machine), `rounds` rounds: virtual
