@@ -140,6 +140,9 @@ class Batch:
         procs = []
         for d in run_dirs:
             self.host_cpu[d.name] = host
+            # The hold watches this file: one left by an earlier bench in the same directory would
+            # stop the run before its ranks exist.
+            (d / "metrics.jsonl").unlink(missing_ok=True)
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    "-m", "launch.train", *overrides, f"run.dir={d}", "run.timeline=false"]
             self.commands.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", "") + " &")
