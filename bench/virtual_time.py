@@ -106,17 +106,31 @@ class Batch:
         # their contention (6.3-7.4 ms per ring step against 120-443 µs, 2026-12-02 20:18-20:22).
         self.probing = sampled
 
-    def train(self, world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> dict:
+    def before(self, run_dirs: list[Path]) -> None:
+        """What precedes a run, or a set of runs made at once: a loopback probe run (`sampled`, but
+        not beside the loaded check's busy processes) and one window of the host alone, which
+        stands for every run of the set."""
         if self.probing:
             figures = run_probe("parallel.replay.probe", 2, 120)
-            self.samples.append({"before": run_dir.name, "time": time.strftime("%H:%M:%S"), **figures})
-        self.host_cpu[run_dir.name] = self.host.window(HOST_WINDOW_STEPS)[0]
+            self.samples.append({"before": run_dirs[0].name, "time": time.strftime("%H:%M:%S"), **figures})
+        host = self.host.window(HOST_WINDOW_STEPS)[0]
+        for d in run_dirs:
+            self.host_cpu[d.name] = host
+
+    def command(self, world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> list[str]:
+        """One run's command line (`net`: launch.run on an emulated network), recorded for the
+        table's list of commands."""
         if net:
             cmd = [sys.executable, "-m", "launch.run", *net, *overrides, f"run.dir={run_dir}"]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                    "-m", "launch.train", *overrides, f"run.dir={run_dir}", "run.timeline=false"]
         self.commands.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", ""))
+        return cmd
+
+    def train(self, world: int, overrides: list[str], run_dir: Path, net: list[str] | None = None) -> dict:
+        self.before([run_dir])
+        cmd = self.command(world, overrides, run_dir, net)
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=900)
         return json.loads((run_dir / "summary.json").read_text())
 
@@ -126,26 +140,23 @@ class Batch:
 
         Started at once is not enough: a run spends seconds importing torch and meeting its
         rendezvous, more with twelve processes on two cores, and the first run's steps were done
-        before the third's began (dp, 30 steps: 2.7 s of steps, 3.1 s apart; 2026-12-03 23:10). So
+        before the third's began (dp, 30 steps: 2.7 s of steps, 3.1 s apart; the 2026-12-03 23:06
+        batch). So
         each run is held (SIGSTOP, its torchrun and its ranks) once it has written its first step,
         a warm-up step, and all are let go together (`hold_until_all_stepped`): their timed steps
         then run side by side. While they are held, each run's local rank i is bound to core i mod
         the cores, the same in every run, so that no run sits on the slower of two cores that slow
-        down independently (dp's repeats ±8.9% and zero2's ±10.9% at 23:40 with their steps lined
-        up but the ranks left where the scheduler put them; ±0.5-0.8% and ±0.2-3.6% bound, 00:05)."""
-        if self.probing:
-            figures = run_probe("parallel.replay.probe", 2, 120)
-            self.samples.append({"before": run_dirs[0].name, "time": time.strftime("%H:%M:%S"), **figures})
-        host = self.host.window(HOST_WINDOW_STEPS)[0]
+        down independently (dp's repeats ±8.8% and zero2's ±10.4% in the 23:37 batch, their steps
+        lined up but their ranks left where the scheduler put them; 5 of 5 within ±4.8% bound, in
+        the 00:06 batch)."""
+        self.before(run_dirs)
         procs = []
         for d in run_dirs:
-            self.host_cpu[d.name] = host
             # The hold watches this file: one left by an earlier bench in the same directory would
             # stop the run before its ranks exist.
             (d / "metrics.jsonl").unlink(missing_ok=True)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-                   "-m", "launch.train", *overrides, f"run.dir={d}", "run.timeline=false"]
-            self.commands.append(" ".join(cmd[1:]).replace(str(ROOT) + "/", "") + " &")
+            cmd = self.command(world, overrides, d)
+            self.commands[-1] += " &"
             procs.append((cmd, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                                 text=True)))
         self.commands.append("wait  # each held after its first (warm-up) step until all have made it, then let go "
