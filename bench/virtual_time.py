@@ -695,8 +695,9 @@ def main(argv: list[str]) -> None:
     for view in views:
         parts.append(f"\n## Replayed on {view.name}")
         if w4_once:
-            parts.append(stability(w4_once, view, batch.host_cpu, ", started together (3 x 4 ranks on the cores)",
-                                   w4, "made one after another"))
+            parts.append(stability(w4_once, view, batch.host_cpu,
+                                   f", started together ({repeats} x 4 ranks on the cores)", w4,
+                                   "made one after another"))
         if "stability" in checks and w4:
             parts.append(stability(w4, view, batch.host_cpu, ", made one after another"
                                    + (" (the contention check's runs)" if together else "")))
