@@ -141,10 +141,9 @@ class Batch:
         Started at once is not enough: a run spends seconds importing torch and meeting its
         rendezvous, more with twelve processes on two cores, and the first run's steps were done
         before the third's began (dp, 30 steps: 2.7 s of steps, 3.1 s apart; the 2026-12-03 23:06
-        batch). So
-        each run is held (SIGSTOP, its torchrun and its ranks) once it has written its first step,
-        a warm-up step, and all are let go together (`hold_until_all_stepped`): their timed steps
-        then run side by side. While they are held, each run's local rank i is bound to core i mod
+        batch). So each run is held (SIGSTOP, its torchrun and its ranks) once it has written its
+        first step, a warm-up step, and all are let go together (`hold_until_all_stepped`): their
+        timed steps then run side by side. While they are held, each run's local rank i is bound to core i mod
         the cores, the same in every run, so that no run sits on the slower of two cores that slow
         down independently (dp's repeats ±8.8% and zero2's ±10.4% in the 23:37 batch, their steps
         lined up but their ranks left where the scheduler put them; 5 of 5 within ±4.8% bound, in
@@ -314,7 +313,7 @@ def stability_runs(batch: Batch, repeats: int, prefix: str = "w4", together: boo
     the next (bench/host_speed.py): their spread is the host's as much as the clock's. Made at once,
     the repeats' ranks take turns on the same cores through the same stretches of the host, so
     what still separates their virtual figures is the clock itself: the contention between ranks
-    (3 x 4 ranks on the cores) that it claims to remove, and the noise of its own measurement."""
+    (`repeats` x 4 ranks on the cores) that it claims to remove, and the noise of its own measurement."""
     runs = {}
     for strategy in STRATEGIES:
         overrides = [*batch.common, *layout(strategy)]
