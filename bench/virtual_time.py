@@ -84,6 +84,7 @@ from parallel.replay.links import LinkModel, from_net  # noqa: E402
 from parallel.replay.probe import figure_overrides, link_of, measure_once, median_figures, run_probe  # noqa: E402
 from parallel.replay.virtual import replay_run, replay_step, replay_steps  # noqa: E402
 from parallel.report.mfu import usable_cores  # noqa: E402
+from parallel.runner import descendants  # noqa: E402
 
 STRATEGIES = ["dp", "tp", "pp_1f1b", "zero2", "torch_ddp"]
 HOST_WINDOW_STEPS = 30  # bench/host_speed.py's default window: about 0.2 s of the tiny model on one thread
@@ -175,26 +176,6 @@ class Batch:
         return [json.loads((d / "summary.json").read_text()) for d in run_dirs]
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it (torchrun starts each rank in a session of its own, so a
-    process group does not reach them; /proc does)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue  # gone since listdir
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the fields after the command name: state, ppid
-            children.setdefault(ppid, []).append(int(entry))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    return tree
-
-
 def signal_all(pids: list[int], sig: signal.Signals) -> None:
     for p in pids:
         try:
@@ -247,7 +228,7 @@ def hold_until_all_stepped(procs: list[subprocess.Popen], run_dirs: list[Path], 
             for k, (p, d) in enumerate(zip(procs, run_dirs)):
                 metrics = d / "metrics.jsonl"
                 if k not in held and metrics.exists() and metrics.stat().st_size > 0:
-                    held[k] = process_tree(p.pid)
+                    held[k] = [p.pid, *descendants(p.pid)]  # the ranks: sessions of their own
                     signal_all(held[k], signal.SIGSTOP)
             time.sleep(0.01)
         if len(held) == len(procs):

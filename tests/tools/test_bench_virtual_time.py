@@ -19,6 +19,8 @@ import time
 import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT
 
+from parallel.runner import descendants
+
 SCRIPT = str(PROJECT_ROOT / "bench" / "virtual_time.py")
 
 
@@ -97,21 +99,23 @@ def test_the_hold_keeps_each_run_stopped_until_every_run_has_stepped(tmp_path, v
     assert early_done >= late_stepped > early_stepped + 1.0
 
 
-def test_a_process_tree_reaches_processes_in_sessions_of_their_own(virtual_time):
-    # torchrun starts each rank with start_new_session=True: a process group would miss it.
+def test_the_processes_held_reach_ranks_in_sessions_of_their_own():
+    # The hold stops a run's torchrun and parallel.runner.descendants of it; torchrun starts each
+    # rank with start_new_session=True, so a process group would miss them.
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
                                "'import time; time.sleep(60)'], start_new_session=True)"])
     try:
         for _ in range(500):
-            tree = virtual_time.process_tree(parent.pid)
-            if len(tree) == 2:
+            below = descendants(parent.pid)
+            if below:
                 break
             time.sleep(0.01)
-        assert tree[0] == parent.pid and len(tree) == 2
-        assert os.getsid(tree[1]) != os.getsid(parent.pid)
+        assert len(below) == 1
+        assert os.getsid(below[0]) != os.getsid(parent.pid)
     finally:
-        for pid in reversed(virtual_time.process_tree(parent.pid)):
+        for pid in descendants(parent.pid):
             os.kill(pid, 9)
+        parent.kill()
         parent.wait()
 
 
