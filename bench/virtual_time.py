@@ -28,7 +28,8 @@ root), reads the run's summary.json, and for some replays its saved events again
   contention   the world-4 runs of `stability` replayed with their 4 ranks sharing the machine's
                cores (processor sharing), on each run's own link (the loopback probed with a core
                per rank, uncontended): against their wall step (the claim: within 10%); beside it
-               the same on the loopback probed unbound (`pin_cores=off`), for comparison
+               the same on the loopback probed unbound (`pin_cores=off`), and (`sampled`) on the
+               probe taken just before each run, for comparison
   pipelines    every schedule of ours at p 4, m 8: the virtual bubble (idle share of the pipeline
                ranks' time from the step's start to its last F/B/W) against the simulator's with the
                run's measured F, B and W (CPU time per chunk-microbatch; the claim: within 3 points):
@@ -249,14 +250,9 @@ class View:
         self._blocks: dict[Path, dict] = {}
 
     def link(self, summary: dict) -> LinkModel:
-        own = LinkModel.from_dict(summary["virtual"]["link_model"])
         if self.figures is None:
-            return own
-        # The run's own model with the loopback's three figures replaced: placement, lanes and
-        # scope stay the run's.
-        intra = dataclasses.replace(own.intra, bytes_per_s=self.figures["bytes_per_s"],
-                                    latency_s=self.figures["latency_s"], p2p_latency_s=self.figures["p2p_latency_s"])
-        return dataclasses.replace(own, intra=intra, source=self.name)
+            return LinkModel.from_dict(summary["virtual"]["link_model"])
+        return on_loopback(summary, self.figures, self.name)
 
     def virtual(self, run_dir: Path, summary: dict) -> dict:
         """The run's `virtual` block on this view's figures."""
@@ -267,6 +263,15 @@ class View:
             self._blocks[run_dir] = replay_run(saved.load(run_dir), self.link(summary), tokens_per_step=tokens,
                                                flops_per_token=0.0, peak_per_device=0.0)[0]
         return self._blocks[run_dir]
+
+
+def on_loopback(summary: dict, figures: dict, source: str) -> LinkModel:
+    """The run's own link model with the loopback's three figures replaced by `figures` (a
+    probe's): placement, lanes and scope stay the run's."""
+    own = LinkModel.from_dict(summary["virtual"]["link_model"])
+    intra = dataclasses.replace(own.intra, bytes_per_s=figures["bytes_per_s"], latency_s=figures["latency_s"],
+                                p2p_latency_s=figures["p2p_latency_s"])
+    return dataclasses.replace(own, intra=intra, source=source)
 
 
 def layout(strategy: str) -> list[str]:
@@ -410,10 +415,18 @@ def faithful(runs: dict, view: View) -> str:
                  ["strategy", "virtual", "wall", "virtual/wall-1 (median of runs)", "range"], rows)
 
 
-def contention(runs: dict, view: View, unbound: LinkModel) -> str:
+def contention(runs: dict, view: View, unbound: LinkModel, nearest: dict[str, dict] | None = None) -> str:
     """Every world-4 run replayed with its ranks sharing the machine's cores, on the view's link
     (probed with a core per rank: the claim), and beside it on the loopback as unbound ranks meet
-    it on an idle machine (`unbound`: probed with `pin_cores=off`).
+    it on an idle machine (`unbound`: probed with `pin_cores=off`), and (`nearest`: run
+    directory's name -> the figures of the probe taken just before it) on its own moment's probe.
+
+    The loopback's per-call cost follows the host's moment as the compute does (one batch's probes
+    ranged over 114-280 µs per ring step), and which strategies miss turned on which moment's
+    figures the replay was given (2026-12-04 00:06: on the batch's median tp and pp_1f1b came out
+    11-13% under their wall, on the probe before the batch zero2 and torch_ddp 11-37% over). The
+    probe just before a run is the nearest moment to it the bench has; one probe is also one
+    sample of a noisy figure, which the median is not.
 
     The claim uses a link probed with a core per rank, because the engine's shared cores are what
     model the contention: a handoff's wait for a core is counted by the rule that every member of
@@ -423,17 +436,21 @@ def contention(runs: dict, view: View, unbound: LinkModel) -> str:
     cores = usable_cores()
     rows = []
     for strategy, summaries in runs.items():
-        walls, own, shared = [], [], []
+        walls, own, shared, near = [], [], [], []
         for d, s in summaries:
             walls.append(s["step_time_s"])
             own.append(replayed(d, s, cores=cores, links=view.link(s)))
             shared.append(replayed(d, s, cores=cores, links=unbound))
-        rows.append([strategy, " / ".join(f"{w * 1e3:.1f}" for w in walls),
-                     " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(own, walls)),
-                     " / ".join(f"{x / w - 1:+.1%}" for x, w in zip(shared, walls))])
+            if nearest:
+                near.append(replayed(d, s, cores=cores, links=on_loopback(s, nearest[d.name], "the probe just before")))
+        row = [strategy, " / ".join(f"{w * 1e3:.1f}" for w in walls),
+               " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(own, walls)),
+               " / ".join(f"{x / w - 1:+.1%}" for x, w in zip(shared, walls))]
+        rows.append(row + ([" / ".join(f"{x / w - 1:+.1%}" for x, w in zip(near, walls))] if nearest else []))
     return table(f"Contention: world-4 runs replayed with 4 ranks sharing {cores} cores (step ms)",
                  ["strategy", "wall", f"replayed on {cores} cores (replayed/wall-1)",
-                  "on the loopback probed unbound (replayed/wall-1)"], rows)
+                  "on the loopback probed unbound (replayed/wall-1)"]
+                 + (["on the probe just before the run (replayed/wall-1)"] if nearest else []), rows)
 
 
 def pipeline_bubble(run_dir: Path, summary: dict, view: View) -> tuple[float, dict]:
@@ -682,7 +699,7 @@ def main(argv: list[str]) -> None:
             parts.append(stability(w4, view, batch.host_cpu, ", made one after another"
                                    + (" (the contention check's runs)" if together else "")))
         if "contention" in checks:
-            parts.append(contention(w4, view, unbound))
+            parts.append(contention(w4, view, unbound, {x["before"]: x for x in batch.samples}))
         if loaded:
             unloaded = w4_once if together else w4
             parts.append(stability(loaded, view, batch.host_cpu,

@@ -10,6 +10,7 @@ process of it, until the last run has written its first step.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import subprocess
@@ -136,3 +137,19 @@ def test_ranks_are_spread_over_the_cores_by_local_rank(virtual_time):
         for p in [*ranks, other]:
             p.kill()
             p.wait()
+
+
+def test_a_probe_replaces_the_loopback_figures_and_nothing_else(virtual_time):
+    from parallel.replay.links import LinkModel, loopback
+
+    own = loopback(1.5e9, 200e-6, "the probe before the batch", p2p_latency_s=120e-6)
+    own = LinkModel(own.name, own.intra, own.inter, procs_per_node=4, placement="cyclic", lanes=1)
+    probe = {"bytes_per_s": 0.9e9, "latency_s": 310e-6, "p2p_latency_s": 180e-6, "time": "05:06:00"}
+    links = virtual_time.on_loopback({"virtual": {"link_model": own.as_dict()}}, probe, "the probe just before")
+
+    assert (links.intra.bytes_per_s, links.intra.latency_s, links.intra.p2p_latency_s) == (0.9e9, 310e-6, 180e-6)
+    assert links.source == "the probe just before"
+    assert (links.procs_per_node, links.placement, links.lanes, links.intra.scope) == (4, "cyclic", 1, "rank")
+    # The view on the batch's median is the same replacement.
+    view = virtual_time.View("the median", probe)
+    assert view.link({"virtual": {"link_model": own.as_dict()}}) == dataclasses.replace(links, source="the median")
