@@ -1,0 +1,135 @@
+"""Where a run with more ranks than cores spends the cores' time: its ranks' own CPU, the rest of
+the machine, or nothing at all.
+
+    python bench/idle_cores.py <launch.train overrides ...> [world=4] [out=runs/idle-cores]
+
+Runs `launch.train` under torchrun (one run, `world` ranks on this machine's cores) and reads the
+kernel's per-CPU counters (/proc/stat) at two moments: when rank 0 has written its last warm-up
+step to metrics.jsonl and when it has written its last step. Between them, the cores' time splits
+into time idle (the kernel's idle and iowait), time busy, and of the busy time what the run's own
+ranks took: the CPU every rank's compute thread and its other threads (gloo's) counted over the
+same steps, from the run's saved events (the clock virtual time replays). Busy time the ranks did
+not count is the rest of the machine: the kernel's softirq work, torchrun's agent, anything else.
+
+Printed per timed step (mean over the timed steps, core-ms): the cores' time (cores x wall step),
+idle, the ranks' own CPU, the rest; and the same for the run's replay with its ranks sharing the
+cores (`launch.replay <run> cores=C`: the engine's processor sharing of the same CPU), whose idle
+is the cores' time it left unused waiting on dependencies.
+
+Why: the contention check (docs/virtual-time.md) replays world-4 runs on 2 shared cores, and tp's
+and pp_1f1b's replays come out under their wall steps. The ranks' own CPU is the same in both;
+what differs is how much of the cores' time went unused, and this says whether the machine spent
+it idle or on work the ranks' clocks do not see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from parallel.replay import events as saved  # noqa: E402
+from parallel.replay.links import LinkModel  # noqa: E402
+from parallel.replay.virtual import replay_steps  # noqa: E402
+
+WARMUP = 3  # launch.train's default for 30 steps: min(3, half the steps)
+
+
+def cpu_ticks(cpus: set[int]) -> dict[str, int]:
+    """The summed /proc/stat counters (clock ticks) of the given CPUs: idle (idle + iowait) and busy."""
+    idle = busy = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        user, nice, system, idl, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+        idle += idl + iowait
+        busy += user + nice + system + irq + softirq + steal
+    return {"idle": idle, "busy": busy}
+
+
+def lines(path: Path) -> int:
+    try:
+        return path.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
+
+
+def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, int]:
+    """The run, and the counters at the end of warm-up and at its last step (their steps between)."""
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    steps = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.steps=")), 30)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "launch.train", *overrides, *([] if any(o.startswith("train.steps=") for o in overrides) else
+                                                [f"train.steps={steps}"]), f"run.dir={run_dir}", "run.timeline=false"]
+    print(" ".join(cmd[1:]).replace(str(ROOT) + "/", ""))
+    cpus = os.sched_getaffinity(0)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marks: dict[int, dict] = {}
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None and len(marks) < 2:
+        n = lines(metrics)
+        if n >= WARMUP and "start" not in marks:
+            marks["start"] = cpu_ticks(cpus)
+        if n >= steps and "start" in marks:
+            marks["end"] = cpu_ticks(cpus)
+        time.sleep(0.002)
+    _, err = proc.communicate(timeout=900)
+    if proc.returncode:
+        raise SystemExit(f"the run failed ({proc.returncode}):\n{err[-2000:]}")
+    if len(marks) < 2:
+        raise SystemExit("the run ended before both marks were read: give more train.steps")
+    return marks["start"], marks["end"], steps - WARMUP
+
+
+def main(argv: list[str]) -> None:
+    world, out, overrides = 4, ROOT / "runs" / "idle-cores", []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "world":
+            world = int(value)
+        elif key == "out":
+            out = ROOT / value
+        else:
+            overrides.append(arg)
+    out.mkdir(parents=True, exist_ok=True)
+    start, end, timed = run(overrides, world, out)
+    cores = len(os.sched_getaffinity(0))
+    tick = os.sysconf("SC_CLK_TCK")
+    idle = (end["idle"] - start["idle"]) / tick / timed
+    busy = (end["busy"] - start["busy"]) / tick / timed
+
+    events = saved.load(out)
+    summary = json.loads((out / "summary.json").read_text())
+    n = len(events[0]["steps"])
+    timed_steps = range(n - timed, n)
+    # Each rank's own CPU over a step: its compute thread's, and its other threads' (gloo's) while it ran.
+    own = statistics.mean(sum(e["steps"][i]["cpu_s"] + e["steps"][i]["phases"][-1]["helper_end"]
+                              - e["steps"][i]["phases"][0]["helper_start"] for e in events) for i in timed_steps)
+    wall = statistics.mean(max(e["steps"][i]["wall_s"] for e in events) for i in timed_steps)
+    links = LinkModel.from_dict(summary["virtual"]["link_model"])
+    replayed = statistics.mean(r.step_s for r in replay_steps(events, links, cores))
+
+    def row(name: str, step: float, idle_s: float, rest_s: float) -> str:
+        total = cores * step
+        return (f"| {name} | {step * 1e3:.1f} | {total * 1e3:.1f} | {idle_s * 1e3:.1f} ({idle_s / total:.0%}) | "
+                f"{own * 1e3:.1f} ({own / total:.0%}) | {rest_s * 1e3:.1f} ({rest_s / total:.0%}) |")
+
+    print(f"\n{timed} timed steps, {world} ranks on {cores} cores, means per step (core-ms)\n")
+    print("| clock | step ms | cores x step | idle | the ranks' own CPU | the rest of the machine |")
+    print("|---|---|---|---|---|---|")
+    # /proc/stat's ticks (10 ms) over the timed steps: the two marks' busy and idle, scaled to the step.
+    scale = cores * wall / (idle + busy)
+    print(row("wall (/proc/stat between the marks)", wall, idle * scale, busy * scale - own))
+    print(row(f"replayed on {cores} shared cores", replayed, cores * replayed - own, 0.0))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
