@@ -35,11 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from parallel.dist.timing import default_warmup_steps  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel  # noqa: E402
 from parallel.replay.virtual import replay_steps  # noqa: E402
-
-WARMUP = 3  # launch.train's default for 30 steps: min(3, half the steps)
 
 
 def cpu_ticks(cpus: set[int]) -> dict[str, int]:
@@ -66,6 +65,8 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
     """The run, and the counters at the end of warm-up and at its last step (their steps between)."""
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     steps = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.steps=")), 30)
+    given = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.warmup_steps=")), "null")
+    warmup = default_warmup_steps(steps) if given == "null" else int(given)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            "-m", "launch.train", *overrides, *([] if any(o.startswith("train.steps=") for o in overrides) else
                                                 [f"train.steps={steps}"]), f"run.dir={run_dir}", "run.timeline=false"]
@@ -76,7 +77,7 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
     metrics = run_dir / "metrics.jsonl"
     while proc.poll() is None and len(marks) < 2:
         n = lines(metrics)
-        if n >= WARMUP and "start" not in marks:
+        if n >= warmup and "start" not in marks:
             marks["start"] = cpu_ticks(cpus)
         if n >= steps and "start" in marks:
             marks["end"] = cpu_ticks(cpus)
@@ -86,7 +87,7 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
         raise SystemExit(f"the run failed ({proc.returncode}):\n{err[-2000:]}")
     if len(marks) < 2:
         raise SystemExit("the run ended before both marks were read: give more train.steps")
-    return marks["start"], marks["end"], steps - WARMUP
+    return marks["start"], marks["end"], steps - warmup
 
 
 def main(argv: list[str]) -> None:
