@@ -699,7 +699,9 @@ def main(argv: list[str]) -> None:
             parts.append(stability(w4, view, batch.host_cpu, ", made one after another"
                                    + (" (the contention check's runs)" if together else "")))
         if "contention" in checks:
-            parts.append(contention(w4, view, unbound, {x["before"]: x for x in batch.samples}))
+            # The probe just before each run does not depend on the view: its column once, in the first.
+            nearest = {x["before"]: x for x in batch.samples} if view is views[0] else None
+            parts.append(contention(w4, view, unbound, nearest))
         if loaded:
             unloaded = w4_once if together else w4
             parts.append(stability(loaded, view, batch.host_cpu,
