@@ -9,7 +9,11 @@ step to metrics.jsonl and when it has written its last step. Between them, the c
 into time idle (the kernel's idle and iowait), time busy, and of the busy time what the run's own
 ranks took: the CPU every rank's compute thread and its other threads (gloo's) counted over the
 same steps, from the run's saved events (the clock virtual time replays). Busy time the ranks did
-not count is the rest of the machine: the kernel's softirq work, torchrun's agent, anything else.
+not count is the rest of the machine: torchrun's agent (printed apart, from its own /proc/<pid>/stat),
+the kernel's interrupt work that ran outside a rank's thread, anything else. The ticks that landed in
+interrupt work are printed too, with a caveat: on a kernel without CONFIG_IRQ_TIME_ACCOUNTING (this
+machine's) the softirq work a thread runs on its way out of a system call is also in that thread's
+own CPU clock, so those ticks overlap the ranks' own CPU and are not a part of the rest.
 
 Printed per timed step (mean over the timed steps, core-ms): the cores' time (cores x wall step),
 idle, the ranks' own CPU, the rest; and the same for the run's replay with its ranks sharing the
@@ -42,8 +46,12 @@ from parallel.replay.virtual import replay_steps  # noqa: E402
 
 
 def cpu_ticks(cpus: set[int]) -> dict[str, int]:
-    """The summed /proc/stat counters (clock ticks) of the given CPUs: idle (idle + iowait) and busy."""
-    idle = busy = 0
+    """The summed /proc/stat counters (clock ticks) of the given CPUs: idle (idle + iowait), busy, and the
+    ticks that landed in the kernel's interrupt work (irq + softirq: on loopback, the receiving half of
+    every send). The kernel samples each tick's context; without CONFIG_IRQ_TIME_ACCOUNTING (this
+    machine's kernel) softirq work run on a thread's way out of a system call is also counted in that
+    thread's own CPU clock, so these ticks overlap the ranks' own CPU rather than sit beside it."""
+    idle = busy = irqs = 0
     for line in Path("/proc/stat").read_text().splitlines():
         name, *fields = line.split()
         if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
@@ -51,7 +59,17 @@ def cpu_ticks(cpus: set[int]) -> dict[str, int]:
         user, nice, system, idl, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
         idle += idl + iowait
         busy += user + nice + system + irq + softirq + steal
-    return {"idle": idle, "busy": busy}
+        irqs += irq + softirq
+    return {"idle": idle, "busy": busy, "irqs": irqs}
+
+
+def process_ticks(pid: int) -> int:
+    """A process's own CPU (user + system clock ticks of its threads, not of its children): the agent's."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
 
 
 def lines(path: Path) -> int:
@@ -78,9 +96,9 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
     while proc.poll() is None and len(marks) < 2:
         n = lines(metrics)
         if n >= warmup and "start" not in marks:
-            marks["start"] = cpu_ticks(cpus)
+            marks["start"] = {**cpu_ticks(cpus), "agent": process_ticks(proc.pid)}
         if n >= steps and "start" in marks:
-            marks["end"] = cpu_ticks(cpus)
+            marks["end"] = {**cpu_ticks(cpus), "agent": process_ticks(proc.pid)}
         time.sleep(0.002)
     _, err = proc.communicate(timeout=900)
     if proc.returncode:
@@ -106,6 +124,8 @@ def main(argv: list[str]) -> None:
     tick = os.sysconf("SC_CLK_TCK")
     idle = (end["idle"] - start["idle"]) / tick / timed
     busy = (end["busy"] - start["busy"]) / tick / timed
+    irqs = (end["irqs"] - start["irqs"]) / tick / timed
+    agent = (end["agent"] - start["agent"]) / tick / timed
 
     events = saved.load(out)
     summary = json.loads((out / "summary.json").read_text())
@@ -118,18 +138,21 @@ def main(argv: list[str]) -> None:
     links = LinkModel.from_dict(summary["virtual"]["link_model"])
     replayed = statistics.mean(r.step_s for r in replay_steps(events, links, cores))
 
-    def row(name: str, step: float, idle_s: float, rest_s: float) -> str:
+    def row(name: str, step: float, idle_s: float, rest_s: float, agent_s: float, irqs_s: float) -> str:
         total = cores * step
         return (f"| {name} | {step * 1e3:.1f} | {total * 1e3:.1f} | {idle_s * 1e3:.1f} ({idle_s / total:.0%}) | "
-                f"{own * 1e3:.1f} ({own / total:.0%}) | {rest_s * 1e3:.1f} ({rest_s / total:.0%}) |")
+                f"{own * 1e3:.1f} ({own / total:.0%}) | {rest_s * 1e3:.1f} ({rest_s / total:.0%}) | "
+                f"{agent_s * 1e3:.1f} | {irqs_s * 1e3:.1f} |")
 
     print(f"\n{timed} timed steps, {world} ranks on {cores} cores, means per step (core-ms)\n")
-    print("| clock | step ms | cores x step | idle | the ranks' own CPU | the rest of the machine |")
-    print("|---|---|---|---|---|---|")
+    print("| clock | step ms | cores x step | idle | the ranks' own CPU | the rest of the machine "
+          "| of it torchrun's agent | irq+softirq ticks (partly in the ranks' own) |")
+    print("|---|---|---|---|---|---|---|---|")
     # /proc/stat's ticks (10 ms) over the timed steps: the two marks' busy and idle, scaled to the step.
     scale = cores * wall / (idle + busy)
-    print(row("wall (/proc/stat between the marks)", wall, idle * scale, busy * scale - own))
-    print(row(f"replayed on {cores} shared cores", replayed, cores * replayed - own, 0.0))
+    print(row("wall (/proc/stat between the marks)", wall, idle * scale, busy * scale - own, agent * scale,
+              irqs * scale))
+    print(row(f"replayed on {cores} shared cores", replayed, cores * replayed - own, 0.0, 0.0, 0.0))
 
 
 if __name__ == "__main__":

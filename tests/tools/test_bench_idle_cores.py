@@ -2,7 +2,8 @@
 
 The bench's figures are measurements (docs/virtual-time.md); what is asserted is that its reading
 of /proc/stat covers the given CPUs' whole time, idle and busy together, as the cores x wall
-split needs: over an interval the two counters together grow by about the CPUs times the interval.
+split needs: over an interval the two counters together grow by about the CPUs times the interval;
+and that its reading of a process's own ticks (torchrun's agent's share) follows that process's CPU.
 """
 
 from __future__ import annotations
@@ -33,4 +34,19 @@ def test_idle_and_busy_together_cover_every_cpu_the_whole_interval(idle_cores):
 
 
 def test_a_cpu_outside_the_set_is_not_counted(idle_cores):
-    assert idle_cores.cpu_ticks(set()) == {"idle": 0, "busy": 0}
+    assert idle_cores.cpu_ticks(set()) == {"idle": 0, "busy": 0, "irqs": 0}
+
+
+def test_a_process_own_ticks_follow_its_cpu_time(idle_cores):
+    tick = os.sysconf("SC_CLK_TCK")
+    before, cpu0 = idle_cores.process_ticks(os.getpid()), time.process_time()
+    deadline = time.process_time() + 0.5
+    while time.process_time() < deadline:
+        pass
+    counted, spent = (idle_cores.process_ticks(os.getpid()) - before) / tick, time.process_time() - cpu0
+    # The same CPU, counted in 10 ms ticks: a few ticks either way (the test's other threads, if any, too).
+    assert counted == pytest.approx(spent, abs=5 / tick)
+
+
+def test_a_process_that_is_gone_has_no_ticks(idle_cores):
+    assert idle_cores.process_ticks(2**22 + 1) == 0
