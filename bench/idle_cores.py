@@ -63,20 +63,56 @@ def cpu_ticks(cpus: set[int]) -> dict[str, int]:
     return {"idle": idle, "busy": busy, "irqs": irqs}
 
 
+def process_stat(pid: int, tid: int | None = None) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (field 3 of proc(5) first), or one thread's
+    (/proc/<pid>/task/<tid>/stat); [] once it is gone."""
+    path = Path(f"/proc/{pid}/stat") if tid is None else Path(f"/proc/{pid}/task/{tid}/stat")
+    try:
+        return path.read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+def cpu_of(fields: list[str]) -> int:
+    """utime + stime (fields 14 and 15 of proc(5)), in clock ticks; 0 for a process that is gone."""
+    return int(fields[11]) + int(fields[12]) if fields else 0
+
+
 def process_ticks(pid: int) -> int:
-    """A process's own CPU (user + system clock ticks of its threads, not of its children): the agent's."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0
-    return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    """A process's own CPU (clock ticks of all its threads, not of its children)."""
+    return cpu_of(process_stat(pid))
 
 
-def lines(path: Path) -> int:
+def children_ticks(parent: int) -> tuple[int, int]:
+    """The summed own CPU of a process's children (the agent's workers, the ranks), split into their
+    main threads' (each rank's compute thread) and their other threads' (gloo's, and any other)."""
+    main = every = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = process_stat(int(entry.name))
+            if fields and int(fields[1]) == parent:  # field 4 of proc(5): the parent's pid
+                every += cpu_of(fields)
+                main += cpu_of(process_stat(int(entry.name), int(entry.name)))
+    return main, every - main
+
+
+def counters(cpus: set[int], agent: int) -> dict[str, int]:
+    """Every counter the split reads at one mark, in clock ticks."""
+    main, others = children_ticks(agent)
+    return {**cpu_ticks(cpus), "agent": process_ticks(agent), "ranks_main": main, "ranks_others": others,
+            "bench": process_ticks(os.getpid())}
+
+
+def lines(path: Path, seen: dict) -> int:
+    """metrics.jsonl's lines, read again only when its size has changed: the bench polls it every
+    2 ms on the cores it measures, so each poll should cost a stat, not a read."""
     try:
-        return path.read_text().count("\n")
+        size = path.stat().st_size
     except FileNotFoundError:
         return 0
+    if seen.get("size") != size:
+        seen["size"], seen["lines"] = size, path.read_text().count("\n")
+    return seen["lines"]
 
 
 def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, int]:
@@ -92,13 +128,13 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
     cpus = os.sched_getaffinity(0)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     marks: dict[int, dict] = {}
-    metrics = run_dir / "metrics.jsonl"
+    metrics, seen = run_dir / "metrics.jsonl", {}
     while proc.poll() is None and len(marks) < 2:
-        n = lines(metrics)
+        n = lines(metrics, seen)
         if n >= warmup and "start" not in marks:
-            marks["start"] = {**cpu_ticks(cpus), "agent": process_ticks(proc.pid)}
+            marks["start"] = counters(cpus, proc.pid)
         if n >= steps and "start" in marks:
-            marks["end"] = {**cpu_ticks(cpus), "agent": process_ticks(proc.pid)}
+            marks["end"] = counters(cpus, proc.pid)
         time.sleep(0.002)
     _, err = proc.communicate(timeout=900)
     if proc.returncode:
@@ -122,37 +158,39 @@ def main(argv: list[str]) -> None:
     start, end, timed = run(overrides, world, out)
     cores = len(os.sched_getaffinity(0))
     tick = os.sysconf("SC_CLK_TCK")
-    idle = (end["idle"] - start["idle"]) / tick / timed
-    busy = (end["busy"] - start["busy"]) / tick / timed
-    irqs = (end["irqs"] - start["irqs"]) / tick / timed
-    agent = (end["agent"] - start["agent"]) / tick / timed
+    per_step = {key: (end[key] - start[key]) / tick / timed for key in start}
 
     events = saved.load(out)
     summary = json.loads((out / "summary.json").read_text())
     n = len(events[0]["steps"])
     timed_steps = range(n - timed, n)
     # Each rank's own CPU over a step: its compute thread's, and its other threads' (gloo's) while it ran.
-    own = statistics.mean(sum(e["steps"][i]["cpu_s"] + e["steps"][i]["phases"][-1]["helper_end"]
-                              - e["steps"][i]["phases"][0]["helper_start"] for e in events) for i in timed_steps)
+    own_main = statistics.mean(sum(e["steps"][i]["cpu_s"] for e in events) for i in timed_steps)
+    own_others = statistics.mean(sum(e["steps"][i]["phases"][-1]["helper_end"]
+                                     - e["steps"][i]["phases"][0]["helper_start"] for e in events) for i in timed_steps)
+    own = own_main + own_others
     wall = statistics.mean(max(e["steps"][i]["wall_s"] for e in events) for i in timed_steps)
     links = LinkModel.from_dict(summary["virtual"]["link_model"])
     replayed = statistics.mean(r.step_s for r in replay_steps(events, links, cores))
 
-    def row(name: str, step: float, idle_s: float, rest_s: float, agent_s: float, irqs_s: float) -> str:
+    def row(name: str, step: float, idle_s: float, rest_s: float, *parts: float) -> str:
         total = cores * step
         return (f"| {name} | {step * 1e3:.1f} | {total * 1e3:.1f} | {idle_s * 1e3:.1f} ({idle_s / total:.0%}) | "
                 f"{own * 1e3:.1f} ({own / total:.0%}) | {rest_s * 1e3:.1f} ({rest_s / total:.0%}) | "
-                f"{agent_s * 1e3:.1f} | {irqs_s * 1e3:.1f} |")
+                + " | ".join(f"{part * 1e3:.1f}" for part in parts) + " |")
 
     print(f"\n{timed} timed steps, {world} ranks on {cores} cores, means per step (core-ms)\n")
     print("| clock | step ms | cores x step | idle | the ranks' own CPU | the rest of the machine "
-          "| of it torchrun's agent | irq+softirq ticks (partly in the ranks' own) |")
-    print("|---|---|---|---|---|---|---|---|")
-    # /proc/stat's ticks (10 ms) over the timed steps: the two marks' busy and idle, scaled to the step.
-    scale = cores * wall / (idle + busy)
-    print(row("wall (/proc/stat between the marks)", wall, idle * scale, busy * scale - own, agent * scale,
-              irqs * scale))
-    print(row(f"replayed on {cores} shared cores", replayed, cores * replayed - own, 0.0, 0.0, 0.0))
+          "| of it: the ranks' compute threads beyond their steps | the ranks' other threads beyond their steps "
+          "| torchrun's agent | this bench's polling | irq+softirq ticks (partly in the ranks' own) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    # /proc/stat's ticks (10 ms) over the timed steps: the two marks' busy and idle, scaled to the step
+    # (the marks fall between ticks); the processes' own CPU is counted in ns, so it is not scaled.
+    scale = cores * wall / (per_step["idle"] + per_step["busy"])
+    print(row("wall (/proc/stat between the marks)", wall, per_step["idle"] * scale, per_step["busy"] * scale - own,
+              per_step["ranks_main"] - own_main, per_step["ranks_others"] - own_others, per_step["agent"],
+              per_step["bench"], per_step["irqs"] * scale))
+    print(row(f"replayed on {cores} shared cores", replayed, cores * replayed - own, *[0.0] * 6))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,16 @@
 The bench's figures are measurements (docs/virtual-time.md); what is asserted is that its reading
 of /proc/stat covers the given CPUs' whole time, idle and busy together, as the cores x wall
 split needs: over an interval the two counters together grow by about the CPUs times the interval;
-and that its reading of a process's own ticks (torchrun's agent's share) follows that process's CPU.
+and that its reading of a process's own ticks (torchrun's agent's share) follows that process's CPU,
+and of its children's (the ranks') on their main threads and on their other threads apart.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -50,3 +53,24 @@ def test_a_process_own_ticks_follow_its_cpu_time(idle_cores):
 
 def test_a_process_that_is_gone_has_no_ticks(idle_cores):
     assert idle_cores.process_ticks(2**22 + 1) == 0
+
+
+def test_a_child_busy_on_its_main_thread_counts_there(idle_cores):
+    tick = os.sysconf("SC_CLK_TCK")
+    # A child that spends 0.5 s of CPU on its main thread and 0.3 s on another, then waits to be read.
+    code = ("import threading, time\n"
+            "def spin(s):\n"
+            "    end = time.thread_time() + s\n"
+            "    while time.thread_time() < end: pass\n"
+            "t = threading.Thread(target=spin, args=(0.3,)); t.start(); spin(0.5); t.join()\n"
+            "print('done', flush=True); time.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "done"
+        main, others = idle_cores.children_ticks(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    # The interpreter's own start-up is on the main thread too: a few ticks more there.
+    assert main / tick == pytest.approx(0.5, abs=8 / tick)
+    assert others / tick == pytest.approx(0.3, abs=3 / tick)
