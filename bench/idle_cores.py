@@ -9,14 +9,17 @@ step to metrics.jsonl and when it has written its last step. Between them, the c
 into time idle (the kernel's idle and iowait), time busy, and of the busy time what the run's own
 ranks took: the CPU every rank's compute thread and its other threads (gloo's) counted over the
 same steps, from the run's saved events (the clock virtual time replays). Busy time the ranks did
-not count is the rest of the machine: torchrun's agent (printed apart, from its own /proc/<pid>/stat),
-the kernel's interrupt work that ran outside a rank's thread, anything else. The ticks that landed in
-interrupt work are printed too, with a caveat: on a kernel without CONFIG_IRQ_TIME_ACCOUNTING (this
-machine's) the softirq work a thread runs on its way out of a system call is also in that thread's
-own CPU clock, so those ticks overlap the ranks' own CPU and are not a part of the rest.
+not count is the rest of the machine, and each process's own CPU (/proc/<pid>/stat, counted in ns)
+splits it: the ranks' processes outside their timed steps (their compute threads, the main ones,
+and their other threads apart: the loss's all-reduce, the next batch, the metrics), torchrun's
+agent, this bench's own polling of metrics.jsonl; what is left is the kernel's interrupt work
+outside any of them and anything else. The ticks that landed in interrupt work are printed too,
+with a caveat: on a kernel without CONFIG_IRQ_TIME_ACCOUNTING (this machine's) the softirq work a
+thread runs on its way out of a system call is also in that thread's own CPU clock, so those ticks
+overlap the ranks' own CPU and are not a part of the rest.
 
 Printed per timed step (mean over the timed steps, core-ms): the cores' time (cores x wall step),
-idle, the ranks' own CPU, the rest; and the same for the run's replay with its ranks sharing the
+idle, the ranks' own CPU, the rest and its parts; and the same for the run's replay with its ranks sharing the
 cores (`launch.replay <run> cores=C`: the engine's processor sharing of the same CPU), whose idle
 is the cores' time it left unused waiting on dependencies.
 

@@ -64,10 +64,13 @@ def test_a_child_busy_on_its_main_thread_counts_there(idle_cores):
             "    while time.thread_time() < end: pass\n"
             "t = threading.Thread(target=spin, args=(0.3,)); t.start(); spin(0.5); t.join()\n"
             "print('done', flush=True); time.sleep(30)\n")
+    # Against what this process's other children (earlier tests' leftovers, if any) had already counted.
+    main_before, others_before = idle_cores.children_ticks(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "done"
         main, others = idle_cores.children_ticks(os.getpid())
+        main, others = main - main_before, others - others_before
     finally:
         child.kill()
         child.wait()
