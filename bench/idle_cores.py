@@ -4,24 +4,25 @@ the machine, or nothing at all.
     python bench/idle_cores.py <launch.train overrides ...> [world=4] [out=runs/idle-cores]
 
 Runs `launch.train` under torchrun (one run, `world` ranks on this machine's cores) and reads the
-kernel's per-CPU counters (/proc/stat) at two moments: when rank 0 has written its last warm-up
-step to metrics.jsonl and when it has written its last step. Between them, the cores' time splits
-into time idle (the kernel's idle and iowait), time busy, and of the busy time what the run's own
-ranks took: the CPU every rank's compute thread and its other threads (gloo's) counted over the
-same steps, from the run's saved events (the clock virtual time replays). Busy time the ranks did
-not count is the rest of the machine, and each process's own CPU (/proc/<pid>/stat, counted in ns)
-splits it: the ranks' processes outside their timed steps (their compute threads, the main ones,
-and their other threads apart: the loss's all-reduce, the next batch, the metrics), torchrun's
-agent, this bench's own polling of metrics.jsonl; what is left is the kernel's interrupt work
-outside any of them and anything else. The ticks that landed in interrupt work are printed too,
-with a caveat: on a kernel without CONFIG_IRQ_TIME_ACCOUNTING (this machine's) the softirq work a
-thread runs on its way out of a system call is also in that thread's own CPU clock, so those ticks
-overlap the ranks' own CPU and are not a part of the rest.
+kernel's per-CPU counters (/proc/stat) at two moments: when rank 0 has written its last warm-up step
+to metrics.jsonl and when it has written its last step. Between them, the cores' time splits into
+time idle (the kernel's idle and iowait), time busy, and of the busy time what the run's own ranks
+took: the CPU every rank's compute thread and its other threads (gloo's) counted over the same
+steps, from the run's saved events (the clock virtual time replays). Busy time the ranks did not
+count is the rest of the machine, and each process's own CPU (/proc/<pid>/stat: the kernel keeps it
+in ns, so it is not sampled like /proc/stat's ticks) splits it: the ranks' processes outside their
+timed steps (their compute threads, the main ones, and their other threads apart: the loss's
+all-reduce, the next batch, the metrics), torchrun's agent, this bench's own polling of
+metrics.jsonl; what is left is the kernel's interrupt work outside any of them and anything else.
+The ticks that landed in interrupt work are printed too, with a caveat: on a kernel without
+CONFIG_IRQ_TIME_ACCOUNTING (this machine's) the softirq work a thread runs on its way out of a
+system call is also in that thread's own CPU clock, so those ticks overlap the ranks' own CPU and
+are not a part of the rest.
 
 Printed per timed step (mean over the timed steps, core-ms): the cores' time (cores x wall step),
-idle, the ranks' own CPU, the rest and its parts; and the same for the run's replay with its ranks sharing the
-cores (`launch.replay <run> cores=C`: the engine's processor sharing of the same CPU), whose idle
-is the cores' time it left unused waiting on dependencies.
+idle, the ranks' own CPU, the rest and its parts; and the same for the run's replay with its ranks
+sharing the cores (`launch.replay <run> cores=C`: the engine's processor sharing of the same CPU),
+whose idle is the cores' time it left unused waiting on dependencies.
 
 Why: the contention check (docs/virtual-time.md) replays world-4 runs on 2 shared cores, and tp's
 and pp_1f1b's replays come out under their wall steps. The ranks' own CPU is the same in both;
@@ -46,6 +47,7 @@ from parallel.dist.timing import default_warmup_steps  # noqa: E402
 from parallel.replay import events as saved  # noqa: E402
 from parallel.replay.links import LinkModel  # noqa: E402
 from parallel.replay.virtual import replay_steps  # noqa: E402
+from parallel.runner import descendants  # noqa: E402
 
 
 def cpu_ticks(cpus: set[int]) -> dict[str, int]:
@@ -87,15 +89,12 @@ def process_ticks(pid: int) -> int:
 
 
 def children_ticks(parent: int) -> tuple[int, int]:
-    """The summed own CPU of a process's children (the agent's workers, the ranks), split into their
-    main threads' (each rank's compute thread) and their other threads' (gloo's, and any other)."""
+    """The summed own CPU of every process below `parent` (the agent's workers, the ranks), split into
+    their main threads' (each rank's compute thread) and their other threads' (gloo's, and any other)."""
     main = every = 0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = process_stat(int(entry.name))
-            if fields and int(fields[1]) == parent:  # field 4 of proc(5): the parent's pid
-                every += cpu_of(fields)
-                main += cpu_of(process_stat(int(entry.name), int(entry.name)))
+    for pid in descendants(parent):
+        every += process_ticks(pid)
+        main += cpu_of(process_stat(pid, pid))
     return main, every - main
 
 
@@ -188,7 +187,7 @@ def main(argv: list[str]) -> None:
           "| torchrun's agent | this bench's polling | irq+softirq ticks (partly in the ranks' own) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     # /proc/stat's ticks (10 ms) over the timed steps: the two marks' busy and idle, scaled to the step
-    # (the marks fall between ticks); the processes' own CPU is counted in ns, so it is not scaled.
+    # (the marks fall between ticks); the processes' own CPU is kept in ns (reported in ticks), so it is not scaled.
     scale = cores * wall / (per_step["idle"] + per_step["busy"])
     print(row("wall (/proc/stat between the marks)", wall, per_step["idle"] * scale, per_step["busy"] * scale - own,
               per_step["ranks_main"] - own_main, per_step["ranks_others"] - own_others, per_step["agent"],
