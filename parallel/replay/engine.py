@@ -36,7 +36,14 @@ sharing), so compute that overlaps a transfer is stretched by the transfer's CPU
 in a call leaves its core to the op. An op goes at the pace of its slowest member. An op without
 `cpu` wants nothing: a device with its own copy engine.
 
-To reproduce a machine with fewer cores than ranks (`cores=C`), the C cores are shared by
+Ranks bound to cores, several to a core (`cores=[core of rank 0, core of rank 1, ...]`: a run
+made with `train.pin_cores=round_robin`, 4 ranks on 2 cores), share their core the same way: the
+ranks of one core and their ops, each wanting what it wants with a core of its own, go at
+1 / wanted of that core when they want more than it. A core per rank is the placement in which
+no two ranks share one.
+
+To reproduce a machine with fewer cores than ranks whose threads the kernel moves freely
+(`cores=C`), the C cores are shared by
 whatever wants one at that moment: each rank that computes and each member of an op in flight,
 a core each (on this machine gloo's threads move a collective or a message on the same cores, and
 an op waits for them to get one at every handoff: an upper bound on what it needs). Each
@@ -144,8 +151,11 @@ class Replay:
     `run()` below drives it: everything that can happen at one instant (`settle`), then time moves
     to the next event (`advance`)."""
 
-    def __init__(self, programs: list[list], bandwidth: dict, cores: float | None, buckets: dict | None = None):
+    def __init__(self, programs: list[list], bandwidth: dict, cores: float | list | None,
+                 buckets: dict | None = None):
         n = len(programs)
+        if isinstance(cores, (list, tuple)) and len(cores) != n:
+            raise ValueError(f"cores: a placement names the core of each of the {n} ranks, got {len(cores)}")
         self.programs, self.bandwidth, self.cores, self.n = programs, bandwidth, cores, n
         self.buckets = buckets or {}  # link -> (burst bytes, line bytes/s)
         self.tokens = {link: float(burst) for link, (burst, _) in self.buckets.items()}
@@ -307,11 +317,12 @@ class Replay:
     def paces(self) -> tuple[list[float], dict]:
         """Processor sharing: the pace of each rank's compute and of each op in flight.
 
-        A core per rank (`cores=None`): a rank's communication wants the sum of its ops' measured
-        shares (`cpu_share`; nothing for an op without a measurement: a run saved before the other
-        threads' clock replays as before it), at most one core; the rank's compute (one core) and
-        its communication share its core, and when they want more than it each goes at
-        1 / wanted. An op goes at the pace of its slowest member.
+        Ranks placed on cores (`cores=None`, a core per rank, or a list: each rank's core): a
+        rank's communication wants the sum of its ops' measured shares (`cpu_share`; nothing for an
+        op without a measurement: a run saved before the other threads' clock replays as before
+        it), at most one core; its compute wants a core. Everything the ranks of one core want
+        shares that core: when they want more than it, each goes at 1 / wanted. An op goes at the
+        pace of its slowest member.
 
         `cores=C` shared by all ranks: every computing rank wants a core, and so does every rank
         with an op in flight, whatever the op's measured CPU: on a machine whose cores are all
@@ -320,15 +331,20 @@ class Replay:
         docs/virtual-time.md). All go at min(1, C / wanted)."""
         computing = [1.0 if self.computing[r] is not None else 0.0 for r in range(self.n)]
         communicating = [0.0] * self.n  # what each rank's ops in flight want, at most a core
+        pooled = self.cores is not None and not isinstance(self.cores, (list, tuple))
         for op in self.active:
             for m in op.members:
-                share = 1.0 if self.cores is not None else self.cpu_share(op, m)
+                share = 1.0 if pooled else self.cpu_share(op, m)
                 communicating[m] = min(1.0, communicating[m] + share)
-        if self.cores is None:
-            rank_pace = [1.0 / max(1.0, c + o) for c, o in zip(computing, communicating)]
+        if not pooled:
+            placement = range(self.n) if self.cores is None else self.cores
+            wanted: dict = {}
+            for r, core in enumerate(placement):
+                wanted[core] = wanted.get(core, 0.0) + computing[r] + communicating[r]
+            rank_pace = [1.0 / max(1.0, wanted[core]) for core in placement]
             return rank_pace, {op.key: min(rank_pace[m] for m in op.members) for op in self.active}
-        wanted = sum(computing) + sum(communicating)
-        pace = min(1.0, self.cores / wanted) if wanted > 0 else 1.0
+        wanted_all = sum(computing) + sum(communicating)
+        pace = min(1.0, self.cores / wanted_all) if wanted_all > 0 else 1.0
         return [pace] * self.n, {op.key: pace for op in self.active}
 
     def rates(self) -> tuple[list[int], list[float], dict, dict, dict]:
@@ -379,10 +395,11 @@ class Replay:
             self.left[key] = 0.0 if self.left[key] / speed <= dt else self.left[key] - dt * speed
 
 
-def run(programs: list[list], bandwidth: dict | None = None, cores: float | None = None,
+def run(programs: list[list], bandwidth: dict | None = None, cores: float | list | None = None,
         buckets: dict | None = None) -> Result:
     """Play `programs` (one per rank) together; `bandwidth[link]`: bytes/s of each link an op
-    loads; `cores`: None for a core per rank, else the cores the ranks share; `buckets[link]`:
+    loads; `cores`: None for a core per rank, a list for the core each rank is bound to (ranks
+    of one core share it), else how many cores all ranks share; `buckets[link]`:
     (burst bytes, line bytes/s) of a link's token bucket."""
     play = Replay(programs, bandwidth or {}, cores, buckets)
     play.settle()

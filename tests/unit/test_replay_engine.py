@@ -171,6 +171,35 @@ def test_shared_cores_count_a_whole_core_for_each_member_of_an_op_in_flight_meas
     assert run(overlapped(None), cores=1).ends == [4, 4]
 
 
+def test_ranks_bound_to_cores_share_only_their_own_core():
+    # 4 ranks, 1 s of compute each, two to a core: 2 s; one rank to a core each: 1 s; three on core
+    # a and one on core b: 3 s for the three, 1 s for the one, whatever core b leaves idle.
+    assert run([[Compute(1)]] * 4, cores=["a", "b", "a", "b"]).ends == [2, 2, 2, 2]
+    assert run([[Compute(1)]] * 4, cores=[0, 1, 2, 3]).ends == [1, 1, 1, 1]
+    assert run([[Compute(1)]] * 4, cores=["a", "a", "a", "b"]).ends == pytest.approx([3, 3, 3, 1])
+    # Uneven work on one core: processor sharing until the shorter ends, then the longer alone.
+    assert run([[Compute(1)], [Compute(3)]], cores=[0, 0]).ends == [2, 4]
+    with pytest.raises(ValueError, match="core of each of the 2 ranks"):
+        run([[Compute(1)], [Compute(1)]], cores=[0])
+
+
+def test_a_rank_bound_beside_another_shares_its_core_with_that_ranks_ops_as_measured():
+    # The test of a core per rank, rank 0's op having taken 1 s of CPU over its 2 s on the link,
+    # now with a third rank computing 3 s on rank 0's core: that core is wanted 2.5 times (two
+    # computing, half a core for the op), everything on it at 0.4, rank 1's own core at 1.
+    # Rank 1 finishes its 3 s of compute at 3; the op has done 1.2 s of its 2 by then, and rank 0
+    # and rank 2 1.2 s of their 3; then 0.8 s of the op left at 0.4 (rank 1 blocked wants nothing):
+    # it ends at 5, when ranks 0 and 2 have computed 2 s; each has 1 s left at 1/2: 7.
+    op = Op(("ar",), (0, 1), demand={"l": 4}, cpu={0: 1.0, 1: 0.0})
+    programs = [[Post(op, "h"), Compute(3), Wait(("h",))], [Post(op, "h"), Compute(3), Wait(("h",))], [Compute(3)]]
+    assert run(programs, {"l": 2}, cores=[0, 1, 0]).ends == pytest.approx([7, 5, 7])
+    # A core per rank is the placement in which none is shared: the same answers as cores=None.
+    def alone():
+        o = Op(("ar",), (0, 1), demand={"l": 4}, cpu={0: 1.0, 1: 0.0})
+        return [[Post(o, "h"), Compute(3), Wait(("h",))] for _ in range(2)]
+    assert run(alone(), {"l": 2}, cores=["x", "y"]).ends == pytest.approx(run(alone(), {"l": 2}).ends)
+
+
 def test_an_op_a_member_never_posts_is_a_deadlock():
     op = Op(("x",), (0, 1))
     with pytest.raises(Deadlock):
