@@ -20,7 +20,7 @@ from parallel.core.host_memory import apply_host_allocator
 from parallel.core.model import GPT, count_parameters
 from parallel.core.precision import ForwardContext
 from parallel.core.recompute import apply_recompute
-from parallel.dist.binding import bind_rank, threads_per_rank
+from parallel.dist.binding import allowed_cores, bind_rank, threads_per_rank
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown
@@ -71,6 +71,7 @@ class Run:
     trace: dict | None = None  # the last step's phases and communication spans (report/trace.py)
     events: list[dict] = field(default_factory=list)  # timed steps' phases and calls, both clocks (parallel/replay/)
     links: object = None  # the replay's link model (parallel/replay/links.py), set after the steps
+    cores: list[int] = field(default_factory=list)  # the cores this rank may run on, once bound (dist/binding.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -147,7 +148,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     log.info("timing: %d warm-up step(s) not timed%s, %d timed", plan.warmup_steps,
              f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
              steps_run - plan.warmup_steps)
-    return Run(plan, ctx, run_dir, strategy)
+    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores())
 
 
 def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
@@ -304,6 +305,7 @@ def rank_report(run: Run) -> dict:
         "breakdown_note": strategy.breakdown_note,
         "trace": run.trace,
         "events": {"rank": ctx.rank, "coords": ctx.coords, "node": run.wire.node if run.wire is not None else 0,
+                   "machine": ctx.peers[ctx.rank][2] if ctx.peers else None, "cores": run.cores,
                    "groups": {name: list(c.global_ranks) for name, c in ctx.comms.items() if c is not None},
                    "steps": run.events},
         # Parameters, gradients and optimizer state this rank holds after the last step, and its

@@ -13,6 +13,14 @@ where 0.39 ms, with a mean of 0.54-0.59 ms; the loopback probe's message 45-70 Â
 This is what MPI launchers do by default (`--bind-to core` where there are at least as many
 cores as processes).
 
+`round_robin`: on the CPU, every rank on cores of its own whatever their number, rank i's
+`threads` cores dealt in turn (rank i on core i mod C with one thread each). With more ranks
+than cores several ranks share a core, and only their own: the kernel no longer chooses, at each
+wake-up, which core a thread runs on. The replay then knows which ranks share which core
+(`python -m launch.replay <run> cores=bound`) and reproduces the machine by processor sharing of
+each core among its ranks (parallel/replay/engine.py); the virtual-time bench's contention check
+makes its world-4 runs this way (docs/virtual-time.md, where the unbound runs' shortfall is).
+
 `auto` (the default): on the CPU, when every rank of this machine can have `threads` cores (one
 per rank, or `train.threads` each) out of the cores the process may use, rank i of the machine
 takes the i-th block of them; every thread it has is moved there, and threads made later inherit
@@ -35,7 +43,7 @@ import contextlib
 import os
 from pathlib import Path
 
-PIN_CHOICES = ("auto", "off")
+PIN_CHOICES = ("auto", "off", "round_robin")
 HOST_CORES_ENV = "PARALLEL_HOST_CORES"  # the cores the machine's ranks share, set before a rank narrows itself
 
 
@@ -77,6 +85,13 @@ def cores_for(slot: int, ranks: int, allowed: list[int], threads: int) -> list[i
     if ranks * threads > len(allowed):
         return None
     return allowed[slot * threads:(slot + 1) * threads]
+
+
+def round_robin_cores(slot: int, allowed: list[int], threads: int) -> list[int]:
+    """The `threads` cores rank `slot` takes when the machine's ranks are dealt to its cores in turn,
+    however many ranks there are: rank i on core i mod C with one thread each, so 4 ranks on 2
+    cores are 2 to a core (ranks 0 and 2 on the first, 1 and 3 on the second)."""
+    return sorted({allowed[(slot * threads + j) % len(allowed)] for j in range(threads)})
 
 
 def move_threads(cores: list[int] | set[int]) -> dict[int, set[int]]:
@@ -125,6 +140,14 @@ def bind_rank(choice: str, ids: list[str], rank: int, threads: int, device_type:
         return "not bound (this system cannot set a thread's cores)"
     if device_type != "cpu":
         return "not bound (a GPU run: the device computes, not the cores)"
+    if choice == "round_robin":
+        cores = round_robin_cores(slot, allowed, threads)
+        if len(cores) == len(allowed):
+            return f"not bound (rank {slot} of this machine's {ranks} would take all its {len(allowed)} core(s))"
+        os.environ[HOST_CORES_ENV] = ",".join(str(c) for c in allowed)
+        move_threads(cores)
+        return (f"rank {slot} of this machine's {ranks} on core(s) {','.join(str(c) for c in cores)} of "
+                f"{len(allowed)} (round_robin)")
     cores = cores_for(slot, ranks, allowed, threads)
     if cores is None:
         return (f"not bound: {ranks} ranks with {threads} thread(s) each share {len(allowed)} core(s) "

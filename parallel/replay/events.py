@@ -3,6 +3,9 @@
 Per rank, events/rank<r>.json:
 
     rank, coords, node      the global rank, its coordinates, the node it ran on
+    machine, cores          the machine it shared cores with (parallel/dist/binding.py's machine id)
+                            and the cores it could run on once bound (`train.pin_cores`): one core
+                            where the run bound it, the machine's usable cores where it did not
     groups                  {group name: its members' global ranks, in group-rank order}
     steps                   per timed step: step, wall_s (the rank's step time), cpu_s (its thread's
                             CPU time in the step), phases [{phase, label, start, end, cpu_start,
@@ -46,3 +49,13 @@ def load(run_dir: Path) -> list[dict]:
         raise FileNotFoundError(f"{run_dir} has no {DIRECTORY}/rank*.json: run it again with this version "
                                 "(every run saves its timed steps' events there)")
     return [json.loads(p.read_text()) for p in files]
+
+
+def placement(events: list[dict]) -> list[tuple] | None:
+    """The core each rank was bound to, as (machine, core), where the run bound every rank to one
+    core (`train.pin_cores=round_robin`, or `auto` with a core per rank): the replay's `cores` for
+    reproducing that machine, its ranks sharing their cores. None where a rank was not bound to a
+    single core (the kernel moved its threads) or the run was saved before the cores were recorded."""
+    if any(len(e.get("cores") or []) != 1 for e in events):
+        return None
+    return [(e.get("machine"), e["cores"][0]) for e in events]

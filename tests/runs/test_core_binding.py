@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from launcher import CPU_ONLY, PROJECT_ROOT, look_at_live_ranks
+from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, look_at_live_ranks, run_train
 
 from parallel.dist.binding import machine_id
 
@@ -97,3 +97,20 @@ def test_off_leaves_the_threads_on_every_core(tmp_path):
     cores, logged = _live_cores(tmp_path, ["train.pin_cores=off"])
     assert cores[0] == cores[1] == {allowed}
     assert "cores: off (the 2 rank(s) of this machine share its" in logged, logged
+
+
+def test_round_robin_deals_the_ranks_to_the_cores_in_turn_and_the_events_say_which(tmp_path):
+    """4 ranks dealt to the cores in turn: on 2 cores (more ranks than cores, where `auto` binds
+    nothing) ranks 0 and 2 on the first, 1 and 3 on the second, as each rank's log and saved
+    events say."""
+    allowed = sorted(os.sched_getaffinity(0))
+    run = run_train(4, [*TINY, "parallel=dp", "train.steps=3", "train.pin_cores=round_robin", "run.timeline=false"],
+                    tmp_path / "run")
+    assert_ok(run)
+    for rank in range(4):
+        core = allowed[rank % len(allowed)]
+        events = json.loads((run.run_dir / "events" / f"rank{rank}.json").read_text())
+        assert events["cores"] == [core], (rank, events["cores"])
+        assert events["machine"] == machine_id()
+        logged = (run.run_dir / "logs" / f"rank{rank}.log").read_text()
+        assert f"on core(s) {core} of {len(allowed)} (round_robin)" in logged, logged

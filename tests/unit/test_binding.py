@@ -16,6 +16,7 @@ from parallel.dist.binding import (
     bind_rank,
     cores_for,
     host_cores,
+    round_robin_cores,
     slot_on_machine,
 )
 
@@ -39,6 +40,14 @@ def test_cores_for_gives_each_rank_its_own_block_or_none():
     assert cores_for(0, 2, [0, 1, 2], 2) is None  # 2 ranks x 2 threads on 3 cores
 
 
+def test_round_robin_deals_the_cores_in_turn_however_many_ranks():
+    assert [round_robin_cores(slot, [0, 1], 1) for slot in range(4)] == [[0], [1], [0], [1]]
+    assert [round_robin_cores(slot, [4, 5, 6], 1) for slot in range(4)] == [[4], [5], [6], [4]]
+    assert round_robin_cores(1, [0, 1, 2, 3], 2) == [2, 3]
+    assert round_robin_cores(1, [0, 1, 2], 2) == [0, 2]  # the block wraps around
+    assert round_robin_cores(0, [0, 1], 3) == [0, 1]  # more threads than cores: every core once
+
+
 def test_nothing_is_bound_where_the_rule_says_not():
     """Each of these returns what it did not do and leaves this process's cores as they were."""
     before = os.sched_getaffinity(0)
@@ -50,12 +59,15 @@ def test_nothing_is_bound_where_the_rule_says_not():
         "replays away)")
     assert bind_rank("auto", ["m", "m"], 0, 1, "cuda") == "not bound (a GPU run: the device computes, not the cores)"
     assert bind_rank("auto", ["m"], 0, n, "cpu") == f"not bound (the one rank of this machine has all its {n} core(s))"
+    assert bind_rank("round_robin", too_many, 0, n, "cpu") == (
+        f"not bound (rank 0 of this machine's {n + 1} would take all its {n} core(s))")
+    assert bind_rank("round_robin", too_many, 0, 1, "cuda").startswith("not bound (a GPU run")
     assert os.sched_getaffinity(0) == before
     assert HOST_CORES_ENV not in os.environ
 
 
 def test_a_bad_choice_is_named():
-    with pytest.raises(ValueError, match=r"train.pin_cores='always': choose one of auto, off"):
+    with pytest.raises(ValueError, match=r"train.pin_cores='always': choose one of auto, off, round_robin"):
         bind_rank("always", ["m"], 0, 1, "cpu")
 
 
