@@ -15,6 +15,11 @@
                                                                                 probes=N: the median of N probe
                                                                                 runs (default 3; 1 is quicker,
                                                                                 and as noisy as one probe)
+    python -m launch.replay <run dir> cores=bound                             the run's own links, each rank
+                                                                                on the core the run bound it to,
+                                                                                the ranks of a core sharing it
+                                                                                (a run made with
+                                                                                train.pin_cores=round_robin)
     python -m launch.replay <run dir>                                         the run's own replay again
     python -m launch.replay <run dir> comm_cpu=free                           the communication taking no CPU
                                                                                 of the ranks' cores (a device's
@@ -71,7 +76,16 @@ def parse(argv: list[str]) -> tuple[Path, dict]:
         key, value = arg.split("=", 1)
         if key.startswith("net."):
             options["fields"][key[4:]] = _value(value)
-        elif key in ("net", "cluster", "cores", "out"):
+        elif key == "cores":
+            if value != "bound":
+                try:
+                    if float(value) <= 0:
+                        raise ValueError
+                except ValueError:
+                    raise ReplayError(f"cores={value!r}: how many cores the ranks share (a number above 0), or "
+                                      "bound (each rank on the core the run bound it to)") from None
+            options[key] = value
+        elif key in ("net", "cluster", "out"):
             options[key] = value
         elif key == "loopback":
             if value not in ("run", "unbound"):
@@ -155,6 +169,21 @@ def unbound_loopback(gloo_loop_policy: str, probes: int = 3) -> LinkModel:
                    f"probed now by launch.replay, two ranks not bound to cores, {runs}")
 
 
+def shared_cores(option: str | None, events: list[dict]) -> float | list | None:
+    """The engine's `cores` for the `cores=` option: None (a core per rank), a number of cores all
+    ranks share, or (`bound`) the core each rank was bound to."""
+    if option is None:
+        return None
+    if option != "bound":
+        return float(option)
+    placement = saved.placement(events)
+    if placement is None:
+        raise ReplayError("cores=bound: the run did not bind each rank to one core (its events name the cores each "
+                          "rank could run on, and one has several, or none: a run saved before they were recorded); "
+                          "make it with train.pin_cores=round_robin, or give cores=<how many the ranks shared>")
+    return placement
+
+
 def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
@@ -162,9 +191,10 @@ def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     summary = json.loads(summary_path.read_text())
     events = saved.load(run_dir)
     links, scale, peak, label = links_for(options, summary, len(events))
-    cores = float(options["cores"]) if "cores" in options else None
+    cores = shared_cores(options.get("cores"), events)
+    suffix = "" if cores is None else "-cores_bound" if isinstance(cores, list) else f"-cores{options['cores']}"
     name = options.get("out") or f"replay-{(options.get('cluster') or options.get('net') or 'own')}" + (
-        "".join(f"-{k}{v}" for k, v in options["fields"].items()) + (f"-cores{options['cores']}" if cores else "")
+        "".join(f"-{k}{v}" for k, v in options["fields"].items()) + suffix
         + ("-loopback_unbound" if options.get("loopback") == "unbound" else "")
         + ("-comm_cpu_free" if options.get("comm_cpu") == "free" else ""))
     out = run_dir / name if "out" not in options else Path(name)
@@ -173,6 +203,10 @@ def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
     comm_cpu = {"charged": True, "free": False}.get(options.get("comm_cpu"))
     block = write_virtual(out, events, summary, links, draw=True, cores=cores, compute_scale=scale, what_if=what_if,
                           peak=peak, comm_cpu=comm_cpu)
+    if isinstance(cores, list):
+        label += "; each rank on the core the run bound it to, the ranks of a core sharing it"
+    elif cores:
+        label += f"; the ranks sharing {cores:g} cores"
     if options.get("loopback") == "unbound":
         label += "; the loopback probed now, its ranks not bound to cores"
     if comm_cpu is False:

@@ -30,7 +30,7 @@ PIPELINE_WORK = frozenset({"forward", "backward", "weight", "recompute"})
 WAITING_FOR_SLOWEST = "waiting for the slowest rank"
 
 
-def replay_step(events: list[dict], index: int, links: LinkModel, cores: float | None = None,
+def replay_step(events: list[dict], index: int, links: LinkModel, cores: float | list | None = None,
                 compute_scale: float = 1.0, with_cpu: bool = True, op_cpu: dict | None = None) -> Result:
     """Step `index` of the saved run replayed; `with_cpu`: charge each rank's core with the CPU its
     communication took (False: a device with its own copy engines: the cluster what-if, a GPU run);
@@ -42,7 +42,7 @@ def replay_step(events: list[dict], index: int, links: LinkModel, cores: float |
     return run(programs, bandwidth, cores, buckets)
 
 
-def replay_steps(events: list[dict], links: LinkModel, cores: float | None = None, compute_scale: float = 1.0,
+def replay_steps(events: list[dict], links: LinkModel, cores: float | list | None = None, compute_scale: float = 1.0,
                  with_cpu: bool = True) -> list[Result]:
     """Every timed step of the saved run replayed.
 
@@ -142,7 +142,7 @@ def waits_on(mean: dict, exposed_by_op: dict) -> str:
 
 
 def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, flops_per_token: float,
-               peak_per_device: float, cores: float | None = None, compute_scale: float = 1.0,
+               peak_per_device: float, cores: float | list | None = None, compute_scale: float = 1.0,
                what_if: str | None = None, comm_cpu: bool | None = None) -> tuple[dict, list[dict]]:
     """The `virtual` block and the median step's virtual trace of every rank. `comm_cpu`: charge
     the CPU each rank's communication took to its core (None: yes, but in a cluster what-if)."""
@@ -190,10 +190,23 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
                       "CPU time, communication by the link model, the CPU the communication took (gloo's threads) "
                       + ("sharing the rank's core" if charged else "taking none of it (a device's copy engine)")
                       + "; the lower median over the timed steps"
-                      + ("" if cores is None else f"; everything by processor sharing of {cores:g} cores")
+                      + ("" if cores is None else
+                         f"; the ranks on the cores the run bound them to ({_cores_of(cores)}), each core "
+                         "shared by its ranks" if isinstance(cores, (list, tuple)) else
+                         f"; everything by processor sharing of {cores:g} cores")
                       + ("" if what_if is None else "; what-if: compute scaled to the cluster's devices"),
     }
     return block, virtual_traces(result, events, index)
+
+
+def _cores_of(placement: list) -> str:
+    """Each rank's core in words: `rank:core`, the machine named only where the ranks span several."""
+    machines = {p[0] if isinstance(p, (list, tuple)) else None for p in placement}
+    def one(p):
+        if not isinstance(p, (list, tuple)):
+            return str(p)
+        return f"{str(p[0])[:8]}/{p[1]}" if len(machines) > 1 else str(p[1])
+    return ", ".join(f"{r}:{one(p)}" for r, p in enumerate(placement))
 
 
 def virtual_traces(result: Result, events: list[dict], index: int) -> list[dict]:

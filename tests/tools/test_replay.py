@@ -75,6 +75,29 @@ def test_processor_sharing_replay_and_refusals(pp_run):
     assert replay(pp_run.run_dir, "colour=blue").returncode == 2
 
 
+def test_cores_bound_replays_each_rank_on_the_core_the_run_bound_it_to(pp_run, tmp_path):
+    # The run's two ranks had a core each (train.pin_cores=auto on 2 cores): its events name them.
+    events = [json.loads((pp_run.run_dir / "events" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(events[0]["cores"]) == len(events[1]["cores"]) == 1 and events[0]["cores"] != events[1]["cores"]
+    bound = replay(pp_run.run_dir, "cores=bound")
+    assert bound.returncode == 0, bound.stderr
+    assert "each rank on the core the run bound it to" in bound.stdout
+    block = json.loads((pp_run.run_dir / "replay-own-cores_bound" / "summary.json").read_text())["virtual"]
+    assert [core for _, core in block["cores"]] == [events[0]["cores"][0], events[1]["cores"][0]]
+    assert f"0:{events[0]['cores'][0]}, 1:{events[1]['cores'][0]}" in block["definition"]
+    # A rank the run left free to run on two cores: no placement to replay, and the fix is named.
+    import shutil
+    loose = tmp_path / "loose"
+    shutil.copytree(pp_run.run_dir, loose, ignore=shutil.ignore_patterns("replay-*"))
+    rank1 = loose / "events" / "rank1.json"
+    rank1.write_text(json.dumps({**events[1], "cores": [0, 1]}))
+    refused = replay(loose, "cores=bound")
+    assert refused.returncode == 2 and "train.pin_cores=round_robin" in refused.stderr
+    for bad in ("cores=0", "cores=many"):
+        wrong = replay(pp_run.run_dir, bad)
+        assert wrong.returncode == 2 and "a number above 0), or bound" in wrong.stderr, wrong.stderr
+
+
 def test_the_communications_cpu_is_charged_to_the_cores_unless_freed_or_a_cluster_what_if(pp_run, tmp_path):
     own = json.loads((pp_run.run_dir / "summary.json").read_text())["virtual"]
     assert own["communication_cpu_s"] > 0  # the pipeline's messages took some of the ranks' CPU
