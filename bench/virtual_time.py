@@ -25,11 +25,15 @@ root), reads the run's summary.json, and for some replays its saved events again
   faithful     the same at world 2 (a core per rank on a 2-core machine), `rounds` rounds: virtual
                step against wall step, the median of the runs' ratios (the claim: within 5%, on an
                idle machine)
-  contention   the world-4 runs of `stability` replayed with their 4 ranks sharing the machine's
-               cores (processor sharing), on each run's own link (the loopback probed with a core
-               per rank, uncontended): against their wall step (the claim: within 10%); beside it
-               the same on the loopback probed unbound (`pin_cores=off`), and (`sampled`) on the
-               probe taken just before each run, for comparison
+  contention   the claim: dp, tp, pp_1f1b, zero2, torch_ddp at world 4, `repeats` runs each made
+               one after another with `train.pin_cores=round_robin` (rank i on core i mod the
+               cores: two ranks to a core on 2 cores), replayed with each rank on its core, the
+               ranks of a core sharing it (processor sharing), on the view's link (the loopback
+               probed with a core per rank, uncontended): against their wall step (within 10%).
+               Beside them, for comparison, the runs of `stability` made one after another, whose
+               threads the kernel placed, replayed with their 4 ranks sharing a pool of the
+               machine's cores; on the loopback probed unbound (`pin_cores=off`); and
+               (`sampled`) on the probe taken just before each run
   pipelines    every schedule of ours at p 4, m 8: the virtual bubble (idle share of the pipeline
                ranks' time from the step's start to its last F/B/W) against the simulator's with the
                run's measured F, B and W (CPU time per chunk-microbatch; the claim: within 3 points):
@@ -291,7 +295,8 @@ def table(title: str, header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def stability_runs(batch: Batch, repeats: int, prefix: str = "w4", together: bool = False) -> dict:
+def stability_runs(batch: Batch, repeats: int, prefix: str = "w4", together: bool = False,
+                   extra: list[str] | None = None) -> dict:
     """Each strategy's `repeats` runs at world 4: one after another, or (`together`) all at once.
 
     Made one after another, the repeats meet the host at moments a minute apart, and this kind of
@@ -302,7 +307,7 @@ def stability_runs(batch: Batch, repeats: int, prefix: str = "w4", together: boo
     (`repeats` x 4 ranks on the cores) that it claims to remove, and the noise of its own measurement."""
     runs = {}
     for strategy in STRATEGIES:
-        overrides = [*batch.common, *layout(strategy)]
+        overrides = [*batch.common, *layout(strategy), *(extra or [])]
         dirs = [batch.out / f"{prefix}-{strategy}-{k}" for k in range(repeats)]
         summaries = (batch.train_together(4, overrides, dirs) if together
                      else [batch.train(4, overrides, d) for d in dirs])
@@ -415,6 +420,33 @@ def faithful(runs: dict, view: View) -> str:
                  ["strategy", "virtual", "wall", "virtual/wall-1 (median of runs)", "range"], rows)
 
 
+def contention_bound(runs: dict, view: View) -> str:
+    """The claim: every world-4 run made with `train.pin_cores=round_robin` (rank i on core i mod
+    the cores, two ranks to a core on 2 cores) replayed with each rank on the core it was bound to,
+    each core shared by its ranks and their ops' measured CPU (processor sharing, as a core per
+    rank shares its own: parallel/replay/engine.py), on the view's link: against the run's wall
+    step (within 10%). Beside it the same runs replayed on a pool of the machine's cores that any
+    rank may take, the replay of the unbound runs below: how much the binding itself changes."""
+    cores = usable_cores()
+    rows = []
+    for strategy, summaries in runs.items():
+        walls, placed, pooled = [], [], []
+        for d, s in summaries:
+            walls.append(s["step_time_s"])
+            placement = saved.placement(saved.load(d))
+            if placement is None:
+                raise SystemExit(f"{d}: its ranks were not each bound to one core (train.pin_cores=round_robin)")
+            placed.append(replayed(d, s, cores=placement, links=view.link(s)))
+            pooled.append(replayed(d, s, cores=cores, links=view.link(s)))
+        rows.append([strategy, " / ".join(f"{w * 1e3:.1f}" for w in walls),
+                     " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(placed, walls)),
+                     " / ".join(f"{x / w - 1:+.1%}" for x, w in zip(pooled, walls))])
+    return table(f"Contention: world-4 runs bound round-robin to {cores} cores, replayed with each rank on its "
+                 "core (step ms)",
+                 ["strategy", "wall", "replayed, each core shared by its ranks (replayed/wall-1)",
+                  f"replayed on a pool of {cores} cores (replayed/wall-1)"], rows)
+
+
 def contention(runs: dict, view: View, unbound: LinkModel, nearest: dict[str, dict] | None = None) -> str:
     """Every world-4 run replayed with its ranks sharing the machine's cores, on the view's link
     (probed with a core per rank: the claim), and beside it on the loopback as unbound ranks meet
@@ -447,7 +479,8 @@ def contention(runs: dict, view: View, unbound: LinkModel, nearest: dict[str, di
                " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(own, walls)),
                " / ".join(f"{x / w - 1:+.1%}" for x, w in zip(shared, walls))]
         rows.append(row + ([" / ".join(f"{x / w - 1:+.1%}" for x, w in zip(near, walls))] if nearest else []))
-    return table(f"Contention: world-4 runs replayed with 4 ranks sharing {cores} cores (step ms)",
+    return table(f"Contention, unbound: world-4 runs the kernel placed, replayed with 4 ranks sharing {cores} cores "
+                 "(step ms)",
                  ["strategy", "wall", f"replayed on {cores} cores (replayed/wall-1)",
                   "on the loopback probed unbound (replayed/wall-1)"]
                  + (["on the probe just before the run (replayed/wall-1)"] if nearest else []), rows)
@@ -665,6 +698,9 @@ def main(argv: list[str]) -> None:
     w4_once = (stability_runs(batch, repeats, prefix="w4once", together=True)
                if together and "stability" in checks else {})
     unbound = None
+    # The contention check's claim: the same runs with their ranks dealt to the cores in turn.
+    w4_bound = (stability_runs(batch, repeats, prefix="w4rr", extra=["train.pin_cores=round_robin"])
+                if "contention" in checks else {})
     if "contention" in checks:
         # The loopback as unbound ranks meet it on an idle machine: the comparison column.
         figures = measure_once(int(opts["probes"]), pin_cores="off")
@@ -701,6 +737,7 @@ def main(argv: list[str]) -> None:
         if "contention" in checks:
             # The probe just before each run does not depend on the view: its column once, in the first.
             nearest = {x["before"]: x for x in batch.samples} if view is views[0] else None
+            parts.append(contention_bound(w4_bound, view))
             parts.append(contention(w4, view, unbound, nearest))
         if loaded:
             unloaded = w4_once if together else w4
