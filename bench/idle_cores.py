@@ -21,8 +21,9 @@ are not a part of the rest.
 
 Printed per timed step (mean over the timed steps, core-ms): the cores' time (cores x wall step),
 idle, the ranks' own CPU, the rest and its parts; and the same for the run's replay with its ranks
-sharing the cores (`launch.replay <run> cores=C`: the engine's processor sharing of the same CPU),
-whose idle is the cores' time it left unused waiting on dependencies.
+sharing the cores (`launch.replay <run> cores=C`: the engine's processor sharing of the same CPU;
+a run made with `train.pin_cores=round_robin` on its ranks' own cores, `cores=bound`), whose idle
+is the cores' time it left unused waiting on dependencies.
 
 Why: the contention check (docs/virtual-time.md) replays world-4 runs on 2 shared cores, and tp's
 and pp_1f1b's replays come out under their wall steps. The ranks' own CPU is the same in both;
@@ -173,7 +174,11 @@ def main(argv: list[str]) -> None:
     own = own_main + own_others
     wall = statistics.mean(max(e["steps"][i]["wall_s"] for e in events) for i in timed_steps)
     links = LinkModel.from_dict(summary["virtual"]["link_model"])
-    replayed = statistics.mean(r.step_s for r in replay_steps(events, links, cores))
+    # A run bound two to a core (train.pin_cores=round_robin) replays on its ranks' cores, as the
+    # contention check does; an unbound one on a pool of the cores.
+    placement = saved.placement(events)
+    replayed = statistics.mean(r.step_s for r in replay_steps(events, links, placement or cores))
+    how = f"replayed, each rank on its bound core of {cores}" if placement else f"replayed on {cores} shared cores"
 
     def row(name: str, step: float, idle_s: float, rest_s: float, *parts: float) -> str:
         total = cores * step
@@ -192,7 +197,7 @@ def main(argv: list[str]) -> None:
     print(row("wall (/proc/stat between the marks)", wall, per_step["idle"] * scale, per_step["busy"] * scale - own,
               per_step["ranks_main"] - own_main, per_step["ranks_others"] - own_others, per_step["agent"],
               per_step["bench"], per_step["irqs"] * scale))
-    print(row(f"replayed on {cores} shared cores", replayed, cores * replayed - own, *[0.0] * 6))
+    print(row(how, replayed, cores * replayed - own, *[0.0] * 6))
 
 
 if __name__ == "__main__":
