@@ -282,9 +282,14 @@ def layout(strategy: str) -> list[str]:
     return [f"parallel={strategy}"] + (["parallel.microbatches=4"] if strategy.startswith(("pp_", "torch_pp")) else [])
 
 
-def replayed(run_dir: Path, summary: dict, cores: float | None = None, links: LinkModel | None = None) -> float:
-    """The lower-median replayed step of a run's saved events (cores: processor sharing)."""
+def replayed(run_dir: Path, summary: dict, cores: float | str | None = None, links: LinkModel | None = None) -> float:
+    """The lower-median replayed step of a run's saved events (cores: processor sharing of that
+    many; "bound": each rank on the core the run bound it to)."""
     events = saved.load(run_dir)
+    if cores == "bound":
+        cores = saved.placement(events)
+        if cores is None:
+            raise SystemExit(f"{run_dir}: its ranks were not each bound to one core (train.pin_cores=round_robin)")
     links = links or LinkModel.from_dict(summary["virtual"]["link_model"])
     return lower_median([r.step_s for r in replay_steps(events, links, cores)])
 
@@ -433,10 +438,7 @@ def contention_bound(runs: dict, view: View) -> str:
         walls, placed, pooled = [], [], []
         for d, s in summaries:
             walls.append(s["step_time_s"])
-            placement = saved.placement(saved.load(d))
-            if placement is None:
-                raise SystemExit(f"{d}: its ranks were not each bound to one core (train.pin_cores=round_robin)")
-            placed.append(replayed(d, s, cores=placement, links=view.link(s)))
+            placed.append(replayed(d, s, cores="bound", links=view.link(s)))
             pooled.append(replayed(d, s, cores=cores, links=view.link(s)))
         rows.append([strategy, " / ".join(f"{w * 1e3:.1f}" for w in walls),
                      " / ".join(f"{x * 1e3:.1f} ({x / w - 1:+.1%})" for x, w in zip(placed, walls)),

@@ -142,21 +142,19 @@ def bind_rank(choice: str, ids: list[str], rank: int, threads: int, device_type:
         return "not bound (a GPU run: the device computes, not the cores)"
     if choice == "round_robin":
         cores = round_robin_cores(slot, allowed, threads)
-        if len(cores) == len(allowed):
-            return f"not bound (rank {slot} of this machine's {ranks} would take all its {len(allowed)} core(s))"
-        os.environ[HOST_CORES_ENV] = ",".join(str(c) for c in allowed)
-        move_threads(cores)
-        return (f"rank {slot} of this machine's {ranks} on core(s) {','.join(str(c) for c in cores)} of "
-                f"{len(allowed)} (round_robin)")
-    cores = cores_for(slot, ranks, allowed, threads)
-    if cores is None:
-        return (f"not bound: {ranks} ranks with {threads} thread(s) each share {len(allowed)} core(s) "
-                "(the contention the virtual clock replays away)")
+    else:
+        cores = cores_for(slot, ranks, allowed, threads)
+        if cores is None:
+            return (f"not bound: {ranks} ranks with {threads} thread(s) each share {len(allowed)} core(s) "
+                    "(the contention the virtual clock replays away)")
     if len(cores) == len(allowed):
-        return f"not bound (the one rank of this machine has all its {len(allowed)} core(s))"
+        if ranks == 1:
+            return f"not bound (the one rank of this machine has all its {len(allowed)} core(s))"
+        return f"not bound (rank {slot} of this machine's {ranks} would take all its {len(allowed)} core(s))"
     os.environ[HOST_CORES_ENV] = ",".join(str(c) for c in allowed)
     move_threads(cores)
-    return f"rank {slot} of this machine's {ranks} on core(s) {','.join(str(c) for c in cores)} of {len(allowed)}"
+    return (f"rank {slot} of this machine's {ranks} on core(s) {','.join(str(c) for c in cores)} of {len(allowed)}"
+            + (" (round_robin)" if choice == "round_robin" else ""))
 
 
 def host_cores() -> int:
