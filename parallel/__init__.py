@@ -13,19 +13,22 @@ and the floors below, never one above. Read it bottom up:
                             record), layout.py, algebra.py (ring factors, parameter counts, padding,
                             the per-op/per-group figure), model_state.py (what a rank's parameters,
                             gradients and optimizer state take), activations.py (bytes saved for backward)
-    floor 3  the families   dp/ zero/ tp/ pp/ cp/ moe/: each folder a chapter with the same pages
+    floor 3  the syncs      sync/: how the ranks that hold the same parameters agree on one update
+                            (all-reduce, bucketed as DDP; ZeRO's shards and optimizer), which every
+                            family plugs in
+    floor 4  the families   dp/ zero/ tp/ pp/ cp/ moe/: each folder a chapter with the same pages
                             (mechanism, strategy.py, rules.py, theory.py, __init__.py with its entries)
-    floor 4  composition    compose/ (the recipe that alone knows every family, and the one table of
+    floor 5  composition    compose/ (the recipe that alone knows every family, and the one table of
                             what runs), baselines/ (PyTorch's own), registry.py (every family's entries)
-    floor 5  one run        plan.py (every rule before any process group), train.py, report/,
+    floor 6  one run        plan.py (every rule before any process group), train.py, report/,
                             reliability/, runner.py (a run as a child process, bounded in time),
                             replay/ (virtual device time: the step replayed with a device per rank)
-    floor 6  tools on runs  compare/ (the sweep), planner/ (what a cluster would do)
-    floor 7  launch/        the command lines
+    floor 7  tools on runs  compare/ (the sweep), planner/ (what a cluster would do)
+    floor 8  launch/        the command lines
 
-Families do not import each other, with one named exception: the gradient syncs every family uses
-(dp/sync.py, and ZeRO's optimizer with its flat shards, zero/optimizer.py and zero/shards.py).
-tests/unit/test_floors.py holds the import graph, lazy imports included, against `FLOORS`.
+Families do not import each other: what two of them share sits on a floor below (the syncs), and
+where they meet is the composition's (parallel/compose/). tests/unit/test_floors.py holds the import
+graph, lazy imports included, against `FLOORS`.
 """
 
 # Each floor: the module prefixes it holds (a prefix is a module or a package and everything in it).
@@ -34,6 +37,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("substrate", ("parallel.dist", "parallel.net")),
     ("contract", ("parallel.strategy", "parallel.spec", "parallel.layout", "parallel.algebra",
                   "parallel.model_state", "parallel.activations")),
+    ("syncs", ("parallel.sync",)),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
     ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry")),
     ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner",
@@ -42,7 +46,5 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("launch",)),
 )
 
-# The floor whose packages must not import one another, and the modules of it that every package of
-# that floor may import all the same.
+# The floor whose packages must not import one another.
 FAMILY_FLOOR = "families"
-SHARED_BY_FAMILIES = ("parallel.dp.sync", "parallel.zero.optimizer", "parallel.zero.shards")

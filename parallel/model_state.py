@@ -10,7 +10,7 @@ theory.py (dp, zero, cp, moe, compose) and the planner (parallel/planner/memory.
 Bytes per parameter are (parameters, gradients, optimizer state): a run's (B, B, 2B) with Adam's two
 moments in the parameters' dtype (`run_state_bytes`), or the planner's `STATE_BYTES` per precision.
 ZeRO stage k pads each part to a multiple of the n ranks it shards over (its flat buffers,
-parallel/zero/shards.py) and keeps 1/n of the optimizer state (k >= 1), the gradients (k >= 2) and the
+parallel/sync/shards.py) and keeps 1/n of the optimizer state (k >= 1), the gradients (k >= 2) and the
 parameters (k = 3) (Rajbhandari et al. 2019, §5). Derivation: docs/theory/memory.md.
 """
 

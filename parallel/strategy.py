@@ -19,6 +19,7 @@ Two contracts every strategy keeps, whatever its layout:
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -106,6 +107,32 @@ class GradSync:
     def complete(self) -> None:
         for complete in self.completions:
             complete()
+
+    def synced_grads(self) -> dict[str, torch.Tensor] | None:
+        """This rank's gradients as the optimizer used them, by name, where the sync keeps them
+        elsewhere than in `.grad` (ZeRO keeps only its shard of each sum: gathered here, a collective);
+        None where backward's `.grad` is what the optimizer used."""
+        return None
+
+    def memory(self) -> dict | None:
+        """The model state the sync holds, where it owns it (ZeRO's flat parts and shard optimizer);
+        None where the strategy's parameters and optimizer are what it counts."""
+        return None
+
+
+class ParameterCut(Protocol):
+    """How a strategy's parameters are cut into pieces across a group, and back (tensor
+    parallelism's `TPShards`: a runner that may or may not be cut, a pipeline stage, reads its
+    parameters through this and never asks which family cut them)."""
+
+    def gather(self, tensors: dict[str, torch.Tensor], param_of=...) -> dict[str, torch.Tensor]:
+        """key -> this rank's piece, to key -> the full tensor on the CPU (a collective over the cut)."""
+
+    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full tensor."""
+
+    def replica_spread(self, grads: dict[str, torch.Tensor]) -> dict[str, float]:
+        """For each parameter that is not cut, the largest difference of its gradient across the cut's ranks."""
 
 
 class NonFiniteLoss(ArithmeticError):

@@ -29,7 +29,7 @@ def ddp_bucket_cap_mb(bucket_mb: float) -> float | None:
     bucket 1 MiB only when bucket_cap_mb is left at None; given explicitly, even as its default 25,
     the first bucket takes the full cap (on `small`: one 25.9 MB bucket instead of 1.3 + 24.6 MB).
     parallel.bucket_mb at DDP's default is passed as None, so DDP buckets as it does out of the box,
-    and as dp does (parallel/dp/sync.py)."""
+    and as dp does (parallel/sync/allreduce.py)."""
     return None if bucket_mb == DDP_DEFAULT_BUCKET_MB else bucket_mb
 
 

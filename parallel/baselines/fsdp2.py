@@ -23,7 +23,7 @@ from parallel.core.model import part_names
 from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
-from parallel.zero.shards import BETAS, EPS
+from parallel.sync.shards import BETAS, EPS
 
 # A checkpoint's full tensors are gathered this many bytes at a time (TorchFSDP2._gather): few
 # collectives, and never the whole model on one device.

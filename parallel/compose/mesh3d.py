@@ -13,7 +13,7 @@ Every rank sits in three groups and each carries one kind of traffic:
   stream between regions), or under sequence parallelism only its piece of the sequence,
   b·(s/tp)·h, which is exactly what the next stage's tp rank i needs (Megatron does the same);
 * dp (same stage, same tp rank): the gradients of this rank's shard of its stage, once per step;
-  or, with parallel.zero = 1 or 2, ZeRO over the dp group (parallel/zero/optimizer.py's ZeroOptimizer on
+  or, with parallel.zero = 1 or 2, ZeRO over the dp group (parallel/sync/zero.py's ZeroOptimizer on
   the stage's local tp pieces): gradients reduce-scattered, each dp rank steps its 1/dp of the
   stage's optimizer state (stage 2: and keeps only that share of the gradients), the updated
   parameters all-gathered.
@@ -42,15 +42,15 @@ import torch.nn as nn
 from parallel.compose.cp_pipeline import ContextParallelPipeline
 from parallel.core.model import GPT, token_loss_sum
 from parallel.cp.transform import parallelize_cp
-from parallel.dp.sync import make_grad_sync
 from parallel.pp.executor import PipelineParallel, global_named_parameters
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import make_optimizer
+from parallel.sync.allreduce import make_grad_sync
+from parallel.sync.zero import ZeroOptimizer
 from parallel.tp.layers import TPShards, parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.regions import sum_sequence_partial_grads
-from parallel.zero.optimizer import ZeroOptimizer
 
 
 def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:

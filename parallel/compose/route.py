@@ -1,22 +1,5 @@
 """What runs: a requested strategy, the layout and the ZeRO stage of its dp dimension -> the entry
-that runs it. This docstring is the table; `resolve` reads it, and nothing else decides.
-
-    requested          layout             zero   runs
-    dp                 world=1            0      single
-    ep                 ep=1               any    dp
-    tp                 pp>1 or cp>1       any    3d
-    tp                 tp=1               any    dp, sequence_parallel=false, cp_kind=ring
-    pp                 tp>1 or cp>1       any    3d
-    pp 3d              world=1            0      single
-    cp cp_a2a          tp>1 or pp>1       any    3d
-    cp cp_a2a          cp=1               any    dp
-    zero_dp=false      any                1-3    refused: no_dp_sync
-    zero_dp=true       cp>1               3      refused: zero3_with_cp
-    zero_dp=true       cp>1               1-2    itself
-    zero_dp=true       dp=1               1-3    refused: one_dp_rank
-    zero_dp=true       tp=1 and pp=1      1-3    zero<k>, zero=0
-    zero_dp=true       any                3      refused: zero3_with_tp_pp
-    zero_dp=true       any                1-2    3d
+that runs it. `ROUTES` below is the table; `resolve` reads it, and nothing else decides.
 
 How to read it. A request starts at its name (`parallel.name`, after the preset) with the options
 plan.py gives (`Options`: sequence parallelism, parallel.zero = k, and the cp kind, which the
@@ -62,7 +45,7 @@ class Route:
 
     names: frozenset | None  # the entries it applies to, or None with `zero_dp` set
     zero_dp: bool | None  # `zero_dp=true/false`: every entry whose record says so
-    layout: str  # the condition, as written
+    layout: str  # the condition on the dimensions, as written
     zero: range | None  # the stages it applies to (None: any)
     runs: str  # an entry, "itself", "zero<k>" or "refused: <refusal>"
     changes: dict  # the options the row sets, e.g. {"sequence_parallel": False}
@@ -102,33 +85,39 @@ def _stages(text: str) -> range | None:
     return range(int(low), int(high or low) + 1)
 
 
-def _value(text: str):
-    return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
 
 
-def _parse(doc: str) -> tuple[Route, ...]:
-    """The rows between the table's header and the first blank line after it; columns are apart by
-    two spaces or more."""
-    if doc is None:
-        raise ImportError("parallel/compose/route.py reads its table from its docstring: run python without -OO")
-    lines = doc.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.split() == ["requested", "layout", "zero", "runs"])
-    routes = []
-    for line in lines[start + 1:]:
-        if not line.strip():
-            break
-        requested, layout, zero, runs = re.split(r"\s{2,}", line.strip())
-        flag = requested.partition("zero_dp=")[2]
-        runs, *changes = runs.split(", ")
-        routes.append(Route(
-            names=None if flag else frozenset(requested.split()), zero_dp=_value(flag) if flag else None,
-            layout=layout, zero=_stages(zero), runs=runs,
-            changes=dict((k, _value(v)) for k, v in (c.split("=") for c in changes)),
-        ))
-    return tuple(routes)
+
+ZERO_DP, NO_ZERO_DP = True, False  # a row for every entry whose record says zero_dp=true (or false)
 
 
-ROUTES = _parse(__doc__)
+def route(requested, layout: str, stages: str, runs: str, **changes) -> Route:
+    """One row as it reads: `requested` a name, several names apart by spaces, or ZERO_DP / NO_ZERO_DP."""
+    by_flag = isinstance(requested, bool)
+    return Route(names=None if by_flag else frozenset(requested.split()), zero_dp=requested if by_flag else None,
+                 layout=layout, zero=_stages(stages), runs=runs, changes=changes)
+
+
+ROUTES: tuple[Route, ...] = (
+    #     requested     layout            zero   runs
+    route("dp",         "world=1",        "0",   "single"),
+    route("ep",         "ep=1",           "any", "dp"),
+    route("tp",         "pp>1 or cp>1",   "any", "3d"),
+    route("tp",         "tp=1",           "any", "dp", sequence_parallel=False, cp_kind="ring"),
+    route("pp",         "tp>1 or cp>1",   "any", "3d"),
+    route("pp 3d",      "world=1",        "0",   "single"),
+    route("cp cp_a2a",  "tp>1 or pp>1",   "any", "3d"),
+    route("cp cp_a2a",  "cp=1",           "any", "dp"),
+    route(NO_ZERO_DP,   "any",            "1-3", "refused: no_dp_sync"),
+    route(ZERO_DP,      "cp>1",           "3",   "refused: zero3_with_cp"),
+    route(ZERO_DP,      "cp>1",           "1-2", "itself"),
+    route(ZERO_DP,      "dp=1",           "1-3", "refused: one_dp_rank"),
+    route(ZERO_DP,      "tp=1 and pp=1",  "1-3", "zero<k>", zero=0),
+    route(ZERO_DP,      "any",            "3",   "refused: zero3_with_tp_pp"),
+    route(ZERO_DP,      "any",            "1-2", "3d"),
+)
+for _row in ROUTES:  # a condition that is not one fails at import, not in some run
+    _holds(_row.layout, ParallelDims(1, 1))
 
 
 def check_names(known, routes: tuple[Route, ...] = ROUTES) -> None:

@@ -10,7 +10,7 @@ The loss contract is the project's: each rank's loss is the cross-entropy summed
 divided by the global batch's token count, so the shares add up over cp and dp to the global mean
 and the parameter gradients add up to the single-process gradient. Every parameter is replicated
 over the d·cp ranks of the "dp_cp" group, and that is the group its gradients are summed over:
-the usual gradient syncs (parallel/dp/sync.py, naive or bucketed) or, with parallel.zero = 1 or 2,
+the usual gradient syncs (parallel/sync/allreduce.py, naive or bucketed) or, with parallel.zero = 1 or 2,
 a ZeroOptimizer that shards over those d·cp ranks.
 
 Per rank per step, in bytes (parallel/cp/theory.py `cp_comm`, docs/theory/context.md):
@@ -31,10 +31,9 @@ from parallel.core.model import GPTConfig, token_loss_sum
 from parallel.cp.layout import shard_sequence, validate
 from parallel.cp.transform import parallelize_cp
 from parallel.dist.comm import Communicator
-from parallel.dp.sync import make_grad_sync
 from parallel.strategy import Strategy, make_optimizer
-from parallel.zero.optimizer import ZeroOptimizer
-from parallel.zero.shards import gather_full
+from parallel.sync.allreduce import make_grad_sync
+from parallel.sync.zero import ZeroOptimizer
 
 
 def shard_batch(mb: Batch, rank: int, cp: int) -> Batch:
@@ -89,8 +88,7 @@ class ContextParallel(Strategy):
     def full_grads(self) -> dict:
         if self.zero is None:
             return super().full_grads()
-        grads = gather_full(self.zero.parts, self.zero.synced_grad_shards(), self.zero.comm, "tooling/full_grads")
-        return {"grads": grads, "tp_replica_max_diff": {}}
+        return {"grads": self.zero.synced_grads(), "tp_replica_max_diff": {}}
 
     def full_optimizer_state(self) -> dict:
         return self.zero.full_optimizer_state() if self.zero is not None else super().full_optimizer_state()

@@ -1,8 +1,7 @@
 """Data parallelism: every rank holds the whole model and takes its slice of the batch.
 
-  sync.py       the gradient syncs (naive: one all-reduce per tensor after backward; bucketed:
-                DDP's buckets, all-reduced while backward goes on), shared by every family
-  strategy.py   the strategy `dp`: the model, an optimizer and one of the syncs over the dp group
+  strategy.py   the strategy `dp`: the model, an optimizer and one of the all-reduce syncs
+                (parallel/sync/allreduce.py: naive, or DDP's buckets) over the dp group
   rules.py      its refusals (the sync's name), checked by plan.py before any process group
   theory.py     its closed forms: traffic 2(n − 1)/n·Ψ·4 per step, the replicated model state
 

@@ -7,11 +7,11 @@ gradient sync's own option.
 
 from __future__ import annotations
 
-from parallel.dp.sync import GRAD_SYNCS
 from parallel.spec import ConfigError
+from parallel.sync.allreduce import GRAD_SYNCS
 
 
 def check_grad_sync(grad_sync) -> None:
-    """parallel.grad_sync names one of the syncs of parallel/dp/sync.py."""
+    """parallel.grad_sync names one of the syncs of parallel/sync/allreduce.py."""
     if grad_sync not in GRAD_SYNCS:
         raise ConfigError(f"parallel.grad_sync={grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")

@@ -1,7 +1,7 @@
 """The data-parallel strategy: the whole model on every rank, gradients summed over dp.
 
 Each rank runs its slice of the global batch; before the optimizer, the gradient sync
-(parallel/dp/sync.py, naive or bucketed) sums the gradients over the dp group, so every rank
+(parallel/sync/allreduce.py, naive or bucketed) sums the gradients over the dp group, so every rank
 takes the same step.
 """
 
@@ -11,8 +11,8 @@ import torch.nn as nn
 
 from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
-from parallel.dp.sync import make_grad_sync
 from parallel.strategy import Strategy
+from parallel.sync.allreduce import make_grad_sync
 
 
 class DataParallel(Strategy):

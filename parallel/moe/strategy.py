@@ -27,9 +27,9 @@ import torch
 
 from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
-from parallel.dp.sync import make_grad_sync
 from parallel.moe.expert_parallel import shard_experts
 from parallel.strategy import GradSync, Strategy, make_optimizer
+from parallel.sync.allreduce import make_grad_sync
 
 
 class GroupedGradSync(GradSync):

@@ -47,8 +47,7 @@ from parallel.pp.actions import COMM, RECV_B, RECV_F, SEND_B, SEND_F, Action, B,
 from parallel.pp.schedules import build_schedule, schedule_placement
 from parallel.pp.split import PipelineChunk
 from parallel.pp.split_backward import SplitBackward
-from parallel.strategy import GradSync, Strategy, flat_moments, moment_param, nest_moments
-from parallel.zero.shards import gather_full
+from parallel.strategy import GradSync, ParameterCut, Strategy, flat_moments, moment_param, nest_moments
 
 KIND = {F: "forward", B: "backward", W: "weight"}  # a compute action's kind in the timeline
 
@@ -58,7 +57,7 @@ class PipelineParallel(Strategy):
 
     def __init__(self, chunks: list[PipelineChunk], *, pp_comm: Communicator, dp_comm: Communicator | None,
                  schedule: str, microbatches: int, virtual: int, optimizer, sync: GradSync, full_parameters: int,
-                 d_model: int, stage_loss=token_loss_sum, boundary_seq_parts: int = 1, shards,
+                 d_model: int, stage_loss=token_loss_sum, boundary_seq_parts: int = 1, shards: ParameterCut,
                  tp_comm: Communicator | None = None):
         self._full_parameters = full_parameters
         self.stages = pp_comm.size
@@ -279,12 +278,11 @@ class PipelineParallel(Strategy):
     def synced_local_grads(self) -> dict[str, torch.Tensor]:
         """This rank's gradients as the optimizer used them, by name; under ZeRO only the dp shards
         hold the synced sums, so they are gathered over dp (collective)."""
-        if hasattr(self.sync, "synced_grad_shards"):
-            return gather_full(self.sync.parts, self.sync.synced_grad_shards(), self.sync.comm, "tooling/full_grads")
-        return {n: p.grad for n, p in self.named_full_parameters()}
+        synced = self.sync.synced_grads()
+        return synced if synced is not None else {n: p.grad for n, p in self.named_full_parameters()}
 
     def memory_report(self) -> dict:
-        return self.sync.memory() if hasattr(self.sync, "memory") else super().memory_report()
+        return self.sync.memory() or super().memory_report()
 
     def close(self) -> None:
         for comm in (self.pp_comm, self.dp_comm, self.tp_comm):

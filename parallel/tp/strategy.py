@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from parallel.core.data import Batch
 from parallel.dist.comm import Communicator
-from parallel.dp.sync import make_grad_sync
 from parallel.strategy import Strategy, flat_moments, moment_param, nest_moments
+from parallel.sync.allreduce import make_grad_sync
 from parallel.tp.layers import parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.regions import sum_sequence_partial_grads

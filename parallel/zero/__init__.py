@@ -1,8 +1,9 @@
 """ZeRO (Rajbhandari et al. 2019), stages 1, 2 and 3, written by hand on the communication log.
 
-  shards.py     the flat padded parts, the shard optimizer, the reduce-scatter of gradients
-  optimizer.py  ZeroOptimizer: stages 1 and 2 as a gradient sync + optimizer over any dp group
-  strategy.py   the strategies `zero1`, `zero2`
+  strategy.py   the strategies `zero1`, `zero2`: the model and a ZeroOptimizer over the dp group
+                (parallel/sync/zero.py: stages 1 and 2 as a gradient sync + optimizer over any
+                group, built from the flat padded parts of parallel/sync/shards.py, which other
+                families plug in too)
   zero3.py      the strategy `zero3`
   rules.py      its refusals (where parallel.zero means nothing, ZeRO-2 inside a pipeline)
   theory.py     its closed forms: the bytes of each stage, the sharded model state

@@ -6,8 +6,7 @@ import torch.nn as nn
 
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
-from parallel.zero.optimizer import ZeroOptimizer
-from parallel.zero.shards import gather_full
+from parallel.sync.zero import ZeroOptimizer
 
 
 class ZeroDataParallel(Strategy):
@@ -22,9 +21,7 @@ class ZeroDataParallel(Strategy):
         return self.zero.memory()
 
     def full_grads(self) -> dict:
-        return {"grads": gather_full(self.zero.parts, self.zero.synced_grad_shards(), self.zero.comm,
-                                     "tooling/full_grads"),
-                "tp_replica_max_diff": {}}
+        return {"grads": self.zero.synced_grads(), "tp_replica_max_diff": {}}
 
     def full_optimizer_state(self) -> dict:
         return self.zero.full_optimizer_state()

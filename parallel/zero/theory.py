@@ -1,7 +1,7 @@
 """ZeRO's closed forms: its traffic per step and the model state each rank keeps (docs/theory/).
 
 Like every theory file, independent of the code it checks: the padded count Ψ_pad comes from the
-GPT's parts in closed form (parallel/algebra.py), not from the flat buffers zero/shards.py builds.
+GPT's parts in closed form (parallel/algebra.py), not from the flat buffers sync/shards.py builds.
 """
 
 from __future__ import annotations

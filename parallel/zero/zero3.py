@@ -1,6 +1,6 @@
 """ZeRO stage 3 (`zero3`): parameters, gradients and optimizer state all sharded over dp.
 
-Each rank keeps, per model part (embedding, each Block, head; see parallel/zero/shards.py), only its shard of the
+Each rank keeps, per model part (embedding, each Block, head; see parallel/sync/shards.py), only its shard of the
 flat padded parameters, of the summed gradients and of the Adam moments: 16·Ψ_pad/N bytes. A
 part's full parameters exist only while the part computes:
 
@@ -36,7 +36,7 @@ import torch.nn as nn
 from parallel.core.model import part_names
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
-from parallel.zero.shards import (
+from parallel.sync.shards import (
     GradReduceScatter,
     MemoryMeter,
     Part,

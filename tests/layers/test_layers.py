@@ -28,11 +28,11 @@ from spawn import run_ranks, write_result
 
 from parallel.core.optim import AdamW
 from parallel.dist.comm import CommLog, Communicator
-from parallel.dp.sync import BucketedGradSync, NaiveGradSync
+from parallel.sync.allreduce import BucketedGradSync, NaiveGradSync
+from parallel.sync.zero import ZeroOptimizer
 from parallel.tp.layers import ColumnParallelLinear, NormIntoTP, RowParallelLinear
 from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.regions import SEQ_DIM
-from parallel.zero.optimizer import ZeroOptimizer
 
 B, S, H, F_ = 2, 8, 16, 32  # batch, sequence, hidden, MLP width
 VOCAB = 64

@@ -25,7 +25,7 @@ else:
     apply_host_allocator(sys.argv[1])
 torch.set_num_threads(1)
 from parallel.core.model import GPT, GPTConfig, training_loss_sum
-from parallel.dp.sync import Bucket
+from parallel.sync.allreduce import Bucket
 from parallel.strategy import make_optimizer
 cfg = GPTConfig(vocab_size=256, seq_len=128, n_layers=8, d_model=256, n_heads=8)  # conf/model/small.yaml
 model = GPT(cfg, seed=0)

@@ -22,7 +22,7 @@ from observability import check_time_breakdown, check_trace
 
 from parallel.core.model import GPT, GPTConfig
 from parallel.strategy import make_optimizer
-from parallel.zero.shards import ShardAdamW, group_into_parts
+from parallel.sync.shards import ShardAdamW, group_into_parts
 
 V, H, S, L = 256, 64, 32, 4  # the tiny model
 

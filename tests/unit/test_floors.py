@@ -3,7 +3,7 @@
 Every `import` and `from ... import` of the project's own modules is read from the source with
 `ast`, wherever it stands (a function's lazy import counts as much as one at the top). A module
 may import its own floor and the floors below it. On the families' floor a package may not import
-another family, except the modules every family shares (`SHARED_BY_FAMILIES`). No list of
+another family at all: what families share sits on a floor below them (parallel/sync/). No list of
 tolerated violations: the test names every import that breaks a rule.
 """
 
@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 
 import parallel
-from parallel import FAMILY_FLOOR, FLOORS, SHARED_BY_FAMILIES
+from parallel import FAMILY_FLOOR, FLOORS
 
 ROOT = Path(parallel.__file__).resolve().parent.parent
 FIRST_PARTY = ("parallel", "launch")
@@ -89,10 +89,9 @@ def violations(modules: dict[str, Path]) -> list[str]:
             there, target_home = owner(target)
             if there > here:
                 bad.append(f"{name} (floor {FLOORS[here][0]}) imports {target} (floor {FLOORS[there][0]}, above)")
-            elif (here == there == families and home != target_home
-                  and not any(target == s or target.startswith(s + ".") for s in SHARED_BY_FAMILIES)):
-                bad.append(f"{name} imports {target}: a family imports another family only through "
-                           f"{', '.join(SHARED_BY_FAMILIES)}")
+            elif here == there == families and home != target_home:
+                bad.append(f"{name} imports {target}: a family never imports another family (what they "
+                           "share sits on a floor below; where they meet is parallel/compose/)")
     return bad
 
 
@@ -135,7 +134,8 @@ def test_the_checker_sees_a_violation(tmp_path):
     fake = {
         "parallel.core.model": "from parallel.tp.layers import TPShards\n",
         "parallel.cp.transform": "def f():\n    from parallel.tp.regions import exit_region\n",
-        "parallel.pp.executor": "from parallel.zero.shards import gather_full\n",
+        "parallel.pp.executor": "from parallel.sync.shards import gather_full\n",
+        "parallel.pp.split": "from parallel.zero.theory import zero_comm\n",
     }
     paths = {}
     for name, text in fake.items():
@@ -145,4 +145,16 @@ def test_the_checker_sees_a_violation(tmp_path):
     bad = violations({**modules, **paths})
     assert any(b.startswith("parallel.core.model (floor core) imports parallel.tp.layers") for b in bad)
     assert any(b.startswith("parallel.cp.transform imports parallel.tp.regions") for b in bad)
-    assert not any(b.startswith("parallel.pp.executor imports") for b in bad)  # the shared syncs are allowed
+    assert any(b.startswith("parallel.pp.split imports parallel.zero.theory") for b in bad)
+    assert not any(b.startswith("parallel.pp.executor imports") for b in bad)  # the syncs are a floor below
+
+
+def test_what_runs_is_plain_code():
+    """No table is read out of a docstring: the registry and the route table import under `python -OO`,
+    which strips docstrings."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-OO", "-c", "import parallel.registry, parallel.compose.route"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

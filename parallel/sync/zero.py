@@ -9,7 +9,14 @@ import torch.nn as nn
 
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, storage_bytes
-from parallel.zero.shards import GradReduceScatter, MemoryMeter, ShardAdamW, gather_optimizer_state, group_into_parts
+from parallel.sync.shards import (
+    GradReduceScatter,
+    MemoryMeter,
+    ShardAdamW,
+    gather_full,
+    gather_optimizer_state,
+    group_into_parts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +152,10 @@ class ZeroOptimizer(GradSync):
         if self.stage == 1:
             return [g[part.lo: part.hi] for part, g in zip(self.parts, self.flat_grads)]
         return self.grad_shards
+
+    def synced_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's summed gradient, gathered over the group from the shards (collective)."""
+        return gather_full(self.parts, self.synced_grad_shards(), self.comm, "tooling/full_grads")
 
     def state_bytes(self) -> int:
         return self.optimizer.state_bytes()

@@ -1,7 +1,7 @@
-"""Data parallelism, written by hand on the communication log.
+"""The all-reduce syncs, written by hand on the communication log.
 
-Every rank holds the whole model and runs its own slice of the global batch; before the
-optimizer, gradients are summed over the data-parallel group so every rank takes the same step.
+Every rank of a group holds the same parameters and ran its own slice of the global batch; before
+the optimizer, gradients are summed over the group so every rank takes the same step.
 
 Two ways to do the sum:
 
