@@ -52,6 +52,7 @@ from parallel.planner.validate import (
     run_settings,
     validate_rows,
 )
+from parallel.registry import parse_options
 
 PLAN_ERRORS = (ConfigError, LayoutError, ShapeError, ClusterError, ValidationError)
 
@@ -61,9 +62,7 @@ def load_presets() -> list[Preset]:
     presets = []
     for path in sorted((Path(CONFIG_DIR) / "parallel").glob("*.yaml")):
         p = compose(config_name="config", overrides=[f"parallel={path.stem}"]).parallel
-        presets.append(Preset(path.stem, p.name, p.get("schedule", "1f1b"), p.get("virtual_stages", 1),
-                              bool(p.get("sequence_parallel", False)), p.get("grad_sync", "bucketed"),
-                              p.get("zero", 0)))
+        presets.append(Preset(path.stem, p.name, parse_options(p)))
     return presets
 
 
@@ -71,6 +70,27 @@ def positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return value
+
+
+def _cluster(cfg: DictConfig, world: int):
+    """The cluster preset, on the emulated network where one is given, with plan.* overrides."""
+    p = cfg.plan
+    net = OmegaConf.to_container(cfg.net, resolve=True) if "net" in cfg else None
+    cluster = cluster_from_config(OmegaConf.to_container(cfg.cluster, resolve=True), net, world)
+    changes = {k: v for k, v in (("precision", p.precision), ("efficiency", p.efficiency),
+                                 ("peak_flops", p.peak_tflops and float(p.peak_tflops) * 1e12)) if v}
+    return replace(cluster, **changes)
+
+
+def _space(p, shape: ModelShape, cluster) -> Space:
+    space = Space(**OmegaConf.to_container(p.search, resolve=True))
+    if not (shape.trainable and cluster.precision == "fp32"):
+        # The saved bytes under context parallelism have a formula for the sandbox GPT in fp32 only
+        # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
+        # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
+        # Megatron-style implementation saves under each mode.
+        space = Space(**{**space, "context_parallel": False})
+    return space
 
 
 def main_plan(cfg: DictConfig) -> Path:
@@ -81,21 +101,11 @@ def main_plan(cfg: DictConfig) -> Path:
     model_name, cluster_name = choices.get("model"), choices.get("cluster")
     shape = ModelShape.from_preset(OmegaConf.to_container(cfg.model, resolve=True))
     net = OmegaConf.to_container(cfg.net, resolve=True) if "net" in cfg else None
-    cluster = cluster_from_config(OmegaConf.to_container(cfg.cluster, resolve=True), net, world)
-    changes = {k: v for k, v in (("precision", p.precision), ("efficiency", p.efficiency),
-                                 ("peak_flops", p.peak_tflops and float(p.peak_tflops) * 1e12)) if v}
-    cluster = replace(cluster, **changes)
+    cluster = _cluster(cfg, world)
     base = OmegaConf.to_container(compose(config_name="config"), resolve=True)
     base.update({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "train", "data")})
     presets = load_presets()
-    space = Space(**{k: tuple(v) if isinstance(v, list) else v
-                     for k, v in OmegaConf.to_container(p.search, resolve=True).items()})
-    if not (shape.trainable and cluster.precision == "fp32"):
-        # The saved bytes under context parallelism have a formula for the sandbox GPT in fp32 only
-        # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
-        # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
-        # Megatron-style implementation saves under each mode.
-        space = replace(space, context_parallel=False)
+    space = _space(p, shape, cluster)
     layouts = list(p.layouts) if p.layouts is not None else None
     if cfg.get("parallel") is not None:
         return _one_layout(cfg, shape, base, presets, cluster, world, global_batch, model_name, cluster_name)
@@ -133,26 +143,34 @@ def main_plan(cfg: DictConfig) -> Path:
         meta["validation"] = {"calibration": calibration, "command_net": choices.get("net") or "none",
                               "net": net or (OmegaConf.to_container(own_net) if own_net is not None else None),
                               **order_agreement(validation)}
-    shown = rows[: p.top]
-    plots.memory_plot(shown, cluster.usable_bytes, cluster.memory_bytes, run_dir / "memory_per_device.png")
-    plots.time_plot(validation or shown, run_dir / "step_time.png")
-    write_json(run_dir / "plan.json", meta, rows)
-    write_markdown(run_dir / "report.md", meta, rows, p.top, ["memory_per_device.png", "step_time.png"], validation)
+    _write_plan(run_dir, meta, rows, validation, cluster, p.top)
     print(f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts, "
           f"{sum(1 for r in rows if r['fits'])} fit in {cluster.usable_bytes / GIB:.1f} GiB usable per device "
           f"({found.requests} requests, {sum(found.refused.values())} refused by plan.py; {found.pruned} more not "
           "asked: their model state alone is over the device)")
     print(console_table(rows, p.top))
     if validation is not None:
-        from parallel.planner.report import markdown_validation
-
-        print("\nvalidation (predicted against measured, net=" + str(choices.get("net") or "none") + "):")
-        print(markdown_validation(validation))
-        order = meta["validation"]
-        print(f"fastest first, predicted: {order['predicted_order']}; measured: {order['measured_order']} "
-              f"({'the same' if order['same'] else 'not the same'})")
+        _print_validation(validation, meta["validation"], choices.get("net"))
     print(f"\nplan.json, report.md, memory_per_device.png, step_time.png in {run_dir}")
     return run_dir
+
+
+def _write_plan(run_dir: Path, meta: dict, rows: list[dict], validation, cluster, top: int) -> None:
+    """plan.json, report.md and the two plots of the rows shown (or the validated ones)."""
+    shown = rows[:top]
+    plots.memory_plot(shown, cluster.usable_bytes, cluster.memory_bytes, run_dir / "memory_per_device.png")
+    plots.time_plot(validation or shown, run_dir / "step_time.png")
+    write_json(run_dir / "plan.json", meta, rows)
+    write_markdown(run_dir / "report.md", meta, rows, top, ["memory_per_device.png", "step_time.png"], validation)
+
+
+def _print_validation(validation: list[dict], order: dict, net_preset: str | None) -> None:
+    from parallel.planner.report import markdown_validation
+
+    print("\nvalidation (predicted against measured, net=" + str(net_preset or "none") + "):")
+    print(markdown_validation(validation))
+    print(f"fastest first, predicted: {order['predicted_order']}; measured: {order['measured_order']} "
+          f"({'the same' if order['same'] else 'not the same'})")
 
 
 def _one_layout(cfg, shape, base, presets, cluster, world, global_batch, model_name, cluster_name) -> Path:
@@ -194,7 +212,7 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
         "world": world, "global_batch": global_batch, "tokens_per_step": global_batch * g.seq_len,
         "precision": cluster.precision,
         "assumptions": {**ASSUMPTIONS, **MEMORY_ASSUMPTIONS, "bytes": BYTES_ASSUMPTION},
-        "search": space.__dict__, "requests": found.requests, "refused": dict(found.refused),
+        "search": dict(space), "requests": found.requests, "refused": dict(found.refused),
         "refused_total": sum(found.refused.values()), "pruned": found.pruned, "seconds": seconds,
     }
 

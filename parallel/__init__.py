@@ -10,7 +10,8 @@ and the floors below, never one above. Read it bottom up:
                             one caller of collectives with exact bytes (dist/comm.py), process groups;
                             links: emulated networks, wire counters, the link model
     floor 2  the contract   strategy.py (what every strategy implements), spec.py (the registry's
-                            record), layout.py, algebra.py (ring factors, parameter counts, padding,
+                            record), family.py (what a family declares: its options, rules, search
+                            and summary), layout.py, algebra.py (ring factors, parameter counts, padding,
                             the per-op/per-group figure), model_state.py (what a rank's parameters,
                             gradients and optimizer state take), activations.py (bytes saved for backward)
     floor 3  the syncs      sync/: how the ranks that hold the same parameters agree on one update
@@ -35,7 +36,7 @@ graph, lazy imports included, against `FLOORS`.
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("parallel.core",)),
     ("substrate", ("parallel.dist", "parallel.net")),
-    ("contract", ("parallel.strategy", "parallel.spec", "parallel.layout", "parallel.algebra",
+    ("contract", ("parallel.strategy", "parallel.spec", "parallel.family", "parallel.layout", "parallel.algebra",
                   "parallel.model_state", "parallel.activations")),
     ("syncs", ("parallel.sync",)),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),

@@ -19,7 +19,7 @@ tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
     ln1, ln2           their input (n_sp·h·B each, n_sp = n/t under sequence parallelism, else n)
                        and per token mean and 1/std in fp32 (2·n_sp·4; RMSNorm only 1/std)
     attention input    the norm's output, or its all-gather under SP: n·h·B, read by Q, K and V
-                       (under SP with parallel.tp_saves=sharded this rank's piece of it, n/t·h·B,
+                       (under SP with the sequence piece saved, `Cut.saves_shard`, this rank's piece of it, n/t·h·B,
                        gathered again in backward; the MLP's and the head's inputs likewise)
     Q, K, V outputs    n·(h + 2·h_kv)/t·B (grouped-query attention: h_kv = kv heads x head size;
                        under the all-to-all the gathered q, k, v instead, of the same size)
@@ -32,8 +32,8 @@ tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
                        gated: gate, up, silu(gate) and the product, 4·n·f/t·B
 
 so 4 + 4/t units of n·h·B + 2·n·f/t·B per layer (16·n·h·B for the GPT at t = 1), besides the norms'
-statistics; under sequence parallelism 2 + 6/t units (the norm inputs are pieces), and 8/t with
-parallel.tp_saves=sharded (the column-parallel inputs too: everything over t), against
+statistics; under sequence parallelism 2 + 6/t units (the norm inputs are pieces), and 8/t with the
+sequence piece saved (the column-parallel inputs too: everything over t), against
 Korthikanti et al.'s 34 + 5·a·s/h half-precision bytes per token and width: this model has no
 dropout masks and its attention core never holds the s x s scores.
 
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from parallel.algebra import FP32_BYTES, ID_BYTES
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
-from parallel.layout import Layout
+from parallel.layout import Cut, Layout
 
 STAT_BYTES = 4  # LayerNorm's mean and 1/std, the flash kernel's log-sum-exp: fp32 whatever the activations
 LOSS_BYTES = 4  # the loss runs in fp32 (token_loss_sum casts the logits)
@@ -75,35 +75,6 @@ def _shape(model: GPTConfig | ModelShape) -> ModelShape:
     return model if isinstance(model, ModelShape) else ModelShape(gpt=model)
 
 
-@dataclass(frozen=True)
-class Cut:
-    """How one rank's microbatch is cut: b sequences, each split over cp ranks (`cp_kind`: "ring" or
-    "a2a"), the block over t tp ranks (with sequence parallelism or not), B bytes per activation;
-    `saves_shard`: under sequence parallelism the column-parallel linears keep their input's piece
-    of the sequence (parallel.tp_saves=sharded), not the all-gathered input."""
-
-    b: int
-    t: int = 1
-    sequence_parallel: bool = False
-    cp: int = 1
-    cp_kind: str = "ring"
-    act_bytes: int = 4
-    saves_shard: bool = False
-
-    @classmethod
-    def of(cls, layout: Layout, act_bytes: int = 4) -> Cut:
-        dims = layout.dims
-        sp = layout.sequence_parallel and dims.tp > 1
-        return cls(layout.microbatch_size, dims.tp, sp, dims.cp, layout.cp_kind, act_bytes,
-                   sp and getattr(layout, "tp_saves", "gathered") == "sharded")
-
-    @property
-    def column_input_tokens(self) -> int:
-        """Of each sequence of s_r tokens, how many a column-parallel linear's saved input holds: all
-        of them (the gathered input), or this rank's piece s_r/t (`saves_shard`)."""
-        return self.t if self.saves_shard else 1
-
-
 def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
     """Whether these formulas describe the layout: dense blocks without dropout, no expert split;
     context parallelism and recomputation only on one stage without tp, in fp32 (where they are derived
@@ -111,7 +82,7 @@ def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
     g, dims = _shape(model).gpt, layout.dims
     if g.moe_experts or g.dropout or dims.ep > 1:
         return False
-    if dims.cp == 1 and getattr(layout, "recompute", "none") in (None, "none"):
+    if dims.cp == 1 and layout.recompute in (None, "none"):
         return True
     return dims.tp == 1 and dims.pp == 1 and layout.precision == "fp32"
 
@@ -232,14 +203,14 @@ def stage_terms(cfg: GPTConfig | ModelShape, layout: Layout, global_batch: int, 
       full       E + L·input + max(H, layer − input): only each block's input is kept, and after
                  the head's backward the last block is recomputed whole (its input already counted)
     """
-    cut, L = Cut.of(layout, act_bytes), _shape(cfg).gpt.n_layers
+    cut, L = layout.cut(act_bytes), _shape(cfg).gpt.n_layers
     chunk = chunk_bytes(cfg, cut, 0, [L])
     batch = global_batch_bytes(cfg, global_batch)
     embedding = embedding_saved_bytes(cfg, cut) + batch * chunk.reads_inputs
     head = head_saved_bytes(cfg, cut) + batch * chunk.reads_targets
     terms = block_terms(cfg, cut)
     layer = block_saved_bytes(cfg, cut)
-    mode = getattr(layout, "recompute", "none") or "none"
+    mode = layout.recompute or "none"
     if mode == "none":
         peak = embedding + L * layer + head
     elif mode == "selective":
@@ -272,7 +243,7 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
     else:
         if walk is None:
             raise ValueError(f"{p} pipeline stages: pass each rank's walk of its schedule (parallel/pp/theory.py)")
-        cut, batch = Cut.of(layout, act_bytes), global_batch_bytes(model, global_batch)
+        cut, batch = layout.cut(act_bytes), global_batch_bytes(model, global_batch)
         chunks = [chunk_bytes(model, cut, vs, layers) for vs in range(len(layers))]
         peaks = [peak_in_flight(walk[r], chunks, batch) for r in range(p)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.

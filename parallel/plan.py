@@ -4,12 +4,13 @@ Everything that can be wrong with a configuration is caught here, on every rank,
 and the torchrun environment alone. A wrong value ends in one sentence that names it, the rule it
 breaks and a fix, and a non-zero exit: never a hang inside a collective.
 
-This file is the order the rules run in. The rules themselves are the registry's that every entry
-shares (parallel/registry.py: world size, dimensions, sequence parallelism, mixtures of experts),
-the entries' own (`check`, `check_model`, `schedule_check`), each family's in its rules.py
-(dp, zero, tp, pp, cp), and the configuration's that
-belong to no strategy (numbers, precision, recomputation, faults, checkpoints), here. Which entry
-runs the layout is parallel/compose/route.py's table.
+This file is the order the rules run in, and it names no family: each family's options are parsed
+and checked by the family itself (parallel/family.py, through the registry), its refusals are its
+rules.py's, and those that span two families are parallel/compose/rules.py's. Besides them run the
+registry's rules every entry shares (world size, dimensions, mixtures of experts), the entries' own
+(`check`, `check_model`), and the configuration's that belong to no strategy (numbers, precision,
+recomputation, faults, checkpoints), here. Which entry runs the layout is parallel/compose/route.py's
+table.
 """
 
 from __future__ import annotations
@@ -21,24 +22,18 @@ from parallel.core.host_memory import HOST_ALLOCATORS
 from parallel.core.model import MOE_FIELDS, GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
-from parallel.cp import rules as cp_rules
 from parallel.dist.binding import PIN_CHOICES
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dist.gloo_loop import GLOO_LOOP_POLICIES
 from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dist.timing import default_warmup_steps
-from parallel.dp import rules as dp_rules
+from parallel.family import Check
 from parallel.layout import Layout
-from parallel.pp import rules as pp_rules
-from parallel.pp.actions import splits_backward
-from parallel.pp.schedules import built_schedule
-from parallel.registry import check_layout, check_model, resolve, sequence_piece_keepers, spec_of
+from parallel.registry import REGISTRY, check_layout, check_model, check_rules, parse_options, resolve, spec_of
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error
-from parallel.spec import ConfigError, Options, StrategySpec
-from parallel.tp import rules as tp_rules
-from parallel.zero import rules as zero_rules
+from parallel.spec import ConfigError, StrategySpec
 
 __all__ = ["ConfigError", "LayoutError", "RunPlan", "build_plan", "model_config"]
 
@@ -47,11 +42,7 @@ __all__ = ["ConfigError", "LayoutError", "RunPlan", "build_plan", "model_config"
 class RunPlan:
     strategy: str
     model: GPTConfig
-    dims: ParallelDims
-    microbatches: int
-    sequence_parallel: bool
-    grad_sync: str
-    bucket_mb: float
+    layout: Layout  # the dimensions, microbatches, precision, recomputation and every family's options
     backend: str | None
     timeout_s: float
     steps: int
@@ -71,16 +62,8 @@ class RunPlan:
     comm_time: bool
     save_final: bool
     save_grads: bool
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    pp_layers: tuple[int, ...] | None = None
     peak_flops: float | None = None  # per device, for MFU; None: measured by a matmul at the end of the run
-    precision: str = "fp32"
     device_type: str = "cpu"  # "cuda" under NCCL, or for a single process where a GPU is visible
-    zero: int = 0  # parallel.zero: the ZeRO stage of the dp dimension of a 3d layout (0: plain all-reduce)
-    cp_kind: str = "ring"  # with parallel.cp > 1: the ring (parallel=cp) or the all-to-all (parallel=cp_a2a)
-    recompute: str = "none"  # train.recompute: none | selective | full (parallel/core/recompute.py)
-    tp_saves: str = "gathered"  # parallel.tp_saves: gathered | sharded (sequence parallelism's column-parallel inputs)
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
@@ -96,12 +79,28 @@ class RunPlan:
     timeline: bool = True  # run.timeline: draw timeline.png beside trace.json
 
     @property
-    def local_batch(self) -> int:
-        return self.global_batch // self.dims.dp
+    def dims(self) -> ParallelDims:
+        return self.layout.dims
+
+    @property
+    def microbatches(self) -> int:
+        return self.layout.microbatches
 
     @property
     def microbatch_size(self) -> int:
-        return self.local_batch // self.microbatches
+        return self.layout.microbatch_size
+
+    @property
+    def precision(self) -> str:
+        return self.layout.precision
+
+    @property
+    def recompute(self) -> str:
+        return self.layout.recompute
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dims.dp
 
     @property
     def tokens_per_step(self) -> int:
@@ -111,13 +110,6 @@ class RunPlan:
     def spec(self) -> StrategySpec:
         return spec_of(self.strategy)
 
-    @property
-    def layout(self) -> Layout:
-        return Layout(dims=self.dims, microbatches=self.microbatches, microbatch_size=self.microbatch_size,
-                      sequence_parallel=self.sequence_parallel, schedule=self.schedule,
-                      virtual_stages=self.virtual_stages, pp_layers=self.pp_layers, zero=self.zero,
-                      cp_kind=self.cp_kind, recompute=self.recompute,
-                      precision=self.precision, tp_saves=self.tp_saves)
 
 
 def model_config(cfg) -> GPTConfig:
@@ -172,7 +164,7 @@ def _check_numbers(cfg) -> None:
     """Types and ranges of the numeric options that no layout rule covers (a string or a negative
     number must not reach torch as a traceback)."""
     t, p = cfg.train, cfg.parallel
-    positive = [("train.lr", t.lr, "e.g. train.lr=0.001"), ("parallel.bucket_mb", p.bucket_mb, "PyTorch DDP uses 25"),
+    positive = [("train.lr", t.lr, "e.g. train.lr=0.001"),
                 ("parallel.timeout_s", p.timeout_s, "e.g. parallel.timeout_s=60")]
     for name, value, hint in positive:
         if not _is_number(value) or value <= 0:
@@ -180,7 +172,6 @@ def _check_numbers(cfg) -> None:
     if not _is_number(t.weight_decay) or t.weight_decay < 0:
         raise ConfigError(f"train.weight_decay={t.weight_decay!r} must be a number >= 0: e.g. train.weight_decay=0.1")
     for name, value, low in [("train.seed", t.seed, 0), ("data.max_bytes", cfg.data.max_bytes, 1),
-                             ("parallel.virtual_stages", p.virtual_stages, 1),
                              ("train.checkpoint_every", t.checkpoint_every, 0)]:
         if not _is_int(value) or value < low:
             raise ConfigError(f"{name}={value!r} must be an integer >= {low}")
@@ -200,8 +191,7 @@ def _check_numbers(cfg) -> None:
                           "(auto: each rank on a core of its own where the machine has one for every rank; "
                           "off: the kernel places the threads)")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
-                        ("train.save_grads", t.save_grads),
-                        ("parallel.sequence_parallel", p.sequence_parallel), ("comm.log", cfg.comm.log),
+                        ("train.save_grads", t.save_grads), ("comm.log", cfg.comm.log),
                         ("comm.time", cfg.comm.time), ("run.timeline", cfg.run.get("timeline", True))]:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")
@@ -263,7 +253,7 @@ def _check_precision(precision) -> None:
         )
 
 
-def _check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
+def check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
     if recompute not in RECOMPUTE_MODES:
         raise ConfigError(f"train.recompute={recompute!r} is not one of {', '.join(RECOMPUTE_MODES)}: none keeps every "
                           "activation, selective recomputes the attention cores, full recomputes every block")
@@ -277,8 +267,8 @@ def _check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
 
 
 def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
-    """Validate the whole configuration against the launch environment."""
-    p, t = cfg.parallel, cfg.train
+    """Validate the whole configuration against the launch environment, in the order the rules run."""
+    t = cfg.train
     _check_numbers(cfg)
     model = model_config(cfg.model)
     if model.vocab_size < 256:
@@ -286,98 +276,62 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             f"model.vocab_size={model.vocab_size} is below 256, but the data is byte-level (token ids 0..255): "
             "use model.vocab_size=256 (or more)"
         )
-    dims = _resolve_dims(env.world_size, p)
-    requested = spec_of(p.name)
-    if requested.pipelined:
-        # The schedule is checked whatever the layout runs as (a pipeline preset in one process
-        # runs as `single`, but a schedule name it does not know is still a mistake to refuse).
-        pp_rules.check_schedule_name(p.schedule)
-    strategy, options = resolve(p.name, dims, Options(bool(p.sequence_parallel), p.zero))
-    spec = check_layout(strategy, dims, options)
-    check_model(strategy, model, dims)
-    sequence_parallel, zero = options.sequence_parallel, options.zero
-    if spec.tensor_parallel:
-        tp_rules.check_tensor_parallel(model, dims, sequence_parallel)
-    cp_rules.check_context_parallel(model, dims, options)
-    dims.check_batch(t.global_batch, p.microbatches)
-    if spec.pipelined:
-        pp_rules.check_pipeline(model, dims, p.schedule, p.microbatches, p.virtual_stages, p.pp_layers,
-                                spec.schedule_check)
-    tp_saves = p.get("tp_saves", "gathered")
-    # Whether the schedule splits its backward matters only to a sharded request (the schedule is
-    # checked above, and built once per (p, m, v) by the cache).
-    split = (tp_saves == "sharded" and spec.pipelined
-             and splits_backward(built_schedule(p.schedule, dims.pp, p.microbatches, p.virtual_stages)))
-    tp_rules.check_tp_saves(tp_saves, spec, sequence_piece_keepers(), dims, sequence_parallel, split)
-    if spec.pipelined and spec.grad_sync:  # the pipeline recipe's dp sync (parallel/compose/mesh3d.py)
-        if zero:  # the ZeroOptimizer replaces grad_sync
-            zero_rules.check_zero_in_pipeline(zero, sequence_parallel, p.virtual_stages, p.schedule,
-                                              pp_rules.v_shaped(p.schedule))
-        else:
-            pp_rules.check_pipeline_grad_sync(dims, p.grad_sync, p.virtual_stages, p.schedule)
+    strategy, layout = _checked_layout(cfg, model, env.world_size)
     _check_steps(t.steps, t.warmup_steps)
-    dp_rules.check_grad_sync(p.grad_sync)
     _check_precision(t.precision)
-    recompute = t.get("recompute", "none")
-    _check_recompute(recompute, strategy, spec)
+    check_recompute(layout.recompute, strategy, spec_of(strategy))
     _check_faults(t, env.world_size)
-    if not spec.checkpoints and (t.checkpoint_every or t.resume is not None):
+    _check_checkpoints(t, strategy)
+    resume_from, start_step = _resume_point(t, model, cfg)
+    backend = choose_backend(cfg.parallel.backend, cuda_available) if env.world_size > 1 else None
+    return RunPlan(
+        strategy=strategy, model=model, layout=layout, backend=backend,
+        device_type=choose_device_type(cfg.parallel.backend, backend, cuda_available),
+        timeout_s=float(cfg.parallel.timeout_s), steps=t.steps,
+        warmup_steps=default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps,
+        warmup_default=t.warmup_steps is None, resume_from=resume_from, start_step=start_step,
+        peak_flops=_peak_flops(t.get("peak_flops")), **_run_fields(cfg),
+    )
+
+
+def _checked_layout(cfg, model: GPTConfig, world_size: int) -> tuple[str, Layout]:
+    """The entry that runs the request and its layout, every family's rule passed: the dimensions,
+    each family's options (each record checks its values), the route table, the rules every entry
+    shares, the global batch's split, then every family's refusals and those across families."""
+    p, t = cfg.parallel, cfg.train
+    dims = _resolve_dims(world_size, p)
+    requested = spec_of(p.name)
+    strategy, options = resolve(p.name, dims, parse_options(p))
+    spec = check_layout(strategy, dims)
+    check_model(strategy, model, dims)
+    dims.check_batch(t.global_batch, p.microbatches)
+    layout = Layout(dims=dims, microbatches=p.microbatches, microbatch_size=t.global_batch // dims.dp // p.microbatches,
+                    recompute=t.get("recompute", "none"), precision=t.precision, options=options)
+    check_rules(Check(model, layout, spec, requested, REGISTRY))
+    return strategy, layout
+
+
+def _check_checkpoints(t, strategy: str) -> None:
+    if not spec_of(strategy).checkpoints and (t.checkpoint_every or t.resume is not None):
         what = f"train.checkpoint_every={t.checkpoint_every}" if t.checkpoint_every else f"train.resume={t.resume!r}"
         raise ConfigError(f"{what}: parallel={strategy} cannot save or load checkpoints (its registry entry says "
                           "checkpoints=False): set train.checkpoint_every=0 and train.resume=null, "
                           "or use another strategy")
-    resume_from, start_step = _resume_point(t, model, cfg)
-    warmup_steps = default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps
-    backend = choose_backend(p.backend, cuda_available) if env.world_size > 1 else None
-    return RunPlan(
-        strategy=strategy,
-        model=model,
-        dims=dims,
-        microbatches=p.microbatches,
-        sequence_parallel=sequence_parallel,
-        grad_sync=p.grad_sync,
-        bucket_mb=float(p.bucket_mb),
-        backend=backend,
-        timeout_s=float(p.timeout_s),
-        steps=t.steps,
-        warmup_steps=warmup_steps,
-        warmup_default=t.warmup_steps is None,
-        timeline=bool(cfg.run.get("timeline", True)),
-        global_batch=t.global_batch,
-        lr=float(t.lr),
-        weight_decay=float(t.weight_decay),
-        seed=int(t.seed),
-        threads=t.threads,
-        host_allocator=str(t.get("host_allocator", "keep")),
-        gloo_loop_policy=str(t.get("gloo_loop_policy", "batch")),
-        pin_cores=str(t.get("pin_cores", "auto")),
-        data_path=cfg.data.path,
-        data_max_bytes=int(cfg.data.max_bytes),
-        run_dir=cfg.run.dir,
-        comm_log=bool(cfg.comm.log),
-        comm_time=bool(cfg.comm.time),
-        save_final=bool(t.save_final),
-        save_grads=bool(t.save_grads),
-        schedule=p.schedule,
-        virtual_stages=p.virtual_stages,
-        pp_layers=tuple(p.pp_layers) if p.pp_layers is not None else None,
-        peak_flops=_peak_flops(t.get("peak_flops")),
-        precision=t.precision,
-        device_type=choose_device_type(p.backend, backend, cuda_available),
-        zero=zero,  # of a combined layout's dp dimension; on a pure dp layout the stage is in the strategy's name
-        cp_kind=options.cp_kind,
-        recompute=recompute,
-        tp_saves=tp_saves,
-        checkpoint_every=t.checkpoint_every,
-        checkpoint_dir=t.checkpoint_dir,
-        resume_from=resume_from,
-        start_step=start_step,
-        check_finite=t.check_finite,
-        fail_mode=t.fail_mode,
-        fail_at_step=t.fail_at_step,
-        fail_rank=t.fail_rank,
-        tensorboard=bool(t.get("tensorboard", False)),
-        tensorboard_dir=t.get("tensorboard_dir"),
+
+
+def _run_fields(cfg) -> dict:
+    """What the run does besides its layout: training, the machine, outputs, reliability, as configured."""
+    t = cfg.train
+    return dict(
+        global_batch=t.global_batch, lr=float(t.lr), weight_decay=float(t.weight_decay), seed=int(t.seed),
+        threads=t.threads, host_allocator=str(t.get("host_allocator", "keep")),
+        gloo_loop_policy=str(t.get("gloo_loop_policy", "batch")), pin_cores=str(t.get("pin_cores", "auto")),
+        data_path=cfg.data.path, data_max_bytes=int(cfg.data.max_bytes), run_dir=cfg.run.dir,
+        comm_log=bool(cfg.comm.log), comm_time=bool(cfg.comm.time), timeline=bool(cfg.run.get("timeline", True)),
+        save_final=bool(t.save_final), save_grads=bool(t.save_grads),
+        checkpoint_every=t.checkpoint_every, checkpoint_dir=t.checkpoint_dir, check_finite=t.check_finite,
+        fail_mode=t.fail_mode, fail_at_step=t.fail_at_step, fail_rank=t.fail_rank,
+        tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
     )
 
 

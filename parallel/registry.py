@@ -23,20 +23,23 @@ added at run time with `register` (tests/helpers/toy_strategy.py does exactly th
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from itertools import chain
 
-from parallel import algebra, baselines, compose, cp, dp, moe, pp, tp, zero
+from parallel import algebra, baselines, compose, cp, dp, moe, pp, sync, tp, zero
 from parallel.activations import registry_activations
 from parallel.compose import route
+from parallel.compose.rules import rules_across_families
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dp import theory as dp_theory
-from parallel.layout import Layout
-from parallel.spec import ConfigError, Options, StrategySpec
+from parallel.family import Check, Family, Search, option_keys
+from parallel.layout import FamilyOptions, Layout
+from parallel.spec import ConfigError, StrategySpec
 
-__all__ = ["REGISTRY", "ConfigError", "Options", "StrategySpec", "check_layout", "check_model", "expected_comm",
-           "layout_of", "model_state_bytes", "register", "spec_of"]
+__all__ = ["FAMILIES", "REGISTRY", "ConfigError", "StrategySpec", "check_layout", "check_model", "check_rules",
+           "describe", "expected_comm", "layout_of", "model_state_bytes", "parse_options", "register", "spec_of"]
 
 
 def _build_single(model, plan, ctx):
@@ -72,6 +75,14 @@ REGISTRY: dict[str, StrategySpec] = _table(chain(
 
 route.check_names(REGISTRY)  # the table names only entries that exist
 
+# Every family's declaration (parallel/family.py), in the order their rules run and their fields are
+# described and labelled.
+FAMILIES: tuple[Family, ...] = (tp.FAMILY, cp.FAMILY, pp.FAMILY, sync.FAMILY, moe.FAMILY)
+WITH_OPTIONS: tuple[Family, ...] = tuple(f for f in FAMILIES if f.options is not None)
+# The planner's product of the families' searches varies the first slowest: the pipeline's schedules,
+# so that every other option of one schedule asks for it while parallel/pp/schedules.py's cache holds it.
+SEARCHED: tuple[Family, ...] = (pp.FAMILY, sync.FAMILY, tp.FAMILY, cp.FAMILY)
+
 
 def register(spec: StrategySpec) -> StrategySpec:
     """A strategy added at run time, from outside the project's families (tests/helpers/toy_strategy.py)."""
@@ -81,12 +92,6 @@ def register(spec: StrategySpec) -> StrategySpec:
     return spec
 
 
-def sequence_piece_keepers() -> tuple[str, ...]:
-    """The entries whose column-parallel linears can keep the sequence piece (`tp_saves=True`:
-    parallel.tp_saves=sharded), named in its refusal."""
-    return tuple(name for name, spec in REGISTRY.items() if spec.tp_saves)
-
-
 def spec_of(name: str) -> StrategySpec:
     if name not in REGISTRY:
         raise ConfigError(f"parallel.name={name!r} is not a strategy: choose one of {', '.join(REGISTRY)}")
@@ -94,14 +99,14 @@ def spec_of(name: str) -> StrategySpec:
 
 
 # -- the layout rules every entry shares ----------------------------------------------------------------
-def resolve(name: str, dims: ParallelDims, options: Options) -> tuple[str, Options]:
+def resolve(name: str, dims: ParallelDims, options: FamilyOptions) -> tuple[str, FamilyOptions]:
     """The entry that runs a requested name on this layout: parallel/compose/route.py's table read
     over this registry. Returns (name, options as they apply to it)."""
     spec_of(name)  # an unknown name is refused by name first
     return route.resolve(name, dims, options, REGISTRY)
 
 
-def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpec:
+def check_layout(name: str, dims: ParallelDims) -> StrategySpec:
     """The spec's generic rules; its own `check` last. Messages name the value and the fix."""
     spec = spec_of(name)
     if spec.max_world is not None and dims.world_size > spec.max_world:
@@ -116,7 +121,7 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
             f"launch it with torchrun --nproc-per-node {spec.min_world} (or more)"
         )
     if spec.check is not None:
-        spec.check(dims, options)
+        spec.check(dims)
     extra = [d for d in SIZES if getattr(dims, d) > 1 and d not in spec.dims]
     if extra and spec.dims == {"dp"} and set(extra) <= {"tp", "pp"}:
         raise LayoutError(
@@ -127,12 +132,6 @@ def check_layout(name: str, dims: ParallelDims, options: Options) -> StrategySpe
         hint = " (context parallelism: parallel=cp or cp_a2a)" if "cp" in extra else ""
         raise LayoutError(f"parallel={name} does not split along {', '.join(extra)}: set "
                           + " ".join(f"parallel.{d}=1" for d in extra) + hint)
-    if options.sequence_parallel and (not spec.sequence_parallel or dims.tp == 1):
-        raise ConfigError(
-            f"parallel.sequence_parallel=true needs tensor parallelism, "
-            f"but parallel={name} with parallel.tp={dims.tp}: "
-            "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
-        )
     return spec
 
 
@@ -149,16 +148,107 @@ def check_model(name: str, model: GPTConfig, dims: ParallelDims) -> None:
         spec.check_model(model, dims)
 
 
+# -- the families' options ------------------------------------------------------------------------------
+def parse_options(section) -> FamilyOptions:
+    """Every family's record from the `parallel` config section (each checks its own values)."""
+    return FamilyOptions.of_records(family.parse(section) for family in WITH_OPTIONS)
+
+
+def with_entry_options(options: FamilyOptions, spec: StrategySpec) -> FamilyOptions:
+    """The option values entry `spec` sets wherever it runs (`StrategySpec.sets`: cp_a2a's attention)."""
+    for family, values in spec.sets.items():
+        options = options.changed(family, **values)
+    return options
+
+
+def check_rules(check: Check) -> None:
+    """Every family's refusals, in `FAMILIES` order, then those that span two (parallel/compose/rules.py)."""
+    for family in FAMILIES:
+        if family.rules is not None:
+            family.rules(check)
+    rules_across_families(check)
+
+
+def describe(layout: Layout, spec: StrategySpec) -> dict:
+    """The families' fields of the `parallel` block of summary.json and of a planner row."""
+    out = {}
+    for family in FAMILIES:
+        if family.describe is not None:
+            out.update(family.describe(layout, spec))
+    return out
+
+
+def label(described: dict) -> list[str]:
+    """The families' words in a planner row's label (`2x4x8 m16 1f1b v2 sp zero1`), from `describe`'s fields."""
+    return [word for family in FAMILIES if family.label is not None for word in family.label(described)]
+
+
+def identity(layout: Layout, spec: StrategySpec) -> tuple:
+    """What the families' options change of the run: two requests with the same identity run the same layout."""
+    return tuple(family.identity(layout, spec) if family.identity is not None else layout.of(family.options)
+                 for family in WITH_OPTIONS)
+
+
+def option_choices(search: Search) -> list[list]:
+    """Each family's records to try on one layout (the defaults where it searches nothing), in `SEARCHED` order."""
+    return [list(family.search(search)) if family.search is not None else [family.options()]
+            for family in SEARCHED]
+
+
+def request_fields(options: FamilyOptions, differing_from: dict | None = None) -> dict:
+    """The `parallel.*` config fields that ask for these records: every configurable option, or with
+    `differing_from` (a request's fields) those of it whose value differs from the records'."""
+    out = {}
+    for family in WITH_OPTIONS:
+        record = options.of(family.options)
+        for key, name in option_keys(family.options).items():
+            if not _configurable(family.options, name):
+                continue
+            if differing_from is None:
+                out[key] = getattr(record, name)
+            elif key in differing_from and _normal(differing_from[key]) != _normal(getattr(record, name)):
+                out[key] = differing_from[key]
+    return out
+
+
+def _normal(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def differing_options(a: FamilyOptions, b: FamilyOptions, spec: StrategySpec) -> int:
+    """How many of the options `spec` honours differ between two sets of records."""
+    return sum(getattr(a.of(family.options), name) != getattr(b.of(family.options), name)
+               for family in WITH_OPTIONS for name in spec.honours.get(family.name, ()))
+
+
+def fallback(options: FamilyOptions, reason: str) -> FamilyOptions | None:
+    """The records to try once a request with `options` was refused for `reason`, where a family has one."""
+    for family in WITH_OPTIONS:
+        if family.fallback is not None:
+            instead = family.fallback(options.of(family.options), reason)
+            if instead is not None:
+                return options.with_record(instead)
+    return None
+
+
+def _configurable(cls: type, name: str) -> bool:
+    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get("configurable", True)
+
+
 # -- theory by strategy name (tests, benches and tools that have a name, a model and a layout) ----------
 def layout_of(dims: ParallelDims | Layout, **options) -> Layout:
-    """A Layout from dims and keyword options (`virtual=` is accepted for `virtual_stages=`)."""
+    """A Layout from dims and keyword options: the Layout's own fields (microbatches, microbatch_size,
+    recompute, precision, dtype_bytes) and any family's option by its config key (sequence_parallel,
+    schedule, virtual_stages or `virtual`, zero, cp_kind, ...)."""
     if isinstance(dims, Layout):
         return dims
     if "virtual" in options:
         options["virtual_stages"] = options.pop("virtual")
-    if options.get("pp_layers") is not None:
-        options["pp_layers"] = tuple(options["pp_layers"])
-    return Layout(dims=dims, **options)
+    records = []
+    for family in WITH_OPTIONS:
+        mine = {name: options.pop(key) for key, name in option_keys(family.options).items() if key in options}
+        records.append(family.options(**mine))
+    return Layout(dims=dims, options=FamilyOptions.of_records(records), **options)
 
 
 def expected_comm(name: str, cfg: GPTConfig, dims: ParallelDims | Layout, **options) -> dict:

@@ -28,7 +28,9 @@ from parallel.baselines.rules import (
 )
 from parallel.dp import theory as dp_theory
 from parallel.pp import theory as pp_theory
+from parallel.pp.options import PPOptions
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 
 
 def _optimizer(plan):
@@ -40,13 +42,13 @@ def _optimizer(plan):
 def _build_torch_ddp(model, plan, ctx):
     from parallel.baselines.ddp import TorchDDP
 
-    return TorchDDP(model, _optimizer(plan), ctx.comm("dp"), plan.bucket_mb)
+    return TorchDDP(model, _optimizer(plan), ctx.comm("dp"), plan.layout.of(SyncOptions).bucket_mb)
 
 
 def _build_accelerate_ddp(model, plan, ctx):
     from parallel.baselines.ddp import AccelerateDDP
 
-    return AccelerateDDP(model, _optimizer(plan), ctx.comm("dp"), plan.bucket_mb, ctx.device)
+    return AccelerateDDP(model, _optimizer(plan), ctx.comm("dp"), plan.layout.of(SyncOptions).bucket_mb, ctx.device)
 
 
 def _build_torch_fsdp2(model, plan, ctx):
@@ -58,7 +60,7 @@ def _build_torch_fsdp2(model, plan, ctx):
 def _build_torch_zero1(model, plan, ctx):
     from parallel.baselines.zero_redundancy import TorchZero1
 
-    return TorchZero1(model, ctx.comm("dp"), plan.bucket_mb, plan.lr, plan.weight_decay)
+    return TorchZero1(model, ctx.comm("dp"), plan.layout.of(SyncOptions).bucket_mb, plan.lr, plan.weight_decay)
 
 
 def _build_torch_zero2(model, plan, ctx):
@@ -76,12 +78,15 @@ def _build_torch_tp(model, plan, ctx):
 def _build_torch_pp(model, plan, ctx):
     from parallel.baselines.pipelining import TorchPipeline
 
-    return TorchPipeline(model, plan.schedule, ctx.comm("pp"), plan.microbatches, plan.virtual_stages,
-                         list(plan.pp_layers) if plan.pp_layers else None, plan.lr, plan.weight_decay, ctx.device,
+    options = plan.layout.of(PPOptions)
+    return TorchPipeline(model, options.schedule, ctx.comm("pp"), plan.microbatches, options.virtual_stages,
+                         list(options.layers) if options.layers else None, plan.lr, plan.weight_decay, ctx.device,
                          ctx.log)
 
 
 BASELINE = frozenset({"baseline"})
+BUCKETS = {"sync": ("bucket_mb",)}  # DDP's own buckets, of parallel.bucket_mb; no choice of sync
+PIPELINE = ("schedule", "virtual_stages", "layers")
 
 # DTensor's TP (its loss runs on the all-gathered logits) and pipelining (its first stage holds
 # more: +17% at 4 stages) save more for backward than ours: they have no activation formula.
@@ -89,13 +94,13 @@ ENTRIES = (
     StrategySpec(
         name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp)",
         build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
-        local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
         tags=BASELINE, moe=True, activations=registry_activations,
     ),
     StrategySpec(
         name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
         build=_build_accelerate_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
-        local_parameters=algebra.tp_local_parameter_count, min_world=2, bucket_mb=True, exposed_comm_measured=False,
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
         tags=BASELINE, moe=True, activations=registry_activations,
     ),
     StrategySpec(
@@ -106,7 +111,7 @@ ENTRIES = (
     StrategySpec(
         name="torch_zero1", description="PyTorch's ZeRO-1: DDP + ZeroRedundancyOptimizer (the baseline for zero1)",
         build=_build_torch_zero1, comm=theory.torch_zero1_comm, local_parameters=algebra.tp_local_parameter_count,
-        min_world=2, bucket_mb=True, exposed_comm_measured=False, tags=frozenset({"baseline", "sharded"}), moe=True,
+        min_world=2, honours=BUCKETS, exposed_comm_measured=False, tags=frozenset({"baseline", "sharded"}), moe=True,
         activations=registry_activations,
     ),
     StrategySpec(
@@ -118,13 +123,14 @@ ENTRIES = (
     StrategySpec(
         name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
         build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=algebra.tp_local_parameter_count,
-        dims=frozenset({"dp", "tp"}), min_world=2, tensor_parallel=True, check=check_torch_tp, tags=BASELINE,
+        dims=frozenset({"dp", "tp"}), min_world=2, honours={"tp": ()}, check=check_torch_tp, tags=BASELINE,
         moe_refusal=TORCH_TP_NO_MOE,
     ),
     StrategySpec(
         name="torch_pp",
         description="torch.distributed.pipelining's schedules on the same chunks (the baseline for pp)",
-        build=_build_torch_pp, comm=pp_theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2, pipelined=True,
+        build=_build_torch_pp, comm=pp_theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2,
+        honours={"pp": PIPELINE},
         check=check_torch_pp, schedule_check=check_torch_pp_schedule, tags=BASELINE, moe_refusal=TORCH_PP_NO_MOE,
     ),
 )

@@ -8,14 +8,13 @@ schedules torch refuses for some (pp, m) that ours run, and why neither trains a
 from __future__ import annotations
 
 from parallel.dist.dims import LayoutError, ParallelDims
-from parallel.spec import Options
 
 TORCH_TP_NO_MOE = "DTensor's plan here (torchtitan's) shards the dense MLP and has no plan for an MoE block's experts"
 TORCH_PP_NO_MOE = ("torch.distributed.pipelining back-propagates the last stage's loss only, not a stage's balancing "
                    "loss")
 
 
-def check_torch_tp(dims: ParallelDims, options: Options) -> None:
+def check_torch_tp(dims: ParallelDims) -> None:
     if dims.pp != 1:
         raise LayoutError(f"parallel=torch_tp does not pipeline, but parallel.pp={dims.pp}: set parallel.pp=1")
     if dims.tp < 2:
@@ -23,7 +22,7 @@ def check_torch_tp(dims: ParallelDims, options: Options) -> None:
                           "DTensor over one rank splits nothing")
 
 
-def check_torch_pp(dims: ParallelDims, options: Options) -> None:
+def check_torch_pp(dims: ParallelDims) -> None:
     if dims.tp != 1 or dims.dp != 1:
         raise LayoutError(
             f"parallel=torch_pp runs one torch.distributed.pipelining pipeline over the whole world, but "

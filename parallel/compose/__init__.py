@@ -26,12 +26,15 @@ def _build_mesh3d(model, plan, ctx):
     return build_mesh3d(model, plan, ctx)
 
 
+PIPELINE = ("schedule", "virtual_stages", "layers")
+SYNC = ("grad_sync", "bucket_mb", "zero")  # each stage's dp sync: all-reduce or ZeRO-1/2
+
 ENTRIES = (
     StrategySpec(
         name="pp",
         description="pipeline parallel: GPipe, 1F1B, interleaved, ZB-H1, ZB-V or DualPipeV, schedules as data",
-        build=_build_mesh3d, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}), pipelined=True,
-        grad_sync=True, zero_dp=True, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
+        build=_build_mesh3d, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}),
+        honours={"pp": PIPELINE, "sync": SYNC}, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
         activations=pp_theory.pipeline_activations,
     ),
     StrategySpec(
@@ -39,8 +42,8 @@ ENTRIES = (
         "attention, dp or ZeRO-1/2 on top",
         build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
         local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
-        tensor_parallel=True, pipelined=True, sequence_parallel=True, grad_sync=True, zero_dp=True, recompute=True,
+        # the same parallelize_tp cuts its stages, saved sequence pieces included
+        honours={"tp": ("sequence_parallel", "saves"), "pp": PIPELINE, "cp": (), "sync": SYNC}, recompute=True,
         moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}", activations=pp_theory.pipeline_activations,
-        tp_saves=True,  # the same parallelize_tp cuts its stages
     ),
 )

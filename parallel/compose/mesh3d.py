@@ -43,10 +43,12 @@ from parallel.compose.cp_pipeline import ContextParallelPipeline
 from parallel.core.model import GPT, token_loss_sum
 from parallel.cp.transform import parallelize_cp
 from parallel.pp.executor import PipelineParallel, global_named_parameters
+from parallel.pp.options import PPOptions
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import make_optimizer
 from parallel.sync.allreduce import make_grad_sync
+from parallel.sync.options import SyncOptions
 from parallel.sync.zero import ZeroOptimizer
 from parallel.tp.layers import TPShards, parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
@@ -59,26 +61,27 @@ def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
     cp_comm = ctx.comm("cp") if ctx.comm("cp") is not None and ctx.comm("cp").size > 1 else None
     # The ranks that hold the same parameters: dp, or dp and cp together when the sequence is split.
     pp_comm, dp_comm = ctx.comm("pp"), ctx.comm("dp_cp") if cp_comm is not None else ctx.comm("dp")
-    sequence_parallel = plan.sequence_parallel and tp_comm is not None
+    cut, pipeline, dp_options = plan.layout.cut(), plan.layout.of(PPOptions), plan.layout.of(SyncOptions)
+    sequence_parallel = cut.sequence_parallel
     full_parameters = sum(p.numel() for p in model.parameters())
     # 1. Tensor parallelism on the whole model: the shards keep the single-process names, and the
-    #    tp tags the global layer index, whichever stage a block then lands on.
-    saves_shard = sequence_parallel and plan.tp_saves == "sharded"  # the column-parallel inputs' sequence pieces
-    shards = parallelize_tp(model, tp_comm, sequence_parallel, saves_shard) if tp_comm is not None else TPShards()
+    #    tp tags the global layer index, whichever stage a block then lands on (under `saves_shard`
+    #    the column-parallel inputs keep their sequence pieces).
+    shards = parallelize_tp(model, tp_comm, sequence_parallel, cut.saves_shard) if tp_comm is not None else TPShards()
     if cp_comm is not None:  # 1b. context parallelism on the tp shard: positions and attention cores
-        parallelize_cp(model, cp_comm, plan.cp_kind)
+        parallelize_cp(model, cp_comm, cut.cp_kind)
     # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ... on the loop; r and
     #    2p-1-r on the V of zbv and dualpipev).
-    chunks = split_model(model, pp_comm.size, plan.virtual_stages, pp_comm.rank,
-                         list(plan.pp_layers) if plan.pp_layers else None,
-                         schedule_placement(plan.schedule, pp_comm.size, plan.virtual_stages))
+    chunks = split_model(model, pp_comm.size, pipeline.virtual_stages, pp_comm.rank,
+                         list(pipeline.layers) if pipeline.layers else None,
+                         schedule_placement(pipeline.schedule, pp_comm.size, pipeline.virtual_stages))
     named = global_named_parameters(chunks)
     # 3. The dp dimension over this stage's own parameters: plain all-reduce, or ZeRO-1/2 (the
     #    ZeroOptimizer is then the sync and the optimizer in one, its parts the stage's pieces).
-    if plan.zero:
-        sync = optimizer = ZeroOptimizer(named, dp_comm, plan.zero, plan.lr, plan.weight_decay)
+    if dp_options.zero:
+        sync = optimizer = ZeroOptimizer(named, dp_comm, dp_options.zero, plan.lr, plan.weight_decay)
     else:
-        sync = make_grad_sync(named, dp_comm, plan.grad_sync, plan.bucket_mb)
+        sync = make_grad_sync(named, dp_comm, dp_options.grad_sync, dp_options.bucket_mb)
         optimizer = make_optimizer(nn.ModuleList(chunks), plan.lr, plan.weight_decay)
     # This stage's share of the sequence-sharded replicated parameters (its blocks' norms and
     # row-parallel biases; the positions on the first stage, the final norm on the last): their
@@ -96,9 +99,10 @@ def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
         stage_loss = token_loss_sum
     runner = dict(cp_comm=cp_comm) if cp_comm is not None else {}
     return (ContextParallelPipeline if cp_comm is not None else PipelineParallel)(
-        chunks, **runner, pp_comm=pp_comm, dp_comm=dp_comm, schedule=plan.schedule, microbatches=plan.microbatches,
-        virtual=plan.virtual_stages, optimizer=optimizer, sync=sync, full_parameters=full_parameters,
-        d_model=model.cfg.d_model, stage_loss=stage_loss, shards=shards, tp_comm=tp_comm,
+        chunks, **runner, pp_comm=pp_comm, dp_comm=dp_comm, schedule=pipeline.schedule,
+        microbatches=plan.microbatches, virtual=pipeline.virtual_stages, optimizer=optimizer, sync=sync,
+        full_parameters=full_parameters, d_model=model.cfg.d_model,
+        stage_loss=stage_loss, shards=shards, tp_comm=tp_comm,
         # Under sequence parallelism tp rank i of one stage sends only its piece of the sequence,
         # b·(s/tp)·h, exactly what tp rank i of the next stage needs (Megatron does the same).
         boundary_seq_parts=tp_comm.size if sequence_parallel else 1,

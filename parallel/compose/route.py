@@ -1,14 +1,15 @@
 """What runs: a requested strategy, the layout and the ZeRO stage of its dp dimension -> the entry
 that runs it. `ROUTES` below is the table; `resolve` reads it, and nothing else decides.
 
-How to read it. A request starts at its name (`parallel.name`, after the preset) with the options
-plan.py gives (`Options`: sequence parallelism, parallel.zero = k, and the cp kind, which the
-requested entry's `cp_kind` sets: `cp_a2a` asks for the all-to-all wherever its layout runs). The
-first row that matches the current name, the layout and k says where to go: another entry (and
-the options it changes), `itself` (stop here), or `refused` (one of parallel/zero/rules.py's
-refusals, one line that names the fix). From the entry reached the table is read again, until no
-row matches or a row says `itself`. `zero_dp=true` matches every entry whose record says so (dp,
-tp, pp, 3d, cp, cp_a2a; a strategy registered at run time too), `zero_dp=false` every other one.
+How to read it. A request starts at its name (`parallel.name`, after the preset) with every
+family's options as the run validator parsed them, parallel.zero = k among them, and the values the
+requested entry sets (`StrategySpec.sets`: `cp_a2a` asks for the all-to-all wherever its layout
+runs). The first row that matches the current name, the layout and k says where to go: another
+entry (and the options it changes, family by family), `itself` (stop here), or `refused` (one of
+parallel/zero/rules.py's refusals, one line that names the fix). From the entry reached the table
+is read again, until no row matches or a row says `itself`. ZERO_DP matches every entry that
+honours parallel.zero (dp, tp, pp, 3d, cp, cp_a2a; a strategy registered at run time too),
+NO_ZERO_DP every other one.
 
 What the rows mean. Over one rank a dimension cuts nothing: tp over one rank is dp (and sequence
 parallelism over one rank nothing either: the options are dp's defaults), cp over one rank is dp,
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from parallel.dist.dims import SIZES, ParallelDims
-from parallel.spec import Options, StrategySpec
+from parallel.layout import FamilyOptions
+from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 from parallel.zero import rules as zero_rules
 
 # What a `refused` row names: the refusals of parallel/zero/rules.py, each (name, dims, zero) -> raises.
@@ -44,16 +47,16 @@ class Route:
     """One row of the table."""
 
     names: frozenset | None  # the entries it applies to, or None with `zero_dp` set
-    zero_dp: bool | None  # `zero_dp=true/false`: every entry whose record says so
+    zero_dp: bool | None  # ZERO_DP / NO_ZERO_DP: every entry that honours parallel.zero (or does not)
     layout: str  # the condition on the dimensions, as written
     zero: range | None  # the stages it applies to (None: any)
     runs: str  # an entry, "itself", "zero<k>" or "refused: <refusal>"
-    changes: dict  # the options the row sets, e.g. {"sequence_parallel": False}
+    changes: dict  # family -> the options the row sets, e.g. {"tp": {"sequence_parallel": False}}
 
     def matches(self, spec: StrategySpec, dims: ParallelDims, zero: int) -> bool:
         if self.names is not None and spec.name not in self.names:
             return False
-        if self.zero_dp is not None and spec.zero_dp != self.zero_dp:
+        if self.zero_dp is not None and spec.honours_option("sync", "zero") != self.zero_dp:
             return False
         return (self.zero is None or zero in self.zero) and _holds(self.layout, dims)
 
@@ -88,7 +91,7 @@ def _stages(text: str) -> range | None:
 
 
 
-ZERO_DP, NO_ZERO_DP = True, False  # a row for every entry whose record says zero_dp=true (or false)
+ZERO_DP, NO_ZERO_DP = True, False  # a row for every entry that honours parallel.zero (or does not)
 
 
 def route(requested, layout: str, stages: str, runs: str, **changes) -> Route:
@@ -103,7 +106,7 @@ ROUTES: tuple[Route, ...] = (
     route("dp",         "world=1",        "0",   "single"),
     route("ep",         "ep=1",           "any", "dp"),
     route("tp",         "pp>1 or cp>1",   "any", "3d"),
-    route("tp",         "tp=1",           "any", "dp", sequence_parallel=False, cp_kind="ring"),
+    route("tp",         "tp=1",           "any", "dp", tp={"sequence_parallel": False}, cp={"kind": "ring"}),
     route("pp",         "tp>1 or cp>1",   "any", "3d"),
     route("pp 3d",      "world=1",        "0",   "single"),
     route("cp cp_a2a",  "tp>1 or pp>1",   "any", "3d"),
@@ -112,7 +115,7 @@ ROUTES: tuple[Route, ...] = (
     route(ZERO_DP,      "cp>1",           "3",   "refused: zero3_with_cp"),
     route(ZERO_DP,      "cp>1",           "1-2", "itself"),
     route(ZERO_DP,      "dp=1",           "1-3", "refused: one_dp_rank"),
-    route(ZERO_DP,      "tp=1 and pp=1",  "1-3", "zero<k>", zero=0),
+    route(ZERO_DP,      "tp=1 and pp=1",  "1-3", "zero<k>", sync={"zero": 0}),
     route(ZERO_DP,      "any",            "3",   "refused: zero3_with_tp_pp"),
     route(ZERO_DP,      "any",            "1-2", "3d"),
 )
@@ -130,24 +133,24 @@ def check_names(known, routes: tuple[Route, ...] = ROUTES) -> None:
         assert not r.runs.startswith("refused") or r.runs.split(": ")[1] in REFUSALS, r.runs
 
 
-def resolve(name: str, dims: ParallelDims, options: Options,
-            specs: Mapping[str, StrategySpec]) -> tuple[str, Options]:
+def resolve(name: str, dims: ParallelDims, options: FamilyOptions,
+            specs: Mapping[str, StrategySpec]) -> tuple[str, FamilyOptions]:
     """The entry that runs a requested name on this layout, by the table above, among `specs` (the
     registry: parallel/registry.py's `resolve` passes it). Returns (name, options as they apply to
-    it); raises the row's refusal where none can."""
-    spec = specs[name]
-    zero_rules.check_stage(options.zero)  # a value that is no stage at all is refused before any row
-    if spec.cp_kind is not None:  # `cp_a2a` asks for the all-to-all wherever its layout is routed
-        options = replace(options, cp_kind=spec.cp_kind)
+    it); raises the row's refusal where none can. `options` holds every family's record."""
+    for family, values in specs[name].sets.items():  # `cp_a2a` asks for the all-to-all wherever it is routed
+        options = options.changed(family, **values)
     seen = {name}
     while True:
-        row = next((r for r in ROUTES if r.matches(specs[name], dims, options.zero)), None)
+        zero = options.of(SyncOptions).zero
+        row = next((r for r in ROUTES if r.matches(specs[name], dims, zero)), None)
         if row is None or row.runs in ("itself", name):
             return name, options
         if row.runs.startswith("refused: "):
-            REFUSALS[row.runs.removeprefix("refused: ")](name, dims, options.zero)
-        name = f"zero{options.zero}" if row.runs == "zero<k>" else row.runs
-        options = replace(options, **row.changes)
+            REFUSALS[row.runs.removeprefix("refused: ")](name, dims, zero)
+        name = f"zero{zero}" if row.runs == "zero<k>" else row.runs
+        for family, values in row.changes.items():
+            options = options.changed(family, **values)
         if name in seen:
             raise AssertionError(f"strategy routes loop through {name}")
         seen.add(name)

@@ -5,6 +5,43 @@ cut over tp, with the embedding on the stage holding the first virtual stage and
 one holding the last; the families' own formulas (parallel/tp/theory.py, parallel/pp/theory.py,
 parallel/cp/theory.py) applied to those blocks only. Like every theory file, independent of the
 code it checks: counts from the GPT formula, bytes from the formulas, not from the log.
+
+What each stage sends (`mesh3d_comm`). A rank of stage r holding L_r blocks (over all its chunks)
+sends per step, with t = tp, d = dp:
+
+  tp   the Megatron collectives of *its* blocks only: 4·L_r tensors of b·s·h per microbatch,
+       plus the embedding's one on the first stage and the head's one on the last; the
+       vocab-parallel loss's 3 all-reduces of b·s fp32 on the last stage. Each all-reduce
+       2(t-1)/t of its bytes, or under sequence parallelism an all-gather plus a reduce-scatter,
+       (t-1)/t each; then once per step the stage's sequence-sharded gradients (its blocks'
+       6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced;
+  pp   one send of its boundary activation per microbatch for each chunk whose next virtual
+       stage is on another rank, and one of the input gradient for each whose previous one
+       is: b·s·h, or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the
+       sequence); which stages a rank holds, and so which boundaries cross, is the schedule's
+       placement (parallel/pp/theory.py's `p2p_sent_by_rank`);
+  dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B;
+       under ZeRO (zero = 1 or 2) its parts padded to multiples of d, Ψ_pad,r: the gradients
+       reduce-scattered once per step (ZeRO-1) or once per microbatch (ZeRO-2), the updated
+       parameters all-gathered once, (d-1)/d of each: (d-1)/d · (1 or m + 1) · Ψ_pad,r·B.
+
+Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
+partition the layers); pp adds 2·m·crossings·b·s·h·B per pipeline (/t under sequence
+parallelism), d·t pipelines, crossings = v·p-1 on the loop and 2(p-1) on the V. "The first
+stage" and "the last" are the ranks holding the first and last virtual stages: on the V both
+are rank 0.
+
+With context parallelism (c = cp > 1; the layout gives its kind and the recomputation) every rank
+holds s/c tokens of each sequence: every tp collective, the loss's and the pipeline boundary
+move b·(s/c)·h (the sequence-sharded parameters are still whole: s·h positions); the dp sum is
+over the d·c ranks that replicate the stage's parameters (group "dp_cp"); and each of the
+stage's blocks adds its attention's cp traffic (`cp_attention_traffic`, heads a/t). Under full
+recomputation each block's tp tensors are 6 per microbatch instead of 4 (`tp_tensors_per_layer`).
+With the sequence piece saved each stage all-gathers, per microbatch, 2 more tensors of b·s·h per
+block and one for the head (the column-parallel inputs, gathered again in backward). The tp part of
+every stage is tensor parallelism's own per-stage term (`tp_stage_payloads`), the cp part context
+parallelism's (`cp_attention_traffic`), the pp part the pipeline's (`p2p_sent_by_rank`): this
+`mesh3d_comm` only places them on the stages and adds the dp sync.
 """
 
 from __future__ import annotations
@@ -27,10 +64,12 @@ from parallel.cp.theory import cp_attention_traffic
 from parallel.dist.dims import ParallelDims
 from parallel.layout import Layout
 from parallel.model_state import model_state, rank_parts, run_state_bytes
+from parallel.pp.options import PPOptions
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import layer_counts
-from parallel.pp.theory import p2p_sent_by_rank
-from parallel.tp.theory import saves_sequence_piece, tp_tensors_per_layer
+from parallel.pp.theory import p2p_sent_by_rank, pipeline_walk, schedule_makespan, stage_layer_counts
+from parallel.sync.options import SyncOptions
+from parallel.tp.theory import tp_stage_payloads
 
 
 # -- what each stage holds ------------------------------------------------------------------------------
@@ -119,8 +158,9 @@ def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: in
 
 def mesh3d_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
     """What rank 0 (the first stage's tp rank 0) holds under dp x tp x pp."""
-    return mesh3d_local_parameter_count(cfg, layout.dims, layout.virtual_stages, layout.pp_layers,
-                                        schedule=layout.schedule)
+    pipeline = layout.of(PPOptions)
+    return mesh3d_local_parameter_count(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers,
+                                        schedule=pipeline.schedule)
 
 
 def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
@@ -138,109 +178,84 @@ def mesh3d_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict
     with several the stages differ, and the summary's one formula is None (per stage, call that)."""
     if layout.dims.pp != 1:
         return None
-    return mesh3d_model_state_bytes(cfg, layout.dims, 0, layout.zero, layout.virtual_stages, layout.pp_layers,
-                                    layout.dtype_bytes, layout.schedule)
+    pipeline = layout.of(PPOptions)
+    return mesh3d_model_state_bytes(cfg, layout.dims, 0, layout.of(SyncOptions).zero, pipeline.virtual_stages,
+                                    pipeline.layers, layout.dtype_bytes, pipeline.schedule)
+
+
+# -- a layout's stages, for the planner (which reads no family's options) --------------------------------
+def layers_by_stage(cfg: GPTConfig, layout: Layout) -> list[int]:
+    """Blocks each pipeline rank holds over its chunks, by the schedule's placement (`stage_layers`)."""
+    pipeline = layout.of(PPOptions)
+    return stage_layers(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule)
+
+
+def placement_by_stage(cfg: GPTConfig, layout: Layout) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
+    """Each pipeline rank's blocks and whether it holds the first and the last virtual stage."""
+    pipeline = layout.of(PPOptions)
+    return (stage_blocks(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule),
+            stage_ends(layout.dims, pipeline.virtual_stages, pipeline.schedule))
+
+
+def virtual_stage_layers(n_layers: int, layout: Layout) -> list[int]:
+    """Blocks of each virtual stage (parallel/pp/theory.py's `stage_layer_counts`)."""
+    return stage_layer_counts(n_layers, layout)
+
+
+def schedule_walk(layout: Layout):
+    """Each pipeline rank's forwards and backwards in its schedule's order, or None without a pipeline."""
+    return pipeline_walk(layout)
+
+
+def pipeline_makespan(layout: Layout, forward: float, backward: float, send: float) -> float:
+    """The layout's schedule played with these per-microbatch costs (parallel/pp/theory.py)."""
+    pipeline, dims = layout.of(PPOptions), layout.dims
+    return schedule_makespan(pipeline.schedule, dims.pp, layout.microbatches, pipeline.virtual_stages, forward,
+                             backward, send)
+
+
+def chunks_per_rank(layout: Layout) -> int:
+    """Model chunks each pipeline rank holds (parallel.virtual_stages)."""
+    return layout.of(PPOptions).virtual_stages
 
 
 # -- what each stage sends ------------------------------------------------------------------------------
 def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """dp x tp x pp (with a plain or ZeRO dp dimension): every rank's traffic, stage by stage, then
-    summed over the d·t ranks of each.
-
-    A rank of stage r holding L_r blocks (over all its chunks) sends per step, with t = tp, d = dp:
-
-      tp   the Megatron collectives of *its* blocks only: 4·L_r tensors of b·s·h per microbatch,
-           plus the embedding's one on the first stage and the head's one on the last; the
-           vocab-parallel loss's 3 all-reduces of b·s fp32 on the last stage. Each all-reduce
-           2(t-1)/t of its bytes, or under sequence parallelism an all-gather plus a reduce-scatter,
-           (t-1)/t each; then once per step the stage's sequence-sharded gradients (its blocks'
-           6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced;
-      pp   one send of its boundary activation per microbatch for each chunk whose next virtual
-           stage is on another rank, and one of the input gradient for each whose previous one
-           is: b·s·h, or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the
-           sequence); which stages a rank holds, and so which boundaries cross, is the schedule's
-           placement (parallel/pp/theory.py's `p2p_sent_by_rank`);
-      dp   one all-reduce of its own gradients, the stage's tp shard: 2(d-1)/d · Ψ_{r,t}·B;
-           under ZeRO (zero = 1 or 2) its parts padded to multiples of d, Ψ_pad,r: the gradients
-           reduce-scattered once per step (ZeRO-1) or once per microbatch (ZeRO-2), the updated
-           parameters all-gathered once, (d-1)/d of each: (d-1)/d · (1 or m + 1) · Ψ_pad,r·B.
-
-    Summed over stages, the tp and dp parts equal those of `tp` at the same d and t (the stages
-    partition the layers); pp adds 2·m·crossings·b·s·h·B per pipeline (/t under sequence
-    parallelism), d·t pipelines, crossings = v·p-1 on the loop and 2(p-1) on the V. "The first
-    stage" and "the last" are the ranks holding the first and last virtual stages: on the V both
-    are rank 0.
-
-    With context parallelism (c = cp > 1; the layout gives its kind and the recomputation) every rank
-    holds s/c tokens of each sequence: every tp collective, the loss's and the pipeline boundary
-    move b·(s/c)·h (the sequence-sharded parameters are still whole: s·h positions); the dp sum is
-    over the d·c ranks that replicate the stage's parameters (group "dp_cp"); and each of the
-    stage's blocks adds its attention's cp traffic (`cp_attention_traffic`, heads a/t). Under full
-    recomputation each block's tp tensors are 6 per microbatch instead of 4 (`tp_tensors_per_layer`).
-    With parallel.tp_saves=sharded each stage all-gathers, per microbatch, 2 more tensors of b·s·h per
-    block and one for the head (the column-parallel inputs, gathered again in backward).
+    summed over the d·t ranks of each. See the module's docstring for the terms
+    of each stage, each a family's own formula placed on the stage.
     """
-    dims, b, m, B = layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes
-    virtual, pp_layers, zero = layout.virtual_stages, layout.pp_layers, layout.zero
-    t, c, p = dims.tp, dims.cp, dims.pp
+    dims, m, B = layout.dims, layout.microbatches, layout.dtype_bytes
+    pipeline, zero = layout.of(PPOptions), layout.of(SyncOptions).zero
     d = replica_group_size(dims)  # the dp sum: over dp, or dp x cp
-    s, h = cfg.seq_len // c, cfg.d_model  # the tokens of a sequence this rank holds
-    activation = b * s * h * B
-    boundary = b * (s // t if layout.sequence_parallel else s) * h * B
-    schedule = layout.schedule
-    layers = stage_layers(cfg, dims, virtual, pp_layers, schedule)
-    ends = stage_ends(dims, virtual, schedule)
-    pp_sent = p2p_sent_by_rank(schedule, p, m, virtual, boundary)
-    per_layer = tp_tensors_per_layer(layout.recompute)
-    ops = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "all_to_all")
-    totals = {op: [0, Fraction(0)] for op in ops}
-    dp_group = "dp_cp" if c > 1 else "dp"
-    groups = {g: Fraction(0) for g in ("tp", "cp", "pp", dp_group)}
+    boundary = layout.microbatch_size * (cfg.seq_len // dims.cp) * cfg.d_model * B
+    if layout.cut().sequence_parallel:  # each tp rank sends its piece of the sequence
+        boundary //= dims.tp
+    layers = stage_layers(cfg, dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule)
+    ends = stage_ends(dims, pipeline.virtual_stages, pipeline.schedule)
+    pp_sent = p2p_sent_by_rank(pipeline.schedule, dims.pp, m, pipeline.virtual_stages, boundary)
+    total = _Traffic(dp_group="dp_cp" if dims.cp > 1 else "dp")
     per_rank_by_stage = []
-    for r in range(p):
+    for r in range(dims.pp):
         first, last = ends[r]
-        ar_payload, ag_payload = 0, 0  # this rank's per step
-        if t > 1:
-            acts = (per_layer * layers[r] + first + last) * m * activation
-            loss = 3 * m * b * s * FP32_BYTES if last else 0
-            if layout.sequence_parallel:
-                ag_payload = acts
-                ar_payload = loss + (6 * h * layers[r] + cfg.seq_len * h * first + 2 * h * last) * B
-            else:
-                ar_payload = acts + loss
-        # parallel.tp_saves=sharded: each region's input all-gathered again in backward (attention and MLP in
-        # every block of the stage, the head on the last), as tp.theory's `tp_regathers_per_microbatch` counts.
-        regather = (2 * layers[r] + last) * m * activation if t > 1 and saves_sequence_piece(layout) else 0
-        tp_sent = (all_reduce_sent_per_rank(t, ar_payload) + 2 * gather_or_scatter_sent_per_rank(t, ag_payload)
-                   + gather_or_scatter_sent_per_rank(t, regather))
-        p2p_payload = pp_sent[r]
-        dp_payload = stage_shard_parameter_count(cfg, t, layers[r], first, last) * B if d > 1 and not zero else 0
-        dp_sent = all_reduce_sent_per_rank(d, dp_payload)
-        zero_gather = zero_scatter = 0  # ZeRO's payloads over dp
-        if zero and d > 1:
-            padded_bytes = stage_zero_padded_count(cfg, dims, r, virtual, pp_layers, schedule) * B
-            zero_gather, zero_scatter = padded_bytes, (m if zero == 2 else 1) * padded_bytes
-            dp_sent = gather_or_scatter_sent_per_rank(d, zero_gather + zero_scatter)
-        ranks = d * t  # the ranks of this stage, all alike
-        cp_ops = cp_attention_traffic(cfg, layout, layers[r])
-        cp_sent = sum((sent for _, sent in cp_ops.values()), Fraction(0))
-        for op, (payload, sent) in cp_ops.items():
-            totals[op][0] += payload * ranks
-            totals[op][1] += sent * ranks
-        for op, payload, sent in (("all_reduce", ar_payload + dp_payload, all_reduce_sent_per_rank(t, ar_payload)
-                                   + all_reduce_sent_per_rank(d, dp_payload)),
-                                  ("all_gather", ag_payload + regather + zero_gather,
-                                   gather_or_scatter_sent_per_rank(t, ag_payload + regather)
-                                   + gather_or_scatter_sent_per_rank(d, zero_gather)),
-                                  ("reduce_scatter", ag_payload + zero_scatter,
-                                   gather_or_scatter_sent_per_rank(t, ag_payload)
-                                   + gather_or_scatter_sent_per_rank(d, zero_scatter)),
-                                  ("send", p2p_payload, Fraction(p2p_payload)), ("recv", p2p_payload, Fraction(0))):
-            totals[op][0] += payload * ranks
-            totals[op][1] += sent * ranks
-        for g, v in (("tp", tp_sent), ("cp", cp_sent), ("pp", Fraction(p2p_payload)), (dp_group, dp_sent)):
-            groups[g] += v * ranks
-        per_rank_by_stage.append(tp_sent + cp_sent + p2p_payload + dp_sent)
+        stage = _Traffic(dp_group=total.dp_group)
+        if dims.tp > 1:
+            tp = tp_stage_payloads(cfg, layout, layers[r], first, last)
+            stage.add("tp", dims.tp, all_reduce=tp.all_reduce, all_gather=tp.all_gather,
+                      reduce_scatter=tp.reduce_scatter)
+        for op, (payload, sent) in cp_attention_traffic(cfg, layout, layers[r]).items():
+            stage.add_sent("cp", op, payload, sent)
+        stage.add_sent("pp", "send", pp_sent[r], Fraction(pp_sent[r]))
+        stage.add_sent("pp", "recv", pp_sent[r], Fraction(0))
+        if d > 1 and zero:  # ZeRO over dp: the parts padded to multiples of d
+            padded_bytes = stage_zero_padded_count(cfg, dims, r, pipeline.virtual_stages, pipeline.layers,
+                                                   pipeline.schedule) * B
+            stage.add(total.dp_group, d, all_gather=padded_bytes, reduce_scatter=(m if zero == 2 else 1) * padded_bytes)
+        elif d > 1:
+            grads = stage_shard_parameter_count(cfg, dims.tp, layers[r], first, last) * B
+            stage.add(total.dp_group, d, all_reduce=grads)
+        total.merge(stage, ranks=d * dims.tp)  # the ranks of this stage, all alike
+        per_rank_by_stage.append(stage.sent())
     extra = {
         # What each rank of stage r sends per step (the stages differ: embedding, head, loss).
         "sent_bytes_per_rank_by_stage": [float(v) for v in per_rank_by_stage],
@@ -248,4 +263,40 @@ def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
         "layers_by_stage": layers,
         "boundary_bytes": boundary,
     }
-    return figure({op: (pl, st) for op, (pl, st) in totals.items() if pl}, dims.world_size, groups, extra)
+    return figure(total.by_op(), dims.world_size, total.groups, extra)
+
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "all_to_all")
+
+
+class _Traffic:
+    """(payload, sent) per op and sent per group, added up one collective at a time."""
+
+    def __init__(self, dp_group: str):
+        self.dp_group = dp_group
+        self.ops = {op: [0, Fraction(0)] for op in OPS}
+        self.groups = {g: Fraction(0) for g in ("tp", "cp", "pp", dp_group)}
+
+    def add_sent(self, group: str, op: str, payload: int, sent: Fraction) -> None:
+        self.ops[op][0] += payload
+        self.ops[op][1] += sent
+        self.groups[group] += sent
+
+    def add(self, group: str, size: int, all_reduce: int = 0, all_gather: int = 0, reduce_scatter: int = 0) -> None:
+        """Collectives over a group of `size` ranks: 2(n-1)/n of an all-reduce's payload sent, (n-1)/n of the rest."""
+        self.add_sent(group, "all_reduce", all_reduce, all_reduce_sent_per_rank(size, all_reduce))
+        self.add_sent(group, "all_gather", all_gather, gather_or_scatter_sent_per_rank(size, all_gather))
+        self.add_sent(group, "reduce_scatter", reduce_scatter, gather_or_scatter_sent_per_rank(size, reduce_scatter))
+
+    def merge(self, other: _Traffic, ranks: int) -> None:
+        for op, (payload, sent) in other.ops.items():
+            self.ops[op][0] += payload * ranks
+            self.ops[op][1] += sent * ranks
+        for g, v in other.groups.items():
+            self.groups[g] += v * ranks
+
+    def sent(self) -> Fraction:
+        return sum(self.groups.values(), Fraction(0))
+
+    def by_op(self) -> dict:
+        return {op: (payload, sent) for op, (payload, sent) in self.ops.items() if payload}

@@ -7,7 +7,8 @@
   transform.py  the model's embedding and attention cores replaced for one rank
   strategy.py   the strategies cp and cp_a2a (dp x cp)
   theory.py     the bytes each sends, per layer and microbatch, and the model state, as closed forms
-  rules.py      its refusals (sequence, heads, a mixture of experts), checked by plan.py
+  options.py    its option: the kind of attention across the cp ranks, which the entry sets
+  rules.py      its refusals (sequence, heads, a mixture of experts), checked before any process group
 
 With tensor or pipeline parallelism too, a cp request runs as the recipe `3d` (the cp kind
 travels in the options: parallel/compose/route.py). Derivations and sources: docs/theory/context.md.
@@ -18,14 +19,27 @@ from __future__ import annotations
 from parallel import algebra
 from parallel.activations import registry_activations
 from parallel.cp import theory
+from parallel.cp.options import CPOptions
+from parallel.cp.rules import cp_rules
+from parallel.family import Family
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 
 
 def _build_cp(model, plan, ctx):
     from parallel.cp.strategy import ContextParallel
 
-    return ContextParallel(model, ctx.comm("cp"), ctx.comm("dp_cp"), plan.cp_kind, grad_sync=plan.grad_sync,
-                           bucket_mb=plan.bucket_mb, zero=plan.zero, lr=plan.lr, weight_decay=plan.weight_decay)
+    sync = plan.layout.of(SyncOptions)
+    return ContextParallel(model, ctx.comm("cp"), ctx.comm("dp_cp"), plan.layout.of(CPOptions).kind,
+                           grad_sync=sync.grad_sync, bucket_mb=sync.bucket_mb, zero=sync.zero, lr=plan.lr,
+                           weight_decay=plan.weight_decay)
+
+
+def _describe(layout, spec) -> dict:
+    return {"cp_kind": layout.of(CPOptions).kind if layout.dims.cp > 1 else None}
+
+
+FAMILY = Family("cp", CPOptions, rules=cp_rules, describe=_describe)
 
 
 def _entry(name: str, kind: str, what: str) -> StrategySpec:
@@ -33,8 +47,8 @@ def _entry(name: str, kind: str, what: str) -> StrategySpec:
         name=name, description=f"context parallel, {what}; gradients summed over dp x cp",
         build=_build_cp, comm=theory.cp_comm, model_state=theory.cp_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count,
-        activations=registry_activations, dims=frozenset({"dp", "cp"}), min_world=2, grad_sync=True, zero_dp=True,
-        recompute=True, cp_kind=kind,
+        activations=registry_activations, dims=frozenset({"dp", "cp"}), min_world=2,
+        honours={"cp": (), "sync": ("grad_sync", "bucket_mb", "zero")}, sets={"cp": {"kind": kind}}, recompute=True,
     )
 
 

@@ -35,8 +35,10 @@ from parallel.algebra import (
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.cp.layout import check_divisible
+from parallel.cp.options import CPOptions
 from parallel.layout import Layout
 from parallel.model_state import model_state, run_state_bytes, whole_model_parts
+from parallel.sync.options import SyncOptions
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def cp_attention_traffic(cfg: GPTConfig, layout: Layout, layers: int) -> dict[st
         return {}
     b, m, B = layout.microbatch_size, layout.microbatches, activation_dtype_bytes(layout)
     heads, forwards = cfg.n_heads // dims.tp, 2 if layout.recompute != "none" else 1
-    traffic = (ring_layer_traffic if layout.cp_kind == "ring" else ulysses_layer_traffic)(
+    traffic = (ring_layer_traffic if layout.of(CPOptions).kind == "ring" else ulysses_layer_traffic)(
         b, cfg.seq_len, heads, cfg.head_dim, dims.cp, B)
     sent = layers * m * (forwards * traffic.fwd_sent + traffic.bwd_sent)
     if traffic.op == "send":
@@ -130,9 +132,10 @@ def cp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     dims, B, m = layout.dims, layout.dtype_bytes, layout.microbatches
     n, ranks = replica_group_size(dims), dims.world_size
     attention = cp_attention_traffic(cfg, layout, cfg.n_layers)
-    if layout.zero:
+    zero = layout.of(SyncOptions).zero
+    if zero:
         size = zero_padded_parameter_count(cfg, n) * B
-        grads = {"all_gather": size, "reduce_scatter": (m if layout.zero == 2 else 1) * size}
+        grads = {"all_gather": size, "reduce_scatter": (m if zero == 2 else 1) * size}
         grad_ops = {op: (payload, gather_or_scatter_sent_per_rank(n, payload)) for op, payload in grads.items()}
     else:
         grads_bytes = parameter_count(cfg) * B
@@ -146,5 +149,6 @@ def cp_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
     """Every rank holds the whole model (16Ψ bytes in fp32 with Adam); with ZeRO-1/2 over the
     n = dp·cp ranks, on the padded Ψ_pad(n): 1/n of Adam's state, and under ZeRO-2 of the gradients
     (parallel/zero/theory.py's `zero_model_state_bytes` with N = n): every part, sharded over dp·cp."""
-    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes), layout.zero,
+    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes),
+                       layout.of(SyncOptions).zero,
                        replica_group_size(layout.dims))

@@ -28,10 +28,15 @@ consecutive dp ranks (ep divides dp), as Megatron-Core carves expert parallelism
 parallelism. A rank's expert-parallel index is dp_rank % ep, and the ranks that hold the same
 experts (and sum their gradients) share dp_rank // ep (`edp`, expert data parallel).
 
-The dimensions with a size of their own (`SIZES`: parallel.dp, .tp, .pp, .cp, .ep) are the fields
-of `ParallelDims`, in the order every message and command line names them; a row with a size and
-no field (or a field with no row) fails at import. A new dimension is a row here and a field of
-`ParallelDims` (and its place in `coordinates` if it is carved out of another, as ep is out of dp).
+The words, written down once. A *dimension* (dim) is one way of splitting the ranks, a row of `DIMS`
+(a tensor's dimension is always called a tensor dimension). Three sets of them have names, and only
+these: `SIZES`, the dimensions with a size of their own (parallel.dp, .tp, .pp, .cp, .ep), the
+fields of `ParallelDims` in the order every message and command line names them; `MESH_DIMS`, the
+device mesh's (pp, dp, cp, tp), outermost first, which is also the DeviceMesh's dim names; and
+`DERIVED_DIMS`, the groups read off the others (ep, edp, dp_cp). `outermost_first` puts any of them
+in rank order. A row with a size and no field (or a field with no row) fails at import. A new
+dimension is a row here and a field of `ParallelDims` (and its place in `coordinates` if it is
+carved out of another, as ep is out of dp).
 """
 
 from __future__ import annotations
@@ -68,11 +73,15 @@ DIMS: tuple[Dim, ...] = (
 )
 DIM = {d.name: d for d in DIMS}
 MESH_DIMS: tuple[str, ...] = tuple(d.name for d in reversed(DIMS) if d.mesh)  # (pp, dp, cp, tp): outermost first
-MESH_DIM_NAMES = MESH_DIMS  # the DeviceMesh's dim names (the name build_device_mesh always used)
 DERIVED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if not d.mesh)  # (ep, edp, dp_cp): made by enumeration
-SIZED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if d.sized)  # (tp, cp, ep, dp, pp): innermost first
 # The dimension a layout's world leaves when the others are given (ParallelDims.resolve, the planner's search).
 LEFTOVER = "dp"
+
+
+def outermost_first(names) -> tuple[str, ...]:
+    """Dimension names in rank order, the slowest-varying first (pp, dp, ep, cp, tp): how rank labels read."""
+    order = [d.name for d in reversed(DIMS)]
+    return tuple(sorted(names, key=order.index))
 
 
 def shared_coordinates(name: str) -> tuple[str, ...]:
@@ -235,8 +244,8 @@ class ParallelDims:
 # The sizes, in the order the dataclass declares them (parallel.dp, tp, pp, cp, ep: how messages and
 # command lines name them); each is a sized row of DIMS.
 SIZES: tuple[str, ...] = tuple(f.name for f in fields(ParallelDims) if f.name != "world_size")
-if set(SIZES) != set(SIZED_DIMS):
-    raise ImportError(f"ParallelDims fields {SIZES} are not the sized rows of DIMS {SIZED_DIMS}")
+if set(SIZES) != {d.name for d in DIMS if d.sized}:
+    raise ImportError(f"ParallelDims fields {SIZES} are not the sized rows of DIMS")
 
 
 def build_device_mesh(dims: ParallelDims, device_type: str):

@@ -14,21 +14,24 @@ from parallel import algebra
 from parallel.activations import registry_activations
 from parallel.dp import theory
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 
 
 def _build_dp(model, plan, ctx):
     from parallel.dp.strategy import DataParallel
     from parallel.strategy import make_optimizer
 
-    return DataParallel(model, make_optimizer(model, plan.lr, plan.weight_decay), ctx.comm("dp"), plan.grad_sync,
-                        plan.bucket_mb)
+    sync = plan.layout.of(SyncOptions)
+    return DataParallel(model, make_optimizer(model, plan.lr, plan.weight_decay), ctx.comm("dp"), sync.grad_sync,
+                        sync.bucket_mb)
 
 
 ENTRIES = (
     StrategySpec(
         name="dp", description="data parallel, hand-written: gradients all-reduced over dp (naive, or bucketed as DDP)",
         build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
-        local_parameters=algebra.tp_local_parameter_count, grad_sync=True, zero_dp=True, counterpart="torch_ddp",
+        local_parameters=algebra.tp_local_parameter_count, honours={"sync": ("grad_sync", "bucket_mb", "zero")},
+        counterpart="torch_ddp",
         moe=True, activations=registry_activations, recompute=True,
     ),
 )

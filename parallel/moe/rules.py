@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
-from parallel.spec import ConfigError, Options
+from parallel.spec import ConfigError
 
 # Why the other dimensions do not hold an MoE block: the words parallel/tp/rules.py and
 # parallel/pp/rules.py give for their own refusal (a family does not import another).
@@ -21,7 +21,7 @@ WHY_NOT_TP_PP_CP = (
 )
 
 
-def check_ep_layout(dims: ParallelDims, options: Options) -> None:
+def check_ep_layout(dims: ParallelDims) -> None:
     if dims.tp > 1 or dims.pp > 1 or dims.cp > 1:
         raise LayoutError(
             f"parallel=ep runs expert parallelism inside data parallelism only, but parallel.tp={dims.tp} "

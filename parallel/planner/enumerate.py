@@ -1,28 +1,29 @@
 """Every valid layout of N devices, as plan.py itself decides validity.
 
-The search runs over the registry, not over a list of strategy names: for each entry that is not
-a PyTorch baseline (a baseline is another implementation of a layout its counterpart already
-covers), the dimensions its rules let exceed 1 (`StrategySpec.dims`: dp, tp, pp, cp, ep) are
-every factorisation of N, and the options it honours are tried: the ZeRO stage of its dp
-dimension (`zero_dp`), sequence parallelism (`sequence_parallel`), schedules and virtual stages
-(`pipelined`), microbatches (the divisors of the local batch), the dp sync (`grad_sync`), and
-recomputation where the training config has it. A strategy registered later enters with its
-entry and its layout rules, with no change here.
+The search runs over the registry and the families, not over lists of names: for each entry that
+is not a PyTorch baseline (a baseline is another implementation of a layout its counterpart already
+covers), the dimensions its rules let exceed 1 (`StrategySpec.dims`: dp, tp, pp, cp, ep) are every
+factorisation of N; on each, every family says which of its options to try (`Family.search`: the
+options the entry honours, from conf/plan.yaml's `plan.search`), and the requests are their product
+with the microbatch counts (the divisors of the local batch) and recomputation where the training
+config has it. A strategy registered later enters with its entry and its layout rules, and a
+family's new option with its search, with no change here.
 
 Each request becomes a training config (the base config of conf/config.yaml with the model's GPT
 fields and the request's parallel.* fields) and goes through `parallel.plan.build_plan`, the
 function launch.train calls before any process group exists: what it refuses is refused here,
-with its message (counted by reason for the report); what it accepts is resolved to the strategy
-that would run (registry routing: `parallel=tp` with pp > 1 runs as 3d, `dp` with zero=2 as zero2)
-and deduplicated. Beyond plan.py, the planner adds one rule for shapes the sandbox GPT does not
-have: grouped-query attention splits K and V heads whole, so tp must divide the kv heads.
+with its message (counted by reason for the report), after one second try where a family says
+what to try instead (`Family.fallback`: the naive sync where the bucketed one is refused); what it
+accepts is resolved to the strategy that would run (registry routing: `parallel=tp` with pp > 1 runs
+as 3d, `dp` with zero=2 as zero2) and deduplicated. Beyond plan.py, the planner adds one rule for
+shapes the sandbox GPT does not have: grouped-query attention splits K and V heads whole, so tp
+must divide the kv heads.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from itertools import product
 from math import prod
 
@@ -30,10 +31,12 @@ from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
-from parallel.plan import ConfigError, RunPlan, _check_recompute, build_plan
-from parallel.pp.schedules import SCHEDULES, built_schedule
-from parallel.registry import REGISTRY, Options, resolve, sequence_piece_keepers
-from parallel.tp.rules import TP_SAVES, check_tp_saves, tp_cut_refusal
+from parallel.family import Search
+from parallel.layout import FamilyOptions
+from parallel.plan import ConfigError, RunPlan, build_plan, check_recompute
+from parallel.registry import REGISTRY, fallback, identity, option_choices, request_fields, resolve
+from parallel.sync import all_reduce_sync
+from parallel.sync.options import SyncOptions
 
 
 class Config(dict):
@@ -52,19 +55,26 @@ class Config(dict):
         return Config(value) if isinstance(value, dict) and not isinstance(value, Config) else value
 
 
-@dataclass(frozen=True)
-class Space:
-    """What the search tries besides the dimensions (conf/plan.yaml `plan.search`)."""
+class Space(dict):
+    """What the search tries besides the dimensions: conf/plan.yaml's `plan.search`. Each family reads
+    its own keys in its search (their defaults: every choice it knows); the search itself reads
+    `max_microbatches`, `recompute` and `context_parallel` (layouts with cp > 1 where the strategy
+    has the dimension)."""
 
-    zero: tuple[int, ...] = (0, 1, 2, 3)
-    sequence_parallel: tuple[bool, ...] = (False, True)
-    schedules: tuple[str, ...] = field(default_factory=lambda: tuple(SCHEDULES))  # those registered by then
-    virtual_stages: tuple[int, ...] = (1, 2, 4)
-    max_microbatches: int = 64
-    grad_sync: tuple[str, ...] = ("bucketed",)  # each refused one falls back to naive
-    recompute: tuple[str, ...] = ("none", "selective", "full")
-    context_parallel: bool = True  # layouts with cp > 1 where the strategy has the dimension
-    uneven_stages: bool = True  # propose balanced parallel.pp_layers where the layers do not divide
+    def __init__(self, **choices):
+        super().__init__({k: tuple(v) if isinstance(v, list) else v for k, v in choices.items()})
+
+    @property
+    def max_microbatches(self) -> int:
+        return self.get("max_microbatches", 64)
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        return self.get("recompute", ("none", "selective", "full"))
+
+    @property
+    def context_parallel(self) -> bool:
+        return self.get("context_parallel", True)
 
 
 @dataclass(frozen=True)
@@ -92,31 +102,19 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def balanced_layers(n_layers: int, pieces: int) -> list[int] | None:
-    """An uneven split for parallel.pp_layers: every piece floor(L/pieces) blocks, the remainder one
-    more each on the middle pieces (the first holds the embedding, the last the head)."""
-    if pieces > n_layers or n_layers % pieces == 0:
-        return None
-    base, extra = divmod(n_layers, pieces)
-    order = sorted(range(pieces), key=lambda i: (i in (0, pieces - 1), abs(i - (pieces - 1) / 2)))
-    counts = [base] * pieces
-    for i in order[:extra]:
-        counts[i] += 1
-    return counts
-
-
 def zero_stage(strategy: str, plan: RunPlan) -> int:
     """The ZeRO stage of the dp dimension: the layout's (a combined layout keeps it in parallel.zero),
     or the one that the registry's routing of a pure-dp request carries in this strategy's name
     (dp with parallel.zero=2 runs as zero2, its options then saying zero=0)."""
-    if plan.zero:
-        return plan.zero
+    zero = plan.layout.of(SyncOptions).zero
+    if zero:
+        return zero
     for stage in (1, 2, 3):
         try:
-            name, options = resolve("dp", plan.dims, Options(False, stage))
+            name, options = resolve("dp", plan.dims, plan.layout.options.changed("sync", zero=stage))
         except (ConfigError, LayoutError):
             continue
-        if name == strategy and options.zero == 0:
+        if name == strategy and options.of(SyncOptions).zero == 0:
             return stage
     return 0
 
@@ -150,67 +148,36 @@ def _dim_choices(spec, world: int) -> list[dict]:
     return out
 
 
-def _tp_saves(spec, world: int, dims: dict) -> tuple[str, ...]:
-    """What a sequence-parallel request may ask of parallel.tp_saves: gathered always, sharded too
-    where tp's own rule (`check_tp_saves`) takes it for this strategy and layout (not with cp > 1).
-    Its last clause, no zero-bubble schedule, needs the schedule built: build_plan checks it, asked
-    only for the requests whose gathered twin it accepted (`_try_memo`), whose schedule it has just built."""
-    try:
-        check_tp_saves("sharded", spec, sequence_piece_keepers(), ParallelDims(world, **dims), True, False)
-    except LayoutError:
-        return ("gathered",)
-    return TP_SAVES
-
-
-def _requests(spec, world: int, global_batch: int, n_layers: int, space: Space, has_recompute: bool,
-              model: GPTConfig | None = None):
-    """Every request of the search space for this registry entry. `model`: where given, the tp sizes
-    (and, under sequence parallelism, the sequence cuts) that tp's own rule refuses for it
-    (`tp_cut_refusal`, the predicate plan.py raises on) are left out before any request is built:
-    for a head count with few divisors they are most of the space (128 heads on 2,520 devices)."""
+def _requests(spec, world: int, global_batch: int, space: Space, has_recompute: bool, model: GPTConfig):
+    """Every request of the search space for this registry entry, with its families' records. A layout on
+    which a family has nothing to try (tp over a size the model's heads do not divide) is left out before
+    any request is built: for a head count with few divisors that is most of a large world's sizes."""
     # By pipeline depth first: layouts of one pp (their tp and dp differ) ask for the same schedules
     # one after another, while parallel/pp/schedules.py's cache still holds them.
     for dims in sorted(_dim_choices(spec, world), key=lambda d: (d["pp"], d["cp"], d["tp"], d["ep"])):
         if dims["cp"] > 1 and not space.context_parallel:
             continue
-        cuts = model is not None and spec.tensor_parallel and dims["tp"] > 1
-        if cuts and tp_cut_refusal(model, dims["tp"], False):
+        choices = option_choices(Search(spec, ParallelDims(world, **dims), model, space))
+        if not all(choices):
             continue
-        sp_options = space.sequence_parallel if spec.sequence_parallel and dims["tp"] > 1 else (False,)
-        if cuts and tp_cut_refusal(model, dims["tp"], True):
-            sp_options = tuple(sp for sp in sp_options if not sp)
-        sharded_too = _tp_saves(spec, world, dims) if True in sp_options else ()
         if global_batch % dims["dp"]:
-            yield {**dims, "microbatches": 1}  # plan.py refuses it with its own message
+            yield {**dims, "microbatches": 1}, None  # plan.py refuses it with its own message
             continue
         local = global_batch // dims["dp"]
-        pipelined = spec.pipelined and dims["pp"] > 1
-        schedules = [(s, v) for s in space.schedules for v in space.virtual_stages] if pipelined \
-            else [("1f1b", 1)]
-        # The pipeline's (schedule, v, m) vary slowest: build_plan checks a pipeline by building its schedule,
-        # and every zero stage and option of one (schedule, p, m, v) then asks for it in a row, which
-        # parallel/pp/schedules.py's cache answers.
-        for schedule, v in schedules:
-            pieces = dims["pp"] * v
-            pp_layers = balanced_layers(n_layers, pieces) if pipelined and space.uneven_stages else None
+        # The first family's records (the pipeline's schedules) vary slowest, then the microbatches:
+        # build_plan checks a pipeline by building its schedule, and every other option of one
+        # (schedule, p, m, v) then asks for it in a row, which parallel/pp/schedules.py's cache answers.
+        for first in choices[0]:
             for m in [d for d in divisors(local) if d <= space.max_microbatches]:
-                for zero in space.zero if spec.zero_dp else (0,):
-                    for sp in sp_options:
-                        saves_options = sharded_too if sp else ("gathered",)
-                        for saves, recompute in product(saves_options, space.recompute if has_recompute else (None,)):
-                            request = {**dims, "zero": zero, "sequence_parallel": sp, "schedule": schedule,
-                                       "virtual_stages": v, "microbatches": m,
-                                       "pp_layers": pp_layers}
-                            if saves != "gathered":
-                                request["tp_saves"] = saves
-                            if recompute is not None:
-                                request["recompute"] = recompute
-                            yield request
+                for rest in product(*choices[1:]):
+                    options = FamilyOptions.of_records([first, *rest])
+                    request = {**dims, "microbatches": m, **request_fields(options)}
+                    for recompute in space.recompute if has_recompute else (None,):
+                        yield ({**request, "recompute": recompute} if recompute is not None else request), options
 
 
-def _config(base: dict, name: str, request: dict, grad_sync: str) -> Config:
-    parallel = {**base["parallel"], "name": name, "grad_sync": grad_sync,
-                **{k: v for k, v in request.items() if k != "recompute"}}
+def _config(base: dict, name: str, request: dict) -> Config:
+    parallel = {**base["parallel"], "name": name, **{k: v for k, v in request.items() if k != "recompute"}}
     train = {**base["train"], **({"recompute": request["recompute"]} if "recompute" in request else {})}
     return Config({**base, "parallel": parallel, "train": train})
 
@@ -245,71 +212,71 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
     has_recompute = "recompute" in base["train"]
     specs = [s for s in REGISTRY.values() if "baseline" not in s.tags and (only is None or s.name in only)]
+    found = Enumeration([], Counter(), 0)
     seen: dict[tuple, Candidate] = {}
-    refused: Counter = Counter()
-    requests = 0
-    pruned = 0
     for spec in specs:
         tried: dict[tuple, tuple[RunPlan | None, str]] = {}  # a request without its recompute -> build_plan's answer
-        for request in _requests(spec, world, global_batch, shape.gpt.n_layers, space, has_recompute, shape.gpt):
+        for request, options in _requests(spec, world, global_batch, space, has_recompute, shape.gpt):
             if beyond is not None and beyond(spec, request):
-                pruned += 1
+                found.pruned += 1
                 continue
-            for grad_sync in space.grad_sync:
-                requests += 1
-                plan, why = _try_memo(tried, base, spec.name, request, grad_sync, env)
-                if plan is None and grad_sync != "naive" and "grad_sync" in why:
-                    plan, _ = _try_memo(tried, base, spec.name, request, "naive", env)
-                if plan is None:
-                    refused[why] += 1
-                    continue
-                why = shape_rule(shape, plan)
-                if why:
-                    refused[_reason(why)] += 1
-                    continue
-                candidate = _candidate(spec.name, plan, request)
-                key = _key(candidate)
-                kept = seen.get(key)
-                if kept is None or _preferred(candidate) < _preferred(kept):
-                    seen[key] = candidate
-    return Enumeration(list(seen.values()), refused, requests, pruned)
+            found.requests += 1
+            plan, request = _ask(tried, base, spec.name, request, options, env, found.refused)
+            if plan is None:
+                continue
+            why = shape_rule(shape, plan)
+            if why:
+                found.refused[_reason(why)] += 1
+                continue
+            candidate = candidate_of(spec.name, plan, request)
+            key = _key(candidate)
+            kept = seen.get(key)
+            if kept is None or _preferred(candidate) < _preferred(kept):
+                seen[key] = candidate
+    found.candidates = list(seen.values())
+    return found
 
 
-def _try_memo(tried: dict, base: dict, name: str, request: dict, grad_sync: str, env: LaunchEnv):
+def _ask(tried: dict, base: dict, name: str, request: dict, options: FamilyOptions | None, env: LaunchEnv,
+         refused: Counter) -> tuple[RunPlan | None, dict]:
+    """build_plan's plan for the request and the request it accepted, or None with the refusal counted;
+    where a family says what to try instead of a refused record (`fallback`), that is asked once first."""
+    plan, why = _try_memo(tried, base, name, request, env)
+    instead = fallback(options, why) if plan is None and options is not None else None
+    if instead is not None:
+        request = {**request, **request_fields(instead)}
+        plan, _ = _try_memo(tried, base, name, request, env)
+    if plan is None:
+        refused[why] += 1
+    return plan, request
+
+
+def _try_memo(tried: dict, base: dict, name: str, request: dict, env: LaunchEnv):
     """build_plan's answer, asked once per request without its recompute mode: every check of
-    build_plan but its recompute check (`_check_recompute`, which reads only the mode and the strategy)
+    build_plan but its recompute check (`check_recompute`, which reads only the mode and the strategy)
     reads the same fields for every mode, so the modes share its answer, and a plan accepted for one
     mode is the same plan, its `recompute` replaced, for each mode the strategy takes."""
-    key = _memo_key(request, grad_sync)
-    if key not in tried and request.get("tp_saves", "gathered") != "gathered":
-        # A sharded request differs from its gathered twin, asked just before it, only in check_tp_saves,
-        # whose clauses but the schedule's `_tp_saves` has passed: a twin refused is this request refused
-        # by the same rule (for a zero-bubble schedule build_plan might name tp_saves' clause instead; the
-        # count is the same), and only the twins accepted are built again, where build_plan checks the rest.
-        twin = tried.get(_memo_key({k: v for k, v in request.items() if k != "tp_saves"}, grad_sync))
-        if twin is not None and twin[0] is None:
-            tried[key] = twin
+    key = _memo_key(request)
     if key not in tried:
-        tried[key] = _try(base, name, {**request, "recompute": "none"} if "recompute" in request else request,
-                          grad_sync, env)
+        tried[key] = _try(base, name, {**request, "recompute": "none"} if "recompute" in request else request, env)
     plan, why = tried[key]
     mode = request.get("recompute")
     if plan is None or mode is None or mode == plan.recompute:
         return plan, why
     try:
-        _check_recompute(mode, plan.strategy, plan.spec)
+        check_recompute(mode, plan.strategy, plan.spec)
     except ConfigError as e:
         return None, _reason(str(e))
-    return replace(plan, recompute=mode), ""
+    return replace(plan, layout=replace(plan.layout, recompute=mode)), ""
 
 
-def _memo_key(request: dict, grad_sync: str) -> tuple:
-    return grad_sync, tuple(sorted((k, str(v)) for k, v in request.items() if k != "recompute"))
+def _memo_key(request: dict) -> tuple:
+    return tuple(sorted((k, str(v)) for k, v in request.items() if k != "recompute"))
 
 
-def _try(base: dict, name: str, request: dict, grad_sync: str, env: LaunchEnv) -> tuple[RunPlan | None, str]:
+def _try(base: dict, name: str, request: dict, env: LaunchEnv) -> tuple[RunPlan | None, str]:
     try:
-        return build_plan(_config(base, name, request, grad_sync), env, cuda_available=False), ""
+        return build_plan(_config(base, name, request), env, cuda_available=False), ""
     except (ConfigError, LayoutError) as e:
         return None, _reason(str(e))
 
@@ -321,17 +288,12 @@ def _reason(message: str) -> str:
     return re.sub(r"\d+", "N", message.split(":")[0])[:160]
 
 
-def _candidate(requested: str, plan: RunPlan, request: dict) -> Candidate:
-    spec = plan.spec
+def candidate_of(requested: str, plan: RunPlan, request: dict) -> Candidate:
+    """The candidate of an accepted request: its ZeRO stage (a zero<k> strategy's in its name), and its
+    all-reduce sync where one runs (`all_reduce_sync`: not under ZeRO, not with one dp rank)."""
     zero = zero_stage(plan.strategy, plan)
-    grad_sync = plan.grad_sync if spec.grad_sync and plan.dims.dp > 1 and not zero else None
+    grad_sync = plan.layout.of(SyncOptions).grad_sync if all_reduce_sync(plan.layout, plan.spec) and not zero else None
     return Candidate(requested, plan, zero, grad_sync, request)
-
-
-@lru_cache(maxsize=4096)
-def schedule_identity(schedule: str, p: int, m: int, v: int) -> int:
-    """The identity of the action lists a schedule gives (interleaved with one chunk is 1F1B's)."""
-    return hash(built_schedule(schedule, p, m, v))
 
 
 def _preferred(c: Candidate) -> tuple:
@@ -342,11 +304,9 @@ def _preferred(c: Candidate) -> tuple:
 
 
 def _key(c: Candidate) -> tuple:
-    """Requests that run the same layout are one candidate (whichever strategy runs it: `_preferred`),
-    and so are two schedule names that give the same action lists."""
+    """Requests that run the same layout are one candidate (whichever strategy runs it: `_preferred`):
+    what each family's options change of the run (`Family.identity`: two schedule names that give the
+    same action lists are one), the effective ZeRO stage and all-reduce sync, the recomputation."""
     layout = c.layout
-    schedule = None
-    if c.plan.spec.pipelined and layout.dims.pp > 1:
-        schedule = schedule_identity(layout.schedule, layout.dims.pp, layout.microbatches, layout.virtual_stages)
-    return (layout.dims, layout.microbatches, layout.microbatch_size, layout.sequence_parallel, layout.tp_saves,
-            layout.pp_layers, c.zero, c.grad_sync, schedule, c.request.get("recompute"))
+    return (layout.dims, layout.microbatches, layout.microbatch_size, identity(layout, c.plan.spec), c.zero,
+            c.grad_sync, c.request.get("recompute"))

@@ -22,40 +22,36 @@ from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.model_state import STATE_BYTES, model_state, rank_parts
-from parallel.pp.theory import pipeline_walk, stage_layer_counts
 
 
 def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, global_batch: int,
                              act_bytes: int = 4) -> list[int] | None:
-    """parallel/activations.py's walk with this layout's schedule (parallel/pp/theory.py)."""
+    """parallel/activations.py's walk with this layout's schedule (the recipe's, parallel/compose/theory.py)."""
     return activations.activation_bytes_by_rank(model, layout, global_batch, act_bytes,
-                                                virtual_stage_layers(model, layout), pipeline_walk(layout))
+                                                virtual_stage_layers(model, layout),
+                                                compose_theory.schedule_walk(layout))
 
 
 def virtual_stage_layers(model: GPTConfig | ModelShape, layout: Layout) -> list[int]:
     gpt = model.gpt if isinstance(model, ModelShape) else model
-    return stage_layer_counts(gpt.n_layers, layout)
+    return compose_theory.virtual_stage_layers(gpt.n_layers, layout)
 
 
 # -- model state ----------------------------------------------------------------------------------------
 def rank_layers(shape: ModelShape, layout: Layout) -> list[int]:
     """Blocks each pipeline rank holds over its chunks, by the schedule's placement (compose.theory.stage_layers)."""
-    return compose_theory.stage_layers(shape.gpt, layout.dims, layout.virtual_stages, layout.pp_layers,
-                                       layout.schedule)
+    return compose_theory.layers_by_stage(shape.gpt, layout)
 
 
 @lru_cache(maxsize=4096)
-def _placed(gpt: GPTConfig, dims, virtual: int, pp_layers, schedule: str) -> tuple:
+def _placed(gpt: GPTConfig, dims, options) -> tuple:
     """compose.theory's blocks and ends of every stage, once per layout shape (the planner asks for each
     stage of thousands of layouts, and each answer computes every stage's)."""
-    pp_layers = list(pp_layers) if pp_layers is not None else None
-    return (compose_theory.stage_blocks(gpt, dims, virtual, pp_layers, schedule),
-            compose_theory.stage_ends(dims, virtual, schedule))
+    return compose_theory.placement_by_stage(gpt, Layout(dims=dims, options=options))
 
 
 def _placement(shape: ModelShape, layout: Layout) -> tuple:
-    pp_layers = tuple(layout.pp_layers) if layout.pp_layers is not None else None
-    return _placed(shape.gpt, layout.dims, layout.virtual_stages, pp_layers, layout.schedule)
+    return _placed(shape.gpt, layout.dims, layout.options)
 
 
 def stage_parts(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:
@@ -109,7 +105,7 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
     flash attention: nothing of size s² is held), each term over t where tp or sequence parallelism cuts it:
 
         norm inputs 2·w·h (over t with sp), the QKV and MLP GEMMs' inputs 2·w·h (over t with sp when the
-        column-parallel linears save the sequence piece, parallel.tp_saves=sharded; whole otherwise: the
+        column-parallel linears save the sequence piece, `Cut.saves_shard`; whole otherwise: the
         gathered input, parallel/activations.py's `column_input`), Q, K, V w·(h + 2·h_kv)/t, the output
         projection's input w·h/t, the MLP's up output(s) and the activation function's output
         w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp).
@@ -134,11 +130,10 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
     (selective recomputes only the attention core, which flash attention never saves anyway); full keeps
     each block's input, plus one block's whole set while it is recomputed. Microbatches in flight per
     rank: the schedule's own walk (parallel/pp/theory.py), as for the sandbox's formulas."""
-    dims = layout.dims
-    units = block_units(shape, dims.tp, layout.sequence_parallel, act_bytes,
-                        saves_shard=getattr(layout, "tp_saves", "gathered") == "sharded")
+    dims, cut = layout.dims, layout.cut()
+    units = block_units(shape, dims.tp, cut.sequence_parallel, act_bytes, saves_shard=cut.saves_shard)
     tokens = layout.microbatch_size * shape.gpt.seq_len
-    mode = getattr(layout, "recompute", "none") or "none"
+    mode = layout.recompute or "none"
     kept = units["input"] if mode == "full" else units["layer"]
     working = tokens * (units["layer"] - units["input"]) if mode == "full" else 0
     layers = virtual_stage_layers(shape, layout)
@@ -146,7 +141,7 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
         peaks = [int(tokens * kept * layers[0]) + int(working)]
     else:
         chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False) for n in layers]
-        walk = pipeline_walk(layout)
+        walk = compose_theory.schedule_walk(layout)
         peaks = [activations.peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // dims.pp

@@ -11,15 +11,14 @@ printed with its memory and time breakdown (`breakdown`).
 from __future__ import annotations
 
 from parallel.core.shape import ModelShape
+from parallel.dist.dims import SIZES
 from parallel.dist.groups import LaunchEnv
 from parallel.plan import ConfigError, build_plan
 from parallel.planner.cluster import GIB, Cluster
-from parallel.planner.enumerate import Config, _candidate, shape_rule
+from parallel.planner.enumerate import Config, candidate_of, shape_rule
 from parallel.planner.predict import predict_row
 from parallel.planner.search import Preset, preset_for, run_overrides
-
-REQUEST_FIELDS = ("dp", "tp", "pp", "cp", "ep", "zero", "sequence_parallel", "schedule", "virtual_stages",
-                  "microbatches", "pp_layers")
+from parallel.registry import parse_options, request_fields
 
 
 def evaluate_layout(shape: ModelShape, base: dict, presets: list[Preset], cluster: Cluster, world: int,
@@ -43,14 +42,14 @@ def evaluate_layout(shape: ModelShape, base: dict, presets: list[Preset], cluste
     why = shape_rule(shape, plan)
     if why:
         raise ConfigError(why)
-    request = {k: parallel[k] for k in REQUEST_FIELDS if parallel.get(k) is not None}
-    request["zero"] = parallel.get("zero") or 0
+    request = {k: parallel[k] for k in (*SIZES, "microbatches") if parallel.get(k) is not None}
+    request.update(request_fields(parse_options(parallel)))
     if recompute is not None:
         request["recompute"] = recompute
-    candidate = _candidate(parallel["name"], plan, request)
+    candidate = candidate_of(parallel["name"], plan, request)
     preset = preset_for(candidate, presets)
     row = predict_row(shape, candidate, cluster, preset)
-    row["run_overrides"] = run_overrides(candidate, preset)
+    row["run_overrides"] = run_overrides(candidate, preset, presets)
     row["rank"] = 1
     return row
 

@@ -3,8 +3,9 @@
 The row's names are the contract tools read (plan.json):
 
     layout                  preset (the conf/parallel preset that runs it, or null), strategy, dp, tp,
-                            pp, cp, ep, zero, sequence_parallel, tp_saves (under it), microbatches, microbatch_size,
-                            schedule, virtual_stages, pp_layers, grad_sync (and recompute where it exists)
+                            pp, cp, ep, microbatches, microbatch_size, each family's options as the summary
+                            describes them (parallel/family.py), zero and grad_sync as they run (and recompute
+                            where it exists)
     memory_bytes_per_device params, grads, optimizer, activations, buffers, total: the rank that holds
                             the most (a pipeline's stages differ); null parts where no formula covers it
     fits                    total <= the device's usable bytes (capacity - runtime, less the headroom)
@@ -26,6 +27,7 @@ from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate
 from parallel.planner.timing import step_time
 from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
+from parallel.registry import describe
 
 ACT_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -43,7 +45,8 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) ->
         return None  # context parallelism's saved bytes: the registry's formula, for the GPT in fp32 only
     # Elsewhere (cluster shapes, bf16): as a Megatron-style implementation holds them (memory.py), the same
     # for every ZeRO stage (the search asks for each).
-    return _cached(("acts", shape, _layout_key(replace(layout, zero=0)), precision),
+    any_stage = replace(layout, options=layout.options.changed("sync", zero=0))
+    return _cached(("acts", shape, _layout_key(any_stage), precision),
                    lambda: memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision]))
 
 
@@ -64,22 +67,21 @@ def _layout_key(layout) -> str:
     return repr(layout)
 
 
+def _placement_key(layout) -> tuple:
+    """What a stage's placement reads: the dimensions and the families' options, not the microbatches."""
+    return layout.dims, layout.options
+
+
 def _stage_state(shape: ModelShape, layout, zero: int, precision: str, r: int) -> dict:
-    """memory.model_state_bytes, which reads the stage's placement (dims, chunks, pp_layers, schedule), not m."""
-    key = ("state", shape, layout.dims, layout.virtual_stages, _tuple(layout.pp_layers), layout.schedule, zero,
-           precision, r)
+    """memory.model_state_bytes, which reads the stage's placement, not m."""
+    key = ("state", shape, _placement_key(layout), zero, precision, r)
     return _cached(key, lambda: memory.model_state_bytes(shape, layout, zero, precision, r))
 
 
 def _stage_buffers(shape: ModelShape, layout, zero: int, precision: str, r: int) -> int:
     """memory.buffer_bytes, which reads the placement and the microbatch size, not m."""
-    key = ("buffers", shape, layout.dims, layout.virtual_stages, _tuple(layout.pp_layers), layout.schedule, zero,
-           precision, r, layout.microbatch_size)
+    key = ("buffers", shape, _placement_key(layout), zero, precision, r, layout.microbatch_size)
     return _cached(key, lambda: memory.buffer_bytes(shape, layout, zero, precision, r))
-
-
-def _tuple(x):
-    return tuple(x) if x is not None else None
 
 
 _FORMULA: dict[tuple, bool] = {}
@@ -89,7 +91,7 @@ def _has_formula(spec, shape: ModelShape, layout) -> bool:
     """Whether the strategy's registry formula covers this layout at all (recompute aside), asked once
     per strategy, model, dims and precision: what the formulas' coverage reads (activations.covers),
     not the schedule, the microbatches or the options, which the search varies most."""
-    key = (spec.name, shape.gpt, layout.dims, layout.precision, layout.cp_kind)
+    key = (spec.name, shape.gpt, layout.dims, layout.precision, layout.cut().cp_kind)
     if key not in _FORMULA:
         _FORMULA[key] = spec.activations(shape.gpt_config(), replace(layout, recompute="none")) is not None
     return _FORMULA[key]
@@ -120,13 +122,11 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
 
         layout = replace(layout, dtype_bytes=2)  # gradients and activations cross ranks in bf16
     row_layout = {
-        "preset": preset, "strategy": plan.strategy, **{d: getattr(dims, d) for d in SIZES}, "zero": candidate.zero,
-        "sequence_parallel": layout.sequence_parallel,
-        "tp_saves": layout.tp_saves if layout.sequence_parallel else None,
+        "preset": preset, "strategy": plan.strategy, **{d: getattr(dims, d) for d in SIZES},
         "microbatches": layout.microbatches, "microbatch_size": layout.microbatch_size,
-        "schedule": layout.schedule if plan.spec.pipelined and dims.pp > 1 else None,
-        "virtual_stages": layout.virtual_stages if plan.spec.pipelined and dims.pp > 1 else None,
-        "pp_layers": list(layout.pp_layers) if layout.pp_layers else None, "grad_sync": candidate.grad_sync,
+        # Each family's options, null where the strategy does not honour them; the ZeRO stage and the
+        # all-reduce sync as they run (a zero<k> strategy's stage is in its name).
+        **describe(layout, plan.spec), "zero": candidate.zero, "grad_sync": candidate.grad_sync,
         **({"recompute": candidate.request["recompute"]} if "recompute" in candidate.request else {}),
     }
     notes = []
@@ -135,27 +135,8 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
     if activations is None:
         notes.append(f"no activation formula for {plan.strategy} on this layout")
     covered = not shape.gpt.moe_experts
-    per_stage = []
-    for r in range(dims.pp):
-        state = _stage_state(shape, layout, candidate.zero, precision, r) if covered \
-            else moe_model_state(shape, candidate, precision)
-        rank = dims.rank_of(r, 0, 0)
-        acts = activations[rank] if activations is not None else None
-        buffers = _stage_buffers(shape, layout, candidate.zero, precision, r)
-        parts = {"params": state and state["params"], "grads": state and state["grads"],
-                 "optimizer": state and state["optimizer"], "activations": acts, "buffers": buffers}
-        parts["total"] = sum(parts.values()) if all(v is not None for v in parts.values()) else None
-        per_stage.append(parts)
-    worst = max(per_stage, key=lambda m: -1 if m["total"] is None else m["total"])
-    fits = worst["total"] <= cluster.usable_bytes if worst["total"] is not None else None
-    if fits is None:
-        # A part without a formula leaves the total unknown, but what is known is a lower bound:
-        # model state alone beyond the usable memory does not fit, whatever the activations.
-        known = max(sum(v for k, v in m.items() if k != "total" and v is not None) for m in per_stage)
-        if known > cluster.usable_bytes:
-            fits = False
-            worst = max(per_stage, key=lambda m: sum(v for k, v in m.items() if k != "total" and v is not None))
-            worst = {**worst, "total": known}
+    per_stage = [_stage_memory(shape, candidate, layout, precision, r, activations, covered) for r in range(dims.pp)]
+    worst, fits = _worst_stage(per_stage, cluster.usable_bytes)
     if fits is False and not time_if_over:
         notes.append("not timed: its memory is over the device")
         traffic, links, time = None, None, None
@@ -185,6 +166,34 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         "compute_s": time.compute_parts if time else None,
         "notes": notes,
     }
+
+
+def _stage_memory(shape: ModelShape, candidate: Candidate, layout, precision: str, r: int,
+                  activations: list[int] | None, covered: bool) -> dict:
+    """The memory parts of one rank of stage r (every rank of a stage holds the same), and their total
+    where every part has a formula."""
+    state = _stage_state(shape, layout, candidate.zero, precision, r) if covered \
+        else moe_model_state(shape, candidate, precision)
+    acts = activations[layout.dims.rank_of(r, 0, 0)] if activations is not None else None
+    buffers = _stage_buffers(shape, layout, candidate.zero, precision, r)
+    parts = {"params": state and state["params"], "grads": state and state["grads"],
+             "optimizer": state and state["optimizer"], "activations": acts, "buffers": buffers}
+    parts["total"] = sum(parts.values()) if all(v is not None for v in parts.values()) else None
+    return parts
+
+
+def _worst_stage(per_stage: list[dict], usable_bytes: float) -> tuple[dict, bool | None]:
+    """The stage that holds the most, and whether it fits. A part without a formula leaves the total
+    unknown, but what is known is a lower bound: model state alone beyond the usable memory does not
+    fit, whatever the activations."""
+    worst = max(per_stage, key=lambda m: -1 if m["total"] is None else m["total"])
+    if worst["total"] is not None:
+        return worst, worst["total"] <= usable_bytes
+    known = max(sum(v for k, v in m.items() if k != "total" and v is not None) for m in per_stage)
+    if known <= usable_bytes:
+        return worst, None
+    worst = max(per_stage, key=lambda m: sum(v for k, v in m.items() if k != "total" and v is not None))
+    return {**worst, "total": known}, False
 
 
 def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout, layers: list[int],

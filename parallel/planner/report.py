@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from parallel.registry import label
+
 GIB = 2**30
 
 
@@ -15,21 +17,13 @@ def _virtual_cell(figures: dict, key: str, fmt: str) -> str:
     return "" if value is None else f" (virtual {value:{fmt}})"
 
 def layout_label(layout: dict) -> str:
-    """`2x4x8 m16 1f1b v2 sp z1`: dp x tp x pp (x cp, ep where used), microbatches, schedule, options."""
+    """`2x4x8 m16x1 sp 1f1b v2 zero1`: dp x tp x pp (x cp, ep where used), microbatches, the families' options."""
     dims = f"{layout['dp']}x{layout['tp']}x{layout['pp']}"
     if layout.get("cp", 1) > 1:
         dims += f" cp{layout['cp']}"
     if layout.get("ep", 1) > 1:
         dims += f" ep{layout['ep']}"
-    parts = [dims, f"m{layout['microbatches']}x{layout['microbatch_size']}"]
-    if layout["schedule"]:
-        parts.append(layout["schedule"] + (f" v{layout['virtual_stages']}" if layout["virtual_stages"] > 1 else ""))
-    if layout["sequence_parallel"]:
-        parts.append("sp-sharded" if layout.get("tp_saves") == "sharded" else "sp")
-    if layout["zero"]:
-        parts.append(f"zero{layout['zero']}")
-    if layout.get("grad_sync") == "naive":
-        parts.append("naive")
+    parts = [dims, f"m{layout['microbatches']}x{layout['microbatch_size']}", *label(layout)]
     if layout.get("recompute") not in (None, "none"):
         parts.append(f"rc-{layout['recompute']}")
     return " ".join(parts)

@@ -11,46 +11,34 @@ from dataclasses import dataclass
 
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
+from parallel.family import hydra_value
+from parallel.layout import FamilyOptions
 from parallel.model_state import STATE_BYTES
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
 from parallel.planner.predict import predict_row
-
-PRESET_FIELDS = ("name", "schedule", "virtual_stages", "sequence_parallel", "grad_sync", "zero")
+from parallel.registry import differing_options, request_fields
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A conf/parallel/ preset: its file name and the fields that tell presets of one strategy apart."""
+    """A conf/parallel/ preset: its file name, the strategy it asks for, and its families' options."""
 
     file: str
     name: str
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    sequence_parallel: bool = False
-    grad_sync: str = "bucketed"
-    zero: int = 0
+    options: FamilyOptions = FamilyOptions()
 
 
 def preset_for(candidate: Candidate, presets: list[Preset]) -> str | None:
-    """The conf/parallel preset whose strategy was asked for and whose options differ least from the
-    candidate's (its run command then overrides every layout field anyway); None if there is none."""
+    """The conf/parallel preset whose strategy was asked for and whose options (those the strategy that
+    runs honours) differ least from the candidate's (its run command then overrides every layout field
+    anyway), the preset named as the strategy first; None if there is none."""
     mine = [p for p in presets if p.name == candidate.requested]
     if not mine:
         return None
-    layout, pipelined = candidate.layout, candidate.plan.spec.pipelined
-
-    def mismatch(p: Preset) -> tuple:
-        return (
-            (p.schedule != layout.schedule) if pipelined else 0,
-            (p.virtual_stages != layout.virtual_stages) if pipelined else 0,
-            p.sequence_parallel != layout.sequence_parallel,
-            candidate.grad_sync is not None and p.grad_sync != candidate.grad_sync,
-            p.file != p.name,
-            p.file,
-        )
-
-    return min(mine, key=mismatch).file
+    layout, spec = candidate.layout, candidate.plan.spec
+    return min(mine, key=lambda p: (differing_options(p.options, layout.options, spec), p.file != p.name,
+                                    p.file)).file
 
 
 def rank_key(row: dict) -> tuple:
@@ -75,7 +63,7 @@ def model_state_over(shape: ModelShape, cluster: Cluster):
 
     def beyond(spec, request: dict) -> bool:
         held = shape.gpt.n_layers * shape.layer_parameters(request["tp"]) / request["pp"]
-        zero = request.get("zero", 0) if spec.zero_dp else 3
+        zero = request.get("zero", 0) if spec.honours_option("sync", "zero") else 3
         d = request["dp"] * request.get("cp", 1)
         per = param_b / (d if zero >= 3 else 1) + grad_b / (d if zero >= 2 else 1) + optim_b / (d if zero >= 1 else 1)
         return held * per > cluster.usable_bytes
@@ -96,7 +84,7 @@ def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Clu
     for candidate in found.candidates:
         preset = preset_for(candidate, presets)
         row = predict_row(shape, candidate, cluster, preset, time_if_over=False)
-        row["run_overrides"] = run_overrides(candidate, preset)
+        row["run_overrides"] = run_overrides(candidate, preset, presets)
         if only is None or preset in only or candidate.plan.strategy in only or candidate.requested in only:
             rows.append(row)
     rows.sort(key=rank_key)
@@ -105,21 +93,16 @@ def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Clu
     return rows, found
 
 
-def run_overrides(candidate: Candidate, preset: str | None) -> list[str]:
-    """The launch.train overrides that run exactly this layout."""
+def run_overrides(candidate: Candidate, preset: str | None, presets: list[Preset]) -> list[str]:
+    """The launch.train overrides that run exactly this layout: the preset, the sizes and microbatches,
+    and each family's option that the request asked for otherwise than the preset composes it (the
+    defaults where the strategy's own name is given); re-asked, the request runs the same layout."""
     request, plan = candidate.request, candidate.plan
     out = [f"parallel={preset or candidate.requested}"]
-    for key in SIZES:
-        if key in request:
-            out.append(f"parallel.{key}={request[key]}")
-    out += [f"parallel.microbatches={plan.microbatches}", f"parallel.zero={request['zero']}",
-            f"parallel.sequence_parallel={str(plan.sequence_parallel).lower()}",
-            f"parallel.schedule={plan.schedule}", f"parallel.virtual_stages={plan.virtual_stages}",
-            f"parallel.grad_sync={plan.grad_sync}"]
-    if plan.pp_layers:
-        out.append(f"parallel.pp_layers=[{','.join(map(str, plan.pp_layers))}]")
-    if plan.tp_saves != "gathered":  # the column-parallel inputs' sequence pieces (its memory is counted so)
-        out.append(f"parallel.tp_saves={plan.tp_saves}")
+    out += [f"parallel.{key}={request[key]}" for key in SIZES if key in request]
+    out.append(f"parallel.microbatches={plan.microbatches}")
+    composed = next((p.options for p in presets if p.file == preset), FamilyOptions())
+    out += [f"parallel.{key}={hydra_value(value)}" for key, value in request_fields(composed, request).items()]
     if "recompute" in request:
         out.append(f"train.recompute={request['recompute']}")
     out.append(f"train.global_batch={plan.global_batch}")

@@ -32,14 +32,11 @@ bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's f
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+from parallel.compose.theory import chunks_per_rank, pipeline_makespan
 from parallel.core.shape import ModelShape
 from parallel.planner.cluster import Cluster
 from parallel.planner.links import GroupSpan
-from parallel.pp.actions import splits_backward
-from parallel.pp.schedules import SEND_B, SEND_F, B, F, W, built_schedule, closed_form_idle, schedule_placement
-from parallel.pp.simulator import simulate
 
 ASSUMPTIONS = {
     "compute": "forward FLOPs per token and rank = (2·block params + 4·s·h)/t per layer (+ 2·(V·h + norm)/t on the "
@@ -105,38 +102,6 @@ def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster,
     return calls * steps_per_call * cluster.inter_latency_s + bytes_per_rank / rate
 
 
-@lru_cache(maxsize=65536)
-def pipeline_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float, send: float) -> float:
-    """The simulator's makespan for one step: each rank's forward and backward of a microbatch over
-    all its chunks cost `forward` and `backward` (a chunk 1/v of them), a send `send` on its sender.
-    Where a schedule splits the backward (zero-bubble schedules), its input-gradient half B and its
-    weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
-    backward, of equal size (an assumption the output names)."""
-
-    plans = built_schedule(schedule, p, m, v)
-    split = splits_backward(plans)
-    if send == 0:
-        # The schedule's closed form, where it claims one: every rank works m(F + B + W) and idles for
-        # its longest chain (parallel/pp/schedules.py, equal to the simulator's makespan for free sends).
-        idle = closed_form_idle(schedule, p, m, v, forward, backward / 2 if split else backward,
-                                backward / 2 if split else 0.0)
-        if idle is not None:
-            return m * (forward + backward) + float(idle)
-
-    def cost(action, virtual, split=False):
-        if action.op == F:
-            return forward / virtual
-        if action.op == B:
-            return (backward / 2 if split else backward) / virtual
-        if action.op == W:
-            return backward / 2 / virtual
-        return send if action.op in (SEND_F, SEND_B) else 0.0
-
-    # On the schedule's own placement: a V-shaped schedule (zbv, dualpipev) puts virtual stage p on rank
-    # p - 1, not rank 0, and its lists read as invalid on the loop placement.
-    return simulate([list(actions) for actions in plans], m, v, cost, schedule_placement(schedule, p, v)).makespan
-
-
 def _rounded(x: float) -> float:
     """Simulation inputs to 3 significant digits, so layouts that differ below that share one run
     (the makespan moves by less than 0.1%)."""
@@ -146,14 +111,15 @@ def _rounded(x: float) -> float:
 def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
               layers_by_rank: list[int], act_bytes: int) -> StepTime:
     """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank."""
-    dims, m, b, v = layout.dims, layout.microbatches, layout.microbatch_size, layout.virtual_stages
+    dims, m, b, v = layout.dims, layout.microbatches, layout.microbatch_size, chunks_per_rank(layout)
     p, t, world = dims.pp, dims.tp, dims.world_size
     g = shape.gpt
     rate = cluster.flops_per_rank(world)
     tokens = b * g.seq_len
     device = cluster.device()
     hardware = model_flops = parts = None
-    recompute = getattr(layout, "recompute", "none") or "none"
+    recompute = layout.recompute or "none"
+    sequence_parallel = layout.cut().sequence_parallel
     if device is None:
         forwards = [tokens * forward_flops_per_token(shape, t, n, r == p - 1) / rate
                     for r, n in enumerate(layers_by_rank)]
@@ -169,7 +135,7 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     else:
         from parallel.planner.compute import microbatch_seconds
 
-        per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, layout.sequence_parallel, recompute)
+        per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, sequence_parallel, recompute)
                for r, n in enumerate(layers_by_rank)]
         slowest = max(range(p), key=lambda r: per[r]["forward"] + per[r]["backward"])
         forward, backward = per[slowest]["forward"], per[slowest]["backward"]
@@ -194,18 +160,17 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
     pp_exposed, bubble = 0.0, 0.0
     if p > 1:
-        boundary = activation // (t if layout.sequence_parallel else 1)
+        boundary = activation // (t if sequence_parallel else 1)
         send = collective_seconds(boundary, traffic["pp"].span, cluster, boundary, 1, point_to_point=True) \
             if "pp" in traffic else 0.0
         seconds["pp"] = send * traffic["pp"].per_rank(world) / boundary if "pp" in traffic else 0.0
         unit = f_eff
-        base = unit * pipeline_makespan(layout.schedule, p, m, v, 1.0, _rounded(b_eff / unit), 0.0)
+        base = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit), 0.0)
         bubble = max(0.0, base - m * (f_eff + b_eff))
         if cluster.p2p_overlap:
             pp_exposed = 2 * (v * p - 1) * send
         else:
-            with_sends = unit * pipeline_makespan(layout.schedule, p, m, v, 1.0, _rounded(b_eff / unit),
-                                                  _rounded(send / unit))
+            with_sends = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit), _rounded(send / unit))
             pp_exposed = max(0.0, with_sends - base)
     dp_exposed = 0.0
     for name in ("dp", "edp"):

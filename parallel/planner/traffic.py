@@ -27,14 +27,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from parallel.algebra import tp_shard_parameter_count
+from parallel.compose.theory import chunks_per_rank
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import SIZED_DIMS
+from parallel.dist.dims import SIZES
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
 from parallel.spec import StrategySpec
 
 P2P_OPS = ("send", "recv")
-GROUP_DIMS = SIZED_DIMS  # innermost first: tp, cp, ep, dp, pp (parallel/dist/dims.py)
 
 
 class NoTrafficFormula(ValueError):
@@ -71,7 +71,7 @@ def group_totals(figure: dict, layout: Layout) -> dict[str, Fraction]:
         out["pp"] = p2p
     rest = sum((v for op, v in by_op.items() if op not in P2P_OPS), Fraction(0))
     if rest:
-        split = [d for d in GROUP_DIMS if d != "pp" and getattr(layout.dims, d) > 1]
+        split = [d for d in SIZES if d != "pp" and getattr(layout.dims, d) > 1]
         if "ep" in split and "dp" in split:
             split.remove("ep")  # ep is carved out of dp: a collective over the dp ranks is dp's
         if len(split) != 1:
@@ -120,7 +120,7 @@ def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: 
         totals["pp"] = totals.get("pp", Fraction(0)) + 2 * pipelines * copy  # all-reduce over 2: S per rank
     dims = layout.dims
     return {g: GroupTraffic(g, v, gathers.get(g, Fraction(0)),
-                            group_span(dims, g, gpus_per_node, algorithm, layout.virtual_stages if g == "pp" else 1))
+                            group_span(dims, g, gpus_per_node, algorithm, chunks_per_rank(layout) if g == "pp" else 1))
             for g, v in totals.items()}
 
 

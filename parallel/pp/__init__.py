@@ -9,7 +9,9 @@
   split.py           the one GPT cut into pipeline pieces
   executor.py        a schedule run for real over the pp communicator
   timeline.py        what every rank did when: measured bubble beside the simulator's
+  options.py         its options: the schedule, the chunks per rank, the layers of each
   rules.py           its refusals (schedule, split, the recipe's dp sync; why it refuses MoE)
+  search.py          the options the planner tries on a layout
   theory.py          its closed forms: the p2p bytes per step from the placement alone, the saved
                      activations walked along each rank's list (a schedule's bubble is in its record)
 
@@ -20,5 +22,50 @@ with tp = cp = 1 (stages, the runner, a dp sync on top), so its entry is compose
 
 from __future__ import annotations
 
+from parallel.family import Family
+from parallel.pp.options import PPOptions
+from parallel.pp.rules import pp_rules
+from parallel.pp.search import pp_search, schedule_identity
+
 # The entries of this family: none of its own (see above).
 ENTRIES: tuple = ()
+
+
+def _describe(layout, spec) -> dict:
+    options, pipelined = layout.of(PPOptions), spec.uses("pp")
+    return {"schedule": options.schedule if pipelined else None,
+            "virtual_stages": options.virtual_stages if pipelined else None,
+            "pp_layers": list(options.layers) if pipelined and options.layers else None}
+
+
+def _report(plan, rank_reports: list[dict], run_dir) -> dict:
+    """The first pipeline's (dp 0, tp 0) ranks' spans of the last step, in stage order: the measured,
+    simulated and closed-form bubble (parallel/pp/timeline.py)."""
+    if not plan.spec.uses("pp") or rank_reports[0]["pipeline_spans"] is None:
+        return {}
+    from parallel.pp.timeline import pipeline_report
+
+    options = plan.layout.of(PPOptions)
+    spans = [r["pipeline_spans"] for r in sorted(rank_reports, key=lambda r: r["coords"]["pp"])
+             if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
+    block = pipeline_report(spans, options.schedule, plan.dims.pp, plan.microbatches, options.virtual_stages)
+    block["executed_by_rank"] = [r["pipeline_executed"] for r in rank_reports]
+    return {"pipeline": block}
+
+
+def _label(described: dict) -> list[str]:
+    schedule, v = described["schedule"], described["virtual_stages"]
+    return [schedule + (f" v{v}" if v > 1 else "")] if schedule else []
+
+
+def _identity(layout, spec) -> tuple:
+    """Two schedule names that give the same action lists are one layout (interleaved with one chunk is 1F1B)."""
+    options = layout.of(PPOptions)
+    lists = None
+    if spec.uses("pp") and layout.dims.pp > 1:
+        lists = schedule_identity(options.schedule, layout.dims.pp, layout.microbatches, options.virtual_stages)
+    return lists, options.layers
+
+
+FAMILY = Family("pp", PPOptions, rules=pp_rules, search=pp_search, describe=_describe, label=_label,
+                identity=_identity, report=_report)

@@ -1,6 +1,6 @@
-"""Pipeline parallelism's refusals, checked by plan.py before any process group.
+"""Pipeline parallelism's refusals, checked by the run validator before any process group.
 
-For every entry that says `pipelined=True`: the schedule's name, the layers' split into
+For every entry the pipeline cuts (the schedule's name is its options record's own check): the layers' split into
 pp x virtual pieces, the schedule's own rule on (pp, m, v) and the entry's (PyTorch's schedules
 refuse some that ours run); for the pipeline recipe's dp sync, bucketed all-reduce against virtual
 stages. And why a pipeline refuses a mixture of experts (docs/experts.md).
@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
+from parallel.family import Check
+from parallel.pp.options import PPOptions
 from parallel.pp.placement import V
 from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
@@ -21,9 +23,13 @@ PP_NO_MOE = ("a pipeline stage that holds MoE blocks must back-propagate their b
              "receives, and the pipeline runner back-propagates the last stage's loss only")
 
 
-def check_schedule_name(schedule) -> None:
-    if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.schedule={schedule!r} is not a schedule: choose one of {', '.join(SCHEDULES)}")
+def pp_rules(check: Check) -> None:
+    """For every entry the pipeline cuts: its layers, the schedule's rule and the entry's own."""
+    if not check.spec.uses("pp"):
+        return
+    options = check.layout.of(PPOptions)
+    check_pipeline(check.model, check.dims, options.schedule, check.layout.microbatches, options.virtual_stages,
+                   options.layers, check.spec.schedule_check)
 
 
 def check_pipeline(model: GPTConfig, dims: ParallelDims, schedule: str, microbatches: int, virtual_stages: int,

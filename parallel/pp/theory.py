@@ -30,7 +30,22 @@ from parallel.activations import registry_activations
 from parallel.algebra import FP32_BYTES, all_reduce_sent_per_rank, figure, parameter_count
 from parallel.core.model import GPTConfig
 from parallel.layout import Layout
-from parallel.pp.schedules import F, build_schedule, compute_only, schedule_placement, virtual_stage
+from parallel.pp.actions import splits_backward
+from parallel.pp.options import PPOptions
+from parallel.pp.schedules import (
+    SEND_B,
+    SEND_F,
+    B,
+    F,
+    W,
+    build_schedule,
+    built_schedule,
+    closed_form_idle,
+    compute_only,
+    schedule_placement,
+    virtual_stage,
+)
+from parallel.pp.simulator import simulate
 from parallel.pp.split import layer_counts
 
 
@@ -81,7 +96,9 @@ def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
     pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
     dims, B = layout.dims, layout.dtype_bytes
     boundary = boundary_bytes(layout.microbatch_size, cfg.seq_len, cfg.d_model, B)
-    p2p = p2p_bytes_per_step(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages, boundary) * dims.dp
+    pipeline = layout.of(PPOptions)
+    p2p = dims.dp * p2p_bytes_per_step(pipeline.schedule, dims.pp, layout.microbatches, pipeline.virtual_stages,
+                                       boundary)
     totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))} if p2p else {}
     if dims.dp > 1:
         grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
@@ -92,8 +109,9 @@ def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
 # -- activations: what a rank holds while its schedule runs ---------------------------------------------
 def stage_layer_counts(n_layers: int, layout: Layout) -> list[int]:
     """Blocks of each virtual stage (an even split, or the layout's pp_layers)."""
-    explicit = list(layout.pp_layers) if layout.pp_layers is not None else None
-    return layer_counts(n_layers, layout.dims.pp * layout.virtual_stages, explicit)
+    pipeline = layout.of(PPOptions)
+    explicit = list(pipeline.layers) if pipeline.layers is not None else None
+    return layer_counts(n_layers, layout.dims.pp * pipeline.virtual_stages, explicit)
 
 
 @lru_cache(maxsize=1024)
@@ -107,7 +125,10 @@ def schedule_walk(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[bo
 def pipeline_walk(layout: Layout) -> tuple[tuple[tuple[bool, int], ...], ...] | None:
     """`schedule_walk` of the layout's schedule, or None without a pipeline."""
     dims = layout.dims
-    return schedule_walk(layout.schedule, dims.pp, layout.microbatches, layout.virtual_stages) if dims.pp > 1 else None
+    if dims.pp == 1:
+        return None
+    pipeline = layout.of(PPOptions)
+    return schedule_walk(pipeline.schedule, dims.pp, layout.microbatches, pipeline.virtual_stages)
 
 
 def pipeline_activations(cfg: GPTConfig, layout: Layout) -> list[int] | None:
@@ -115,3 +136,35 @@ def pipeline_activations(cfg: GPTConfig, layout: Layout) -> list[int] | None:
     layout's virtual stages and, in a pipeline, its schedule's walk."""
     return registry_activations(cfg, layout, layers=stage_layer_counts(cfg.n_layers, layout),
                                 walk=pipeline_walk(layout))
+
+
+@lru_cache(maxsize=65536)
+def schedule_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float, send: float) -> float:
+    """The simulator's makespan for one step: each rank's forward and backward of a microbatch over
+    all its chunks cost `forward` and `backward` (a chunk 1/v of them), a send `send` on its sender.
+    Where a schedule splits the backward (zero-bubble schedules), its input-gradient half B and its
+    weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
+    backward, of equal size (an assumption the output names)."""
+
+    plans = built_schedule(schedule, p, m, v)
+    split = splits_backward(plans)
+    if send == 0:
+        # The schedule's closed form, where it claims one: every rank works m(F + B + W) and idles for
+        # its longest chain (parallel/pp/schedules.py, equal to the simulator's makespan for free sends).
+        idle = closed_form_idle(schedule, p, m, v, forward, backward / 2 if split else backward,
+                                backward / 2 if split else 0.0)
+        if idle is not None:
+            return m * (forward + backward) + float(idle)
+
+    def cost(action, virtual, split=False):
+        if action.op == F:
+            return forward / virtual
+        if action.op == B:
+            return (backward / 2 if split else backward) / virtual
+        if action.op == W:
+            return backward / 2 / virtual
+        return send if action.op in (SEND_F, SEND_B) else 0.0
+
+    # On the schedule's own placement: a V-shaped schedule (zbv, dualpipev) puts virtual stage p on rank
+    # p - 1, not rank 0, and its lists read as invalid on the loop placement.
+    return simulate([list(actions) for actions in plans], m, v, cost, schedule_placement(schedule, p, v)).makespan

@@ -55,7 +55,7 @@ import torch
 
 from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
-from parallel.moe.report import routing_block, with_measured_routing
+from parallel.registry import FAMILIES, describe
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.report.trace import write_run_trace
@@ -67,48 +67,19 @@ SCHEMA_VERSION = 1
 def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list[dict], device: torch.device,
                   run_dir: Path, net: dict | None = None, links=None) -> dict:
     """The whole summary.json from the plan, the global losses and every rank's report."""
-    spec = plan.spec
-    # A mixture of experts' routing is part of the step's layout: expert parallelism's all-to-all
-    # bytes follow it (theory figures the last step's, as measured; nothing changes for a dense model).
-    layout = with_measured_routing(plan.layout, rank_reports)
-    expected = spec.comm(plan.model, layout)
     timed_from = plan.warmup_steps
     # A step lasts as long as its slowest rank.
     step_times = [max(r["step_times"][i] for r in rank_reports) for i in range(len(losses))]
     # The lower median: one real step (with an even count the mean of two would be a step that never
     # ran), the same one whose time the breakdown splits (parallel/report/breakdown.py).
     step_time = statistics.median_low(step_times[timed_from:])
-    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
-    memory = [r["peak_memory_bytes"] for r in rank_reports]
     summary = {
         "schema_version": SCHEMA_VERSION,
         "config": config,
         "strategy": plan.strategy,
         "world_size": plan.dims.world_size,
-        "parallel": {
-            **plan.dims.as_dict(),
-            "microbatches": plan.microbatches,
-            "microbatch_size": plan.microbatch_size,
-            "sequence_parallel": plan.sequence_parallel,
-            "tp_saves": plan.tp_saves if plan.sequence_parallel else None,
-            # The options a strategy does not honour are null, so a reader never mistakes them for facts.
-            "grad_sync": plan.grad_sync if spec.grad_sync and plan.dims.dp > 1 and not plan.zero else None,
-            "bucket_mb": plan.bucket_mb if (spec.grad_sync and plan.dims.dp > 1 and not plan.zero) or spec.bucket_mb
-            else None,
-            "schedule": plan.schedule if spec.pipelined else None,
-            "virtual_stages": plan.virtual_stages if spec.pipelined else None,
-            "backend": plan.backend,
-            "zero": plan.zero,
-            "cp_kind": plan.cp_kind if plan.dims.cp > 1 else None,
-            "recompute": plan.recompute,
-        },
-        "model": {
-            "parameters": rank_reports[0]["parameters"], "params_formula": parameter_count(plan.model),
-            # What one rank holds (rank 0: a tensor-parallel shard, or a pipeline stage) and, where
-            # theory has one, its closed form.
-            "local_parameters": rank_reports[0]["local_parameters"],
-            "local_params_formula": spec.local_parameters(plan.model, layout),
-        },
+        "parallel": parallel_block(plan),
+        **against_theory(plan, rank_reports, timed_from),
         "precision": plan.precision,
         "device": plan.device_type,
         "steps": len(losses),
@@ -119,6 +90,51 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "step_times_s": step_times,
         "step_time_s": step_time,
         "tokens_per_s": plan.tokens_per_step / step_time,
+    }
+    summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
+    for family in FAMILIES:  # the blocks of their own (moe's routing, the pipeline's bubble)
+        if family.report is not None:
+            summary.update(family.report(plan, rank_reports, run_dir))
+    rank_steps = [r["time_breakdown"] for r in rank_reports]
+    notes = breakdown_notes([r["breakdown_note"] for r in rank_reports], plan.comm_log and plan.comm_time, rank_steps)
+    summary.update(summarize_breakdown(rank_steps, step_times, timed_from, plan.start_step, notes))
+    for row, r in zip(summary["time_breakdown_by_rank"] or [], rank_reports):
+        row["coords"] = r["coords"]
+    # The emulated network (launch.run): wire bytes per link class against the log's prediction; null otherwise.
+    summary["net"] = net
+    # The last step of every rank as trace.json (and timeline.png): drawn from the summary's own figures.
+    summary["trace"] = write_run_trace(run_dir, rank_reports, summary, draw=plan.timeline)
+    # The same steps replayed with a device per rank (compute in thread CPU time, links modelled).
+    summary["virtual"] = virtual_block(plan, rank_reports, summary, run_dir, links)
+    return summary
+
+
+def parallel_block(plan) -> dict:
+    """The layout: the dimensions, the microbatches, each family's options (null where the strategy
+    does not honour them: parallel/family.py), the backend and the recomputation."""
+    return {**plan.dims.as_dict(), "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
+            **describe(plan.layout, plan.spec), "backend": plan.backend, "recompute": plan.recompute}
+
+
+def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
+    """What the run measured beside its closed forms: parameters, traffic, memory."""
+    spec, layout = plan.spec, plan.layout
+    # What the run measured that the closed forms need (a mixture of experts' routing sets expert
+    # parallelism's all-to-all bytes: theory figures the last step's, as measured).
+    for family in FAMILIES:
+        if family.measured is not None:
+            layout = family.measured(layout, rank_reports)
+    expected = spec.comm(plan.model, layout)
+    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
+    memory = [r["peak_memory_bytes"] for r in rank_reports]
+    return {
+        "model": {
+            "parameters": rank_reports[0]["parameters"], "params_formula": parameter_count(plan.model),
+            # What one rank holds (rank 0: a tensor-parallel shard, or a pipeline stage) and, where
+            # theory has one, its closed form.
+            "local_parameters": rank_reports[0]["local_parameters"],
+            "local_params_formula": spec.local_parameters(plan.model, layout),
+        },
         "peak_memory_bytes": max(memory),
         "memory_by_rank": memory,
         "comm": comm,
@@ -129,35 +145,6 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
                                    spec.activations(plan.model, layout)),
     }
-    summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
-    if plan.model.moe_experts:
-        summary["moe"] = routing_block(plan, rank_reports, run_dir)
-    rank_steps = [r["time_breakdown"] for r in rank_reports]
-    notes = breakdown_notes([r["breakdown_note"] for r in rank_reports], plan.comm_log and plan.comm_time, rank_steps)
-    summary.update(summarize_breakdown(rank_steps, step_times, timed_from, plan.start_step, notes))
-    for row, r in zip(summary["time_breakdown_by_rank"] or [], rank_reports):
-        row["coords"] = r["coords"]
-    if spec.pipelined and rank_reports[0]["pipeline_spans"] is not None:
-        summary["pipeline"] = pipeline_block(plan, rank_reports, run_dir)
-    # The emulated network (launch.run): wire bytes per link class against the log's prediction; null otherwise.
-    summary["net"] = net
-    # The last step of every rank as trace.json (and timeline.png): drawn from the summary's own figures.
-    summary["trace"] = write_run_trace(run_dir, rank_reports, summary, draw=plan.timeline)
-    # The same steps replayed with a device per rank (compute in thread CPU time, links modelled).
-    summary["virtual"] = virtual_block(plan, rank_reports, summary, run_dir, links)
-    return summary
-
-
-def pipeline_block(plan, rank_reports: list[dict], run_dir: Path) -> dict:
-    """The first pipeline's (dp 0, tp 0) ranks' spans of the last step, in stage order: the measured,
-    simulated and closed-form bubble (parallel/pp/timeline.py)."""
-    from parallel.pp.timeline import pipeline_report
-
-    spans = [r["pipeline_spans"] for r in sorted(rank_reports, key=lambda r: r["coords"]["pp"])
-             if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
-    block = pipeline_report(spans, plan.schedule, plan.dims.pp, plan.microbatches, plan.virtual_stages)
-    block["executed_by_rank"] = [r["pipeline_executed"] for r in rank_reports]
-    return block
 
 
 def mfu_block(plan, device: torch.device, tokens_per_s: float) -> dict:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from parallel.dist.dims import SIZED_DIMS
+from parallel.dist.dims import SIZES, outermost_first
 from parallel.pp.timeline import COLORS as PIPELINE_COLORS
 
 PHASE_COLORS = {
@@ -37,13 +37,12 @@ PHASE_COLORS = {
 GROUP_COLORS = {"pp": PIPELINE_COLORS["wait"], "dp": "#C44E52", "tp": "#8C564B", "cp": "#17BECF", "ep": "#9467BD",
                 "edp": "#BCBD22", "dp_cp": "#E377C2", "world": "#333333"}
 OTHER_GROUP = "#7F7F7F"
-DIMENSIONS = tuple(reversed(SIZED_DIMS))  # outermost first, as rank labels read (parallel/dist/dims.py)
 
 
 def rank_label(rank: int, coords: dict, dims: dict) -> str:
     """"rank 4 (pp 1, dp 0, tp 0)": the global rank and its coordinates on the dimensions this run
     splits (all of pp, dp, tp when none is split, so a 3-D layout always reads the same way)."""
-    shown = [d for d in DIMENSIONS if dims.get(d, 1) > 1] or ["pp", "dp", "tp"]
+    shown = [d for d in outermost_first(SIZES) if dims.get(d, 1) > 1] or ["pp", "dp", "tp"]
     return f"rank {rank} ({', '.join(f'{d} {coords.get(d, 0)}' for d in shown)})"
 
 

@@ -14,3 +14,52 @@ imports another: dp, zero, tp, cp, moe and the recipe all plug in the same syncs
 Each sync is a `parallel.strategy.GradSync`: what a step calls after backward (`finish`), and the
 completions other families hang on it (tp's sum of sequence-sharded gradients).
 """
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from parallel.family import Family, Search
+from parallel.layout import Layout
+from parallel.spec import StrategySpec
+from parallel.sync.options import ZERO_STAGES, SyncOptions
+
+
+def _search(search: Search) -> list[SyncOptions]:
+    """The ZeRO stages where the entry honours parallel.zero, each with the all-reduce syncs asked for."""
+    stages = search.space.get("zero", ZERO_STAGES) if search.spec.honours_option("sync", "zero") else (0,)
+    return [SyncOptions(grad_sync=g, zero=z) for z in stages for g in search.space.get("grad_sync", ("bucketed",))]
+
+
+def _fallback(options: SyncOptions, reason: str) -> SyncOptions | None:
+    """A layout that refuses the bucketed sync (virtual stages finish their backward apart) runs the naive one."""
+    return replace(options, grad_sync="naive") if "grad_sync" in reason and options.grad_sync != "naive" else None
+
+
+def all_reduce_sync(layout: Layout, spec: StrategySpec) -> bool:
+    """Whether the layout's dp dimension runs parallel.grad_sync's all-reduce: the entry honours it,
+    there is more than one dp rank, and no ZeRO stage replaces it."""
+    return spec.honours_option("sync", "grad_sync") and layout.dims.dp > 1 and not layout.of(SyncOptions).zero
+
+
+def _describe(layout: Layout, spec: StrategySpec) -> dict:
+    """The options an entry does not honour are null, so a reader never mistakes them for facts."""
+    options, all_reduce = layout.of(SyncOptions), all_reduce_sync(layout, spec)
+    bucket_alone = spec.honours_option("sync", "bucket_mb") and not spec.honours_option("sync", "grad_sync")
+    return {"grad_sync": options.grad_sync if all_reduce else None,
+            "bucket_mb": options.bucket_mb if all_reduce or bucket_alone else None, "zero": options.zero}
+
+
+def _label(described: dict) -> list[str]:
+    return ([f"zero{described['zero']}"] if described["zero"] else []) + \
+        (["naive"] if described.get("grad_sync") == "naive" else [])
+
+
+def _identity(layout: Layout, spec: StrategySpec) -> None:
+    """The planner tells layouts apart by their effective ZeRO stage and all-reduce sync (a zero<k>
+    strategy's stage is in its name), not by the record: nothing here."""
+    return None
+
+
+FAMILY = Family("sync", SyncOptions, search=_search, describe=_describe, label=_label, identity=_identity,
+                fallback=_fallback)

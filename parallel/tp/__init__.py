@@ -6,7 +6,9 @@
   layers.py     the column- and row-parallel linears, the vocab-parallel embedding, `parallelize_tp`
   loss.py       the vocab-parallel cross-entropy on the sharded logits
   strategy.py   the strategy `tp` (dp x tp), with or without sequence parallelism
-  rules.py      its refusals (parallel.tp_saves among them, and why it refuses a mixture of experts)
+  options.py    its options: sequence parallelism, and what a column-parallel linear saves
+  rules.py      its refusals (the saved piece among them, and why it refuses a mixture of experts)
+  search.py     the options the planner tries on a layout
   theory.py     its closed forms: the tp collectives per layer and microbatch, with and without SP
 
 With pipeline stages or context parallelism too, a `tp` request runs as the recipe `3d`
@@ -17,26 +19,47 @@ from __future__ import annotations
 
 from parallel import algebra
 from parallel.activations import registry_activations
+from parallel.family import Family
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 from parallel.tp import theory
-from parallel.tp.rules import TP_NO_MOE
+from parallel.tp.options import TPOptions
+from parallel.tp.rules import TP_NO_MOE, tp_rules
+from parallel.tp.search import tp_search
 
 
 def _build_tp(model, plan, ctx):
     from parallel.strategy import make_optimizer
     from parallel.tp.strategy import TensorParallel
 
+    cut, sync = plan.layout.cut(), plan.layout.of(SyncOptions)
     return TensorParallel(model, lambda module: make_optimizer(module, plan.lr, plan.weight_decay), ctx.comm("tp"),
-                          ctx.comm("dp"), plan.sequence_parallel, plan.grad_sync, plan.bucket_mb,
-                          saves_shard=plan.tp_saves == "sharded")
+                          ctx.comm("dp"), plan.layout.of(TPOptions).sequence_parallel, sync.grad_sync,
+                          sync.bucket_mb, saves_shard=cut.saves_shard)
 
+
+def _describe(layout, spec) -> dict:
+    options = layout.of(TPOptions)
+    return {"sequence_parallel": options.sequence_parallel,
+            "tp_saves": options.saves if options.sequence_parallel else None}
+
+
+def _label(described: dict) -> list[str]:
+    if not described["sequence_parallel"]:
+        return []
+    return ["sp-sharded" if described["tp_saves"] == "sharded" else "sp"]
+
+
+FAMILY = Family("tp", TPOptions, rules=tp_rules, search=tp_search, describe=_describe, label=_label)
+
+
+SYNC_OPTIONS = ("grad_sync", "bucket_mb", "zero")  # the dp sync across tp groups: all-reduce or ZeRO-1/2
 
 ENTRIES = (
     StrategySpec(
         name="tp", description="tensor parallel (Megatron), optionally with sequence parallelism; dp across tp groups",
         build=_build_tp, comm=theory.tp_comm, local_parameters=algebra.tp_local_parameter_count,
-        dims=frozenset({"dp", "tp"}), tensor_parallel=True, sequence_parallel=True, grad_sync=True, zero_dp=True,
+        dims=frozenset({"dp", "tp"}), honours={"tp": ("sequence_parallel", "saves"), "sync": SYNC_OPTIONS},
         counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True, activations=registry_activations,
-        tp_saves=True,
     ),
 )

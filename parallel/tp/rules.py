@@ -1,7 +1,7 @@
-"""Tensor parallelism's refusals, checked by plan.py before any process group.
+"""Tensor parallelism's refusals, checked by the run validator before any process group.
 
-The cut itself (heads, the padded vocabulary and, under sequence parallelism, the sequence must
-divide over tp; no dropout), which plan.py runs for every entry that says `tensor_parallel=True`;
+Sequence parallelism only where tp cuts; the cut itself (heads, the padded vocabulary and, under
+sequence parallelism, the sequence must divide over tp; no dropout), for every entry tp cuts;
 what `parallel.tp_saves` may say (the sequence piece saved only where there is one); and why tensor
 parallelism refuses a mixture of experts, the line the registry's model check ends in (docs/experts.md).
 """
@@ -13,10 +13,9 @@ from math import gcd
 
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
-from parallel.spec import StrategySpec
-
-# parallel.tp_saves: what a column-parallel linear keeps for its weight gradient under sequence parallelism.
-TP_SAVES = ("gathered", "sharded")
+from parallel.family import Check
+from parallel.spec import ConfigError, StrategySpec
+from parallel.tp.options import TPOptions
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
              "MoE block's router and experts")
@@ -62,23 +61,38 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
         raise LayoutError(why)
 
 
-def check_tp_saves(tp_saves, spec: StrategySpec, keepers: Sequence[str], dims: ParallelDims,
-                   sequence_parallel: bool, splits_backward: bool = False) -> None:
-    """`gathered` (the default) or `sharded`; `sharded` keeps each column-parallel input's sequence
-    piece, which exists only under sequence parallelism with tp > 1 (`sequence_parallel` is the
-    resolved one), with this project's tp layers (an entry that says `tp_saves=True`; `keepers`:
-    the registry's names of those, for the message), without context parallelism (whose
-    cut of the sequence the pieces would be cut again; not derived) and with one backward per
-    chunk: a zero-bubble schedule (`splits_backward`) runs a chunk's weight gradients apart from
-    its input gradients, and each would gather the piece again."""
-    if tp_saves not in TP_SAVES:
-        raise LayoutError(
-            f"parallel.tp_saves={tp_saves!r} is not one of {', '.join(TP_SAVES)}: gathered keeps each "
-            "column-parallel linear's all-gathered input for backward, sharded keeps this rank's piece of the "
-            "sequence and gathers it again in backward"
+SAVES_WITH_SPLIT_BACKWARD = (
+    "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients "
+    "apart from its input gradients, and both halves would all-gather the saved piece; use "
+    "parallel.schedule=1f1b, gpipe or interleaved_1f1b, or set parallel.tp_saves=gathered"
+)
+
+
+def tp_rules(check: Check) -> None:
+    """Sequence parallelism only where tp cuts, the cut itself for every entry tp cuts, then what
+    `parallel.tp_saves` may say."""
+    options, dims, spec = check.layout.of(TPOptions), check.dims, check.spec
+    if options.sequence_parallel and (not spec.honours_option("tp", "sequence_parallel") or dims.tp == 1):
+        raise ConfigError(
+            f"parallel.sequence_parallel=true needs tensor parallelism, "
+            f"but parallel={spec.name} with parallel.tp={dims.tp}: "
+            "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
-    if tp_saves != "sharded":
+    if spec.uses("tp"):
+        check_tensor_parallel(check.model, dims, options.sequence_parallel)
+    keepers = [name for name, entry in check.entries.items() if entry.honours_option("tp", "saves")]
+    check_tp_saves(options, spec, keepers, dims)
+
+
+def check_tp_saves(options: TPOptions, spec: StrategySpec, keepers: Sequence[str], dims: ParallelDims) -> None:
+    """`sharded` keeps each column-parallel input's sequence piece, which exists only under sequence
+    parallelism with tp > 1, with this project's tp layers (an entry that honours tp's `saves`;
+    `keepers`: the registry's names of those, for the message), and without context parallelism
+    (whose cut of the sequence the pieces would be cut again; not derived). Its one rule across
+    families, one backward per chunk, is the composition's (`SAVES_WITH_SPLIT_BACKWARD`)."""
+    if options.saves != "sharded":
         return
+    sequence_parallel = options.sequence_parallel
     if not sequence_parallel or dims.tp == 1:
         raise LayoutError(
             f"parallel.tp_saves=sharded with parallel.tp={dims.tp} and sequence parallelism "
@@ -86,7 +100,7 @@ def check_tp_saves(tp_saves, spec: StrategySpec, keepers: Sequence[str], dims: P
             "the sequence, which only sequence parallelism over tp > 1 ranks cuts; use parallel=tp_sp with "
             "parallel.tp > 1, or set parallel.tp_saves=gathered"
         )
-    if not spec.tp_saves:
+    if not spec.honours_option("tp", "saves"):
         raise LayoutError(
             f"parallel.tp_saves=sharded runs as parallel={spec.name}, whose layers keep the gathered input: "
             f"the sequence piece is kept by parallel={' and '.join(keepers)} only; "
@@ -96,10 +110,4 @@ def check_tp_saves(tp_saves, spec: StrategySpec, keepers: Sequence[str], dims: P
         raise LayoutError(
             f"parallel.tp_saves=sharded with parallel.cp={dims.cp}: the saved pieces of a context-parallel "
             "sequence are not derived here; set parallel.cp=1 or parallel.tp_saves=gathered"
-        )
-    if splits_backward:
-        raise LayoutError(
-            "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients "
-            "apart from its input gradients, and both halves would all-gather the saved piece; use "
-            "parallel.schedule=1f1b, gpipe or interleaved_1f1b, or set parallel.tp_saves=gathered"
         )

@@ -7,6 +7,7 @@ from the model's tensors or the communication log.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 
 from parallel.algebra import (
@@ -15,7 +16,6 @@ from parallel.algebra import (
     all_reduce_sent_per_rank,
     figure,
     gather_or_scatter_sent_per_rank,
-    sequence_sharded_parameter_count,
     tp_shard_parameter_count,
 )
 from parallel.core.model import GPTConfig
@@ -30,18 +30,45 @@ def tp_tensors_per_layer(recompute: str) -> int:
     return 6 if recompute == "full" else 4
 
 
-def saves_sequence_piece(layout: Layout) -> bool:
-    """parallel.tp_saves=sharded where it means something: sequence parallelism over tp > 1 ranks."""
-    return layout.sequence_parallel and layout.tp_saves == "sharded" and layout.dims.tp > 1
-
-
 def tp_regathers_per_microbatch(cfg: GPTConfig, layout: Layout) -> int:
-    """Tensors of b·s·h all-gathered once more in backward per microbatch under parallel.tp_saves=sharded:
-    each region's column-parallel linears kept the sequence piece of their input, and their weight
-    gradients need it whole. One per region that opens with column-parallel linears: attention
-    (Q, K, V share one) and MLP in every block, and the vocab-parallel head: 2L + 1 (none otherwise;
-    full recomputation's second forward all-gathers as the first did, counted in `tp_tensors_per_layer`)."""
-    return 2 * cfg.n_layers + 1 if saves_sequence_piece(layout) else 0
+    """Tensors of b·s·h all-gathered once more in backward per microbatch where the column-parallel
+    linears keep their input's sequence piece (`Cut.saves_shard`): their weight gradients need it
+    whole. One per region that opens with column-parallel linears: attention (Q, K, V share one) and
+    MLP in every block, and the vocab-parallel head: 2L + 1 (none otherwise; full recomputation's
+    second forward all-gathers as the first did, counted in `tp_tensors_per_layer`)."""
+    return 2 * cfg.n_layers + 1 if layout.cut().saves_shard else 0
+
+
+@dataclass(frozen=True)
+class StagePayloads:
+    """What one tp rank of a stage hands its tp collectives per step, in bytes, by op."""
+
+    all_reduce: int = 0
+    all_gather: int = 0
+    reduce_scatter: int = 0
+
+    def sent(self, t: int) -> Fraction:
+        """What the rank sends: 2(t-1)/t of what it all-reduces, (t-1)/t of the rest."""
+        return all_reduce_sent_per_rank(t, self.all_reduce) + gather_or_scatter_sent_per_rank(
+            t, self.all_gather + self.reduce_scatter)
+
+
+def tp_stage_payloads(cfg: GPTConfig, layout: Layout, layers: int, first: bool, last: bool) -> StagePayloads:
+    """The tp collectives of one rank of a stage holding `layers` blocks, the embedding where `first`
+    and the head and loss where `last` (the whole model: L, True, True), per step: see `tp_comm`.
+    Under context parallelism every activation is this rank's s/cp tokens of each sequence."""
+    dims, cut, m, B = layout.dims, layout.cut(), layout.microbatches, layout.dtype_bytes
+    s, h = cfg.seq_len // dims.cp, cfg.d_model
+    activation = layout.microbatch_size * s * h * B
+    activations = (tp_tensors_per_layer(layout.recompute) * layers + first + last) * m * activation
+    loss = 3 * m * layout.microbatch_size * s * FP32_BYTES if last else 0
+    if not cut.sequence_parallel:
+        return StagePayloads(all_reduce=activations + loss)
+    # Each region's input gathered again in backward where the sequence piece is saved (attention and
+    # MLP in every block, the head on the last stage).
+    regathered = (2 * layers + last) * m * activation if cut.saves_shard else 0
+    sharded = (6 * h * layers + cfg.seq_len * h * first + 2 * h * last) * B  # sequence-sharded parameters' grads
+    return StagePayloads(all_reduce=loss + sharded, all_gather=activations + regathered, reduce_scatter=activations)
 
 
 def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
@@ -61,7 +88,7 @@ def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     (2(t-1)/t of its bytes sent per rank): per layer 8·b·s·h·(t-1)/t elements (docs/theory/tensor-parallel.md).
     With it, each all-reduce is an all-gather plus a reduce-scatter ((t-1)/t each, the same bytes;
     the embedding and the head become a reduce-scatter forward + all-gather backward and an
-    all-gather forward + reduce-scatter backward). With parallel.tp_saves=sharded each of the 2L + 1
+    all-gather forward + reduce-scatter backward). With the sequence piece saved each of the 2L + 1
     regions that open with column-parallel linears all-gathers its input once more in backward
     (`tp/<part>/regather`, `tp_regathers_per_microbatch`): 6L + 3 all-gathers' worth of b·s·h per
     microbatch against the reduce-scatters' 4L + 2. The vocab-parallel cross-entropy adds three
@@ -74,37 +101,32 @@ def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     elements sent per rank per layer instead of 8 (`tp_tensors_per_layer`). Selective
     recomputation re-runs only the attention core, which under tensor parallelism sends nothing.
     """
-    dims, b, m, B = layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes
+    dims, B = layout.dims, layout.dtype_bytes
     t, d = dims.tp, dims.dp
-    activation = b * cfg.seq_len * cfg.d_model * B
-    activations = (tp_tensors_per_layer(layout.recompute) * cfg.n_layers + 2) * m * activation  # all of one step
-    loss = 3 * m * b * cfg.seq_len * FP32_BYTES
-    by_op: dict[str, tuple[int, Fraction]] = {}
-    tp_reduced = loss  # bytes all-reduced over tp
-    regathered = tp_regathers_per_microbatch(cfg, layout) * m * activation
-    if layout.sequence_parallel:
-        gathered = activations + regathered
-        by_op["all_gather"] = (gathered, gather_or_scatter_sent_per_rank(t, gathered))
-        by_op["reduce_scatter"] = (activations, gather_or_scatter_sent_per_rank(t, activations))
-        tp_reduced += sequence_sharded_parameter_count(cfg) * B
-        per_layer = {"all_gather": 2, "reduce_scatter": 2}
-    else:
-        tp_reduced += activations
-        per_layer = {"all_reduce": 2}
-    counts = {"fwd": per_layer, "bwd": per_layer}
-    if layout.recompute == "full":  # the forward's collectives once more, in backward (tagged `tp/<part>/fwd` too)
-        counts["recompute"] = per_layer
-    if regathered:  # attention's and the MLP's inputs, gathered again in backward
-        counts["regather"] = {"all_gather": 2}
-    tp_sent = all_reduce_sent_per_rank(t, tp_reduced) + sum(
-        (by_op[op][1] for op in ("all_gather", "reduce_scatter") if op in by_op), Fraction(0))
+    tp = tp_stage_payloads(cfg, layout, cfg.n_layers, True, True)
+    by_op = {op: (payload, gather_or_scatter_sent_per_rank(t, payload))
+             for op, payload in (("all_gather", tp.all_gather), ("reduce_scatter", tp.reduce_scatter)) if payload}
+    tp_sent = tp.sent(t)
     dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
     dp_sent = all_reduce_sent_per_rank(d, dp_grads)
-    by_op["all_reduce"] = (tp_reduced + dp_grads, all_reduce_sent_per_rank(t, tp_reduced) + dp_sent)
+    by_op["all_reduce"] = (tp.all_reduce + dp_grads, all_reduce_sent_per_rank(t, tp.all_reduce) + dp_sent)
     ranks = dims.world_size
     extra = {
         # The Megatron count a run's comm.by_tag_op shows for every block, per rank.
-        "per_layer_per_microbatch": counts,
-        "activation_bytes": activation,
+        "per_layer_per_microbatch": per_layer_counts(layout),
+        "activation_bytes": layout.microbatch_size * cfg.seq_len * cfg.d_model * B,
     }
     return figure(all_ranks(by_op, ranks), ranks, {"tp": tp_sent * ranks, "dp": dp_sent * ranks}, extra)
+
+
+def per_layer_counts(layout: Layout) -> dict:
+    """The tp collectives of every block per microbatch, by tag kind: forward, backward, the forward
+    again under full recomputation, the inputs gathered again where the sequence piece is saved."""
+    cut = layout.cut()
+    per_layer = {"all_gather": 2, "reduce_scatter": 2} if cut.sequence_parallel else {"all_reduce": 2}
+    counts = {"fwd": per_layer, "bwd": per_layer}
+    if layout.recompute == "full":  # tagged `tp/<part>/fwd` too
+        counts["recompute"] = per_layer
+    if cut.saves_shard:
+        counts["regather"] = {"all_gather": 2}
+    return counts

@@ -19,6 +19,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "bench")]
 
 from harness import plan_for, run_distributed  # noqa: E402
+from options import option  # noqa: E402
 
 from parallel.baselines.fsdp2 import TorchFSDP2, TorchZero2  # noqa: E402
 from parallel.baselines.zero_redundancy import TorchZero1  # noqa: E402
@@ -57,7 +58,7 @@ def check(plan, ctx, corpus) -> None:
         "zero2": lambda: ZeroDataParallel(model(), dp, 2, plan.lr, plan.weight_decay),
         "zero3": lambda: Zero3(model(), dp, plan.lr, plan.weight_decay),
         "torch_fsdp2": lambda: TorchFSDP2(model(), ctx.mesh["dp"], dp, plan.lr, plan.weight_decay),
-        "torch_zero1": lambda: TorchZero1(model(), dp, plan.bucket_mb, plan.lr, plan.weight_decay),
+        "torch_zero1": lambda: TorchZero1(model(), dp, option(plan, "bucket_mb"), plan.lr, plan.weight_decay),
         "torch_zero2": lambda: TorchZero2(model(), ctx.mesh["dp"], dp, plan.lr, plan.weight_decay),
     }
     lr = plan.lr

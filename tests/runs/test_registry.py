@@ -7,6 +7,7 @@ import sys
 import pytest
 from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, check_matches_single
 
+from parallel.dist.dims import ParallelDims
 from parallel.registry import REGISTRY, register, spec_of
 from parallel.spec import StrategySpec
 
@@ -41,16 +42,19 @@ def test_the_registry_is_every_familys_entries_in_order():
     assert [s.name for s in declared] == list(REGISTRY)[:len(declared)]
 
 
-def test_the_route_table_is_read_from_its_docstring():
-    """Every row of compose/route.py's docstring table is a route; a name the registry does not
-    have is refused when the table is read, not in some run."""
+def test_the_route_table_names_only_entries_that_exist():
+    """Every row of compose/route.py's table names entries of the registry; a name it does not have is
+    refused when the table is checked (at import), not in some run, and so is a refusal that is not one."""
     from parallel.compose import route
 
-    rows = route.__doc__.split("    requested ")[1].split("\n\n")[0].strip().splitlines()[1:]
-    assert len(route.ROUTES) == len(rows) > 10
-    bad = route.__doc__.replace("    ep                 ep=1", "    epp                ep=1")
+    assert len(route.ROUTES) > 10
+    route.check_names(REGISTRY)
     with pytest.raises(AssertionError, match="route table names"):
-        route.check_names(REGISTRY, route._parse(bad))
+        route.check_names(REGISTRY, (route.route("epp", "ep=1", "any", "dp"), *route.ROUTES))
+    with pytest.raises(AssertionError):
+        route.check_names(REGISTRY, (route.route(route.ZERO_DP, "any", "1-3", "refused: no_such_rule"),))
+    with pytest.raises(ValueError, match="not a condition on a dimension"):
+        route.route("dp", "tp>>1", "any", "single").matches(REGISTRY["dp"], ParallelDims(2, 2), 0)
 
 
 def test_a_name_is_registered_once():

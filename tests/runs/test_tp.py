@@ -23,7 +23,7 @@ from observability import check_time_breakdown, check_trace
 from parallel.activations import registry_activations
 from parallel.core.model import GPTConfig
 from parallel.dist.dims import ParallelDims
-from parallel.layout import Layout
+from parallel.registry import layout_of
 
 L, H, S = 4, 64, 32  # the tiny model: layers, width, sequence length (conf/model/tiny.yaml)
 GLOBAL_BATCH = 16
@@ -128,8 +128,8 @@ def check_saved_bytes(s, world, t, d, sp, m, sharded):
     if sharded:
         b = GLOBAL_BATCH // d // m
         gathered = registry_activations(GPTConfig(seq_len=S, n_layers=L, d_model=H, n_heads=4),
-                                        Layout(ParallelDims.resolve(world, tp=t), microbatches=m, microbatch_size=b,
-                                               sequence_parallel=sp))
+                                        layout_of(ParallelDims.resolve(world, tp=t), microbatches=m,
+                                                  microbatch_size=b, sequence_parallel=sp))
         saved = (2 * L + 1) * b * (S - S // t) * H * 4
         assert memory["activations_bytes_measured"] == [g - saved for g in gathered]
 

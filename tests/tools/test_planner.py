@@ -19,6 +19,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from launcher import CPU_ONLY, PROJECT_ROOT
 from omegaconf import OmegaConf
+from options import option
 
 from launch.config import CONFIG_DIR
 from parallel import algebra
@@ -31,13 +32,14 @@ from parallel.layout import Layout
 from parallel.plan import ConfigError, build_plan, model_config
 from parallel.planner import memory
 from parallel.planner.cluster import Cluster, ClusterError, cluster_from_config
-from parallel.planner.enumerate import Space, _candidate, _key, _requests, enumerate_layouts, zero_stage
+from parallel.planner.enumerate import Space, _key, _requests, candidate_of, enumerate_layouts, zero_stage
 from parallel.planner.links import group_span
 from parallel.planner.predict import predict_row
 from parallel.planner.timing import forward_flops_per_token, step_time
 from parallel.planner.traffic import bytes_by_link, layout_traffic
-from parallel.registry import REGISTRY, StrategySpec, register
+from parallel.registry import REGISTRY, StrategySpec, layout_of, register
 from parallel.report.mfu import flops_per_token
+from parallel.sync import all_reduce_sync
 from parallel.zero.theory import zero_model_state_bytes
 
 
@@ -87,7 +89,7 @@ def test_model_state_equals_theory_for_every_stage_and_zero_stage():
     for dp, tp, pp in ((8, 1, 1), (4, 2, 1), (2, 2, 2), (2, 1, 4), (1, 4, 2)):
         dims = ParallelDims(world_size=8, dp=dp, tp=tp, pp=pp)
         for zero in ((0, 1, 2) if dp > 1 else (0,)):
-            layout = Layout(dims=dims, zero=zero)
+            layout = layout_of(dims, zero=zero)
             for r in range(pp):
                 mine = memory.model_state_bytes(shape, layout, zero, "fp32", r)
                 want = compose_theory.mesh3d_model_state_bytes(cfg, dims, r, zero)
@@ -116,7 +118,7 @@ def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
     accepted, refused = set(), 0
     has_recompute = "recompute" in base["train"]
     for spec in [s for s in REGISTRY.values() if "baseline" not in s.tags]:
-        for request in _requests(spec, world, batch, shape.gpt.n_layers, SMALL_SPACE, has_recompute, shape.gpt):
+        for request, _ in _requests(spec, world, batch, SMALL_SPACE, has_recompute, shape.gpt):
             cfg = OmegaConf.create(base)
             cfg.train.global_batch = batch
             cfg.parallel.name, cfg.parallel.grad_sync = spec.name, "bucketed"
@@ -133,7 +135,7 @@ def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
                     continue
                 cfg.parallel.grad_sync = "naive"
                 plan = build_plan(cfg, env, cuda_available=False)
-            accepted.add(_key(_candidate(spec.name, plan, request)))
+            accepted.add(_key(candidate_of(spec.name, plan, request)))
     assert {_key(c) for c in found.candidates} == accepted
     assert sum(found.refused.values()) == refused > 0
     # The rules that refused them are plan.py's own, in its words.
@@ -153,7 +155,8 @@ def test_enumeration_adds_the_kv_heads_rule_and_routes_through_the_registry(base
     assert all(c.plan.strategy in REGISTRY for c in found.candidates)
     # The ZeRO stage a row reports is the one that runs: in the name for zero<k>, else parallel.zero.
     for c in found.candidates:
-        assert c.zero == (int(c.plan.strategy[-1]) if c.plan.strategy in ("zero1", "zero2", "zero3") else c.plan.zero)
+        named = c.plan.strategy in ("zero1", "zero2", "zero3")
+        assert c.zero == (int(c.plan.strategy[-1]) if named else option(c.plan, "zero"))
     combined = [c for c in found.candidates if c.layout.dims.dp > 1 and c.layout.dims.pp > 1]
     assert {c.zero for c in combined} == {0, 2} and {c.plan.strategy for c in combined if c.zero} == {"3d"}
 
@@ -252,7 +255,7 @@ def _time(base, name, dims, cluster, **options):
     shape = ModelShape.from_preset(preset("tiny"))
     plan, traffic = _traffic(base, name, dims, cluster.algorithm, cluster.gpus_per_node, **options)
     zero = zero_stage(plan.strategy, plan)
-    grad_sync = plan.grad_sync if plan.spec.grad_sync and dims.dp > 1 and not zero else None
+    grad_sync = option(plan, "grad_sync") if all_reduce_sync(plan.layout, plan.spec) and not zero else None
     layers = memory.rank_layers(shape, plan.layout)
     return shape, plan, traffic, step_time(shape, plan.layout, zero, grad_sync, cluster, traffic, layers, 4)
 

@@ -3,6 +3,7 @@
 import pytest
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
+from options import option
 
 import parallel.dist.dims as dims_module
 from parallel.dist.binding import threads_per_rank
@@ -91,7 +92,7 @@ def test_plan_defaults_single_process_dp_is_single():
 
 def test_plan_dp_under_torchrun():
     plan = plan_for(4, "parallel=dp_naive", "parallel.microbatches=2")
-    assert (plan.strategy, plan.grad_sync, plan.dims.dp, plan.backend) == ("dp", "naive", 4, "gloo")
+    assert (plan.strategy, option(plan, "grad_sync"), plan.dims.dp, plan.backend) == ("dp", "naive", 4, "gloo")
     assert plan.local_batch == 4 and plan.microbatch_size == 2
 
 
@@ -155,15 +156,15 @@ def test_plan_refuses_bad_config(world, overrides, message):
 
 def test_plan_tp_leaves_dp_to_the_world():
     plan = plan_for(4, "parallel=tp")
-    assert (plan.strategy, plan.dims.dp, plan.dims.tp, plan.sequence_parallel) == ("tp", 2, 2, False)
+    assert (plan.strategy, plan.dims.dp, plan.dims.tp, option(plan, "sequence_parallel")) == ("tp", 2, 2, False)
     plan = plan_for(4, "parallel=tp_sp", "parallel.tp=4", "model=tiny")
-    assert (plan.strategy, plan.dims.dp, plan.dims.tp, plan.sequence_parallel) == ("tp", 1, 4, True)
-    assert plan_for(2, "parallel=dp").sequence_parallel is False
+    assert (plan.strategy, plan.dims.dp, plan.dims.tp, option(plan, "sequence_parallel")) == ("tp", 1, 4, True)
+    assert option(plan_for(2, "parallel=dp"), "sequence_parallel") is False
 
 
 def test_tp_over_one_rank_is_data_parallel():
     plan = plan_for(2, "parallel=tp_sp", "parallel.tp=1")
-    assert (plan.strategy, plan.dims.dp, plan.sequence_parallel) == ("dp", 2, False)
+    assert (plan.strategy, plan.dims.dp, option(plan, "sequence_parallel")) == ("dp", 2, False)
 
 
 def test_backend_choice():
@@ -185,10 +186,10 @@ def test_giving_pp_on_a_pipeline_preset_derives_dp():
 
 def test_plan_pipeline_derives_pp_from_the_world():
     plan = plan_for(4, "parallel=pp_1f1b", "model=tiny")
-    assert (plan.strategy, plan.dims.pp, plan.dims.dp, plan.schedule) == ("pp", 4, 1, "1f1b")
+    assert (plan.strategy, plan.dims.pp, plan.dims.dp, option(plan, "schedule")) == ("pp", 4, 1, "1f1b")
     plan = plan_for(4, "parallel=pp_interleaved", "parallel.dp=2", "model=tiny")
-    assert (plan.dims.pp, plan.dims.dp, plan.virtual_stages) == (2, 2, 2)
-    assert plan_for(2, "parallel=pp_gpipe", "model=tiny", "parallel.pp_layers=[1,3]").pp_layers == (1, 3)
+    assert (plan.dims.pp, plan.dims.dp, option(plan, "virtual_stages")) == (2, 2, 2)
+    assert option(plan_for(2, "parallel=pp_gpipe", "model=tiny", "parallel.pp_layers=[1,3]"), "pp_layers") == (1, 3)
 
 
 # -- dp x tp x pp on one mesh ----------------------------------------------------------------------
@@ -203,7 +204,7 @@ def test_plan_pipeline_derives_pp_from_the_world():
 def test_pipeline_of_tensor_parallel_stages_is_3d(world, overrides, layout):
     plan = plan_for(world, "model=tiny", *overrides)
     assert plan.strategy == "3d" and (plan.dims.dp, plan.dims.tp, plan.dims.pp) == layout
-    assert plan.sequence_parallel == ("parallel=tp_sp" in overrides)
+    assert option(plan, "sequence_parallel") == ("parallel=tp_sp" in overrides)
 
 
 def test_3d_with_one_rank_of_everything_is_single():
@@ -249,7 +250,7 @@ def test_3d_refuses_what_does_not_divide(world, overrides, message):
 ])
 def test_zero_is_the_dp_dimension_of_any_layout(world, overrides, strategy, layout, zero):
     plan = plan_for(world, "model=tiny", *overrides)
-    assert (plan.strategy, (plan.dims.dp, plan.dims.tp, plan.dims.pp), plan.zero) == (strategy, layout, zero)
+    assert (plan.strategy, (plan.dims.dp, plan.dims.tp, plan.dims.pp), option(plan, "zero")) == (strategy, layout, zero)
 
 
 @pytest.mark.parametrize("world,overrides,message", [

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
+from options import option
 
 from parallel import activations, algebra
 from parallel.core.model import GPT, GPTConfig, token_loss_sum
@@ -26,7 +27,7 @@ from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.layout import Layout
 from parallel.plan import ConfigError, build_plan
-from parallel.registry import expected_comm
+from parallel.registry import expected_comm, layout_of
 from parallel.report.activations import ActivationMeter
 
 MODES = ("none", "selective", "full")
@@ -107,17 +108,18 @@ def test_recomputation_sends_the_cp_forward_again(cp):
         per_rank = L * m * (forwards * ring_fwd + ring_bwd) + grads
         assert Fraction(ring["sent_bytes_per_step_exact"]) == per_rank * d * cp
         assert Fraction(ring["by_group"]["dp_cp"]["sent_bytes_exact"]) == grads * d * cp
-        ulysses = cp_theory.cp_comm(CFG, Layout(dims, microbatch_size=b, microbatches=m, recompute=mode, cp_kind="a2a"))
+        ulysses = cp_theory.cp_comm(CFG, layout_of(dims, microbatch_size=b, microbatches=m, recompute=mode,
+                                                   cp_kind="a2a"))
         assert Fraction(ulysses["by_group"]["cp"]["sent_bytes_exact"]) == L * m * (forwards + 1) * a2a * d * cp
 
 
 def test_zero_over_dp_x_cp_shards_over_every_replica():
     dims = ParallelDims.resolve(4, dp=2, cp=2)
     for stage, scatters in ((1, 1), (2, 2)):
-        fig = cp_theory.cp_comm(CFG, Layout(dims, microbatch_size=4, microbatches=2, zero=stage))
+        fig = cp_theory.cp_comm(CFG, layout_of(dims, microbatch_size=4, microbatches=2, zero=stage))
         padded = algebra.zero_padded_parameter_count(CFG, 4) * 4
         assert Fraction(fig["by_group"]["dp_cp"]["sent_bytes_exact"]) == Fraction(3, 4) * (1 + scatters) * padded * 4
-        state = cp_theory.cp_model_state_bytes(CFG, Layout(dims, zero=stage))
+        state = cp_theory.cp_model_state_bytes(CFG, layout_of(dims, zero=stage))
         assert state["optimizer_bytes"] == 2 * padded // 4
 
 
@@ -170,5 +172,5 @@ def test_routes_put_cp_with_tp_or_pp_on_the_one_mesh(world, overrides, strategy,
     plan = _plan(world, *overrides)
     dims = plan.dims
     assert plan.strategy == strategy
-    assert (dims.dp, dims.cp, dims.tp, dims.pp, plan.cp_kind, plan.zero) == layout
-    assert (plan.layout.cp_kind, plan.layout.recompute) == (plan.cp_kind, "none")
+    assert (dims.dp, dims.cp, dims.tp, dims.pp, option(plan, "cp_kind"), option(plan, "zero")) == layout
+    assert (option(plan, "cp_kind"), plan.layout.recompute) == (option(plan, "cp_kind"), "none")

@@ -17,16 +17,17 @@ from fractions import Fraction
 import pytest
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
+from options import option
 
 from parallel import activations
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
-from parallel.layout import Layout
 from parallel.plan import build_plan
 from parallel.planner.memory import block_units
-from parallel.registry import expected_comm
+from parallel.registry import expected_comm, layout_of
+from parallel.tp.options import TPOptions
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 S, H, L = 32, 64, 4
@@ -64,8 +65,8 @@ def test_without_sequence_parallelism_or_tp_nothing_is_regathered():
 def test_sharded_saving_keeps_the_piece_of_every_column_parallel_input(t):
     b = 2
     n = b * S
-    cuts = {saves: activations.Cut.of(Layout(ParallelDims.resolve(t, tp=t), microbatch_size=b, sequence_parallel=True,
-                                             tp_saves=saves)) for saves in ("gathered", "sharded")}
+    cuts = {saves: layout_of(ParallelDims.resolve(t, tp=t), microbatch_size=b, sequence_parallel=True,
+                             tp_saves=saves).cut() for saves in ("gathered", "sharded")}
     terms = {saves: activations.block_terms(CFG, cut) for saves, cut in cuts.items()}
     for name in ("attention_input", "mlp_input"):
         assert terms["gathered"][name] == n * H * 4
@@ -75,8 +76,8 @@ def test_sharded_saving_keeps_the_piece_of_every_column_parallel_input(t):
     head = {saves: activations.head_saved_bytes(CFG, cut) for saves, cut in cuts.items()}
     assert head["gathered"] - head["sharded"] == (n - n // t) * H * 4
     # The whole rank, written out: 2L + 1 inputs of b·s·h elements each keep b·(s/t)·h.
-    peaks = {saves: activations.registry_activations(CFG, Layout(ParallelDims.resolve(t, tp=t), microbatch_size=b,
-                                                                 sequence_parallel=True, tp_saves=saves))
+    peaks = {saves: activations.registry_activations(CFG, layout_of(ParallelDims.resolve(t, tp=t), microbatch_size=b,
+                                                                    sequence_parallel=True, tp_saves=saves))
              for saves in ("gathered", "sharded")}
     assert [g - s for g, s in zip(peaks["gathered"], peaks["sharded"])] == [(2 * L + 1) * (n - n // t) * H * 4] * t
 
@@ -103,13 +104,14 @@ def _plan(world: int, *overrides):
 
 
 def test_the_plan_carries_the_mode_into_the_layout():
-    assert _plan(2, "parallel=tp_sp").layout.tp_saves == "gathered"
+    assert option(_plan(2, "parallel=tp_sp"), "tp_saves") == "gathered"
     plan = _plan(2, "parallel=tp_sp", "parallel.tp_saves=sharded")
-    assert (plan.tp_saves, plan.layout.tp_saves, plan.sequence_parallel) == ("sharded", "sharded", True)
+    options = plan.layout.of(TPOptions)
+    assert (options.saves, options.sequence_parallel, plan.layout.cut().saves_shard) == ("sharded", True, True)
     # The 3d recipe cuts its model with the same layers: a pipeline of tp stages takes it.
     plan = _plan(4, "parallel=3d", "parallel.sequence_parallel=true", "parallel.microbatches=2",
                  "parallel.tp_saves=sharded")
-    assert (plan.strategy, plan.dims.pp, plan.dims.tp, plan.layout.tp_saves) == ("3d", 2, 2, "sharded")
+    assert (plan.strategy, plan.dims.pp, plan.dims.tp, option(plan, "tp_saves")) == ("3d", 2, 2, "sharded")
 
 
 @pytest.mark.parametrize("world,overrides,message", [
@@ -141,12 +143,13 @@ def test_sharded_saving_without_a_piece_to_keep_is_refused_in_one_line(world, ov
 def test_an_entry_with_other_tp_layers_is_refused():
     """Only tp and 3d take sequence parallelism today (the registry refuses it elsewhere first); an entry
     that took it with layers of its own would still be told its layers keep the gathered input."""
-    from parallel.registry import sequence_piece_keepers, spec_of
+    from parallel.registry import REGISTRY, spec_of
     from parallel.tp.rules import check_tp_saves
 
+    keepers = [name for name, spec in REGISTRY.items() if spec.honours_option("tp", "saves")]
     with pytest.raises(LayoutError, match="runs as parallel=torch_tp, whose layers keep the gathered input: the "
                                           "sequence piece is kept by parallel=tp and 3d only"):
-        check_tp_saves("sharded", spec_of("torch_tp"), sequence_piece_keepers(), ParallelDims.resolve(2, tp=2), True)
+        check_tp_saves(TPOptions(True, "sharded"), spec_of("torch_tp"), keepers, ParallelDims.resolve(2, tp=2))
 
 
 # -- the planner's one-layout mode ---------------------------------------------------------------------
