@@ -225,22 +225,44 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
         return None
     if not phases:
         return {}, 0.0
+    spent = _calling_thread_cpu(keyed)
+    unattributed = _share_other_threads_cpu(phases, keyed, _lifetimes(phases, keyed), spent)
+    return {k: max(0.0, v) for k, v in spent.items()}, max(0.0, unattributed)
+
+
+def _calling_thread_cpu(keyed: list[tuple]) -> dict[tuple, float]:
+    """The compute thread's CPU inside each blocking call (its op's) and each wait (shared by the
+    ops it names, in proportion to their payload bytes)."""
+    spent: dict[tuple, float] = defaultdict(float)
+    weight_of_id = {s["id"]: (key, _weight(s)) for s, key in keyed if key is not None}
+    for s, key in keyed:
+        if key is not None and not is_post(s):
+            spent[key] += max(0.0, s["cpu_end"] - s["cpu_start"])
+    for s, key in keyed:
+        if key is None:
+            named = [weight_of_id[w] for w in s.get("waits", ()) if w in weight_of_id]
+            total = sum(w for _, w in named)
+            for k, w in named:
+                spent[k] += max(0.0, s["cpu_end"] - s["cpu_start"]) * w / total
+    return spent
+
+
+def _lifetimes(phases: list[dict], keyed: list[tuple]) -> dict[tuple, tuple[float, float, float]]:
+    """Each op's time in flight and weight: key -> (start, end, payload bytes). A blocking call
+    flies to its own end; a post to the end of the wait that names it, else (a post no wait names)
+    to the start of the phase it waits at, or the step's end (a message)."""
     step_end = phases[-1]["end"]
     ends_of = defaultdict(float)
     for s, _ in keyed:
         if s["kind"] == "wait":
             for w in s.get("waits", ()):
                 ends_of[w] = max(ends_of[w], s["end"])
-    life: dict[tuple, tuple[float, float, float]] = {}  # key -> (start, end, weight)
-    spent: dict[tuple, float] = defaultdict(float)
-    weight_of_id: dict = {}
+    life = {}
     for s, key in keyed:
         if key is None:
             continue
-        weight_of_id[s["id"]] = (key, _weight(s))
         if not is_post(s):
             end = s["end"]
-            spent[key] += max(0.0, s["cpu_end"] - s["cpu_start"])
         elif s["id"] in ends_of:
             end = ends_of[s["id"]]
         elif key[0] == "p2p":
@@ -249,19 +271,19 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
             later = _implicit_wait_phase(phases, s)
             end = later["start"] if later else step_end
         life[key] = (s["start"], max(end, s["start"]), _weight(s))
-    for s, key in keyed:  # the calling thread inside a wait: the ops it waits for
-        if key is None:
-            named = [weight_of_id[w] for w in s.get("waits", ()) if w in weight_of_id]
-            total = sum(w for _, w in named)
-            for k, w in named:
-                spent[k] += max(0.0, s["cpu_end"] - s["cpu_start"]) * w / total
+    return life
+
+
+def _share_other_threads_cpu(phases: list[dict], keyed: list[tuple], life: dict, spent: dict) -> float:
+    """Add to `spent` the other threads' CPU between each two stamps of the step, shared by the ops
+    in flight then in proportion to their payload bytes; return what fell while none was."""
     marked = [*phases, *(x for x, _ in keyed)]
     stamps = sorted({(x["start"], x["helper_start"]) for x in marked} | {(x["end"], x["helper_end"]) for x in marked})
     unattributed = 0.0
     for (t0, h0), (t1, h1) in zip(stamps, stamps[1:]):
-        # Signed: the clock's two reads are not one atomic sample, and it steps back by up to tens
-        # of microseconds between stamps, a scheduler tick on a busy machine (timing.cpu_stamp);
-        # summed, the steps cancel.
+        # Signed: the clock's two reads are not one atomic sample, and it may step back a little
+        # between stamps, a scheduler tick on a busy machine (timing.cpu_stamp); summed, the steps
+        # cancel.
         gained = h1 - h0
         middle = (t0 + t1) / 2
         flying = [(k, w) for k, (a, b, w) in life.items() if a <= middle <= b]
@@ -270,7 +292,7 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
             unattributed += gained
         for k, w in flying:
             spent[k] += gained * w / total
-    return {k: max(0.0, v) for k, v in spent.items()}, max(0.0, unattributed)
+    return unattributed
 
 
 def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float) -> list:
