@@ -27,9 +27,9 @@ wait), which the engine charges to the member's core. For the virtual clock (a c
 `median_op_cpu`, passed by virtual.replay_steps) that is the lower median over the run's timed
 steps of the same op's CPU on that member, not the one call's: one call's figure has a long tail
 that is the machine's, not the op's. With more ranks than cores, or beside another job, gloo's
-threads now and then take 2-5 ms of CPU over a call whose median is 0.4 ms (docs/virtual-time.md,
-"What an op's CPU is"), and since an op lasts at least the CPU its busiest member spent on it,
-those tails would lengthen the replayed step by the contention the replay exists to remove.
+threads now and then take several times a call's median CPU (docs/virtual-time.md, "What an op's
+CPU is"), and since an op lasts at least the CPU its busiest member spent on it, those tails
+would lengthen the replayed step by the contention the replay exists to remove.
 
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
@@ -143,10 +143,9 @@ def median_op_cpu(events: list[dict]) -> dict[tuple, float] | None:
     saved without the other threads' clock (nothing to charge).
 
     Why not each call's own figure: the CPU of one call has a long tail that comes from the
-    machine, not the op. tp's calls at world 4 beside two busy processes took 0.46 ms at the
-    median, 1.67 at the 90th percentile and 4.19 at the 99th, against 0.45, 0.66 and 2.76 without
-    them (docs/virtual-time.md, "What an op's CPU is"); the op's own work is what it takes when
-    nothing else intervenes, and most of its calls show that. The lower median, as a run's step is."""
+    machine, not the op: beside busy processes the tail grows while the median stays
+    (docs/virtual-time.md, "What an op's CPU is"); the op's own work is what it takes when nothing
+    else intervenes, and most of its calls show that. The lower median, as a run's step is."""
     samples = op_cpu_samples(events)
     if samples is None:
         return None
