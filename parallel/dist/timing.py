@@ -44,11 +44,6 @@ def _thread_cpu() -> float:
 _cpu_clock = _thread_cpu
 
 
-def cpu_time() -> float:
-    """The second clock: the compute thread's CPU time (or the process's: `count_every_thread`)."""
-    return _cpu_clock()
-
-
 def cpu_stamp() -> tuple[float, float]:
     """A stamp of the second clock: (the compute thread's CPU time, the CPU time of the process's
     other threads). In one process counting every thread there are no other threads to tell apart

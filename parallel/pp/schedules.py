@@ -72,11 +72,6 @@ def virtual_stage(rank: int, chunk: int, stages: int) -> int:
     return chunk * stages + rank
 
 
-def stage_location(vstage: int, stages: int) -> tuple[int, int]:
-    """Virtual stage -> (rank, chunk) on the loop placement."""
-    return vstage % stages, vstage // stages
-
-
 def _with_comm(compute: list[Action], rank: int, stages: int, virtual: int) -> list[Action]:
     return with_comm(compute, rank, Placement(stages, virtual))
 
