@@ -176,7 +176,7 @@ def wait_for(procs: list[subprocess.Popen], deadline: float,
 
 
 def run_standalone(spec: NetSpec, overrides: list[str]) -> int:
-    """net=none: exactly the torchrun command that works today."""
+    """net=none: exactly the plain torchrun command, on this machine, with no emulated network."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.procs_per_node}",
            "-m", "launch.train", *overrides]
     proc = subprocess.Popen(cmd, env=_env(spec), start_new_session=True)

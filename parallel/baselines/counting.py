@@ -17,11 +17,10 @@ project's name, the time blocked), and call the original:
                                 with its ends, `pipelining/send/<src>-><dst>` (group ranks).
 
 Why not a TorchDispatchMode (what torch's CommDebugMode does)? It sees every collective too, but
-it puts Python on the path of every operator of the step, DTensor's local ops included (one A/B
-on the tiny model at tp 2, forward + backward: +28%). A counter that slows a baseline would
-flatter our strategies; the wrappers touch only the ~30 communication calls of a step, and their
-cost did not stand out of this shared machine's noise (repeated A/Bs of counted against
-uncounted torch_tp steps ranged from -17% to +39%, both signs: bench/tp_vs_dtensor.py prints it).
+it puts Python on the path of every operator of the step, DTensor's local ops included, and so
+slows the step it counts. A counter that slows a baseline would flatter our strategies; the
+wrappers touch only the few dozen communication calls of a step, and their cost does not stand
+out of a step's noise (bench/tp_vs_dtensor.py prints counted against uncounted torch_tp steps).
 
 For the replay (parallel/replay/), each span also carries the thread's CPU time (comm.py) and
 what it really is: a functional collective returns at once and `wait_tensor` waits for it (the

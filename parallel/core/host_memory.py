@@ -10,12 +10,11 @@ first touch, inside the forward or backward that touches it.
 
 How much depends on the allocator's history, not on the strategy. glibc moves both thresholds
 by itself (a freed mmapped block raises the mmap threshold to its size), so two processes
-running the same model can differ by thousands of faults a step. Measured on this project's CPU
-machine kind (model `small`, one thread, two models trained in turns in one process): the model
-whose gradients are views into flat buckets took 1,600-21,000 minor page faults in each forward,
-the one whose gradients are freed each step none to 1,800, and its forward was 3-9% slower in
-CPU time for it. That is the allocator, and on CPU it is counted as compute (the thread's CPU
-time, which the virtual clock replays, includes the kernel's fault handling).
+running the same model can differ by thousands of faults a step: two models trained in turns in
+one process, one whose gradients are views into flat buckets and one whose gradients are freed
+each step, fault differently in their forwards, and the one that faults more is slower in CPU
+time for it. That is the allocator, and on CPU it is counted as compute (the thread's CPU time,
+which the virtual clock replays, includes the kernel's fault handling).
 
 `keep_freed_memory()` fixes both thresholds with `mallopt`: blocks up to glibc's largest mmap
 threshold (32 MiB on 64-bit Linux) come from the heap, and the heap is never trimmed, so after

@@ -23,7 +23,7 @@ uses (see parallel/planner/traffic.py for how the parameter-dependent bytes are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from parallel.core.model import MOE_FIELDS, GPTConfig
 
@@ -177,10 +177,6 @@ def _same(value, default, name: str, shape: ModelShape) -> bool:
     if name == "ffn_hidden":
         return value is None or value == shape.gpt.d_ff
     return value == default
-
-
-def planner_field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(ModelShape) if f.name != "gpt")
 
 
 def untrainable_reason(model: dict) -> str | None:

@@ -66,19 +66,6 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = SEQ_DIM) -> t
     return torch.cat([x.narrow(dim, i * c, c) for i in rank_chunks(rank, cp)], dim=dim)
 
 
-def unshard_sequence(pieces: list[torch.Tensor], dim: int = SEQ_DIM) -> torch.Tensor:
-    """The full sequence from every rank's piece, `pieces[r]` from rank r (the inverse of
-    `shard_sequence`): each piece is split back into its two chunks and the 2·cp chunks are put
-    in position order."""
-    cp = len(pieces)
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
-    for r, piece in enumerate(pieces):
-        early, late = piece.chunk(2, dim=dim)
-        first, second = rank_chunks(r, cp)
-        chunks[first], chunks[second] = early, late
-    return torch.cat(chunks, dim=dim)
-
-
 def validate(kind: str, cp: int, seq_len: int, heads: int, attention_dropout: float = 0.0) -> None:
     """Refuse, with one line that names the value and the fix, a layout the attention cannot run.
 

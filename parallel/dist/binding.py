@@ -5,13 +5,9 @@ wall clock of a run with a core per rank is what it is checked against. Left to 
 not give a rank a core: it moves every thread of every rank to whichever core is free at each
 wake-up, so a rank's compute thread, its gloo threads and the other ranks' gloo threads meet on
 both cores in turn, and each handoff of a gloo call wakes its next thread on the other core.
-Measured on this project's CPU machine kind (2 cores, two ranks, 2026-12-02, whole runs
-alternating, docs/measured.md): bound, one rank's threads all on one core, tp's step took
-21.8-23.5 ms where unbound it took 28.8-31.4 ms, zero2's 17.4-18.3 where 20.1-20.6, with the same
-losses to the bit; a 128 KiB all-reduce in tp's steps 0.30-0.34 ms from the last post (the median)
-where 0.39 ms, with a mean of 0.54-0.59 ms; the loopback probe's message 45-70 µs where 220-290 µs.
-This is what MPI launchers do by default (`--bind-to core` where there are at least as many
-cores as processes).
+Bound, a rank's threads stay on one core and hand off there: its steps are shorter and steadier,
+with the same losses to the bit (docs/measured.md has the figures). This is what MPI launchers do
+by default (`--bind-to core` where there are at least as many cores as processes).
 
 `round_robin`: on the CPU, every rank on cores of its own whatever their number, rank i's
 `threads` cores dealt in turn (rank i on core i mod C with one thread each). With more ranks

@@ -1,32 +1,12 @@
 """The only place that calls torch.distributed collectives and point-to-point ops.
 
-Every call is recorded in a `CommLog` with:
-  op            all_reduce, all_gather, reduce_scatter, broadcast, send, recv, gather_object, ...
-  group         the name of the process group ("dp", "tp", "pp", "world")
-  tag           which part of the model or algorithm sent it ("grads/bucket3", "tooling/loss")
-  payload       bytes of the full (unsharded) tensor the collective is about
-  sent          bytes one rank sends under a bandwidth-optimal (ring) algorithm, NCCL's convention;
-                for an all-to-all, exactly the bytes of the blocks it sends to the other ranks
-  seconds       optional time the caller was blocked in the call (or in its wait): host wall time
-                on the CPU; on a GPU, CUDA events on the caller's stream (see `DeviceInterval`)
+A `Communicator` is one process group under a stable name; every call it makes is recorded in the
+run's `CommLog` (commlog.py) with its bytes, from shapes and dtypes, so counting never synchronises
+a device (traffic.py: the ring formulas and the sums), and, inside a step with a clock, as a span.
+A call that fails names its op, tag, group and peer (`CommFailure`).
 
-While a training step runs with a clock (parallel/dist/timing.py's StepClock, set by the training
-loop), the log also keeps that step's calls as spans: when each call (or the post of an async one,
-or the wait for it) started and ended, with its bytes. They are what the step's time breakdown
-subtracts from its phases and what trace.json draws (parallel/report/breakdown.py, trace.py); only
-the last step's are kept, so the cost is one tuple per call.
-
-Each span also carries the second clock: the CPU time of the calling thread (`time.thread_time()`, parallel/dist/timing.py)
-at its start and end, the thread that runs the rank's compute, and beside it the CPU time of the
-rank's other threads (gloo's), which the replay charges to the ops in flight. With it the replay
-(parallel/replay/) rebuilds the step as if the rank had a core of its own: the compute between two
-calls is the CPU time between them, which does not advance while the thread waits for a core or
-blocks in a call. A span also names its peer (global rank) for a send or receive, its id, and for a
-wait the ids of the posts it waits for, so that the replay can pair every wait with its post.
-
-Bytes come from shapes and dtypes, so counting never synchronises a device. Traffic that the tools
-add themselves (gathering metrics, reducing the loss for the log) is tagged `tooling/...` and kept
-apart from the strategy's own figures.
+The log and the traffic's records and summaries are importable from here too, so that a caller
+needs one module for everything about communication.
 """
 
 from __future__ import annotations
@@ -35,235 +15,35 @@ import math
 import pickle
 import re
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
+from parallel.dist.commlog import CommLog, DeviceInterval
 from parallel.dist.timing import cpu_stamp
+from parallel.dist.traffic import (
+    TOOLING_PREFIX,
+    StepTraffic,
+    Totals,
+    calls_by_tag_op,
+    is_tooling,
+    ring_bytes_sent,
+    summarize_traffic,
+    tensor_bytes,
+    traffic_by_tag_op,
+)
 
-TOOLING_PREFIX = "tooling/"
-
-
-def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> Fraction:
-    """Bytes one rank sends for `op` on `payload_bytes` in a bandwidth-optimal algorithm.
-
-    docs/theory/collectives.md (nccl-tests PERFORMANCE.md): all-reduce 2(N-1)/N S; reduce-scatter, all-gather
-    and all-to-all (N-1)/N S with S the full tensor; broadcast, reduce and p2p S. An exact
-    Fraction, so that sums over many calls equal the closed form to the byte.
-    """
-    n = group_size
-    if n == 1 and op not in ("send", "recv"):
-        return Fraction(0)
-    if op == "all_reduce":
-        return Fraction(2 * (n - 1), n) * payload_bytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_gather_object", "gather_object"):
-        return Fraction(n - 1, n) * payload_bytes
-    if op in ("broadcast", "reduce", "send", "broadcast_object"):
-        return Fraction(payload_bytes)
-    if op in ("recv", "barrier"):
-        return Fraction(0)  # a receive sends nothing; its bytes are counted at the sender
-    raise ValueError(f"no ring formula for op {op!r}")
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-@dataclass
-class Totals:
-    calls: int = 0
-    payload_bytes: int = 0
-    sent_bytes: Fraction = field(default_factory=Fraction)
-    seconds: float = 0.0
-
-    def add(self, other: "Totals") -> None:
-        self.calls += other.calls
-        self.payload_bytes += other.payload_bytes
-        self.sent_bytes += other.sent_bytes
-        self.seconds += other.seconds
-
-    def as_dict(self) -> dict:
-        return {
-            "calls": self.calls,
-            "payload_bytes": self.payload_bytes,
-            "sent_bytes": float(self.sent_bytes),
-            "seconds": round(self.seconds, 6),
-        }
-
-
-# One step's traffic: (op, group, tag) -> Totals
-StepTraffic = dict
-
-
-class CommLog:
-    """Per-step record of every call, summed by (op, group, tag).
-
-    `enabled=False` turns recording off (the calls still happen), which is how the overhead of
-    the accounting itself is measured. `timed=False` skips the clock reads.
-    """
-
-    def __init__(self, enabled: bool = True, timed: bool = True):
-        self.enabled = enabled
-        self.timed = enabled and timed
-        self.steps: list[StepTraffic] = []
-        # Calls made outside any training step (setup, the final gathering of results).
-        self.outside: StepTraffic = defaultdict(Totals)
-        self._current: StepTraffic = self.outside
-        # GPU calls whose time is known only once their events complete: (record, interval).
-        self._unresolved: list[tuple[Totals, "DeviceInterval"]] = []
-        # The step's spans: (kind, op, group, tag, payload, sent, start stamp, end stamp, cpu start, cpu
-        # end, peer, waits, posted), kind "call" (blocking), "post" (an async call returning at once)
-        # or "wait" (for an async call). A span's id is unique in the run (`_span_base` + its index in
-        # the step), so a wait for a post of an earlier step never names one of this step's.
-        self.clock = None  # a StepClock, set by the training loop; None: no spans
-        self._spans: list[tuple] = []
-        self._span_base = 0
-        self._in_step = False
-        self.last_spans: list[dict] = []  # the last finished step's, resolved (seconds from its origin)
-
-    @property
-    def spanning(self) -> bool:
-        """Whether calls made now are kept as spans (timed, inside a step, with a clock)."""
-        return self._in_step and self.timed and self.clock is not None
-
-    def begin_step(self) -> None:
-        self._current = defaultdict(Totals)
-        self._span_base += len(self._spans)
-        self._spans = []
-        self._in_step = True
-
-    def end_step(self) -> StepTraffic:
-        self.resolve_device_times()
-        self.last_spans = self.resolve_spans()
-        self._in_step = False
-        traffic = dict(self._current)
-        self.steps.append(traffic)
-        self._current = self.outside
-        return traffic
-
-    def span(self, kind: str, op: str, group: str, tag: str, start, end, entry: Totals | None = None, *,
-             cpu_start: tuple | None = None, peer: int | None = None, waits: tuple = (),
-             posted: bool = False) -> int | None:
-        """Keep one call's span in this step (start, end: StepClock stamps; `entry`: the call's
-        record, whose bytes the span carries; none for a wait, whose call carried them); returns
-        its id (None when not spanning). The CPU stamp (timing.cpu_stamp: the thread's and the other
-        threads' CPU time) at the end is read here, at the start by the caller (`cpu_start`; None:
-        the same as the end). `peer`: a send's or receive's
-        other end (global rank); `waits`: the ids of the posts a wait waits for; `posted`: a call
-        drawn as blocking (PyTorch's pipeline posts) that the replay must treat as a post."""
-        if not self.spanning:
-            return None
-        cpu_end = cpu_stamp()
-        payload, sent = (entry.payload_bytes, entry.sent_bytes) if entry is not None else (0, 0)
-        self._spans.append((kind, op, group, tag, payload, sent, start, end,
-                            cpu_end if cpu_start is None else cpu_start, cpu_end, peer, tuple(waits), posted))
-        return self._span_base + len(self._spans) - 1
-
-    def resolve_spans(self) -> list[dict]:
-        if self.clock is None:
-            return []
-        seconds, cpu, helper = self.clock.seconds, self.clock.cpu_seconds, self.clock.helper_seconds
-        return [{"kind": kind, "op": op, "group": group, "tag": tag, "payload_bytes": payload,
-                 "sent_bytes": float(sent), "start": seconds(start), "end": seconds(end), "blocked": kind != "post",
-                 "cpu_start": cpu(c0), "cpu_end": cpu(c1), "helper_start": helper(c0), "helper_end": helper(c1),
-                 "id": self._span_base + i, "peer": peer, "waits": list(waits), "posted": posted}
-                for i, (kind, op, group, tag, payload, sent, start, end, c0, c1, peer, waits, posted)
-                in enumerate(self._spans)]
-
-    def record(self, op: str, group: str, tag: str, payload_bytes: int, group_size: int, seconds: float = 0.0,
-               sent_bytes: int | None = None) -> Totals:
-        """`sent_bytes`: what this rank really sent, where the ring formula does not give it (an
-        all-to-all with uneven splits); None: the ring formula on the payload."""
-        sent = ring_bytes_sent(op, payload_bytes, group_size) if sent_bytes is None else Fraction(sent_bytes)
-        entry = Totals(1, payload_bytes, sent, seconds)
-        if self.enabled:
-            self._current[(op, group, tag)].add(entry)
-        return entry
-
-    def add_seconds(self, op: str, group: str, tag: str, seconds: float) -> None:
-        """Time spent waiting on an async call, charged to the call once it is known."""
-        if self.enabled:
-            self._current[(op, group, tag)].seconds += seconds
-
-    def add_device_interval(self, op: str, group: str, tag: str, interval: "DeviceInterval") -> None:
-        """A GPU call's time, read at the end of the step (reading it now would synchronise)."""
-        if self.enabled:
-            self._unresolved.append((self._current[(op, group, tag)], interval))
-
-    def resolve_device_times(self) -> None:
-        for totals, interval in self._unresolved:
-            totals.seconds += interval.seconds()
-        self._unresolved.clear()
-
-
-class DeviceInterval:
-    """Two CUDA events on the current stream around a call.
-
-    A NCCL call returns once it is enqueued, so host time would be launch time. Its completion is
-    ordered back onto the caller's stream (a blocking call, or `wait()` on an async one, makes the
-    current stream wait for NCCL's), so the events measure how long the caller's stream was held by
-    the call: the communication time that computation on that stream did not hide.
-    """
-
-    def __init__(self):
-        self._start = torch.cuda.Event(enable_timing=True)
-        self._end = torch.cuda.Event(enable_timing=True)
-        self._start.record()
-
-    def stop(self) -> "DeviceInterval":
-        self._end.record()
-        return self
-
-    def stamps(self) -> tuple:
-        """The two events, as StepClock stamps of the call's span."""
-        return self._start, self._end
-
-    def seconds(self) -> float:
-        self._end.synchronize()
-        return self._start.elapsed_time(self._end) / 1e3
-
-
-def is_tooling(tag: str) -> bool:
-    return tag.startswith(TOOLING_PREFIX)
-
-
-def summarize_traffic(traffic: StepTraffic, include_tooling: bool = False) -> dict:
-    """Sum a step's (op, group, tag) records by op, by group and by tag."""
-    by = {"by_op": defaultdict(Totals), "by_group": defaultdict(Totals), "by_tag": defaultdict(Totals)}
-    total = Totals()
-    for (op, group, tag), t in traffic.items():
-        if is_tooling(tag) != include_tooling:
-            continue
-        by["by_op"][op].add(t)
-        by["by_group"][group].add(t)
-        by["by_tag"][tag].add(t)
-        total.add(t)
-    return {"total": total, **{k: dict(v) for k, v in by.items()}}
-
-
-def traffic_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, Totals]]:
-    """tag -> op -> totals in one step, strategy traffic only: which collectives each part of the
-    model made (how many all-reduces each layer did, forward and backward)."""
-    nested: dict[str, dict[str, Totals]] = defaultdict(lambda: defaultdict(Totals))
-    for (op, _group, tag), t in traffic.items():
-        if not is_tooling(tag):
-            nested[tag][op].add(t)
-    return {tag: dict(sorted(ops.items())) for tag, ops in sorted(nested.items())}
-
-
-def calls_by_tag_op(traffic: StepTraffic) -> dict[str, dict[str, int]]:
-    """tag -> op -> calls in one step (strategy traffic only)."""
-    return {tag: {op: t.calls for op, t in ops.items()} for tag, ops in traffic_by_tag_op(traffic).items()}
+__all__ = [
+    "TOOLING_PREFIX", "CommFailure", "CommLog", "Communicator", "DeviceInterval", "Handle", "StepTraffic", "Totals",
+    "calls_by_tag_op", "is_tooling", "ring_bytes_sent", "summarize_traffic", "tensor_bytes", "traffic_by_tag_op",
+]
 
 
 class CommFailure(RuntimeError):
     """A call that failed or timed out (a peer died or hangs), named by op, tag, group and peer."""
 
 
-def _failed(comm: "Communicator", op: str, tag: str, error: Exception, peer: int | None = None) -> CommFailure:
+def _failed(comm: Communicator, op: str, tag: str, error: Exception, peer: int | None = None) -> CommFailure:
     first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     # gloo's text: "[/path/to/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
     first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". This is typically")[0]
@@ -274,7 +54,7 @@ def _failed(comm: "Communicator", op: str, tag: str, error: Exception, peer: int
 class Handle:
     """An async call's work object; `wait()` charges the time blocked to the call's record."""
 
-    def __init__(self, work, comm: "Communicator", op: str, tag: str, cuda: bool = False, peer: int | None = None,
+    def __init__(self, work, comm: Communicator, op: str, tag: str, cuda: bool = False, peer: int | None = None,
                  span_id: int | None = None):
         self._work = work
         self._comm = comm
@@ -401,7 +181,8 @@ class Communicator:
         """Sum `full_in` over the group and keep this rank's dim-0 slice (payload: the full input)."""
         return self._run(
             "reduce_scatter", tag, tensor_bytes(full_in),
-            lambda: dist.reduce_scatter_single(shard_out, full_in, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op),
+            lambda: dist.reduce_scatter_single(shard_out, full_in, op=dist.ReduceOp.SUM, group=self.group,
+                                               async_op=async_op),
             async_op, full_in.is_cuda,
         )
 
@@ -415,13 +196,15 @@ class Communicator:
     # -- point to point -----------------------------------------------------------------------
     def send(self, tensor: torch.Tensor, dst_group_rank: int, tag: str, async_op: bool = False):
         fn = dist.isend if async_op else dist.send
-        return self._run("send", tag, tensor_bytes(tensor), lambda: fn(tensor, group_dst=dst_group_rank, group=self.group), async_op,
-                         tensor.is_cuda, peer=dst_group_rank)
+        return self._run("send", tag, tensor_bytes(tensor),
+                         lambda: fn(tensor, group_dst=dst_group_rank, group=self.group), async_op, tensor.is_cuda,
+                         peer=dst_group_rank)
 
     def recv(self, tensor: torch.Tensor, src_group_rank: int, tag: str, async_op: bool = False):
         fn = dist.irecv if async_op else dist.recv
-        return self._run("recv", tag, tensor_bytes(tensor), lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op,
-                         tensor.is_cuda, peer=src_group_rank)
+        return self._run("recv", tag, tensor_bytes(tensor),
+                         lambda: fn(tensor, group_src=src_group_rank, group=self.group), async_op, tensor.is_cuda,
+                         peer=src_group_rank)
 
     def batch_p2p(self, ops: list[tuple[str, torch.Tensor, int, str]]) -> list[Handle]:
         """Post several sends and receives at once: [("send"|"recv", tensor, peer group rank, tag)].
@@ -449,9 +232,11 @@ class Communicator:
                                           peer=self.global_ranks[peer]))
         # One work per op on gloo; NCCL may coalesce the batch into one. Waiting time is charged
         # to the op a work belongs to (the first op's, when coalesced).
-        labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if len(works) == len(ops) else [(ops[0][0], ops[0][3], None)] * len(works)
+        one_each = len(works) == len(ops)
+        first = (ops[0][0], ops[0][3], None)
+        labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if one_each else [first] * len(works)
         cuda = any(tensor.is_cuda for _, tensor, _, _ in ops)
-        ids = span_ids if len(works) == len(ops) else [span_ids[0]] * len(works)
+        ids = span_ids if one_each else [span_ids[0]] * len(works)
         handles = [Handle(work, self, kind, tag, cuda, peer, span_id)
                    for work, (kind, tag, peer), span_id in zip(works, labels, ids)]
         self._pending.update(handles)

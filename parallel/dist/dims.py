@@ -122,7 +122,7 @@ class ParallelDims:
 
     @classmethod
     def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int | None = 1, cp: int = 1,
-                ep: int = 1) -> "ParallelDims":
+                ep: int = 1) -> ParallelDims:
         """Fill in dp (or pp) from what the world leaves, then check the product.
 
         Whichever of dp and pp is given, the other is derived; with neither given (the pipeline

@@ -11,12 +11,11 @@ straight back into `epoll_wait`, which returns at once: it spins.
 Spinning is harmless while the lock holder runs on another core. It is not when the loop thread
 woke up on the lock holder's core: Linux lets a freshly woken thread preempt the running one, so
 the loop thread takes the core from the very thread it waits for, and nothing moves until the
-scheduler's next tick takes it back (4 ms at HZ=250). Measured on this project's CPU machine kind
-(2 cores, torch 2.13, `bench/gloo_call_costs.py`): with every thread of two ranks on one core a
-16 KiB send/receive ping-pong took 3.9-4.1 ms, each one a tick, against 0.06-0.09 ms with the
-loop threads set as below; with a core per rank, 7-18% of 16 KiB and 128 KiB all-reduces took over
-3 ms, against 0-3% with them set. The stall is gloo's, not the network's: a plain TCP ping-pong
-between the same two processes takes 10-100 us and never stalls.
+scheduler's next tick takes it back (4 ms at HZ=250). With every thread of two ranks on one core,
+a small send/receive ping-pong then lasts a tick each way; with a core per rank, a share of small
+all-reduces still does (`bench/gloo_call_costs.py` shows both, and how the policy below removes
+most of them). The stall is gloo's, not the network's: a plain TCP ping-pong between the same two
+processes never stalls.
 
 `SCHED_BATCH` is the Linux policy for a thread that should not preempt others when it wakes; it
 keeps its normal share of the CPU (the same weight as nice 0), so under load the loop thread is
@@ -25,10 +24,9 @@ Setting it needs no privilege (a thread may always lower its own claim). Nothing
 changes: only which thread the kernel runs first.
 
 The price is paid where *other* processes keep the cores busy: the loop thread then waits out
-their slices too, where under the default policy it would have taken the core at once. With one
-busy process per core beside the run, zero2's step took 1.7-2x as long under `batch` (whole
-runs alternating, docs/measured.md). Hence the choice, and `batch` as the default for what this sandbox
-runs on: a machine whose cores are its ranks'.
+their slices too, where under the default policy it would have taken the core at once: beside a
+busy process per core, a step is much longer under `batch` (docs/measured.md). Hence the choice,
+and `batch` as the default for what this sandbox runs on: a machine whose cores are its ranks'.
 
 `train.gloo_loop_policy` chooses: `batch` (the default: every gloo event-loop thread of the rank
 is set to SCHED_BATCH once its process groups exist) or `normal` (SCHED_OTHER, the kernel's

@@ -34,7 +34,7 @@ class LaunchEnv:
     local_world_size: int = 1
 
     @classmethod
-    def from_environ(cls) -> "LaunchEnv":
+    def from_environ(cls) -> LaunchEnv:
         env = os.environ
         return cls(
             rank=int(env.get("RANK", 0)),
@@ -49,7 +49,8 @@ def choose_backend(requested: str, cuda_available: bool) -> str:
     if requested == "auto":
         return "nccl" if cuda_available else "gloo"
     if requested == "nccl" and not cuda_available:
-        raise LayoutError("parallel.backend=nccl needs CUDA GPUs and none is visible: use parallel.backend=gloo (or auto)")
+        raise LayoutError("parallel.backend=nccl needs CUDA GPUs and none is visible: "
+                          "use parallel.backend=gloo (or auto)")
     if requested not in ("gloo", "nccl"):
         raise LayoutError(f"parallel.backend={requested!r} is not one of auto, gloo, nccl")
     return requested

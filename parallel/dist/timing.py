@@ -21,15 +21,13 @@ step from it.
 Each stamp of that clock also reads the process's CPU time: the difference is the CPU time of the
 rank's other threads, gloo's (its event loop and its worker threads, which move and reduce the
 bytes), so that the replay can charge a rank's core with what its communication takes of it.
-A stamp is the pair (thread, process): two `clock_gettime` calls, 0.78 µs together where the
-thread's alone took 0.28 µs (measured on the 2-core machine, docs/virtual-time.md). The two reads
-are not one sample: measured over 4 ranks on 2 cores, a quarter of the stamps read the other
-threads' time lower than the stamp before, by up to 70 µs. And the process clock takes a running
-thread's time in at the scheduler's tick or when it stops running (Linux since 4.8 leaves out
-the time a thread has run since, for scalability), so a read can fall short by up to a tick (4
-ms at HZ 250) for each thread running at that moment: under the whole test suite on 2 cores one
-span's end read 1.6 ms below its start (2026-12-02). Differences over an op's life sum those
-steps away; a single difference is good to about 0.1 ms on an idle machine, a tick on a busy one.
+A stamp is the pair (thread, process): two `clock_gettime` calls, not one sample, so the other
+threads' time of a stamp may read lower than the stamp before. And the process clock takes a
+running thread's time in at the scheduler's tick or when it stops running (Linux since 4.8 leaves
+out the time a thread has run since, for scalability), so a read can fall short by up to a tick
+(4 ms at HZ 250) for each thread running at that moment, and a span's end may read below its
+start on a busy machine. Differences over an op's life sum those
+steps away; a single difference is good to a tick.
 """
 
 from __future__ import annotations
@@ -44,11 +42,6 @@ def _thread_cpu() -> float:
 
 
 _cpu_clock = _thread_cpu
-
-
-def cpu_time() -> float:
-    """The second clock: the compute thread's CPU time (or the process's: `count_every_thread`)."""
-    return _cpu_clock()
 
 
 def cpu_stamp() -> tuple[float, float]:

@@ -111,15 +111,28 @@ def _rounded(x: float) -> float:
 def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
               layers_by_rank: list[int], act_bytes: int) -> StepTime:
     """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank."""
-    dims, m, b, v = layout.dims, layout.microbatches, layout.microbatch_size, chunks_per_rank(layout)
-    p, t, world = dims.pp, dims.tp, dims.world_size
-    g = shape.gpt
-    rate = cluster.flops_per_rank(world)
+    m, world = layout.microbatches, layout.dims.world_size
+    forward, backward, hardware, model_flops, parts = _slowest_stage(shape, layout, cluster, layers_by_rank, act_bytes)
+    activation = layout.microbatch_size * shape.gpt.seq_len * shape.gpt.d_model * act_bytes
+    seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
+    blocking = sum(sec for name, sec in seconds.items() if name not in ("dp", "edp"))  # tp, cp, ep: inside compute
+    f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
+    pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff)
+    dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
+    compute = m * (forward + backward)
+    exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
+    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts)
+
+
+def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: list[int], act_bytes: int) -> tuple:
+    """(forward, backward) seconds of one microbatch on the slowest stage, and, on a known device,
+    the step's hardware and model FLOPs and the slowest stage's compute by part (else None)."""
+    dims, m, b = layout.dims, layout.microbatches, layout.microbatch_size
+    p, t, g = dims.pp, dims.tp, shape.gpt
+    rate = cluster.flops_per_rank(dims.world_size)
     tokens = b * g.seq_len
     device = cluster.device()
-    hardware = model_flops = parts = None
     recompute = layout.recompute or "none"
-    sequence_parallel = layout.cut().sequence_parallel
     if device is None:
         forwards = [tokens * forward_flops_per_token(shape, t, n, r == p - 1) / rate
                     for r, n in enumerate(layers_by_rank)]
@@ -132,18 +145,23 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
             backward += tokens * forward_flops_per_token(shape, t, n, False) / rate
         elif recompute == "selective":
             backward += tokens * n * 4 * g.seq_len * g.d_model / t / rate
-    else:
-        from parallel.planner.compute import microbatch_seconds
+        return forward, backward, None, None, None
+    from parallel.planner.compute import microbatch_seconds
 
-        per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, sequence_parallel, recompute)
-               for r, n in enumerate(layers_by_rank)]
-        slowest = max(range(p), key=lambda r: per[r]["forward"] + per[r]["backward"])
-        forward, backward = per[slowest]["forward"], per[slowest]["backward"]
-        replicas = dims.tp * dims.dp * dims.cp * m
-        hardware = replicas * sum(x["hardware_flops"] for x in per)
-        model_flops = replicas * sum(x["model_flops"] for x in per)
-        parts = {k: m * per[slowest][k] for k in ("matmuls", "attention", "elementwise", "recompute")}
-    activation = tokens * g.d_model * act_bytes
+    per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, layout.cut().sequence_parallel, recompute)
+           for r, n in enumerate(layers_by_rank)]
+    slowest = max(range(p), key=lambda r: per[r]["forward"] + per[r]["backward"])
+    replicas = dims.tp * dims.dp * dims.cp * m
+    hardware = replicas * sum(x["hardware_flops"] for x in per)
+    model_flops = replicas * sum(x["model_flops"] for x in per)
+    parts = {k: m * per[slowest][k] for k in ("matmuls", "attention", "elementwise", "recompute")}
+    return per[slowest]["forward"], per[slowest]["backward"], hardware, model_flops, parts
+
+
+def _collective_seconds(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster,
+                        traffic: dict, activation: int, act_bytes: int) -> dict:
+    """Each group's collectives' seconds per step but the pipeline's sends (`_pipeline_exposed`)."""
+    t, world = layout.dims.tp, layout.dims.world_size
     seconds = {}
     for name, gt in traffic.items():
         per_rank = gt.per_rank(world)
@@ -156,23 +174,34 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
         else:
             message, steps = activation, 2 * (gt.span.size - 1)
         seconds[name] = collective_seconds(per_rank, gt.span, cluster, message, steps)
-    blocking = sum(sec for name, sec in seconds.items() if name not in ("dp", "edp"))  # tp, cp, ep: inside compute
-    f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
-    pp_exposed, bubble = 0.0, 0.0
-    if p > 1:
-        boundary = activation // (t if sequence_parallel else 1)
-        send = collective_seconds(boundary, traffic["pp"].span, cluster, boundary, 1, point_to_point=True) \
-            if "pp" in traffic else 0.0
-        seconds["pp"] = send * traffic["pp"].per_rank(world) / boundary if "pp" in traffic else 0.0
-        unit = f_eff
-        base = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit), 0.0)
-        bubble = max(0.0, base - m * (f_eff + b_eff))
-        if cluster.p2p_overlap:
-            pp_exposed = 2 * (v * p - 1) * send
-        else:
-            with_sends = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit), _rounded(send / unit))
-            pp_exposed = max(0.0, with_sends - base)
-    dp_exposed = 0.0
+    return seconds
+
+
+def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, activation: int, f_eff: float,
+                      b_eff: float) -> tuple[float, float]:
+    """(exposed seconds of the pipeline's sends, the bubble); records the sends' seconds in `seconds`."""
+    dims, m, v = layout.dims, layout.microbatches, chunks_per_rank(layout)
+    p, t = dims.pp, dims.tp
+    if p == 1:
+        return 0.0, 0.0
+    boundary = activation // (t if layout.cut().sequence_parallel else 1)
+    send = collective_seconds(boundary, traffic["pp"].span, cluster, boundary, 1, point_to_point=True) \
+        if "pp" in traffic else 0.0
+    seconds["pp"] = send * traffic["pp"].per_rank(dims.world_size) / boundary if "pp" in traffic else 0.0
+    unit = f_eff
+    base = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit), 0.0)
+    bubble = max(0.0, base - m * (f_eff + b_eff))
+    if cluster.p2p_overlap:
+        return 2 * (v * p - 1) * send, bubble
+    with_sends = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit),
+                                          _rounded(send / unit))
+    return max(0.0, with_sends - base), bubble
+
+
+def _dp_exposed(traffic: dict, seconds: dict, zero: int, grad_sync: str | None, window: float, world: int) -> float:
+    """The data-parallel groups' exposed seconds: their gathers, and what of their reductions the
+    backward `window` does not hide (never less than the last bucket)."""
+    exposed = 0.0
     for name in ("dp", "edp"):
         if name not in traffic:
             continue
@@ -180,11 +209,8 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
         gather = sec * float(gt.gathers / gt.total) if gt.total else 0.0
         reduce = sec - gather
         if grad_sync == "naive" or zero == 1:
-            dp_exposed += gather + reduce
+            exposed += gather + reduce
             continue
-        window = b_eff * (m if zero >= 2 else 1)
         last = reduce * min(1.0, BUCKET_BYTES / max(gt.per_rank(world) - float(gt.gathers) / world, 1.0))
-        dp_exposed += gather + max(reduce - window, last)
-    compute = m * (forward + backward)
-    exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
-    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts)
+        exposed += gather + max(reduce - window, last)
+    return exposed

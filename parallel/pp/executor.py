@@ -135,46 +135,18 @@ class PipelineParallel(Strategy):
                 sends += self._exchange(a, inputs, outputs, out_grads, act_shape, device, received)
                 self.executed += a
                 continue
-            key, vs = (a.mb, a.chunk), self._vstage(a)
-            chunk = self.chunks[a.chunk]
             self.phases(KIND[a.op], str(a))  # forward, backward, or weight (W, a split backward's second half)
             start = time.time()
             if a.op == F:
-                x = microbatches[a.mb].inputs if vs == 0 else inputs[key]
-                with self.forward_context():
-                    out = chunk(x)
-                    if vs == self.last_vstage:
-                        out = self.stage_loss(out, microbatches[a.mb].targets) / global_tokens
-                if vs == self.last_vstage:
-                    local_loss += out.detach()
-                outputs[key] = out
-                following = self._local_chunk(vs + 1)
-                if following is not None:  # the next stage is this rank's own: hand the output over
-                    inputs[(a.mb, following)] = out.detach().requires_grad_(True)
+                self._forward(a, microbatches[a.mb], global_tokens, inputs, outputs, local_loss)
             elif a.op == B:
-                out, x = outputs.pop(key), inputs.get(key)
-                grad = None if vs == self.last_vstage else out_grads.pop(key)
-                if self.split:  # the input gradient only; W runs the rest later
-                    pending[key] = SplitBackward(out, grad, x, list(chunk.parameters()))
-                    pending[key].input_grad()
-                else:
-                    with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
-                        torch.autograd.backward(out, grad)
-                previous = self._local_chunk(vs - 1)
-                if previous is not None:  # the previous stage is this rank's own: hand the gradient back
-                    out_grads[(a.mb, previous)] = inputs.pop(key).grad
+                self._backward(a, inputs, outputs, out_grads, pending)
             else:  # W
                 with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
-                    pending.pop(key).weight_grad()
+                    pending.pop((a.mb, a.chunk)).weight_grad()
             self._span(a, KIND[a.op], start, time.time())
             self.executed.append(a)
-        self.phases("p2p", "wait sends")
-        start = time.time()
-        for handle in sends:
-            handle.wait()
-        if sends:
-            self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start,
-                               "end": time.time()})
+        self._wait_sends(sends)
         self.phases("sync", "gradient sync")
         self.after_backward()
         self.phases("other", "finite check")
@@ -182,6 +154,46 @@ class PipelineParallel(Strategy):
         self.phases("optimizer", "optimizer step")
         self.optimizer.step()
         return local_loss
+
+    def _forward(self, a: Action, microbatch: Batch, global_tokens: int, inputs, outputs,
+                 local_loss: torch.Tensor) -> None:
+        """Run the chunk on its input; the last stage turns the output into its share of the loss."""
+        key, vs = (a.mb, a.chunk), self._vstage(a)
+        x = microbatch.inputs if vs == 0 else inputs[key]
+        with self.forward_context():
+            out = self.chunks[a.chunk](x)
+            if vs == self.last_vstage:
+                out = self.stage_loss(out, microbatch.targets) / global_tokens
+        if vs == self.last_vstage:
+            local_loss += out.detach()
+        outputs[key] = out
+        following = self._local_chunk(vs + 1)
+        if following is not None:  # the next stage is this rank's own: hand the output over
+            inputs[(a.mb, following)] = out.detach().requires_grad_(True)
+
+    def _backward(self, a: Action, inputs, outputs, out_grads, pending: dict) -> None:
+        """The whole backward, or (split) the input gradient only, leaving W its half in `pending`."""
+        key, vs = (a.mb, a.chunk), self._vstage(a)
+        out, x = outputs.pop(key), inputs.get(key)
+        grad = None if vs == self.last_vstage else out_grads.pop(key)
+        if self.split:  # the input gradient only; W runs the rest later
+            pending[key] = SplitBackward(out, grad, x, list(self.chunks[a.chunk].parameters()))
+            pending[key].input_grad()
+        else:
+            with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
+                torch.autograd.backward(out, grad)
+        previous = self._local_chunk(vs - 1)
+        if previous is not None:  # the previous stage is this rank's own: hand the gradient back
+            out_grads[(a.mb, previous)] = inputs.pop(key).grad
+
+    def _wait_sends(self, sends: list) -> None:
+        self.phases("p2p", "wait sends")
+        start = time.time()
+        for handle in sends:
+            handle.wait()
+        if sends:
+            self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start,
+                               "end": time.time()})
 
     def _receive(self, a: Action, inputs, out_grads, act_shape, device) -> tuple:
         """A receive's buffer, placed where its compute will look for it, and its op."""

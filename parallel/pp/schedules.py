@@ -72,11 +72,6 @@ def virtual_stage(rank: int, chunk: int, stages: int) -> int:
     return chunk * stages + rank
 
 
-def stage_location(vstage: int, stages: int) -> tuple[int, int]:
-    """Virtual stage -> (rank, chunk) on the loop placement."""
-    return vstage % stages, vstage // stages
-
-
 def _with_comm(compute: list[Action], rank: int, stages: int, virtual: int) -> list[Action]:
     return with_comm(compute, rank, Placement(stages, virtual))
 
@@ -217,9 +212,9 @@ def schedule_placement(name: str, stages: int, virtual: int = 1) -> Placement:
 @lru_cache(maxsize=512)
 def built_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
     """The action lists, built once per (name, p, m, v) and kept immutable (a refusal is not kept:
-    it is raised again, with its message, each time). 512 kept: the 3,072-device search of
-    tests/tools/test_planner_search.py asks 352 distinct ones, each about twice, and 128 evicted
-    them (its search 38 s against 33 s, for 30 MB more held)."""
+    it is raised again, with its message, each time). 512 kept: enough for the distinct lists a
+    large planner search asks, each about twice (tests/tools/test_planner_search.py's 3,072 devices),
+    where a smaller cache would evict them before their second use."""
     return tuple(tuple(actions) for actions in schedule_of(name).build(stages, microbatches, virtual))
 
 

@@ -122,6 +122,147 @@ def split_costs(forward: float, input_grad: float, weight_grad: float, comm: flo
 StageCosts = Mapping[tuple[int, int], Costs]  # (rank, chunk) -> that chunk's costs, as a whole share's
 
 
+class Simulation:
+    """One play of the lists: where each rank is in its list and its clock, the messages in flight,
+    the work done. `play()` runs every rank as far as it can until all are done; one method per
+    kind of action, each checking its rules (`receive`, `send`, `compute`); `check_complete()`
+    then asks that every microbatch ran everywhere exactly once and every message was received."""
+
+    def __init__(self, plans: list[list[Action]], microbatches: int, virtual: int, cost: Costs | StageCosts | None,
+                 placement: Placement | None):
+        p = len(plans)
+        self.plans, self.microbatches, self.virtual, self.p = plans, microbatches, virtual, p
+        self.per_stage = isinstance(cost, Mapping)
+        self.cost = cost if self.per_stage else (cost or unit_costs())
+        self.placement = placement or Placement(p, virtual)
+        self.split = splits_backward(plans)
+        self.release = W if self.split else B  # the action after which a microbatch's activations are freed
+        self.last_vstage = p * virtual - 1
+        self.clock, self.cursor, self.busy = [0] * p, [0] * p, [0] * p
+        self.held, self.peak = [0] * p, [0] * p
+        self.sent: dict[tuple[str, int, int], float] = {}  # (kind, mb, destination vstage) -> arrival time
+        self.sender: dict[tuple[str, int, int], int] = {}  # ... -> index of the send's span
+        self.channel: dict[tuple[int, int], list] = {}     # (sender, receiver) -> what was sent, in order
+        self.taken = Counter()                              # (sender, receiver) -> messages received so far
+        self.last_span: list[int | None] = [None] * p      # each rank's latest span
+        self.done = Counter()
+        self.spans: list[Span] = []
+
+    def costs_of(self, rank: int, a: Action):
+        return self.cost[(rank, a.chunk)] if self.per_stage else self.cost
+
+    def price(self, rank: int, a: Action) -> float:
+        return self.costs_of(rank, a)(a, self.virtual, self.split)
+
+    def transfer_of(self, rank: int, a: Action) -> float:
+        # a plain function of the action charges messages nothing
+        return getattr(self.costs_of(rank, a), "transfer", 0.0)
+
+    def message_key(self, rank: int, a: Action) -> tuple[str, int, int]:
+        vs = self.placement.vstage(rank, a.chunk)
+        if a.op == SEND_F:
+            return ("act", a.mb, vs + 1)
+        if a.op == RECV_F:
+            return ("act", a.mb, vs)
+        if a.op == SEND_B:
+            return ("grad", a.mb, vs - 1)
+        return ("grad", a.mb, vs)  # RECV_B
+
+    def receive(self, rank: int, a: Action, start: float, after: int | None) -> tuple | None:
+        """Take the message `a` waits for: (start, the span waited for), or None while it is unsent."""
+        key = self.message_key(rank, a)
+        src, _, what = message(rank, a, self.placement)
+        order, taken = self.channel.get((src, rank), []), self.taken[src, rank]
+        if taken < len(order) and order[taken] != what:
+            raise ScheduleInvalid(f"rank {rank}: {a} waits for {what} from rank {src}, whose next message to it is "
+                                  f"{order[taken]}: messages between two ranks arrive in the order sent")
+        if key not in self.sent:
+            return None
+        self.taken[src, rank] += 1
+        arrival, sent_by = self.sent.pop(key), self.sender.pop(key)
+        return (arrival, sent_by) if arrival > start else (start, after)
+
+    def send(self, rank: int, a: Action, start: float) -> None:
+        """Post the message: it arrives after the send's cost and its transfer."""
+        key = self.message_key(rank, a)
+        if not 0 <= key[2] <= self.last_vstage:
+            raise ScheduleInvalid(f"rank {rank}: {a} sends past the ends of the pipeline")
+        if self.placement.rank_of(key[2]) == rank:
+            raise ScheduleInvalid(f"rank {rank}: {a} sends to a virtual stage of its own rank")
+        if key in self.sent:
+            raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
+        self.sent[key] = start + self.price(rank, a) + self.transfer_of(rank, a)
+        self.sender[key] = len(self.spans)
+        src, dst, what = message(rank, a, self.placement)
+        self.channel.setdefault((src, dst), []).append(what)
+
+    def compute(self, rank: int, a: Action) -> None:
+        """Run F, B or W once its inputs exist; count the activations the rank holds."""
+        vs, done = self.placement.vstage(rank, a.chunk), self.done
+        if a.op == B and done[(F, a.mb, vs)] != 1:
+            raise ScheduleInvalid(f"rank {rank}: {a} runs before the forward of microbatch {a.mb} "
+                                  f"on virtual stage {vs}")
+        if a.op == W and done[(B, a.mb, vs)] != 1:
+            raise ScheduleInvalid(f"rank {rank}: {a} runs before the B of microbatch {a.mb} on virtual stage {vs}")
+        if a.op == F and vs > 0 and done[(F, a.mb, vs - 1)] != 1:
+            raise ScheduleInvalid(f"rank {rank}: {a} runs before its input exists")
+        if a.op == B and vs < self.last_vstage and done[(B, a.mb, vs + 1)] != 1:
+            raise ScheduleInvalid(f"rank {rank}: {a} runs before its output gradient exists")
+        if done[(a.op, a.mb, vs)]:
+            raise ScheduleInvalid(f"rank {rank}: {a} runs twice")
+        done[(a.op, a.mb, vs)] += 1
+        self.busy[rank] += self.price(rank, a)
+        self.held[rank] += 1 if a.op == F else -1 if a.op == self.release else 0
+        self.peak[rank] = max(self.peak[rank], self.held[rank])
+
+    def run_one(self, rank: int) -> bool:
+        """Run the rank's next action; False if it is a receive whose message is not sent yet."""
+        a = self.plans[rank][self.cursor[rank]]
+        start, after = self.clock[rank], self.last_span[rank]
+        if a.op in (RECV_F, RECV_B):
+            waited = self.receive(rank, a, start, after)
+            if waited is None:
+                return False
+            start, after = waited
+        elif a.op in (SEND_F, SEND_B):
+            self.send(rank, a, start)
+        else:
+            self.compute(rank, a)
+        end = start + self.price(rank, a)
+        self.clock[rank] = end
+        self.last_span[rank] = len(self.spans)
+        self.spans.append(Span(rank, a, start, end, after))
+        self.cursor[rank] += 1
+        return True
+
+    def play(self) -> None:
+        """Run every rank as far as it can, round after round, until all are done or none can move."""
+        plans, cursor = self.plans, self.cursor
+        while any(cursor[r] < len(plans[r]) for r in range(self.p)):
+            progressed = False
+            for r in range(self.p):
+                while cursor[r] < len(plans[r]) and self.run_one(r):
+                    progressed = True
+            if not progressed:
+                blocked = {r: str(plans[r][cursor[r]]) for r in range(self.p) if cursor[r] < len(plans[r])}
+                raise ScheduleInvalid(f"deadlock: every unfinished rank waits for a message that is never sent: "
+                                      f"{blocked}")
+
+    def check_complete(self) -> None:
+        for vs in range(self.p * self.virtual):
+            rank, chunk = self.placement.location(vs)
+            for mb in range(self.microbatches):
+                for op in (F, B, W) if self.split else (F, B):
+                    if self.done[(op, mb, vs)] != 1:
+                        raise ScheduleInvalid(f"microbatch {mb} ran {op} {self.done[(op, mb, vs)]} times "
+                                              f"on virtual stage {vs} (rank {rank}, chunk {chunk})")
+        if self.sent:
+            raise ScheduleInvalid(f"messages never received: {sorted(self.sent)}")
+
+    def result(self) -> SimResult:
+        return SimResult(self.p, self.microbatches, self.virtual, max(self.clock), self.busy, self.peak, self.spans)
+
+
 def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost: Costs | StageCosts | None = None,
              placement: Placement | None = None) -> SimResult:
     """Play the lists; `placement` says which rank holds which virtual stage (loop by default).
@@ -131,114 +272,10 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
     embeds the tokens and the last computes the head and the loss). A mapping's Costs keep the
     meaning of one: a rank's whole share, of which a chunk costs 1/v; a message's transfer is its
     sender's."""
-    per_stage = isinstance(cost, Mapping)
-    uniform = None if per_stage else (cost or unit_costs())
-
-    def price(rank: int, a: Action) -> float:
-        return (cost[(rank, a.chunk)] if per_stage else uniform)(a, virtual, split)
-
-    def transfer_of(rank: int, a: Action) -> float:
-        # a plain function of the action charges messages nothing
-        return getattr(cost[(rank, a.chunk)] if per_stage else uniform, "transfer", 0.0)
-    p = len(plans)
-    placement = placement or Placement(p, virtual)
-    split = splits_backward(plans)
-    release = W if split else B  # the action after which a microbatch's activations are freed
-    last_vstage = p * virtual - 1
-    clock = [0] * p
-    cursor = [0] * p
-    busy = [0] * p
-    held = [0] * p
-    peak = [0] * p
-    sent: dict[tuple[str, int, int], float] = {}  # (kind, mb, destination vstage) -> arrival time
-    sender: dict[tuple[str, int, int], int] = {}  # ... -> index of the send's span
-    channel: dict[tuple[int, int], list] = {}      # (sender, receiver) -> what was sent, in order
-    taken = Counter()                               # (sender, receiver) -> messages received so far
-    last_span: list[int | None] = [None] * p       # each rank's latest span
-    done = Counter()
-    spans: list[Span] = []
-
-    def message_key(rank: int, a: Action) -> tuple[str, int, int]:
-        vs = placement.vstage(rank, a.chunk)
-        if a.op == SEND_F:
-            return ("act", a.mb, vs + 1)
-        if a.op == RECV_F:
-            return ("act", a.mb, vs)
-        if a.op == SEND_B:
-            return ("grad", a.mb, vs - 1)
-        return ("grad", a.mb, vs)  # RECV_B
-
-    def run_one(rank: int) -> bool:
-        a = plans[rank][cursor[rank]]
-        vs = placement.vstage(rank, a.chunk)
-        start, after = clock[rank], last_span[rank]
-        if a.op in (RECV_F, RECV_B):
-            key = message_key(rank, a)
-            src, _, what = message(rank, a, placement)
-            order = channel.get((src, rank), [])
-            if taken[src, rank] < len(order) and order[taken[src, rank]] != what:
-                raise ScheduleInvalid(f"rank {rank}: {a} waits for {what} from rank {src}, whose next message to it is "
-                                      f"{order[taken[src, rank]]}: messages between two ranks arrive in the order sent")
-            if key not in sent:
-                return False  # blocked: the message has not been sent yet
-            taken[src, rank] += 1
-            arrival, sent_by = sent.pop(key), sender.pop(key)
-            if arrival > start:
-                start, after = arrival, sent_by
-        elif a.op in (SEND_F, SEND_B):
-            key = message_key(rank, a)
-            if not 0 <= key[2] <= last_vstage:
-                raise ScheduleInvalid(f"rank {rank}: {a} sends past the ends of the pipeline")
-            if placement.rank_of(key[2]) == rank:
-                raise ScheduleInvalid(f"rank {rank}: {a} sends to a virtual stage of its own rank")
-            if key in sent:
-                raise ScheduleInvalid(f"rank {rank}: {a} sent twice")
-            sent[key] = start + price(rank, a) + transfer_of(rank, a)
-            sender[key] = len(spans)
-            src, dst, what = message(rank, a, placement)
-            channel.setdefault((src, dst), []).append(what)
-        else:
-            if a.op == B and done[(F, a.mb, vs)] != 1:
-                raise ScheduleInvalid(f"rank {rank}: {a} runs before the forward of microbatch {a.mb} "
-                                      f"on virtual stage {vs}")
-            if a.op == W and done[(B, a.mb, vs)] != 1:
-                raise ScheduleInvalid(f"rank {rank}: {a} runs before the B of microbatch {a.mb} on virtual stage {vs}")
-            if a.op == F and vs > 0 and done[(F, a.mb, vs - 1)] != 1:
-                raise ScheduleInvalid(f"rank {rank}: {a} runs before its input exists")
-            if a.op == B and vs < last_vstage and done[(B, a.mb, vs + 1)] != 1:
-                raise ScheduleInvalid(f"rank {rank}: {a} runs before its output gradient exists")
-            if done[(a.op, a.mb, vs)]:
-                raise ScheduleInvalid(f"rank {rank}: {a} runs twice")
-            done[(a.op, a.mb, vs)] += 1
-            busy[rank] += price(rank, a)
-            held[rank] += 1 if a.op == F else -1 if a.op == release else 0
-            peak[rank] = max(peak[rank], held[rank])
-        end = start + price(rank, a)
-        clock[rank] = end
-        last_span[rank] = len(spans)
-        spans.append(Span(rank, a, start, end, after))
-        cursor[rank] += 1
-        return True
-
-    while any(cursor[r] < len(plans[r]) for r in range(p)):
-        progressed = False
-        for r in range(p):
-            while cursor[r] < len(plans[r]) and run_one(r):
-                progressed = True
-        if not progressed:
-            blocked = {r: str(plans[r][cursor[r]]) for r in range(p) if cursor[r] < len(plans[r])}
-            raise ScheduleInvalid(f"deadlock: every unfinished rank waits for a message that is never sent: {blocked}")
-
-    for vs in range(p * virtual):
-        rank, chunk = placement.location(vs)
-        for mb in range(microbatches):
-            for op in (F, B, W) if split else (F, B):
-                if done[(op, mb, vs)] != 1:
-                    raise ScheduleInvalid(f"microbatch {mb} ran {op} {done[(op, mb, vs)]} times "
-                                          f"on virtual stage {vs} (rank {rank}, chunk {chunk})")
-    if sent:
-        raise ScheduleInvalid(f"messages never received: {sorted(sent)}")
-    return SimResult(p, microbatches, virtual, max(clock), busy, peak, spans)
+    simulation = Simulation(plans, microbatches, virtual, cost, placement)
+    simulation.play()
+    simulation.check_complete()
+    return simulation.result()
 
 
 def simulate_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,

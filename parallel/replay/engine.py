@@ -9,7 +9,7 @@ them from the saved events; tests build them by hand):
     Wait(handles)                 the rank blocks until every op it names has completed
 
 An `Op` is one collective (or one message) as all its members see it: the members that must post
-it, the links it loads and for how long. The rules, those of the issue that asked for this engine:
+it, the links it loads and for how long. The rules:
 
 * an op starts when its last member has posted it (a message: when both ends have); a group's
   collectives start in the order they were posted, `lanes` of them in flight at most (gloo runs
@@ -28,27 +28,16 @@ it, the links it loads and for how long. The rules, those of the issue that aske
 * every member's view of the op completes when the op does: a receive at the later of the two
   posts plus the transfer; a blocking call, or a wait, returns then.
 
-Each rank has a core of its own (`cores=None`), which also runs its communication: an op may
-carry the CPU it took of each member in the run (`Op.cpu`, graph.py measures it), and while in
-flight it wants that CPU spread over its time alone on its links (`cpu_share`, at most a core; a
-rank's ops together at most a core). A rank's compute and its ops share its core (processor
-sharing), so compute that overlaps a transfer is stretched by the transfer's CPU; a rank blocked
-in a call leaves its core to the op. An op goes at the pace of its slowest member. An op without
-`cpu` wants nothing: a device with its own copy engine.
-
-Ranks bound to cores, several to a core (`cores=[core of rank 0, core of rank 1, ...]`: a run
-made with `train.pin_cores=round_robin`, 4 ranks on 2 cores), share their core the same way: the
-ranks of one core and their ops, each wanting what it wants with a core of its own, go at
-1 / wanted of that core when they want more than it. A core per rank is the placement in which
-no two ranks share one.
-
-To reproduce a machine with fewer cores than ranks whose threads the kernel moves freely
-(`cores=C`), the C cores are shared by
-whatever wants one at that moment: each rank that computes and each member of an op in flight,
-a core each (on this machine gloo's threads move a collective or a message on the same cores, and
-an op waits for them to get one at every handoff: an upper bound on what it needs). Each
-progresses at min(1, C / wanted): a computing rank through its compute, an op through its latency
-and its bytes. A rank blocked in a wait uses none. Nothing is fitted.
+Every rank's compute and its communication share cores (processor sharing, `paces`): a rank
+computing wants a core, an op in flight wants of each member the CPU the run measured it took
+(`Op.cpu`, graph.py) spread over its time alone on its links (`cpu_share`; nothing without
+`cpu`: a device with its own copy engine), and a rank blocked in a call or a wait leaves its
+core to its ops. Where a core is wanted more than it has, each goes at 1 / wanted of it, an op
+at the pace of its slowest member. The cores are one per rank (`cores=None`), the core each rank
+is bound to (`cores=[core of rank 0, ...]`: `train.pin_cores=round_robin`, several ranks to a
+core), or C cores shared by ranks whose threads the kernel moves freely (`cores=C`): there a
+member of an op in flight wants a whole core, since its threads wait for one at every handoff
+(an upper bound on what it needs). Nothing is fitted.
 
 Time advances from one event (a compute finishing, a latency elapsing, a transfer ending) to the
 next; everything that can happen at an instant happens before time moves. Nothing here knows
@@ -327,8 +316,7 @@ class Replay:
         `cores=C` shared by all ranks: every computing rank wants a core, and so does every rank
         with an op in flight, whatever the op's measured CPU: on a machine whose cores are all
         busy an op's progress waits for its threads to get a core at each handoff, a latency its
-        CPU time does not show (the measured shares replayed 7-21% under the world-4 wall steps,
-        docs/virtual-time.md). All go at min(1, C / wanted)."""
+        CPU time does not show. All go at min(1, C / wanted)."""
         computing = [1.0 if self.computing[r] is not None else 0.0 for r in range(self.n)]
         communicating = [0.0] * self.n  # what each rank's ops in flight want, at most a core
         pooled = self.cores is not None and not isinstance(self.cores, (list, tuple))

@@ -27,9 +27,9 @@ wait), which the engine charges to the member's core. For the virtual clock (a c
 `median_op_cpu`, passed by virtual.replay_steps) that is the lower median over the run's timed
 steps of the same op's CPU on that member, not the one call's: one call's figure has a long tail
 that is the machine's, not the op's. With more ranks than cores, or beside another job, gloo's
-threads now and then take 2-5 ms of CPU over a call whose median is 0.4 ms (docs/virtual-time.md,
-"What an op's CPU is"), and since an op lasts at least the CPU its busiest member spent on it,
-those tails would lengthen the replayed step by the contention the replay exists to remove.
+threads now and then take several times a call's median CPU (docs/virtual-time.md, "What an op's
+CPU is"), and since an op lasts at least the CPU its busiest member spent on it, those tails
+would lengthen the replayed step by the contention the replay exists to remove.
 
 Waits the log cannot see (PyTorch's own, inside its C++): a post that no wait names is waited for
 where the phase it was posted in ends, the rule for DDP, whose reducer waits for its bucket
@@ -143,10 +143,9 @@ def median_op_cpu(events: list[dict]) -> dict[tuple, float] | None:
     saved without the other threads' clock (nothing to charge).
 
     Why not each call's own figure: the CPU of one call has a long tail that comes from the
-    machine, not the op. tp's calls at world 4 beside two busy processes took 0.46 ms at the
-    median, 1.67 at the 90th percentile and 4.19 at the 99th, against 0.45, 0.66 and 2.76 without
-    them (docs/virtual-time.md, "What an op's CPU is"); the op's own work is what it takes when
-    nothing else intervenes, and most of its calls show that. The lower median, as a run's step is."""
+    machine, not the op: beside busy processes the tail grows while the median stays
+    (docs/virtual-time.md, "What an op's CPU is"); the op's own work is what it takes when nothing
+    else intervenes, and most of its calls show that. The lower median, as a run's step is."""
     samples = op_cpu_samples(events)
     if samples is None:
         return None
@@ -225,22 +224,44 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
         return None
     if not phases:
         return {}, 0.0
+    spent = _calling_thread_cpu(keyed)
+    unattributed = _share_other_threads_cpu(phases, keyed, _lifetimes(phases, keyed), spent)
+    return {k: max(0.0, v) for k, v in spent.items()}, max(0.0, unattributed)
+
+
+def _calling_thread_cpu(keyed: list[tuple]) -> dict[tuple, float]:
+    """The compute thread's CPU inside each blocking call (its op's) and each wait (shared by the
+    ops it names, in proportion to their payload bytes)."""
+    spent: dict[tuple, float] = defaultdict(float)
+    weight_of_id = {s["id"]: (key, _weight(s)) for s, key in keyed if key is not None}
+    for s, key in keyed:
+        if key is not None and not is_post(s):
+            spent[key] += max(0.0, s["cpu_end"] - s["cpu_start"])
+    for s, key in keyed:
+        if key is None:
+            named = [weight_of_id[w] for w in s.get("waits", ()) if w in weight_of_id]
+            total = sum(w for _, w in named)
+            for k, w in named:
+                spent[k] += max(0.0, s["cpu_end"] - s["cpu_start"]) * w / total
+    return spent
+
+
+def _lifetimes(phases: list[dict], keyed: list[tuple]) -> dict[tuple, tuple[float, float, float]]:
+    """Each op's time in flight and weight: key -> (start, end, payload bytes). A blocking call
+    flies to its own end; a post to the end of the wait that names it, else (a post no wait names)
+    to the start of the phase it waits at, or the step's end (a message)."""
     step_end = phases[-1]["end"]
     ends_of = defaultdict(float)
     for s, _ in keyed:
         if s["kind"] == "wait":
             for w in s.get("waits", ()):
                 ends_of[w] = max(ends_of[w], s["end"])
-    life: dict[tuple, tuple[float, float, float]] = {}  # key -> (start, end, weight)
-    spent: dict[tuple, float] = defaultdict(float)
-    weight_of_id: dict = {}
+    life = {}
     for s, key in keyed:
         if key is None:
             continue
-        weight_of_id[s["id"]] = (key, _weight(s))
         if not is_post(s):
             end = s["end"]
-            spent[key] += max(0.0, s["cpu_end"] - s["cpu_start"])
         elif s["id"] in ends_of:
             end = ends_of[s["id"]]
         elif key[0] == "p2p":
@@ -249,19 +270,19 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
             later = _implicit_wait_phase(phases, s)
             end = later["start"] if later else step_end
         life[key] = (s["start"], max(end, s["start"]), _weight(s))
-    for s, key in keyed:  # the calling thread inside a wait: the ops it waits for
-        if key is None:
-            named = [weight_of_id[w] for w in s.get("waits", ()) if w in weight_of_id]
-            total = sum(w for _, w in named)
-            for k, w in named:
-                spent[k] += max(0.0, s["cpu_end"] - s["cpu_start"]) * w / total
+    return life
+
+
+def _share_other_threads_cpu(phases: list[dict], keyed: list[tuple], life: dict, spent: dict) -> float:
+    """Add to `spent` the other threads' CPU between each two stamps of the step, shared by the ops
+    in flight then in proportion to their payload bytes; return what fell while none was."""
     marked = [*phases, *(x for x, _ in keyed)]
     stamps = sorted({(x["start"], x["helper_start"]) for x in marked} | {(x["end"], x["helper_end"]) for x in marked})
     unattributed = 0.0
     for (t0, h0), (t1, h1) in zip(stamps, stamps[1:]):
-        # Signed: the clock's two reads are not one atomic sample, and it steps back by up to tens
-        # of microseconds between stamps, a scheduler tick on a busy machine (timing.cpu_stamp);
-        # summed, the steps cancel.
+        # Signed: the clock's two reads are not one atomic sample, and it may step back a little
+        # between stamps, a scheduler tick on a busy machine (timing.cpu_stamp); summed, the steps
+        # cancel.
         gained = h1 - h0
         middle = (t0 + t1) / 2
         flying = [(k, w) for k, (a, b, w) in life.items() if a <= middle <= b]
@@ -270,7 +291,7 @@ def communication_cpu(step: dict, keyed: list[tuple]) -> tuple[dict, float] | No
             unattributed += gained
         for k, w in flying:
             spent[k] += gained * w / total
-    return {k: max(0.0, v) for k, v in spent.items()}, max(0.0, unattributed)
+    return unattributed
 
 
 def _program(rank: int, step: dict, keyed: list[tuple], ops: dict, scale: float) -> list:

@@ -6,8 +6,8 @@ rank 0 and the next rank on its node) measure them between themselves, after the
 while every other rank waits in a barrier (a gloo barrier blocks in a receive: it takes no core).
 Each of the two is bound to a core of its own while it measures, its gloo threads with it, as a
 virtual rank's core is (a run bound by `train.pin_cores` already is; parallel/dist/binding.py):
-unbound, each handoff of a call may wake its thread on the other core, and a call costs 2-3x the
-latency (docs/measured.md, "A core per rank").
+unbound, each handoff of a call may wake its thread on the other core, and a call costs several
+times the latency (docs/measured.md, "A core per rank").
 
 They measure a collective the way a training step meets one: **coming out of compute, and on
 average**. Each timed all-reduce follows a burst of matmuls on both ranks (at least `BURST_S` of
@@ -16,27 +16,23 @@ thread CPU time), and the figure is the mean over many, not the best.
 The burst works on more memory than the core's L2 cache holds (`burst_side`: the product of an
 n x n matrix reads and writes twice the L2), as a step's compute between two calls does: it
 leaves none of gloo's buffers, its threads' stacks or the call's code in the cache, and the call
-pays for fetching them again. A burst that fits in L1 (96 x 96, this probe's first) leaves them,
-and the calls it timed were the cheap ones: on a 2-core machine (512 KiB of L2 a core), probed in
-the same hour, 160-280 us per ring step after 96 x 96 bursts, 380-450 us after 384 x 384 ones;
-the same world-2 runs replayed on the first put tp's step 7% under its wall step, on the second
-5% over, and the other strategies closer on the second (docs/virtual-time.md, "The probe's
-burst"). Measured on a 2-core machine with a
-core per rank, a 128 KiB gloo all-reduce takes 0.2-0.3 ms at best but 0.3-0.5 ms at the median
-and about 1 ms at the 90th percentile: each call hands work between the rank's thread, a gloo
-worker thread and gloo's event-loop thread, and each handoff waits for a wake-up. (Under the
-kernel's default policy for gloo's event loop, `train.gloo_loop_policy=normal`, a further 7-18%
-of calls take 3-5 ms, a scheduler tick: parallel/dist/gloo_loop.py. The probe's ranks set the
-same policy as the runs.) The best of a burst of back-to-back calls, the planner's method
-(parallel/planner/loopback.py), misses the handoffs, and a step of 22 such calls is then replayed
-at a fraction of its wall time. A step pays the mean cost of each call, so the mean is the figure.
+pays for fetching them again. A burst that fits in L1 leaves them, and times only the cheap
+calls, which replays a step under its wall time (docs/virtual-time.md, "The probe's burst").
+
+Even with a core per rank a gloo all-reduce's time is spread wide, its median well above its best
+and its tail far above its median: each call hands work between the rank's thread, a gloo worker
+thread and gloo's event-loop thread, and each handoff waits for a wake-up. (Under the kernel's
+default policy for gloo's event loop, `train.gloo_loop_policy=normal`, some calls also wait a
+scheduler tick: parallel/dist/gloo_loop.py. The probe's ranks set the same policy as the runs.)
+The best of a burst of back-to-back calls, the planner's method (parallel/planner/loopback.py),
+misses the handoffs, and a step of such calls is then replayed at a fraction of its wall time. A
+step pays the mean cost of each call, so the mean is the figure.
 
 Each call is timed **from the later of the two ranks' posts** (`from_last_post`), as the replay
-starts an op when its last member has posted it. The two bursts end apart (one product of an
-L2-sized matrix takes milliseconds, and two cores finish theirs hundreds of µs apart), and a
-rank's own call time holds that wait for the other; the probe took it that way until 2026-12-02
-21:00 and charged it to the link. Both ranks stamp their calls on the host's monotonic clock,
-one clock for the two processes of one node:
+starts an op when its last member has posted it. The two bursts end apart (two cores do not
+finish their products of an L2-sized matrix at the same moment), and a rank's own call time
+holds that wait for the other, which is not the link's. Both ranks stamp their calls on the
+host's monotonic clock, one clock for the two processes of one node:
 
     latency   the mean time of a small all-reduce (SMALL_BYTES, whose bytes take microseconds)
               over its 2(n-1) = 2 ring steps, less those bytes' time
@@ -49,7 +45,7 @@ one clock for the two processes of one node:
               distributions)
 
 The first two from the same bursts, so the two equations t = 2 L + sent / rate are solved
-together. About 0.5 s per run. A figure given in the config (`virtual.loopback_gbytes_per_s`,
+together. A figure given in the config (`virtual.loopback_gbytes_per_s`,
 `virtual.loopback_latency_us`, `virtual.loopback_p2p_latency_us`) is used as given instead:
 launch.compare and bench/virtual_time.py measure it once for all their runs (`measure_once`: the
 median of three runs of this module under `python -m torch.distributed.run --nproc-per-node 2 -m
@@ -82,8 +78,9 @@ PAYLOAD_BYTES = 8 * 2**20
 SMALL_BYTES = 16 * 2**10
 BURST_S = 0.5e-3          # thread CPU time of compute before each timed call: a run's calls follow compute
 SMALL_REPEATS, BIG_REPEATS, P2P_REPEATS = 120, 8, 120
-# When no two ranks share a node (every rank on its own emulated node): this machine's figures as
-# measured for the planner (conf/cluster/this_machine.yaml: 2 ranks, 1.3 GB/s, 80 us per 4-byte all-reduce).
+# When no two ranks share a node (every rank on its own emulated node) there is no pair to probe:
+# a loopback of two ranks on the 2-core machine kind, as the planner's probe finds it
+# (parallel/planner/loopback.py; latency per ring step, half a 4-byte all-reduce at 2 ranks).
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
 FIGURES = ("bytes_per_s", "latency_s", "p2p_latency_s")  # a probe's figures, the keys of its JSON line
 FALLBACK_L2_BYTES = 2**20  # where the OS does not tell a core's L2 (1 MiB: a server core's of recent years)
@@ -160,11 +157,11 @@ def pair_stamps(mine: list[tuple[float, float]], group=None) -> list[torch.Tenso
 def from_last_post(both: list[torch.Tensor], end_of: str = "mean") -> float:
     """The mean time of a call between two ranks from the later of their two posts: when the
     replay starts an op (its last member's post). A rank's own call time also holds its wait for
-    the other's post, the two bursts' difference (one matmul of an L2-sized matrix lasts 2-10 ms
-    here, and two cores finish theirs hundreds of µs apart), which the replay does not charge to
-    the link. `end_of`: "mean", the two ranks' ends averaged (a collective ends for both at
-    once, give or take the last chunk); "first", the first member's end (a ping-pong's round trip
-    ends when the first member has the reply)."""
+    the other's post, the two bursts' difference (two cores do not finish their products of an
+    L2-sized matrix at the same moment), which the replay does not charge to the link. `end_of`:
+    "mean", the two ranks' ends averaged (a collective ends for both at once, give or take the last
+    chunk); "first", the first member's end (a ping-pong's round trip ends when the first member
+    has the reply)."""
     a, b = both
     last_post = torch.maximum(a[:, 0], b[:, 0])
     end = (a[:, 1] + b[:, 1]) / 2 if end_of == "mean" else a[:, 1]
@@ -309,14 +306,9 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     for a sweep that gives one figure to all its runs (`virtual.loopback_*`), so that they differ only
     in what they measured, not in their probes.
 
-    Each figure is the median of `runs` probe runs (about 3.5 s each). One probe run's figures move
-    on this machine kind: five back-to-back runs on the idle machine, the two ranks bound, with the
-    first (96 x 96) burst, gave
-    1.61-2.21 GB/s, 63-100 us per ring step and 50-71 us per message (2026-12-02; unbound, 1.23-1.71
-    GB/s, 180-256 us and 70-232 us; under the kernel's default policy for gloo's event loop the ring
-    step moved over 572-1020 us), and every run of a sweep inherits its probe's error in one
-    direction. A probe run four times as long spread as widely: the figures follow the host's
-    moment, not the number of calls.
+    Each figure is the median of `runs` probe runs: one probe run's figures move from run to run
+    with the host's moment, not with the number of calls (a longer run spreads as widely), and every
+    run of a sweep inherits its probe's error in one direction.
 
     `pin_cores=off` probes with the two ranks' threads left where the kernel puts them, as in a
     run with more ranks than cores (bench/virtual_time.py prints the contention replays on it beside

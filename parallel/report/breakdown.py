@@ -1,7 +1,7 @@
 """Where each step's time goes, per rank: compute, exposed communication, bubble, optimizer, other.
 
 A rank's step is tiled by the phases its strategy marks (report/phases.py), and the communication
-log keeps the step's calls as spans (dist/comm.py). Every span during which the rank was blocked
+log keeps the step's calls as spans (dist/commlog.py). Every span during which the rank was blocked
 (a blocking call, or the wait for an async one) is taken out of the phase it fell in, and counted
 on its own:
 

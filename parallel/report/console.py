@@ -17,7 +17,15 @@ def step_line(step: int, loss: float, seconds: float, sent_bytes: float, tokens_
 
 
 def log_summary(summary: dict) -> None:
-    comm, expected = summary["comm"], summary["expected_comm"]
+    """The run in a few lines: speed, MFU, memory, the families' own figures, where the time went,
+    and the traffic against its closed form."""
+    speed_lines(summary)
+    family_lines(summary)
+    breakdown_line(summary)
+    traffic_lines(summary)
+
+
+def speed_lines(summary: dict) -> None:
     log.info(
         "done: %d steps | final loss %.4f | median step %.1f ms | %.0f tokens/s | peak memory %.1f MB",
         summary["steps"], summary["losses"][-1], summary["step_time_s"] * 1e3, summary["tokens_per_s"],
@@ -35,6 +43,10 @@ def log_summary(summary: dict) -> None:
     log.info("model state per rank (params + grads + optimizer, bytes): measured %s | formula %s",
              [r["total_bytes"] for r in memory["by_rank"]],
              memory["formula"]["total_bytes"] if memory["formula"] else "none for this layout")
+
+
+def family_lines(summary: dict) -> None:
+    """The pipeline's bubble against its closed form; the experts' routing and all-to-all."""
     if "pipeline" in summary:
         pipe = summary["pipeline"]
         closed = pipe["bubble_closed_form"]  # None where the schedule claims no closed form (ZB-V below m = 2p-1)
@@ -52,7 +64,11 @@ def log_summary(summary: dict) -> None:
             verdict = "= the routing's exact figure every step" if a2a["matches_exact_every_step"] else "MISMATCH"
             log.info("all-to-all per step (all ranks): %.3f MB %s | uniform routing %.3f MB",
                      a2a["measured_bytes_by_step"][-1] / 1e6, verdict, a2a["uniform_bytes_per_step"] / 1e6)
-    breakdown_line(summary)
+
+
+def traffic_lines(summary: dict) -> None:
+    """The step's bytes against theory, by op and by group, and tp's collectives per layer."""
+    comm, expected = summary["comm"], summary["expected_comm"]
     log.info(
         "traffic per step (all ranks): %.3f MB sent, theory %.3f MB (%s) | exposed comm %.1f ms/step",
         comm["sent_bytes_per_step"] / 1e6, expected["sent_bytes_per_step"] / 1e6,

@@ -1,7 +1,7 @@
 """Every run's last step on one time axis: trace.json (Perfetto, chrome://tracing) and timeline.png.
 
 Each rank sends rank 0 its last step: the phases its strategy marked (report/phases.py) and the
-communication log's spans of that step (dist/comm.py), in seconds from the rank's own step start,
+communication log's spans of that step (dist/commlog.py), in seconds from the rank's own step start,
 with that start's wall-clock time, which places the ranks of one machine on one axis.
 
 trace.json (Chrome's trace event format, which Perfetto opens): one process per global rank,

@@ -48,6 +48,35 @@ def close(a: dict, b: dict, what: str) -> None:
                                    msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
+def step(strategy, batches: GlobalBatches, k: int) -> None:
+    batch = batches(k)
+    strategy.train_step(local_microbatches(batch, 0, 1, MICROBATCHES), batch.n_tokens)
+
+
+def ref_state(ref: SingleProcess) -> tuple[dict, dict]:
+    """The single process's parameters and AdamW moments by name."""
+    named = dict(ref.model.named_parameters())
+    moments = {n: {k: ref.optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")} for n, p in named.items()}
+    return {n: p.detach() for n, p in named.items()}, moments
+
+
+def check_gathered(params: dict, optim: dict, ref: SingleProcess) -> None:
+    """1. The gathered dicts after two steps are the single process's (rank 0)."""
+    ref_params, ref_moments = ref_state(ref)
+    assert optim["step"] == 2 == ref.optimizer.step_count
+    close(params, ref_params, "params")
+    for k in ("exp_avg", "exp_avg_sq"):
+        close({n: s[k] for n, s in optim["state"].items()}, {n: s[k] for n, s in ref_moments.items()}, k)
+
+
+def check_reloaded(again: dict, again_optim: dict, params: dict, optim: dict) -> None:
+    """2. What a strategy that loaded the dicts gathers back is exactly the dicts (rank 0)."""
+    assert again_optim["step"] == 2
+    assert all(torch.equal(again[n], params[n]) for n in params)
+    for n, s in optim["state"].items():
+        assert all(torch.equal(again_optim["state"][n][k], s[k]) for k in s), n
+
+
 def main() -> None:
     env = LaunchEnv.from_environ()
     torch.set_num_threads(1)
@@ -62,32 +91,19 @@ def main() -> None:
     def build(seed: int) -> PipelineParallel:
         return build_mesh3d(GPT(CFG, seed=seed), plan, ctx)
 
-    def step(strategy, k: int) -> None:
-        batch = batches(k)
-        strategy.train_step(local_microbatches(batch, 0, 1, MICROBATCHES), batch.n_tokens)
-
     ref = None
     if ctx.is_rank0:
         model = GPT(CFG, seed=SEED)
         ref = SingleProcess(model, make_optimizer(model, LR, WD))
 
-    def ref_state() -> tuple[dict, dict]:
-        named = dict(ref.model.named_parameters())
-        moments = {n: {k: ref.optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")} for n, p in named.items()}
-        return {n: p.detach() for n, p in named.items()}, moments
-
     strategy = build(SEED)
     for k in range(2):
-        step(strategy, k)
+        step(strategy, batches, k)
         if ref is not None:
-            step(ref, k)
+            step(ref, batches, k)
     params, optim = strategy.full_state_dict(), strategy.full_optimizer_state()
     if ctx.is_rank0:
-        ref_params, ref_moments = ref_state()
-        assert optim["step"] == 2 == ref.optimizer.step_count
-        close(params, ref_params, "params")
-        for k in ("exp_avg", "exp_avg_sq"):
-            close({n: s[k] for n, s in optim["state"].items()}, {n: s[k] for n, s in ref_moments.items()}, k)
+        check_gathered(params, optim, ref)
 
     # Every rank gets the whole dicts (here from rank 0, as a checkpoint reader would give them).
     world = ctx.comm("world")
@@ -96,15 +112,12 @@ def main() -> None:
     restored.load_full_state(params, optim)
     again, again_optim = restored.full_state_dict(), restored.full_optimizer_state()
     if ctx.is_rank0:
-        assert again_optim["step"] == 2
-        assert all(torch.equal(again[n], params[n]) for n in params)
-        for n, s in optim["state"].items():
-            assert all(torch.equal(again_optim["state"][n][k], s[k]) for k in s), n
-    step(restored, 2)
+        check_reloaded(again, again_optim, params, optim)
+    step(restored, batches, 2)
     final = restored.full_state_dict()
     if ctx.is_rank0:
-        step(ref, 2)
-        close(final, ref_state()[0], "params")
+        step(ref, batches, 2)
+        close(final, ref_state(ref)[0], "params")
         print("mesh3d state check: ok", flush=True)
     restored.close()
     strategy.close()

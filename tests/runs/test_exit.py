@@ -23,8 +23,8 @@ def test_repeated_four_rank_runs_all_exit_cleanly(preset, tmp_path):
     failures = []
     for i in range(REPEATS):
         run = run_train(4, ["model=tiny", "train.steps=2", "train.warmup_steps=1", "data.max_bytes=100000",
-                            f"parallel={preset}", "parallel.bucket_mb=0.1", "train.peak_flops=1e11", "run.timeline=false",
-                            *GIVEN_LOOPBACK],
+                            f"parallel={preset}", "parallel.bucket_mb=0.1", "train.peak_flops=1e11",
+                            "run.timeline=false", *GIVEN_LOOPBACK],
                         tmp_path / f"run{i}", timeout=120)
         if run.returncode != 0 or "terminate called" in run.stderr or not (run.run_dir / "summary.json").exists():
             failures.append((i, run.returncode, run.stderr[-1500:]))

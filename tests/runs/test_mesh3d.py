@@ -56,46 +56,11 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
         == (sp, m, v, schedule)
     check_matches_single(run, single_run)
     check_grads_match_single(run, single_run)
-
-    comm, expected = s["comm"], s["expected_comm"]
-    assert s["comm_matches_theory"] is True and comm["steady"] is True
-    assert set(comm["by_op"]) == set(expected["by_op"])
-    for op, e in expected["by_op"].items():
-        assert comm["by_op"][op]["sent_bytes"] == e["sent_bytes"], op
-        assert comm["by_op"][op]["payload_bytes"] == e["payload_bytes"], op
-    assert set(comm["by_group"]) == set(expected["by_group"])
-    for group, e in expected["by_group"].items():
-        assert comm["by_group"][group]["sent_bytes"] == e["sent_bytes"], group
-    dims = ParallelDims.resolve(world, dp=d, tp=t, pp=p)
-    by_stage = expected["sent_bytes_per_rank_by_stage"]
-    assert comm["by_rank"] == [by_stage[dims.coordinates(r)["pp"]] for r in range(world)]
+    dims = check_bytes_equal_theory(s, world, layout)
     assert s["model"]["local_parameters"] == s["model"]["local_params_formula"]
     # One stage: every rank holds its tp shard's parameters, gradients and Adam state, 16·Ψ_t bytes.
     assert s["memory"]["matches_formula"] is (True if p == 1 else None)
-
-    # A block's tp collectives run on the d·t ranks of its stage only, m times per direction.
-    by = comm["by_tag_op"]
-    for i in range(L):
-        calls = sum(c["calls"] for c in by[f"tp/blocks.{i}.mlp/fwd"].values())
-        assert calls == (2 if sp else 1) * m * d * t, (i, calls)
-    assert by["tp/loss/fwd"]["all_reduce"]["calls"] == 3 * m * d * t  # the last stage only
-    b = 16 // (d * m)
-    sharded = "parallel.tp_saves=sharded" in overrides
-    # Sharded saving: each region's input (attention, MLP, the head) all-gathered once more in backward, b·s·h.
-    regathers = [f"tp/blocks.{i}.{part}/regather" for i in range(L) for part in ("attn", "mlp")] + ["tp/head/regather"]
-    for tag in regathers:
-        if sharded:
-            gathers = by[tag]["all_gather"]
-            assert (gathers["calls"], gathers["payload_bytes"]) == (m * d * t, m * d * t * b * 32 * 64 * 4), tag
-        else:
-            assert tag not in by, tag
-    if sharded:  # and what each rank saves for backward is the formula's, to the byte (per stage: they differ)
-        assert s["memory"]["activations_match_theory"] is True
-    if p > 1:
-        # Boundary activations: b·s·h, or each tp rank's b·(s/t)·h piece under sequence parallelism.
-        sends = comm["by_op"]["send"]
-        assert sends["payload_bytes"] == sends["calls"] * b * (32 // t if sp else 32) * 64 * 4
-        assert sends["calls"] == 2 * m * (v * p - 1) * d * t
+    check_tp_and_pp_calls(s, layout, sp, m, v, sharded="parallel.tp_saves=sharded" in overrides)
 
     plans = build_schedule(schedule, p, m, v)
     executed = s["pipeline"]["executed_by_rank"]
@@ -112,6 +77,53 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
     groups = {e["args"]["group"] for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] in (1, 2)}
     assert {"tp", *(["dp"] if d > 1 else []), *(["pp"] if p > 1 else [])} <= groups
     assert (run.run_dir / "timeline.png").exists() is bool(timeline)
+
+
+def check_bytes_equal_theory(s: dict, world: int, layout: tuple) -> ParallelDims:
+    """The bytes per step equal parallel/compose/theory.py's op by op, group by group and rank by
+    rank; returns the run's dimensions."""
+    comm, expected = s["comm"], s["expected_comm"]
+    assert s["comm_matches_theory"] is True and comm["steady"] is True
+    assert set(comm["by_op"]) == set(expected["by_op"])
+    for op, e in expected["by_op"].items():
+        assert comm["by_op"][op]["sent_bytes"] == e["sent_bytes"], op
+        assert comm["by_op"][op]["payload_bytes"] == e["payload_bytes"], op
+    assert set(comm["by_group"]) == set(expected["by_group"])
+    for group, e in expected["by_group"].items():
+        assert comm["by_group"][group]["sent_bytes"] == e["sent_bytes"], group
+    d, t, p = layout
+    dims = ParallelDims.resolve(world, dp=d, tp=t, pp=p)
+    by_stage = expected["sent_bytes_per_rank_by_stage"]
+    assert comm["by_rank"] == [by_stage[dims.coordinates(r)["pp"]] for r in range(world)]
+    return dims
+
+
+def check_tp_and_pp_calls(s: dict, layout: tuple, sp: bool, m: int, v: int, sharded: bool) -> None:
+    """A block's tp collectives run on the d·t ranks of its stage only, m times per direction; with
+    sharded saving each region's input is gathered again in backward; the boundary sends' bytes."""
+    d, t, p = layout
+    comm = s["comm"]
+    by = comm["by_tag_op"]
+    for i in range(L):
+        calls = sum(c["calls"] for c in by[f"tp/blocks.{i}.mlp/fwd"].values())
+        assert calls == (2 if sp else 1) * m * d * t, (i, calls)
+    assert by["tp/loss/fwd"]["all_reduce"]["calls"] == 3 * m * d * t  # the last stage only
+    b = 16 // (d * m)
+    # Sharded saving: each region's input (attention, MLP, the head) all-gathered once more in backward, b·s·h.
+    regathers = [f"tp/blocks.{i}.{part}/regather" for i in range(L) for part in ("attn", "mlp")] + ["tp/head/regather"]
+    for tag in regathers:
+        if sharded:
+            gathers = by[tag]["all_gather"]
+            assert (gathers["calls"], gathers["payload_bytes"]) == (m * d * t, m * d * t * b * 32 * 64 * 4), tag
+        else:
+            assert tag not in by, tag
+    if sharded:  # and what each rank saves for backward is the formula's, to the byte (per stage: they differ)
+        assert s["memory"]["activations_match_theory"] is True
+    if p > 1:
+        # Boundary activations: b·s·h, or each tp rank's b·(s/t)·h piece under sequence parallelism.
+        sends = comm["by_op"]["send"]
+        assert sends["payload_bytes"] == sends["calls"] * b * (32 // t if sp else 32) * 64 * 4
+        assert sends["calls"] == 2 * m * (v * p - 1) * d * t
 
 
 # -- ZeRO-1/2 as the dp dimension (parallel.zero) ------------------------------------------------------
@@ -152,35 +164,8 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
         check_grads_match_single(run, single_run)  # the dp shards gathered, and every tp replica complete
     else:
         check_step0_grads_match(run, single_run)
-
-    comm, expected = s["comm"], s["expected_comm"]
-    assert s["comm_matches_theory"] is True and comm["steady"] is True
-    assert set(comm["by_op"]) == set(expected["by_op"])
-    for op, e in expected["by_op"].items():
-        assert (comm["by_op"][op]["sent_bytes"], comm["by_op"][op]["payload_bytes"]) \
-            == (e["sent_bytes"], e["payload_bytes"]), op
-    for group, e in expected["by_group"].items():
-        assert comm["by_group"][group]["sent_bytes"] == e["sent_bytes"], group
-    dims = ParallelDims.resolve(world, dp=d, tp=t, pp=p)
-    by_stage = expected["sent_bytes_per_rank_by_stage"]
-    assert comm["by_rank"] == [by_stage[dims.coordinates(r)["pp"]] for r in range(world)]
-
-    # Over dp, written out: each rank reduce-scatters its stage's padded parts once per step (ZeRO-1)
-    # or per microbatch (ZeRO-2) and all-gathers them once, (d-1)/d of each, 4 bytes an element;
-    # no dp all-reduce. The tiny model's parts are multiples of 2: no padding at dp 2.
-    scatters = 1 if zero == 1 else m
-    padded = [sum(-(-n // d) * d for n in stage_parts(t, p, r)) for r in range(p)]
-    dp_bytes = sum(Fraction(d - 1, d) * (scatters + 1) * 4 * pad for pad in padded) * d * t
-    assert comm["by_group"]["dp"]["sent_bytes"] == float(dp_bytes) == expected["by_group"]["dp"]["sent_bytes"]
-    by_tag = comm["by_tag"]
-    assert not any(tag.startswith("grads/") for tag in by_tag)
-    for r in range(p):
-        for part in ((["embed"] if r == 0 else []) + [f"blocks.{i}" for i in range(r * L // p, (r + 1) * L // p)]
-                     + (["head"] if r == p - 1 else [])):
-            assert by_tag[f"zero/grad_reduce_scatter/{part}"]["calls"] == scatters * d * t, part
-            assert by_tag[f"zero/param_all_gather/{part}"]["calls"] == d * t, part
-    if sp:
-        assert by_tag["tp/sp_grads"]["calls"] == world  # summed over tp before the reduce-scatter
+    dims = check_bytes_equal_theory(s, world, layout)
+    padded = check_zero_dp_calls(s, layout, zero, sp, m, world)
 
     # Every rank holds its stage's parameters and 1/d of their Adam state (ZeRO-2: 1/d of the
     # gradients too), measured from its tensors.
@@ -200,6 +185,29 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
                                       tmp_path / "resumed"))
         assert resumed["first_step"] == 3
         assert max_rel_diff(resumed["losses"], single_run.summary["losses"][3:]) < 1e-5
+
+
+def check_zero_dp_calls(s: dict, layout: tuple, zero: int, sp: bool, m: int, world: int) -> list[int]:
+    """ZeRO's traffic over dp, written out, part by part; returns each stage's padded element count."""
+    d, t, p = layout
+    comm, expected = s["comm"], s["expected_comm"]
+    # Over dp, written out: each rank reduce-scatters its stage's padded parts once per step (ZeRO-1)
+    # or per microbatch (ZeRO-2) and all-gathers them once, (d-1)/d of each, 4 bytes an element;
+    # no dp all-reduce. The tiny model's parts are multiples of 2: no padding at dp 2.
+    scatters = 1 if zero == 1 else m
+    padded = [sum(-(-n // d) * d for n in stage_parts(t, p, r)) for r in range(p)]
+    dp_bytes = sum(Fraction(d - 1, d) * (scatters + 1) * 4 * pad for pad in padded) * d * t
+    assert comm["by_group"]["dp"]["sent_bytes"] == float(dp_bytes) == expected["by_group"]["dp"]["sent_bytes"]
+    by_tag = comm["by_tag"]
+    assert not any(tag.startswith("grads/") for tag in by_tag)
+    for r in range(p):
+        for part in ((["embed"] if r == 0 else []) + [f"blocks.{i}" for i in range(r * L // p, (r + 1) * L // p)]
+                     + (["head"] if r == p - 1 else [])):
+            assert by_tag[f"zero/grad_reduce_scatter/{part}"]["calls"] == scatters * d * t, part
+            assert by_tag[f"zero/param_all_gather/{part}"]["calls"] == d * t, part
+    if sp:
+        assert by_tag["tp/sp_grads"]["calls"] == world  # summed over tp before the reduce-scatter
+    return padded
 
 
 # -- the checkpoint interface, in one process: cutting needs no collective ---------------------------

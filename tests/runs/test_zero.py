@@ -215,7 +215,8 @@ def test_sharded_presets_are_pure_data_parallel(preset):
 
 def test_checkpoint_interface_round_trip():
     """full_state_dict / full_optimizer_state / load_full_state of zero1-3, FSDP2 and PyTorch's ZeRO-1/2 at
-    dp 3 (padded parts, uneven FSDP2 chunks, ZeroRedundancyOptimizer's uneven ownership): see tests/helpers/checkpoint_roundtrip.py."""
+    dp 3 (padded parts, uneven FSDP2 chunks, ZeroRedundancyOptimizer's uneven ownership): see
+    tests/helpers/checkpoint_roundtrip.py."""
     import subprocess
     import sys
 

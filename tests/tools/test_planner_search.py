@@ -17,10 +17,10 @@ from parallel.core.shape import ModelShape
 from parallel.planner.cluster import cluster_from_config
 from parallel.planner.enumerate import Space
 from parallel.planner.search import model_state_over, plan_rows
-from parallel.pp.theory import schedule_makespan as pipeline_makespan
 from parallel.pp.actions import SEND_B, SEND_F, B, F, W
 from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule, schedule_placement
 from parallel.pp.simulator import simulate
+from parallel.pp.theory import schedule_makespan as pipeline_makespan
 from parallel.registry import REGISTRY
 
 
