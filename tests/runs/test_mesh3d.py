@@ -25,6 +25,7 @@ from parallel.compose.mesh3d import build_mesh3d
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import ParallelDims
 from parallel.pp.schedules import build_schedule
+from parallel.registry import layout_of
 from parallel.tp.layers import parallelize_tp
 
 L = 4  # the tiny model's layers
@@ -216,8 +217,8 @@ CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 
 def _strategy(model, pp_rank, tp_rank, p=2, t=2, dp_comm=None, zero=0):
     # Building reads only the ranks and sizes of the groups; dp_comm None: no dp sync is made.
-    plan = SimpleNamespace(sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b", microbatches=2,
-                           virtual_stages=1, pp_layers=None, lr=1e-3, weight_decay=0.1, zero=zero)
+    layout = layout_of(ParallelDims(p * t, 1, tp=t, pp=p), microbatches=2, grad_sync="naive", zero=zero)
+    plan = SimpleNamespace(layout=layout, microbatches=2, lr=1e-3, weight_decay=0.1)
     comms = {"tp": SimpleNamespace(rank=tp_rank, size=t), "pp": SimpleNamespace(rank=pp_rank, size=p), "dp": dp_comm}
     return build_mesh3d(model, plan, SimpleNamespace(comm=comms.get))
 
