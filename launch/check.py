@@ -22,8 +22,8 @@ def check(nodes: int, nproc_per_node: int, overrides: list[str]) -> str | None:
     from parallel.core.data import DataError
     from parallel.dist.dims import LayoutError
     from parallel.dist.groups import LaunchEnv
-    from parallel.plan import ConfigError, build_plan
     from parallel.reliability.checkpoint import CheckpointError
+    from parallel.run_plan import ConfigError, build_plan
 
     if nodes < 1 or nproc_per_node < 1:
         return f"{nodes} node(s) x {nproc_per_node} process(es) per node: the allocation gives no processes to run"

@@ -67,9 +67,9 @@ from parallel.compare.report import console_table, write_csv, write_json, write_
 from parallel.compare.rounds import aggregate_rounds, round_order
 from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
 from parallel.net.netns import remove_leftovers
-from parallel.plan import model_config
 from parallel.replay.probe import figure_overrides, given_figures, measure_once
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
+from parallel.run_plan import model_config
 from parallel.runner import run_one
 
 

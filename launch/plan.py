@@ -9,7 +9,7 @@
 With `parallel=<preset>` (and any parallel.* or train.recompute override launch.train takes) it
 evaluates that one layout, no search (parallel/planner/one.py): the row and its breakdown.
 
-For each layout that plan.py accepts (parallel/planner/enumerate.py), memory per device by kind
+For each layout that run_plan.py accepts (parallel/planner/enumerate.py), memory per device by kind
 (parallel/planner/memory.py), bytes per step inside and between nodes (the families' closed forms, split by
 parallel/planner/links.py), and step time as compute, exposed communication and bubble
 (parallel/planner/timing.py); ranked, fits first. Writes plan.json, report.md and two plots to
@@ -36,7 +36,6 @@ from omegaconf import DictConfig, OmegaConf
 from launch.config import CONFIG_DIR
 from parallel.core.shape import ModelShape, ShapeError
 from parallel.dist.dims import LayoutError
-from parallel.plan import ConfigError
 from parallel.planner import plots
 from parallel.planner.cluster import GIB, ClusterError, cluster_from_config
 from parallel.planner.enumerate import Enumeration, Space
@@ -53,6 +52,7 @@ from parallel.planner.validate import (
     validate_rows,
 )
 from parallel.registry import parse_options
+from parallel.run_plan import ConfigError
 
 PLAN_ERRORS = (ConfigError, LayoutError, ShapeError, ClusterError, ValidationError)
 
@@ -146,7 +146,7 @@ def main_plan(cfg: DictConfig) -> Path:
     _write_plan(run_dir, meta, rows, validation, cluster, p.top)
     print(f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts, "
           f"{sum(1 for r in rows if r['fits'])} fit in {cluster.usable_bytes / GIB:.1f} GiB usable per device "
-          f"({found.requests} requests, {sum(found.refused.values())} refused by plan.py; {found.pruned} more not "
+          f"({found.requests} requests, {sum(found.refused.values())} refused by run_plan.py; {found.pruned} more not "
           "asked: their model state alone is over the device)")
     print(console_table(rows, p.top))
     if validation is not None:

@@ -95,8 +95,8 @@ def check_plan(cfg: DictConfig, spec: NetSpec):
     from parallel.core.data import DataError
     from parallel.dist.dims import LayoutError
     from parallel.dist.groups import LaunchEnv
-    from parallel.plan import ConfigError, build_plan
     from parallel.reliability.checkpoint import CheckpointError
+    from parallel.run_plan import ConfigError, build_plan
 
     env = LaunchEnv(rank=0, world_size=spec.world_size, local_rank=0, local_world_size=spec.procs_per_node)
     try:

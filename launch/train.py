@@ -26,9 +26,9 @@ from launch.config import CONFIG_DIR, unknown_preset
 from parallel.core.data import DataError
 from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
-from parallel.plan import ConfigError, build_plan
 from parallel.reliability.checkpoint import CheckpointError
 from parallel.reliability.faults import describe_failure
+from parallel.run_plan import ConfigError, build_plan
 from parallel.train import TrainingStopped, train
 
 CONFIG_ERRORS = (ConfigError, LayoutError, DataError, CheckpointError)

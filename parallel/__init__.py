@@ -21,7 +21,7 @@ and the floors below, never one above. Read it bottom up:
                             (mechanism, strategy.py, rules.py, theory.py, __init__.py with its entries)
     floor 5  composition    compose/ (the recipe that alone knows every family, and the one table of
                             what runs), baselines/ (PyTorch's own), registry.py (every family's entries)
-    floor 6  one run        plan.py (every rule before any process group), train.py, report/,
+    floor 6  one run        run_plan.py (every rule before any process group), train.py, report/,
                             reliability/, runner.py (a run as a child process, bounded in time),
                             replay/ (virtual device time: the step replayed with a device per rank)
     floor 7  tools on runs  compare/ (the sweep), planner/ (what a cluster would do)
@@ -41,7 +41,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("syncs", ("parallel.sync",)),
     ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
     ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry")),
-    ("run", ("parallel.plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner",
+    ("run", ("parallel.run_plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner",
              "parallel.replay")),
     ("tools", ("parallel.compare", "parallel.planner")),
     ("cli", ("launch",)),

@@ -27,7 +27,6 @@ from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutd
 from parallel.dist.timing import StepTimer, count_every_thread
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
-from parallel.plan import ConfigError, RunPlan
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.replay.events import step_record
@@ -45,6 +44,7 @@ from parallel.report.metrics import (
 )
 from parallel.report.summary import build_summary
 from parallel.report.tensorboard import TensorBoardWriter
+from parallel.run_plan import ConfigError, RunPlan
 from parallel.strategy import NonFiniteLoss, Strategy
 
 log = logging.getLogger("parallel")

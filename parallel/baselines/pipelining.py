@@ -46,7 +46,7 @@ def torch_schedule_class(schedule: str):
 
 
 def check_torch_schedule(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
-    """What torch refuses beyond our schedule's own rules (plan.py asks before any process group):
+    """What torch refuses beyond our schedule's own rules (run_plan.py asks before any process group):
     ScheduleInterleavedZeroBubble runs microbatches in rounds of max(1, m // p) and needs m to be a
     multiple of the number of rounds (torch 2.13, schedules.py)."""
     if schedule not in torch_schedules():

@@ -1,4 +1,4 @@
-"""The refusals of PyTorch's own strategies, checked by plan.py before any process group.
+"""The refusals of PyTorch's own strategies, checked by run_plan.py before any process group.
 
 What torch's implementation does not do here, said in the project's words: DTensor tensor
 parallelism over one rank or under a pipeline, torch.distributed.pipelining beside dp or tp, the

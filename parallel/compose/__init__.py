@@ -1,6 +1,6 @@
 """Composition: the families on one mesh, and the one table of what runs.
 
-  mesh3d.py       the recipe: any dp x cp x tp x pp layout, pipeline stages of tensor-parallel
+  combined.py     the recipe: any dp x cp x tp x pp layout, pipeline stages of tensor-parallel
                   blocks with context-parallel attention, dp or ZeRO-1/2 on top
   cp_pipeline.py  context parallelism in front of a pipeline (where the cp and pp families meet)
   route.py        the table from a requested strategy, the layout and the ZeRO stage to the entry
@@ -20,10 +20,10 @@ from parallel.spec import StrategySpec
 from parallel.tp.rules import TP_NO_MOE
 
 
-def _build_mesh3d(model, plan, ctx):
-    from parallel.compose.mesh3d import build_mesh3d
+def _build_combined(model, plan, ctx):
+    from parallel.compose.combined import build_combined
 
-    return build_mesh3d(model, plan, ctx)
+    return build_combined(model, plan, ctx)
 
 
 PIPELINE = ("schedule", "virtual_stages", "layers")
@@ -33,15 +33,15 @@ ENTRIES = (
     StrategySpec(
         name="pp",
         description="pipeline parallel: GPipe, 1F1B, interleaved, ZB-H1, ZB-V or DualPipeV, schedules as data",
-        build=_build_mesh3d, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}),
+        build=_build_combined, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}),
         honours={"pp": PIPELINE, "sync": SYNC}, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
         activations=pp_theory.pipeline_activations,
     ),
     StrategySpec(
         name="3d", description="dp x cp x tp x pp on one mesh: tensor-parallel pipeline stages, context-parallel "
         "attention, dp or ZeRO-1/2 on top",
-        build=_build_mesh3d, comm=theory.mesh3d_comm, model_state=theory.mesh3d_first_stage_model_state_bytes,
-        local_parameters=theory.mesh3d_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
+        build=_build_combined, comm=theory.combined_comm, model_state=theory.combined_first_stage_model_state_bytes,
+        local_parameters=theory.combined_first_stage_parameter_count, dims=frozenset({"dp", "cp", "tp", "pp"}),
         # the same parallelize_tp cuts its stages, saved sequence pieces included
         honours={"tp": ("sequence_parallel", "saves"), "pp": PIPELINE, "cp": (), "sync": SYNC}, recompute=True,
         moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}", activations=pp_theory.pipeline_activations,

@@ -2,7 +2,7 @@
 
 The pipeline runner (parallel/pp/executor.py) is fed with this cp rank's tokens only, cut the way
 the cp strategy cuts them (parallel/cp/strategy.py `shard_batch`), so cp composes with tensor and
-pipeline parallelism on one mesh (parallel/compose/mesh3d.py) without either family knowing the other.
+pipeline parallelism on one mesh (parallel/compose/combined.py) without either family knowing the other.
 """
 
 from __future__ import annotations

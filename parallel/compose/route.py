@@ -15,7 +15,7 @@ What the rows mean. Over one rank a dimension cuts nothing: tp over one rank is 
 parallelism over one rank nothing either: the options are dp's defaults), cp over one rank is dp,
 ep over one rank is dp, and dp (or a pipeline) in one plain process is the single run, unless ZeRO
 is asked for, which is then refused: there is nothing to shard over. Tensor, pipeline and context
-parallelism together are the one recipe `3d` (parallel/compose/mesh3d.py). parallel.zero = k picks
+parallelism together are the one recipe `3d` (parallel/compose/combined.py). parallel.zero = k picks
 the dp dimension's sync: on a pure dp layout it is the strategy `zero<k>` (the stage then in the
 name, the option 0); under context parallelism ZeRO-1/2 shard over the dp·cp ranks inside the
 strategy that runs (cp, cp_a2a or 3d); with tp or pp it is the 3d recipe's ZeroOptimizer over the

@@ -6,7 +6,7 @@ one holding the last; the families' own formulas (parallel/tp/theory.py, paralle
 parallel/cp/theory.py) applied to those blocks only. Like every theory file, independent of the
 code it checks: counts from the GPT formula, bytes from the formulas, not from the log.
 
-What each stage sends (`mesh3d_comm`). A rank of stage r holding L_r blocks (over all its chunks)
+What each stage sends (`combined_comm`). A rank of stage r holding L_r blocks (over all its chunks)
 sends per step, with t = tp, d = dp:
 
   tp   the Megatron collectives of *its* blocks only: 4·L_r tensors of b·s·h per microbatch,
@@ -41,7 +41,7 @@ With the sequence piece saved each stage all-gathers, per microbatch, 2 more ten
 block and one for the head (the column-parallel inputs, gathered again in backward). The tp part of
 every stage is tensor parallelism's own per-stage term (`tp_stage_payloads`), the cp part context
 parallelism's (`cp_attention_traffic`), the pp part the pipeline's (`p2p_sent_by_rank`): this
-`mesh3d_comm` only places them on the stages and adds the dp sync.
+`combined_comm` only places them on the stages and adds the dp sync.
 """
 
 from __future__ import annotations
@@ -150,20 +150,20 @@ def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, vi
     return sum(padded(count, n) for count in stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule))
 
 
-def mesh3d_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+def combined_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                                  pp_rank: int = 0, schedule: str = "1f1b") -> int:
     """What one rank of stage `pp_rank` holds: its blocks and ends, cut over tp."""
     return sum(stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule))
 
 
-def mesh3d_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+def combined_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
     """What rank 0 (the first stage's tp rank 0) holds under dp x tp x pp."""
     pipeline = layout.of(PPOptions)
-    return mesh3d_local_parameter_count(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers,
+    return combined_local_parameter_count(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers,
                                         schedule=pipeline.schedule)
 
 
-def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
+def combined_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
                              pp_layers=None, dtype_bytes: int = FP32_BYTES, schedule: str = "1f1b") -> dict:
     """What one rank of stage `pp_rank` holds under dp x tp x pp: plain dp the stage's tp shard Ψ_r
     in full (4 + 4 + 8 bytes per parameter); ZeRO-1 over dp 1/d of its Adam state, ZeRO-2 also 1/d
@@ -173,13 +173,13 @@ def mesh3d_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, z
     return model_state(parts, run_state_bytes(dtype_bytes), zero, replica_group_size(dims))
 
 
-def mesh3d_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict | None:
-    """dp x tp x pp: with one pipeline stage every rank holds the same (`mesh3d_model_state_bytes`);
+def combined_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict | None:
+    """dp x tp x pp: with one pipeline stage every rank holds the same (`combined_model_state_bytes`);
     with several the stages differ, and the summary's one formula is None (per stage, call that)."""
     if layout.dims.pp != 1:
         return None
     pipeline = layout.of(PPOptions)
-    return mesh3d_model_state_bytes(cfg, layout.dims, 0, layout.of(SyncOptions).zero, pipeline.virtual_stages,
+    return combined_model_state_bytes(cfg, layout.dims, 0, layout.of(SyncOptions).zero, pipeline.virtual_stages,
                                     pipeline.layers, layout.dtype_bytes, pipeline.schedule)
 
 
@@ -220,7 +220,7 @@ def chunks_per_rank(layout: Layout) -> int:
 
 
 # -- what each stage sends ------------------------------------------------------------------------------
-def mesh3d_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def combined_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """dp x tp x pp (with a plain or ZeRO dp dimension): every rank's traffic, stage by stage, then
     summed over the d·t ranks of each. See the module's docstring for the terms
     of each stage, each a family's own formula placed on the stage.

@@ -28,7 +28,7 @@ class ForwardContext:
 
     def __init__(self, precision: str, device: torch.device):
         if precision not in PRECISIONS:
-            # plan.py refuses it first
+            # run_plan.py refuses it first
             raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         self.precision = precision
         self.device_type = device.type

@@ -2,7 +2,7 @@
 
   strategy.py   the strategy `dp`: the model, an optimizer and one of the all-reduce syncs
                 (parallel/sync/allreduce.py: naive, or DDP's buckets) over the dp group
-  rules.py      its refusals (the sync's name), checked by plan.py before any process group
+  rules.py      its refusals (the sync's name), checked by run_plan.py before any process group
   theory.py     its closed forms: traffic 2(n − 1)/n·Ψ·4 per step, the replicated model state
 
 The entry `dp` is below; derivations in docs/theory/data-parallel.md.

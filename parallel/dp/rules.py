@@ -1,4 +1,4 @@
-"""Data parallelism's refusals, checked by plan.py before any process group.
+"""Data parallelism's refusals, checked by run_plan.py before any process group.
 
 The layout rules that every data-parallel entry shares (world size, the dimensions it splits along)
 are the registry's, read from the entries' fields (parallel/registry.py); what is left here is the

@@ -1,4 +1,4 @@
-"""Expert parallelism's refusals, checked by plan.py before any process group.
+"""Expert parallelism's refusals, checked by run_plan.py before any process group.
 
 `ep` runs inside data parallelism only: tensor parallelism has no cut for an MoE block, a pipeline
 stage cannot back-propagate its blocks' balancing loss, and context parallelism would route pieces

@@ -3,7 +3,7 @@
     shape.py      the model: the sandbox GPT's fields, and grouped-query attention, gated MLP width,
                   tied head, RMSNorm, rotary positions for shapes the GPT does not have
     cluster.py    the devices and their two link classes (conf/cluster/, datasheet figures)
-    enumerate.py  every layout plan.py accepts, over the registry's entries and their layout rules
+    enumerate.py  every layout run_plan.py accepts, over the registry's entries and their layout rules
     memory.py     parameters, gradients, optimizer state, saved activations (exact for this GPT), buffers
     links.py      which of a group's bytes stay in a node and which cross between nodes
     traffic.py    bytes per group and link class, from the registry's closed forms (the families' theory.py)

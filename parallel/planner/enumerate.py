@@ -1,4 +1,4 @@
-"""Every valid layout of N devices, as plan.py itself decides validity.
+"""Every valid layout of N devices, as run_plan.py itself decides validity.
 
 The search runs over the registry and the families, not over lists of names: for each entry that
 is not a PyTorch baseline (a baseline is another implementation of a layout its counterpart already
@@ -10,12 +10,12 @@ config has it. A strategy registered later enters with its entry and its layout 
 family's new option with its search, with no change here.
 
 Each request becomes a training config (the base config of conf/config.yaml with the model's GPT
-fields and the request's parallel.* fields) and goes through `parallel.plan.build_plan`, the
+fields and the request's parallel.* fields) and goes through `parallel.run_plan.build_plan`, the
 function launch.train calls before any process group exists: what it refuses is refused here,
 with its message (counted by reason for the report), after one second try where a family says
 what to try instead (`Family.fallback`: the naive sync where the bucketed one is refused); what it
 accepts is resolved to the strategy that would run (registry routing: `parallel=tp` with pp > 1 runs
-as 3d, `dp` with zero=2 as zero2) and deduplicated. Beyond plan.py, the planner adds one rule for
+as 3d, `dp` with zero=2 as zero2) and deduplicated. Beyond run_plan.py, the planner adds one rule for
 shapes the sandbox GPT does not have: grouped-query attention splits K and V heads whole, so tp
 must divide the kv heads.
 """
@@ -33,8 +33,8 @@ from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.family import Search
 from parallel.layout import FamilyOptions
-from parallel.plan import ConfigError, RunPlan, build_plan, check_recompute
 from parallel.registry import REGISTRY, fallback, identity, option_choices, request_fields, resolve
+from parallel.run_plan import ConfigError, RunPlan, build_plan, check_recompute
 from parallel.sync import all_reduce_sync
 from parallel.sync.options import SyncOptions
 
@@ -93,7 +93,7 @@ class Candidate:
 @dataclass
 class Enumeration:
     candidates: list[Candidate]
-    refused: Counter  # plan.py's (or the shape rule's) message -> how many requests it refused
+    refused: Counter  # run_plan.py's (or the shape rule's) message -> how many requests it refused
     requests: int
     pruned: int = 0  # requests not asked: their model state alone is over the device (`beyond`)
 
@@ -161,7 +161,7 @@ def _requests(spec, world: int, global_batch: int, space: Space, has_recompute: 
         if not all(choices):
             continue
         if global_batch % dims["dp"]:
-            yield {**dims, "microbatches": 1}, None  # plan.py refuses it with its own message
+            yield {**dims, "microbatches": 1}, None  # run_plan.py refuses it with its own message
             continue
         local = global_batch // dims["dp"]
         # The first family's records (the pipeline's schedules) vary slowest, then the microbatches:
@@ -183,7 +183,7 @@ def _config(base: dict, name: str, request: dict) -> Config:
 
 
 def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
-    """The planner's one rule beyond plan.py: tp must divide the K/V heads (grouped-query attention)."""
+    """The planner's one rule beyond run_plan.py: tp must divide the K/V heads (grouped-query attention)."""
     t = plan.dims.tp
     if t > 1 and shape.kv_heads % t:
         return (f"model.n_kv_heads={shape.kv_heads} is not divisible by parallel.tp={t}: grouped-query attention "

@@ -3,7 +3,7 @@
 `python -m launch.plan ... parallel=3d parallel.tp=8 parallel.pp=2 parallel.microbatches=64
 train.recompute=full` takes the same overrides launch.train takes (a conf/parallel/ preset and its
 parallel.* fields, train.recompute); dp is what the world leaves, as launch.train derives it. The
-layout goes through `parallel.plan.build_plan` (the same refusals a run would meet, one `error:`
+layout goes through `parallel.run_plan.build_plan` (the same refusals a run would meet, one `error:`
 line) and parallel/planner/predict.py, and comes back as the one row a search would have ranked,
 printed with its memory and time breakdown (`breakdown`).
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
 from parallel.dist.groups import LaunchEnv
-from parallel.plan import ConfigError, build_plan
 from parallel.planner.cluster import GIB, Cluster
 from parallel.planner.enumerate import Config, candidate_of, shape_rule
 from parallel.planner.predict import predict_row
 from parallel.planner.search import Preset, preset_for, run_overrides
 from parallel.registry import parse_options, request_fields
+from parallel.run_plan import ConfigError, build_plan
 
 
 def evaluate_layout(shape: ModelShape, base: dict, presets: list[Preset], cluster: Cluster, world: int,

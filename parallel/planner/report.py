@@ -109,7 +109,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         f"sequences of {model['seq_len']} tokens ({meta['tokens_per_step']:,} tokens per step); "
         f"{meta['precision']} training. {len(rows)} valid layouts ({fitting} fit in "
         f"{cluster['usable_gib']:.1f} GiB usable per device), {meta['refused_total']} requests refused by "
-        f"plan.py's rules, {meta.get('pruned', 0)} not asked (their model state alone is over the device); "
+        f"run_plan.py's rules, {meta.get('pruned', 0)} not asked (their model state alone is over the device); "
         "layouts over the device are not timed.",
         "",
         markdown_table(rows, top),
@@ -129,7 +129,7 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
                       f"{order['measured_order']} ({'the same order' if order['same'] else 'not the same order'}).", ""]
     lines += ["## Assumptions", ""] + [f"- **{k}**: {v}" for k, v in meta["assumptions"].items()] + [""]
     if meta.get("refused"):
-        lines += ["## Refused by plan.py (requests per rule)", ""]
+        lines += ["## Refused by run_plan.py (requests per rule)", ""]
         lines += [f"- {n} x {reason}" for reason, n in sorted(meta["refused"].items(), key=lambda kv: -kv[1])[:12]]
         lines += [""]
     lines += [f"![{p}]({p})" for p in plots]

@@ -15,7 +15,7 @@
   theory.py          its closed forms: the p2p bytes per step from the placement alone, the saved
                      activations walked along each rank's list (a schedule's bubble is in its record)
 
-There is no strategy file here: the strategy `pp` is the recipe of parallel/compose/mesh3d.py
+There is no strategy file here: the strategy `pp` is the recipe of parallel/compose/combined.py
 with tp = cp = 1 (stages, the runner, a dp sync on top), so its entry is compose's
 (parallel/compose/__init__.py). Derivations: docs/theory/pipeline.md.
 """

@@ -30,7 +30,7 @@ The runner is given its parts rather than building them: the chunks this rank ho
 optimizer, the gradient sync over dp, how the last stage turns its output into a loss, what
 crosses a boundary, and how its parameters are cut over tp (`shards`: tensor parallelism's `TPShards`,
 which is the identity without tp; the pipeline only calls its gather, local_part and replica_spread).
-parallel/compose/mesh3d.py composes them for `pp` and for dp x tp x pp.
+parallel/compose/combined.py composes them for `pp` and for dp x tp x pp.
 """
 
 from __future__ import annotations

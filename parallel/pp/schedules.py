@@ -35,7 +35,7 @@ The idle times are what the schedules take when each action costs exactly its ti
 are free; the simulator reproduces them exactly for every p <= 8, m <= 16
 (tests/unit/test_pp_zero_bubble.py). Where they come from, with sources: docs/theory/pipeline.md.
 
-Building is cached (`built_schedule`): the planner's search asks plan.py to check the same
+Building is cached (`built_schedule`): the planner's search asks run_plan.py to check the same
 (schedule, p, m, v) thousands of times, and every caller gets fresh lists of the same actions.
 """
 
@@ -181,7 +181,7 @@ SCHEDULES: dict[str, Schedule] = {}
 
 
 def register_schedule(schedule: Schedule) -> Schedule:
-    """Add a schedule: plan.py accepts parallel.schedule=<its name>, the executor runs it, the
+    """Add a schedule: run_plan.py accepts parallel.schedule=<its name>, the executor runs it, the
     simulator and the timeline read it, the planner searches it. A name is registered once."""
     if schedule.name in SCHEDULES:
         raise ValueError(f"schedule {schedule.name!r} is registered twice")

@@ -38,7 +38,7 @@ class ZeroOptimizer(GradSync):
 
     Stage 1 runs the sync's completions (sequence parallelism's sum of partial gradients over tp)
     before its reduce-scatter, since each rank keeps only a shard of the sum. Stage 2 reduces in
-    backward hooks, before any completion could run, so it refuses completions (plan.py refuses
+    backward hooks, before any completion could run, so it refuses completions (run_plan.py refuses
     ZeRO-2 with sequence parallelism first, with the reason).
 
     After construction the parameters are views into per-part flat buffers (their values are

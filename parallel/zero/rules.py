@@ -3,7 +3,7 @@
 parallel.zero sets how the dp dimension syncs. The table of parallel/compose/route.py says which
 entry runs each (requested strategy, layout, stage) and, where none can, names one of the
 refusals below; each says why in one line and how to fix it. ZeRO-2 inside a pipeline of stages
-has a rule of its own (`check_zero_in_pipeline`), which plan.py runs once the layout is resolved.
+has a rule of its own (`check_zero_in_pipeline`), which run_plan.py runs once the layout is resolved.
 All of them run before any process group exists.
 """
 

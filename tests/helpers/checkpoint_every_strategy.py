@@ -36,8 +36,8 @@ from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT
 from parallel.dist.comm import CommLog
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown
-from parallel.plan import build_plan
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
+from parallel.run_plan import build_plan
 
 # FSDP2's checkpoint gathers its full tensors 64 KiB at a time here, not 64 MiB: the tiny model's state
 # (under 1 MB) then takes several all-gathers, and their boundaries are checked against the single run too.

@@ -28,10 +28,10 @@ from parallel.core.model import GPT  # noqa: E402
 from parallel.core.shape import ModelShape  # noqa: E402
 from parallel.dist.comm import CommLog  # noqa: E402
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown  # noqa: E402
-from parallel.plan import build_plan  # noqa: E402
 from parallel.planner.enumerate import zero_stage  # noqa: E402
 from parallel.planner.memory import model_state_bytes  # noqa: E402
 from parallel.report.activations import ActivationMeter  # noqa: E402
+from parallel.run_plan import build_plan  # noqa: E402
 
 # (label, preset, overrides): every registry entry with a formula, pipelines and tp cut several ways (under
 # sequence parallelism saving the column-parallel inputs whole or as pieces: parallel.tp_saves).

@@ -86,7 +86,7 @@ def test_sharded_checkpoint_resumes_on_a_3d_mesh(single_run, tmp_path):
     zero3 = run_train(2, [*TINY, "parallel=zero3", *SAVE], tmp_path / "zero3")
     assert max_rel_diff(assert_ok(zero3)["losses"], single_run.summary["losses"]) < 1e-5
     resumed = run_train(4, [*TINY, "parallel=pp_1f1b", "parallel.tp=2", "parallel.microbatches=2",
-                            f"train.resume={zero3.run_dir}/checkpoints/step_000003"], tmp_path / "mesh3d")
+                            f"train.resume={zero3.run_dir}/checkpoints/step_000003"], tmp_path / "combined")
     summary = assert_ok(resumed)
     assert summary["strategy"] == "3d" and summary["first_step"] == 3
     assert max_rel_diff(summary["losses"], single_run.summary["losses"][3:]) < 1e-5

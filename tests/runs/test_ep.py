@@ -33,8 +33,8 @@ from parallel.moe.theory import (
     ep_model_state_bytes,
     ep_shard_parameter_count,
 )
-from parallel.plan import ConfigError
 from parallel.registry import expected_comm
+from parallel.run_plan import ConfigError
 
 MOE = ["model=tiny_moe", "train.steps=5", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
        "train.peak_flops=1e11", "train.save_final=true", "train.save_grads=true", *GIVEN_LOOPBACK]

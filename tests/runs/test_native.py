@@ -8,8 +8,8 @@ from launcher import TINY, assert_ok, check_matches_single, run_train
 from omegaconf import OmegaConf
 
 from parallel.dist.dims import ParallelDims
-from parallel.plan import model_config
 from parallel.registry import expected_comm
+from parallel.run_plan import model_config
 
 # preset -> extra overrides. World 2 keeps them cheap: torch_tp is dp 1 x tp 2, torch_pp 2 stages
 # x 4 microbatches (interleaved: 2 chunks per rank, one block each).

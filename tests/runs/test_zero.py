@@ -191,7 +191,7 @@ def plan_for(world: int, *overrides: str):
     from launcher import PROJECT_ROOT
 
     from parallel.dist.groups import LaunchEnv
-    from parallel.plan import build_plan
+    from parallel.run_plan import build_plan
 
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=list(overrides))

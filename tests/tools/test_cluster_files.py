@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT, multinode_command
 
 from parallel.dist.groups import LaunchEnv
-from parallel.plan import build_plan
+from parallel.run_plan import build_plan
 
 SBATCH = PROJECT_ROOT / "launch" / "slurm" / "train.sbatch"
 DOCKER = PROJECT_ROOT / "docker"

@@ -28,7 +28,7 @@ from net_launcher import require_network
 
 from launch.config import CONFIG_DIR, unknown_preset
 from parallel.dist.groups import LaunchEnv
-from parallel.plan import build_plan
+from parallel.run_plan import build_plan
 
 BLOCK = re.compile(r"```(?:bash|sh|console)?\n(.*?)```", re.S)
 TOOLS = {"launch.train": "config", "launch.compare": "compare", "launch.run": "run", "launch.plan": "plan"}

@@ -15,7 +15,7 @@ from parallel.core.data import Batch
 from parallel.core.model import GPT, GPTConfig
 from parallel.core.precision import ForwardContext
 from parallel.dist.groups import LaunchEnv, choose_device_type
-from parallel.plan import ConfigError, build_plan
+from parallel.run_plan import ConfigError, build_plan
 from parallel.strategy import SingleProcess, make_optimizer
 from parallel.train import _check_forward_context
 

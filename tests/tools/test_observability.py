@@ -26,9 +26,9 @@ from parallel.compare.rows import COLUMNS, NOISY_SPREAD, failed_row
 from parallel.core.phases import PhaseLog
 from parallel.dist.groups import LaunchEnv
 from parallel.dist.timing import StepClock, default_warmup_steps
-from parallel.plan import build_plan
 from parallel.report.breakdown import WAITING_FOR_SLOWEST, breakdown_notes, rank_step_breakdown, summarize_breakdown
 from parallel.report.trace import chrome_trace, rank_label
+from parallel.run_plan import build_plan
 
 
 def phase(name, start, end, label=""):

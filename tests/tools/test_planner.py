@@ -1,5 +1,5 @@
 """The planner (parallel/planner/, launch/plan.py) without training: its counts against the closed forms,
-its enumeration against plan.py, its bytes per link class against theory's totals, its time model
+its enumeration against run_plan.py, its bytes per link class against theory's totals, its time model
 on a synthetic profile worked out by hand; the command line: test_planner_cli.py.
 
 Activation memory against measured runs: test_planner_memory.py; predictions against runs:
@@ -25,7 +25,6 @@ from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.dp.theory import dp_comm
 from parallel.layout import Layout
-from parallel.plan import ConfigError, build_plan, model_config
 from parallel.planner import memory
 from parallel.planner.cluster import Cluster, ClusterError, cluster_from_config
 from parallel.planner.enumerate import Space, _key, _requests, candidate_of, enumerate_layouts, zero_stage
@@ -35,6 +34,7 @@ from parallel.planner.timing import forward_flops_per_token, step_time
 from parallel.planner.traffic import bytes_by_link, layout_traffic
 from parallel.registry import REGISTRY, StrategySpec, layout_of, register
 from parallel.report.mfu import flops_per_token
+from parallel.run_plan import ConfigError, build_plan, model_config
 from parallel.sync import all_reduce_sync
 from parallel.zero.theory import zero_model_state_bytes
 
@@ -88,7 +88,7 @@ def test_model_state_equals_theory_for_every_stage_and_zero_stage():
             layout = layout_of(dims, zero=zero)
             for r in range(pp):
                 mine = memory.model_state_bytes(shape, layout, zero, "fp32", r)
-                want = compose_theory.mesh3d_model_state_bytes(cfg, dims, r, zero)
+                want = compose_theory.combined_model_state_bytes(cfg, dims, r, zero)
                 assert (mine["params"], mine["grads"], mine["optimizer"]) == \
                     (want["param_bytes"], want["grad_bytes"], want["optimizer_bytes"]), (dp, tp, pp, zero, r)
     for stage in (1, 2, 3):
@@ -134,7 +134,7 @@ def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
             accepted.add(_key(candidate_of(spec.name, plan, request)))
     assert {_key(c) for c in found.candidates} == accepted
     assert sum(found.refused.values()) == refused > 0
-    # The rules that refused them are plan.py's own, in its words.
+    # The rules that refused them are run_plan.py's own, in its words.
     assert any("does not split evenly into parallel.pp x parallel.virtual_stages" in r for r in found.refused)
     assert any(r.startswith("parallel.zero=N does not compose with parallel.tp") for r in found.refused)
 
@@ -316,7 +316,7 @@ def test_this_machine_takes_the_emulated_networks_settings():
 # -- one layout ----------------------------------------------------------------------------------------------
 def test_one_layout_is_the_searchs_row_for_it(base):
     """parallel=<preset> with its overrides: the same row the search ranks for that layout (memory, bytes, time),
-    and plan.py's refusal where a run would meet one."""
+    and run_plan.py's refusal where a run would meet one."""
     from parallel.planner.one import evaluate_layout
     from parallel.planner.search import plan_rows
 

@@ -1,7 +1,7 @@
 """The planner's search at the scale it is built for, and the pipeline timing it runs on.
 
 A 3,072-device search of Megatron's 1008B shape (Narayanan et al. 2021, Table 1) completes and finds
-layouts that fit; what the search leaves out before asking plan.py (`model_state_over`) could not have
+layouts that fit; what the search leaves out before asking run_plan.py (`model_state_over`) could not have
 fitted. The bubble is the schedule's closed form where it claims one and the simulator on the schedule's
 own placement elsewhere: both equal the simulator's makespan, for every registered schedule.
 """

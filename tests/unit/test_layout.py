@@ -9,7 +9,7 @@ import parallel.dist.dims as dims_module
 from parallel.dist.binding import threads_per_rank
 from parallel.dist.dims import DIMS, MESH_DIMS, SIZES, LayoutError, ParallelDims, shared_coordinates
 from parallel.dist.groups import LaunchEnv, choose_backend
-from parallel.plan import ConfigError, build_plan
+from parallel.run_plan import ConfigError, build_plan
 
 
 def plan_for(world: int, *overrides: str):

@@ -1,4 +1,4 @@
-"""Zero-bubble schedules (ZB-H1, ZB-V, DualPipeV) in the rest of the system: the refusals plan.py
+"""Zero-bubble schedules (ZB-H1, ZB-V, DualPipeV) in the rest of the system: the refusals run_plan.py
 gives before any process group, the 3d closed forms on the V against the chunks the model is cut
 into, and the comparison's pairing of each schedule with PyTorch's. No processes.
 """
@@ -13,13 +13,13 @@ from parallel.pp.schedules import schedule_placement
 
 
 def plan_error(world: int, *overrides: str) -> str:
-    """The one-line refusal plan.py gives before any process group (empty if it accepts)."""
+    """The one-line refusal run_plan.py gives before any process group (empty if it accepts)."""
     from hydra import compose, initialize_config_dir
     from launcher import PROJECT_ROOT
 
     from parallel.dist.dims import LayoutError
     from parallel.dist.groups import LaunchEnv
-    from parallel.plan import ConfigError, build_plan
+    from parallel.run_plan import ConfigError, build_plan
 
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["model=tiny", *overrides])
@@ -70,7 +70,7 @@ def test_3d_theory_on_the_v_written_out(d, t, p, m, sp, zero):
     parameters, tp bytes and pp sends, against the chunks split_model gives each rank."""
     from types import SimpleNamespace
 
-    from parallel.compose.theory import mesh3d_local_parameter_count, stage_ends, stage_layers
+    from parallel.compose.theory import combined_local_parameter_count, stage_ends, stage_layers
     from parallel.core.model import GPT, part_of
     from parallel.dist.dims import ParallelDims
     from parallel.pp.split import split_model
@@ -97,7 +97,7 @@ def test_3d_theory_on_the_v_written_out(d, t, p, m, sp, zero):
         first, last = chunks[0].embed is not None, chunks[1].head is not None
         assert (first, last) == ends[r] and sum(len(c.blocks) for c in chunks) == layers[r]
         held = sum(x.numel() for c in chunks for x in c.parameters())
-        assert held == mesh3d_local_parameter_count(cfg, dims, 2, pp_rank=r, schedule="zbv")
+        assert held == combined_local_parameter_count(cfg, dims, 2, pp_rank=r, schedule="zbv")
         acts = (4 * layers[r] + first + last) * m * b * S * H * 4
         loss = 3 * m * b * S * 4 if last else 0
         sp_grads = (6 * H * layers[r] + S * H * first + 2 * H * last) * 4 if sp else 0

@@ -26,9 +26,9 @@ from parallel.cp import theory as cp_theory
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.layout import Layout
-from parallel.plan import ConfigError, build_plan
 from parallel.registry import expected_comm, layout_of
 from parallel.report.activations import ActivationMeter
+from parallel.run_plan import ConfigError, build_plan
 
 MODES = ("none", "selective", "full")
 

@@ -10,7 +10,6 @@ from test_layout import plan_for
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import LayoutError
-from parallel.plan import ConfigError
 from parallel.reliability.checkpoint import (
     CheckpointError,
     checkpoint_meta,
@@ -18,6 +17,7 @@ from parallel.reliability.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from parallel.run_plan import ConfigError
 from parallel.strategy import NonFiniteLoss, SingleProcess, make_optimizer
 
 TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1"]

@@ -303,7 +303,7 @@ def _stage_part_sizes(t, p, v=1):
     (3, 2, 1, 1, 2, 2, False, 2), (3, 2, 2, 1, 2, 2, False, 1),  # dp 3: parts padded to multiples of 3
 ])
 def test_3d_with_zero_dp_written_out(d, t, p, v, b, m, sp, zero):
-    from parallel.compose.theory import mesh3d_model_state_bytes
+    from parallel.compose.theory import combined_model_state_bytes
     dims = ParallelDims.resolve(d * t * p, dp=d, tp=t, pp=p)
     kw = dict(microbatch_size=b, microbatches=m, virtual=v, sequence_parallel=sp)
     plain, fig = expected_comm("3d", CFG, dims, **kw), expected_comm("3d", CFG, dims, **kw, zero=zero)
@@ -323,6 +323,6 @@ def test_3d_with_zero_dp_written_out(d, t, p, v, b, m, sp, zero):
         assert fig["by_group"].get(g) == plain["by_group"].get(g)
     # Each rank holds its padded stage parts' parameters, their gradients (ZeRO-2: 1/d of them) and 1/d of Adam.
     for r in range(p):
-        state = mesh3d_model_state_bytes(CFG, dims, r, zero, v)
+        state = combined_model_state_bytes(CFG, dims, r, zero, v)
         assert (state["param_bytes"], state["grad_bytes"], state["optimizer_bytes"]) == (
             4 * padded[r], 4 * padded[r] // (d if zero == 2 else 1), 8 * padded[r] // d)

@@ -24,9 +24,9 @@ from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
-from parallel.plan import build_plan
 from parallel.planner.memory import block_units
 from parallel.registry import expected_comm, layout_of
+from parallel.run_plan import build_plan
 from parallel.tp.options import TPOptions
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)

@@ -1,4 +1,4 @@
-"""Run under torchrun at world 4 (dp 1 x tp 2 x pp 2) by tests/runs/test_mesh3d.py: the 3d strategy's
+"""Run under torchrun at world 4 (dp 1 x tp 2 x pp 2) by tests/runs/test_combined.py: the 3d strategy's
 checkpoint interface against one process training the same model on the same data.
 
 1. Two steps of parallel=3d, then `full_state_dict()` and `full_optimizer_state()` (gathered over
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from parallel.compose.mesh3d import build_mesh3d
+from parallel.compose.combined import build_combined
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.comm import CommLog
@@ -89,7 +89,7 @@ def main() -> None:
                            microbatches=MICROBATCHES, virtual_stages=1, pp_layers=None, lr=LR, weight_decay=WD, zero=0)
 
     def build(seed: int) -> PipelineParallel:
-        return build_mesh3d(GPT(CFG, seed=seed), plan, ctx)
+        return build_combined(GPT(CFG, seed=seed), plan, ctx)
 
     ref = None
     if ctx.is_rank0:
@@ -118,7 +118,7 @@ def main() -> None:
     if ctx.is_rank0:
         step(ref, batches, 2)
         close(final, ref_state(ref)[0], "params")
-        print("mesh3d state check: ok", flush=True)
+        print("combined state check: ok", flush=True)
     restored.close()
     strategy.close()
     shutdown(ctx)

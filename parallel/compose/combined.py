@@ -28,7 +28,7 @@ The model is built whole from the seed, then transformed in the design's order: 
 parallelism first (`parallelize_tp`, which also names every tp collective after the global layer
 index), then context parallelism (`parallelize_cp`: global positions in the embedding, a cp core
 in every block, over the heads tp left this rank), then the pipeline cut (`split_model`), then the
-dp gradient sync over the stage's own parameters. `build_mesh3d` is a recipe: it makes those parts
+dp gradient sync over the stage's own parameters. `build_combined` is a recipe: it makes those parts
 and hands them to the schedule runner (parallel/pp/executor.py), which knows nothing of tp, cp or
 ZeRO (under cp, `ContextParallelPipeline` only cuts each microbatch to this rank's tokens first).
 With tp = 1 the recipe is plain pipeline parallelism (`parallel=pp`); with pp = 1 it is tp with dp
@@ -55,7 +55,7 @@ from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.regions import sum_sequence_partial_grads
 
 
-def build_mesh3d(model: GPT, plan, ctx) -> PipelineParallel:
+def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
     """dp x cp x tp x pp (any of them 1) from the plan's layout and the run's communicators."""
     tp_comm = ctx.comm("tp") if ctx.comm("tp") is not None and ctx.comm("tp").size > 1 else None
     cp_comm = ctx.comm("cp") if ctx.comm("cp") is not None and ctx.comm("cp").size > 1 else None

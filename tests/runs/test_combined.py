@@ -21,7 +21,7 @@ from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_ma
 from observability import check_time_breakdown, check_trace
 from test_tp import check_grads_match_single
 
-from parallel.compose.mesh3d import build_mesh3d
+from parallel.compose.combined import build_combined
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import ParallelDims
 from parallel.pp.schedules import build_schedule
@@ -220,7 +220,7 @@ def _strategy(model, pp_rank, tp_rank, p=2, t=2, dp_comm=None, zero=0):
     layout = layout_of(ParallelDims(p * t, 1, tp=t, pp=p), microbatches=2, grad_sync="naive", zero=zero)
     plan = SimpleNamespace(layout=layout, microbatches=2, lr=1e-3, weight_decay=0.1)
     comms = {"tp": SimpleNamespace(rank=tp_rank, size=t), "pp": SimpleNamespace(rank=pp_rank, size=p), "dp": dp_comm}
-    return build_mesh3d(model, plan, SimpleNamespace(comm=comms.get))
+    return build_combined(model, plan, SimpleNamespace(comm=comms.get))
 
 
 def test_load_full_state_keeps_each_ranks_own_piece():
@@ -258,16 +258,16 @@ def test_load_full_state_keeps_each_ranks_own_piece():
 def test_full_state_and_optimizer_state_gather_and_reload(tmp_path):
     """Under torchrun at dp 1 x tp 2 x pp 2: gathered parameters and AdamW moments equal one
     process's after the same steps; loaded into a fresh strategy they gather back unchanged, and
-    training goes on from them as the single process does (tests/helpers/mesh3d_state_check.py)."""
+    training goes on from them as the single process does (tests/helpers/combined_state_check.py)."""
     import subprocess
     import sys
 
     from launcher import PROJECT_ROOT
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "helpers" / "mesh3d_state_check.py")]
+           str(PROJECT_ROOT / "tests" / "helpers" / "combined_state_check.py")]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "mesh3d state check: ok" in proc.stdout
+    assert "combined state check: ok" in proc.stdout
 
 
 def test_zero_dp_load_full_state_cuts_the_tp_piece_then_the_dp_shard():
