@@ -17,7 +17,8 @@ median and min-max over the rounds (parallel/compare/rounds.py).
 The report (results.csv, results.json, report.md, PNG plots) goes to `run.dir`
 (default runs/<time>-compare-w<world>), and the short table (120 columns) to the console.
 
-On an emulated network (`net=<preset>`, docs/network.md) each run is `python -m launch.run` on the
+On an emulated network (`net=<preset>`, docs/network.md, docs/network-sweep.md) each run is
+`python -m launch.run` on the
 network's nodes, at its world (parallel/compare/networks.py says how the world is derived and
 which mismatches are refused); the rows gain the network's columns and report.md says, for the
 network, which layout is best and what the others wait on. `compare.nets=[...]` runs the whole

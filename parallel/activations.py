@@ -183,17 +183,17 @@ def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Se
     return ChunkBytes(total, first and views, last and views)
 
 
-def activation_terms(cfg: GPTConfig | ModelShape, layout: Layout) -> dict | None:
+def activation_terms(model: GPTConfig | ModelShape, layout: Layout) -> dict | None:
     """One stage's bytes saved for backward per rank, term by term, at the step's peak
     (docs/theory/memory.md), for the GPT in fp32 without tp: `stage_terms` (None where the model or
     layout is outside what `covers` says, is cut over tp or pipelined, or is not fp32)."""
     dims = layout.dims
-    if not covers(cfg, layout) or dims.tp > 1 or dims.pp > 1 or layout.precision != "fp32":
+    if not covers(model, layout) or dims.tp > 1 or dims.pp > 1 or layout.precision != "fp32":
         return None
-    return stage_terms(cfg, layout, dims.dp * layout.microbatches * layout.microbatch_size)
+    return stage_terms(model, layout, dims.dp * layout.microbatches * layout.microbatch_size)
 
 
-def stage_terms(cfg: GPTConfig | ModelShape, layout: Layout, global_batch: int, act_bytes: int = FP32_BYTES) -> dict:
+def stage_terms(model: GPTConfig | ModelShape, layout: Layout, global_batch: int, act_bytes: int = FP32_BYTES) -> dict:
     """One stage (every block on this rank): `embedding` and `head` with the global batch's storages
     they read, `layer` one block's, and the `peak`. Under L blocks:
 
@@ -203,13 +203,13 @@ def stage_terms(cfg: GPTConfig | ModelShape, layout: Layout, global_batch: int, 
       full       E + L·input + max(H, layer − input): only each block's input is kept, and after
                  the head's backward the last block is recomputed whole (its input already counted)
     """
-    cut, L = layout.cut(act_bytes), _shape(cfg).gpt.n_layers
-    chunk = chunk_bytes(cfg, cut, 0, [L])
-    batch = global_batch_bytes(cfg, global_batch)
-    embedding = embedding_saved_bytes(cfg, cut) + batch * chunk.reads_inputs
-    head = head_saved_bytes(cfg, cut) + batch * chunk.reads_targets
-    terms = block_terms(cfg, cut)
-    layer = block_saved_bytes(cfg, cut)
+    cut, L = layout.cut(act_bytes), _shape(model).gpt.n_layers
+    chunk = chunk_bytes(model, cut, 0, [L])
+    batch = global_batch_bytes(model, global_batch)
+    embedding = embedding_saved_bytes(model, cut) + batch * chunk.reads_inputs
+    head = head_saved_bytes(model, cut) + batch * chunk.reads_targets
+    terms = block_terms(model, cut)
+    layer = block_saved_bytes(model, cut)
     mode = layout.recompute or "none"
     if mode == "none":
         peak = embedding + L * layer + head
@@ -272,14 +272,14 @@ def peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], b
     return peak
 
 
-def activation_bytes(cfg: GPTConfig, layout: Layout) -> list[int] | None:
+def activation_bytes(model: GPTConfig, layout: Layout) -> list[int] | None:
     """The registry's `activations` formula for single, dp, zero1/2, cp and cp_a2a (one stage, no tp,
     fp32): every rank holds the same, `activation_terms(...)["peak"]`."""
-    terms = activation_terms(cfg, layout) if layout.precision == "fp32" else None
+    terms = activation_terms(model, layout) if layout.precision == "fp32" else None
     return None if terms is None else [terms["peak"]] * layout.dims.world_size
 
 
-def registry_activations(cfg: GPTConfig, layout: Layout, global_batch: int | None = None,
+def registry_activations(model: GPTConfig, layout: Layout, global_batch: int | None = None,
                          layers: Sequence[int] | None = None,
                          walk: Sequence[Sequence[tuple[bool, int]]] | None = None) -> list[int] | None:
     """The registry's `activations` formula (summary memory.theory.activation_bytes) for this GPT,
@@ -287,4 +287,4 @@ def registry_activations(cfg: GPTConfig, layout: Layout, global_batch: int | Non
     dp x microbatches x microbatch size."""
     if global_batch is None:
         global_batch = layout.dims.dp * layout.microbatches * layout.microbatch_size
-    return activation_bytes_by_rank(cfg, layout, global_batch, layout.dtype_bytes, layers, walk)
+    return activation_bytes_by_rank(model, layout, global_batch, layout.dtype_bytes, layers, walk)

@@ -28,28 +28,28 @@ def padded(count: int, n: int) -> int:
 
 
 # -- parameter counts -------------------------------------------------------------------------------
-def refuse_moe(cfg: GPTConfig, what: str) -> None:
+def refuse_moe(model: GPTConfig, what: str) -> None:
     """Formulas written for the dense block only: say so rather than return a wrong count."""
-    if cfg.moe_experts:
+    if model.moe_experts:
         raise ValueError(
-            f"theory has no {what} for a mixture-of-experts model (model.moe_experts={cfg.moe_experts}): "
+            f"theory has no {what} for a mixture-of-experts model (model.moe_experts={model.moe_experts}): "
             "they are written for the dense block; use model.moe_experts=0"
         )
 
 
-def expert_parameters(cfg: GPTConfig) -> int:
+def expert_parameters(model: GPTConfig) -> int:
     """One expert: an MLP of the dense shape, 2f·h + f + h (fc h->f and proj f->h with their biases)."""
-    h, f = cfg.d_model, cfg.d_ff
+    h, f = model.d_model, model.d_ff
     return 2 * f * h + f + h
 
 
-def moe_extra_parameters(cfg: GPTConfig) -> int:
+def moe_extra_parameters(model: GPTConfig) -> int:
     """What an MoE block holds beyond the dense block: (E-1) more MLPs of 2f·h + f + h (f = mlp_ratio·h)
     and the router's h·E weights (no bias, as in Switch)."""
-    return (cfg.moe_experts - 1) * expert_parameters(cfg) + cfg.d_model * cfg.moe_experts
+    return (model.moe_experts - 1) * expert_parameters(model) + model.d_model * model.moe_experts
 
 
-def parameter_count(cfg: GPTConfig) -> int:
+def parameter_count(model: GPTConfig) -> int:
     """Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head), V the padded vocabulary,
     plus L_moe·[(E-1)·(8h² + 5h) + h·E] with experts.
 
@@ -57,84 +57,85 @@ def parameter_count(cfg: GPTConfig) -> int:
     bias h), two LayerNorms 4h. The final LayerNorm adds 2h; the untied head V·h (no bias).
     Each of the L_moe MoE blocks holds E MLPs instead of one, and a router of h·E (no bias).
     """
-    V, h, s, L = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.n_layers
+    V, h, s, L = model.padded_vocab_size, model.d_model, model.seq_len, model.n_layers
     # The formula assumes the MLP is 4h wide; a different ratio changes the 12h² + 13h term.
-    mlp = 2 * cfg.mlp_ratio * h * h + cfg.mlp_ratio * h + h
+    mlp = 2 * model.mlp_ratio * h * h + model.mlp_ratio * h + h
     per_layer = 4 * h * h + 4 * h + mlp + 4 * h
-    return V * h + s * h + L * per_layer + 2 * h + V * h + len(cfg.moe_blocks) * moe_extra_parameters(cfg)
+    return V * h + s * h + L * per_layer + 2 * h + V * h + len(model.moe_blocks) * moe_extra_parameters(model)
 
 
-def tp_layer_parameter_count(cfg: GPTConfig, t: int) -> int:
+def tp_layer_parameter_count(model: GPTConfig, t: int) -> int:
     """One dense block on one of t tensor-parallel ranks, f = mlp_ratio·h the MLP width:
 
         4h (two norms) + 3(h² + h)/t (Q, K, V: columns and their bias)
         + h²/t + h (output projection: its input columns, the full bias)
         + (f·h + f)/t (fc: columns and bias) + f·h/t + h (proj: input columns, full bias)
     """
-    h, f = cfg.d_model, cfg.d_ff
+    h, f = model.d_model, model.d_ff
     return 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
 
 
-def embedding_parameter_count(cfg: GPTConfig, t: int = 1) -> int:
+def embedding_parameter_count(model: GPTConfig, t: int = 1) -> int:
     """The embedding on one of t tp ranks: token rows V·h/t (vocab-parallel) and positions s·h (replicated)."""
-    return cfg.padded_vocab_size * cfg.d_model // t + cfg.seq_len * cfg.d_model
+    return model.padded_vocab_size * model.d_model // t + model.seq_len * model.d_model
 
 
-def head_parameter_count(cfg: GPTConfig, t: int = 1) -> int:
+def head_parameter_count(model: GPTConfig, t: int = 1) -> int:
     """The final LayerNorm 2h and the untied head's V·h/t rows (no bias) on one of t tp ranks."""
-    return 2 * cfg.d_model + cfg.padded_vocab_size * cfg.d_model // t
+    return 2 * model.d_model + model.padded_vocab_size * model.d_model // t
 
 
-def tp_shard_parameter_count(cfg: GPTConfig, t: int) -> int:
+def tp_shard_parameter_count(model: GPTConfig, t: int) -> int:
     """Ψ_t, the parameters one tensor-parallel rank holds (Ψ_1 = Ψ):
 
         V·h/t (token rows) + s·h (positions, replicated) + 2h (final norm) + V·h/t (head rows)
         + L·`tp_layer_parameter_count`
     """
-    if cfg.moe_experts:
+    if model.moe_experts:
         if t == 1:
-            return parameter_count(cfg)
-        refuse_moe(cfg, "tensor-parallel shard counts")
-    return embedding_parameter_count(cfg, t) + cfg.n_layers * tp_layer_parameter_count(cfg, t) \
-        + head_parameter_count(cfg, t)
+            return parameter_count(model)
+        refuse_moe(model, "tensor-parallel shard counts")
+    return embedding_parameter_count(model, t) + model.n_layers * tp_layer_parameter_count(model, t) \
+        + head_parameter_count(model, t)
 
 
-def tp_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+def tp_local_parameter_count(model: GPTConfig, layout: Layout) -> int:
     """What rank 0 holds when the model is cut over tp only (Ψ_t; Ψ without tp): the registry's
     `local_parameters` of every strategy that does not pipeline or shard experts."""
-    return tp_shard_parameter_count(cfg, layout.dims.tp)
+    return tp_shard_parameter_count(model, layout.dims.tp)
 
 
-def sequence_sharded_parameter_count(cfg: GPTConfig) -> int:
+def sequence_sharded_parameter_count(model: GPTConfig) -> int:
     """Replicated parameters whose gradient is partial under sequence parallelism: per layer two
     LayerNorms (4h) and two row-parallel biases (2h, added after the reduce-scatter), the final
     LayerNorm (2h) and the position table (s·h, each rank adds only its piece's positions)."""
-    refuse_moe(cfg, "sequence-parallel parameter counts")
-    h, s, L = cfg.d_model, cfg.seq_len, cfg.n_layers
+    refuse_moe(model, "sequence-parallel parameter counts")
+    h, s, L = model.d_model, model.seq_len, model.n_layers
     return L * 6 * h + 2 * h + s * h
 
 
-def part_parameter_counts(cfg: GPTConfig) -> list[int]:
+def part_parameter_counts(model: GPTConfig) -> list[int]:
     """Parameters of each part of the GPT, in forward order: the embedding V·h + s·h, each Block
     12h² + 13h (for an MLP 4h wide; an MoE block (E-1)·(8h² + 5h) + h·E more), the head 2h + V·h
     (final LayerNorm and the untied LM head)."""
-    block = tp_layer_parameter_count(cfg, 1)
-    blocks = [block + (moe_extra_parameters(cfg) if cfg.is_moe_block(i) else 0) for i in range(cfg.n_layers)]
-    return [embedding_parameter_count(cfg), *blocks, head_parameter_count(cfg)]
+    block = tp_layer_parameter_count(model, 1)
+    blocks = [block + (moe_extra_parameters(model) if model.is_moe_block(i) else 0) for i in range(model.n_layers)]
+    return [embedding_parameter_count(model), *blocks, head_parameter_count(model)]
 
 
-def zero_padded_parameter_count(cfg: GPTConfig, n: int) -> int:
+def zero_padded_parameter_count(model: GPTConfig, n: int) -> int:
     """Ψ_pad: ZeRO shards each part's flat buffer, padded to a multiple of the dp size n, so the
     bytes it moves and holds are computed on Σ_parts ceil(Ψ_part / n)·n (Ψ_pad = Ψ for n = 1)."""
-    return sum(padded(count, n) for count in part_parameter_counts(cfg))
+    return sum(padded(count, n) for count in part_parameter_counts(model))
 
 
-def active_parameter_count(cfg: GPTConfig) -> int:
+def active_parameter_count(model: GPTConfig) -> int:
     """Parameters one token's forward multiplies by: Ψ less the E-k experts of each MoE block it does
     not go to, L_moe·(E-k)·(2f·h + f + h) (Ψ for a dense model). The FLOPs per token follow it."""
-    if not cfg.moe_experts:
-        return parameter_count(cfg)
-    return parameter_count(cfg) - len(cfg.moe_blocks) * (cfg.moe_experts - cfg.moe_top_k) * expert_parameters(cfg)
+    if not model.moe_experts:
+        return parameter_count(model)
+    unused = model.moe_experts - model.moe_top_k  # experts each token does not run through
+    return parameter_count(model) - len(model.moe_blocks) * unused * expert_parameters(model)
 
 
 def replica_group_size(dims: ParallelDims) -> int:
@@ -181,7 +182,7 @@ def all_ranks(per_rank: dict[str, tuple[int, Fraction]], ranks: int) -> dict[str
     return {op: (payload * ranks, sent * ranks) for op, (payload, sent) in per_rank.items()}
 
 
-def no_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def no_comm(model: GPTConfig, layout: Layout) -> dict:
     """One process: nothing crosses between ranks."""
     return figure({}, layout.dims.world_size)
 

@@ -251,11 +251,11 @@ def layout_of(dims: ParallelDims | Layout, **options) -> Layout:
     return Layout(dims=dims, options=FamilyOptions.of_records(records), **options)
 
 
-def expected_comm(name: str, cfg: GPTConfig, dims: ParallelDims | Layout, **options) -> dict:
+def expected_comm(name: str, model: GPTConfig, dims: ParallelDims | Layout, **options) -> dict:
     """The closed-form traffic of strategy `name` per step on this model and layout (the summary's expected_comm)."""
-    return spec_of(name).comm(cfg, layout_of(dims, **options))
+    return spec_of(name).comm(model, layout_of(dims, **options))
 
 
-def model_state_bytes(name: str, cfg: GPTConfig, dims: ParallelDims | Layout, **options) -> dict | None:
+def model_state_bytes(name: str, model: GPTConfig, dims: ParallelDims | Layout, **options) -> dict | None:
     """The closed-form model-state bytes per rank of strategy `name` (None where it has no one formula)."""
-    return spec_of(name).model_state(cfg, layout_of(dims, **options))
+    return spec_of(name).model_state(model, layout_of(dims, **options))

@@ -112,29 +112,30 @@ class RunPlan:
 
 
 
-def model_config(cfg) -> GPTConfig:
+def model_config(section) -> GPTConfig:
+    """The model config from the cfg's `model` section."""
     # Presets of shapes the GPT does not have (grouped-query attention, a gated MLP: conf/model/llama3_*)
     # are the planner's; training one would silently build a different model.
     from parallel.core.shape import ShapeError, untrainable_reason
 
     try:
-        reason = untrainable_reason({k: cfg[k] for k in cfg})
+        reason = untrainable_reason({k: section[k] for k in section})
     except ShapeError as e:
         raise ConfigError(str(e)) from None
     if reason:
         raise ConfigError(reason)
     try:
         return GPTConfig(
-            vocab_size=cfg.vocab_size,
-            seq_len=cfg.seq_len,
-            n_layers=cfg.n_layers,
-            d_model=cfg.d_model,
-            n_heads=cfg.n_heads,
-            mlp_ratio=cfg.mlp_ratio,
-            dropout=cfg.dropout,
-            vocab_pad_multiple=cfg.vocab_pad_multiple,
+            vocab_size=section.vocab_size,
+            seq_len=section.seq_len,
+            n_layers=section.n_layers,
+            d_model=section.d_model,
+            n_heads=section.n_heads,
+            mlp_ratio=section.mlp_ratio,
+            dropout=section.dropout,
+            vocab_pad_multiple=section.vocab_pad_multiple,
             # Mixture of experts (model/tiny_moe.yaml ...): absent from a dense preset, which keeps the defaults.
-            **{k: cfg[k] for k in MOE_FIELDS if k in cfg},
+            **{k: section[k] for k in MOE_FIELDS if k in section},
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None

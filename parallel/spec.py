@@ -31,10 +31,10 @@ class StrategySpec:
     description: str  # one line, for --help and the docs
     build: Callable  # (model, plan, ctx) -> Strategy: the model is the full GPT, built from the seed on every rank
     comm: Callable[[GPTConfig, Layout], dict]  # theory: traffic per step, all ranks, the summary's expected_comm
-    model_state: Callable[[GPTConfig, Layout], dict | None] = lambda cfg, layout: None  # theory: bytes per rank
-    local_parameters: Callable[[GPTConfig, Layout], int | None] = lambda cfg, layout: None  # what rank 0 holds
+    model_state: Callable[[GPTConfig, Layout], dict | None] = lambda model, layout: None  # theory: bytes per rank
+    local_parameters: Callable[[GPTConfig, Layout], int | None] = lambda model, layout: None  # what rank 0 holds
     # theory: bytes saved for backward at the step's peak, per rank (a list, rank order), or None
-    activations: Callable[[GPTConfig, Layout], list[int] | None] = lambda cfg, layout: None
+    activations: Callable[[GPTConfig, Layout], list[int] | None] = lambda model, layout: None
     # -- layout rules (checked by registry.check_layout, before any process group) --
     dims: frozenset = frozenset({"dp"})  # dimensions that may exceed 1
     min_world: int = 1

@@ -22,13 +22,13 @@ from parallel.core.model import GPTConfig
 from parallel.layout import Layout
 
 
-def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
+def fsdp2_group_padded_counts(model: GPTConfig, n: int) -> dict[str, int]:
     """Elements FSDP2 all-gathers and reduce-scatters per parameter group (torch 2.13,
     _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
     rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
     elements. Groups: each Block, and the root (embedding and head). An MoE block holds E MLPs
     and its router (E, h) instead of one MLP."""
-    V, h, s, f = cfg.padded_vocab_size, cfg.d_model, cfg.seq_len, cfg.mlp_ratio * cfg.d_model
+    V, h, s, f = model.padded_vocab_size, model.d_model, model.seq_len, model.mlp_ratio * model.d_model
 
     def rows(d0: int, rest: int = 1) -> int:
         return padded(d0, n) * rest
@@ -36,19 +36,19 @@ def fsdp2_group_padded_counts(cfg: GPTConfig, n: int) -> dict[str, int]:
     attention = (4 * rows(h)                    # ln1, ln2 weight and bias
                  + 4 * (rows(h, h) + rows(h)))  # q, k, v, attention proj
     mlp = rows(f, h) + rows(f) + rows(h, f) + rows(h)  # fc, proj
-    moe_mlp = rows(cfg.moe_experts, h) + cfg.moe_experts * mlp  # router, experts
-    blocks = {f"blocks.{i}": attention + (moe_mlp if cfg.is_moe_block(i) else mlp) for i in range(cfg.n_layers)}
+    moe_mlp = rows(model.moe_experts, h) + model.moe_experts * mlp  # router, experts
+    blocks = {f"blocks.{i}": attention + (moe_mlp if model.is_moe_block(i) else mlp) for i in range(model.n_layers)}
     root = rows(V, h) + rows(s, h) + 2 * rows(h) + rows(V, h)
     return {**blocks, "root": root}
 
 
-def fsdp2_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def fsdp2_comm(model: GPTConfig, layout: Layout) -> dict:
     """torch_fsdp2 (fully_shard per Block and on the root), per microbatch: each Block's group
     all-gathered before forward and again before backward, the root's once (FSDP2 keeps the root
     unsharded between its forward and backward), every group's gradients reduce-scattered once:
     (N-1)/N·(2·P_blocks + P_root + G) per rank and microbatch, on FSDP2's padded sizes."""
     n, m, B = layout.dims.dp, layout.microbatches, layout.dtype_bytes
-    groups = fsdp2_group_padded_counts(cfg, n)
+    groups = fsdp2_group_padded_counts(model, n)
     blocks = sum(v for k, v in groups.items() if k != "root") * B
     root = groups["root"] * B
     per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
@@ -57,12 +57,12 @@ def fsdp2_comm(cfg: GPTConfig, layout: Layout) -> dict:
     return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": sum(groups.values())})
 
 
-def torch_zero2_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def torch_zero2_comm(model: GPTConfig, layout: Layout) -> dict:
     """torch_zero2 (FSDP2 with reshard_after_forward=False, kept unsharded between the microbatches of
     a step): every group all-gathered once per step, before the first forward, and its gradients
     reduce-scattered every microbatch: (N-1)/N·(P + m·G) per rank, our zero2's form on FSDP2's padding."""
     n, m, B = layout.dims.dp, layout.microbatches, layout.dtype_bytes
-    groups = fsdp2_group_padded_counts(cfg, n)
+    groups = fsdp2_group_padded_counts(model, n)
     size = sum(groups.values()) * B
     per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
                 for op, payload in (("all_gather", size), ("reduce_scatter", m * size))}
@@ -70,19 +70,19 @@ def torch_zero2_comm(cfg: GPTConfig, layout: Layout) -> dict:
     return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": sum(groups.values())})
 
 
-def torch_zero1_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def torch_zero1_comm(model: GPTConfig, layout: Layout) -> dict:
     """torch_zero1 (DDP + ZeroRedundancyOptimizer): DDP all-reduces every gradient once per step,
     2(N-1)/N·G per rank, and after the step every parameter is broadcast from the rank that owns
     it. A broadcast of S bytes counts S on every rank of the group (comm.py's ring convention: in
     a pipelined broadcast each rank forwards what it receives), so the broadcasts add P = Ψ·B per
     rank whatever the partition: 2(N-1)/N·G + P, against our zero1's (N-1)/N·(G + P)."""
     n, B, ranks = layout.dims.dp, layout.dtype_bytes, layout.dims.world_size
-    size = parameter_count(cfg) * B
+    size = parameter_count(model) * B
     per_rank = {"all_reduce": (size, all_reduce_sent_per_rank(n, size)), "broadcast": (size, Fraction(size))}
     return figure(all_ranks(per_rank, ranks), ranks)
 
 
-def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def torch_tp_comm(model: GPTConfig, layout: Layout) -> dict:
     """PyTorch DTensor tensor parallelism with parallel/baselines/dtensor_tp.py's plan (not Megatron's count).
 
     Per microbatch, with A = b·s·h·B the bytes of one activation:
@@ -100,10 +100,10 @@ def torch_tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """
     dims, b, m, B = layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes
     t, d = dims.tp, dims.dp
-    activation = b * cfg.seq_len * cfg.d_model * B
-    reduced = (6 * cfg.n_layers + 2) * m * activation
-    logits = m * b * cfg.seq_len * cfg.padded_vocab_size * B
-    dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
+    activation = b * model.seq_len * model.d_model * B
+    reduced = (6 * model.n_layers + 2) * m * activation
+    logits = m * b * model.seq_len * model.padded_vocab_size * B
+    dp_grads = tp_shard_parameter_count(model, t) * B if d > 1 else 0
     tp_sent = all_reduce_sent_per_rank(t, reduced) + gather_or_scatter_sent_per_rank(t, logits)
     dp_sent = all_reduce_sent_per_rank(d, dp_grads)
     ranks = dims.world_size

@@ -101,7 +101,7 @@ def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
     return (ContextParallelPipeline if cp_comm is not None else PipelineParallel)(
         chunks, **runner, pp_comm=pp_comm, dp_comm=dp_comm, schedule=pipeline.schedule,
         microbatches=plan.microbatches, virtual=pipeline.virtual_stages, optimizer=optimizer, sync=sync,
-        full_parameters=full_parameters, d_model=model.cfg.d_model,
+        full_parameters=full_parameters, d_model=model.config.d_model,
         stage_loss=stage_loss, shards=shards, tp_comm=tp_comm,
         # Under sequence parallelism tp rank i of one stage sends only its piece of the sequence,
         # b·(s/tp)·h, exactly what tp rank i of the next stage needs (Megatron does the same).

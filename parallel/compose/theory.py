@@ -73,39 +73,39 @@ from parallel.tp.theory import tp_stage_payloads
 
 
 # -- what each stage holds ------------------------------------------------------------------------------
-def stage_part_counts(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
+def stage_part_counts(model: GPTConfig, t: int, layers: int, first: bool, last: bool) -> list[int]:
     """The parts (ZeRO's unit of sharding: embedding, each Block, head) of one rank of a pipeline
     stage, each cut over t tp ranks: `layers` blocks of `algebra.tp_layer_parameter_count`, plus the token
     rows and positions on the first stage and the final norm and head rows on the last
     (parallel/model_state.py's `rank_parts`)."""
-    refuse_moe(cfg, "pipeline stage counts")
-    return rank_parts(ModelShape(gpt=cfg), range(layers), first, last, t)
+    refuse_moe(model, "pipeline stage counts")
+    return rank_parts(ModelShape(gpt=model), range(layers), first, last, t)
 
 
-def stage_shard_parameter_count(cfg: GPTConfig, t: int, layers: int, first: bool, last: bool) -> int:
+def stage_shard_parameter_count(model: GPTConfig, t: int, layers: int, first: bool, last: bool) -> int:
     """The parameters one rank of a pipeline stage holds, its blocks cut over t tp ranks: the sum of
     its `stage_part_counts`. Summed over the stages it is Ψ_t."""
-    return sum(stage_part_counts(cfg, t, layers, first, last))
+    return sum(stage_part_counts(model, t, layers, first, last))
 
 
-def stage_blocks(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+def stage_blocks(model: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                  schedule: str = "1f1b") -> list[list[int]]:
     """The blocks (by index) each pipeline rank holds: those of its v chunks, the virtual stages the
     schedule's placement gives it (r, r + p, r + 2p, ... on the loop; r and 2p-1-r on the V)."""
-    spans = _vstage_spans(cfg, dims, virtual, pp_layers, schedule)
+    spans = _vstage_spans(model, dims, virtual, pp_layers, schedule)
     return [_held_blocks(*spans, r) for r in range(dims.pp)]
 
 
-def rank_blocks(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
+def rank_blocks(model: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
                 schedule: str = "1f1b") -> list[int]:
     """The blocks of pipeline rank `pp_rank` alone (`stage_blocks`' row): the planner asks it of every
     stage of thousands of layouts, and building every rank's row to read one costs p times as much."""
-    return _held_blocks(*_vstage_spans(cfg, dims, virtual, pp_layers, schedule), pp_rank)
+    return _held_blocks(*_vstage_spans(model, dims, virtual, pp_layers, schedule), pp_rank)
 
 
-def _vstage_spans(cfg: GPTConfig, dims: ParallelDims, virtual: int, pp_layers, schedule: str):
+def _vstage_spans(model: GPTConfig, dims: ParallelDims, virtual: int, pp_layers, schedule: str):
     """Each virtual stage's block count and first block, and the schedule's placement."""
-    counts = layer_counts(cfg.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
+    counts = layer_counts(model.n_layers, dims.pp * virtual, list(pp_layers) if pp_layers is not None else None)
     return counts, list(accumulate(counts, initial=0)), schedule_placement(schedule, dims.pp, virtual)
 
 
@@ -113,10 +113,10 @@ def _held_blocks(counts: list[int], starts: list[int], placement, pp_rank: int) 
     return [i for vs in placement.vstages_of(pp_rank) for i in range(starts[vs], starts[vs] + counts[vs])]
 
 
-def stage_layers(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+def stage_layers(model: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                  schedule: str = "1f1b") -> list[int]:
     """How many blocks each pipeline rank holds (`stage_blocks`)."""
-    return [len(blocks) for blocks in stage_blocks(cfg, dims, virtual, pp_layers, schedule)]
+    return [len(blocks) for blocks in stage_blocks(model, dims, virtual, pp_layers, schedule)]
 
 
 def stage_ends(dims: ParallelDims, virtual: int = 1, schedule: str = "1f1b") -> list[tuple[bool, bool]]:
@@ -132,68 +132,68 @@ def rank_ends(dims: ParallelDims, pp_rank: int, virtual: int = 1, schedule: str 
     return 0 in held, placement.vstages - 1 in held
 
 
-def stage_parts(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
+def stage_parts(model: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
                 schedule: str = "1f1b") -> list[int]:
     """The parts one rank of stage `pp_rank` holds: its blocks and ends, each cut over tp."""
-    refuse_moe(cfg, "pipeline stage counts")
+    refuse_moe(model, "pipeline stage counts")
     first, last = rank_ends(dims, pp_rank, virtual, schedule)
-    return rank_parts(ModelShape(gpt=cfg), rank_blocks(cfg, dims, pp_rank, virtual, pp_layers, schedule),
+    return rank_parts(ModelShape(gpt=model), rank_blocks(model, dims, pp_rank, virtual, pp_layers, schedule),
                       first, last, dims.tp)
 
 
-def stage_zero_padded_count(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
+def stage_zero_padded_count(model: GPTConfig, dims: ParallelDims, pp_rank: int, virtual: int = 1, pp_layers=None,
                             schedule: str = "1f1b") -> int:
     """Ψ_pad of one rank of stage `pp_rank` under ZeRO over dp: each of its local parts padded to a
     multiple of d = dims.dp (what its reduce-scatters, all-gathers and shards are made of); under
     context parallelism the parameters are replicated over dp x cp and ZeRO shards over d·cp ranks."""
     n = replica_group_size(dims)
-    return sum(padded(count, n) for count in stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule))
+    return sum(padded(count, n) for count in stage_parts(model, dims, pp_rank, virtual, pp_layers, schedule))
 
 
-def combined_local_parameter_count(cfg: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
+def combined_local_parameter_count(model: GPTConfig, dims: ParallelDims, virtual: int = 1, pp_layers=None,
                                  pp_rank: int = 0, schedule: str = "1f1b") -> int:
     """What one rank of stage `pp_rank` holds: its blocks and ends, cut over tp."""
-    return sum(stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule))
+    return sum(stage_parts(model, dims, pp_rank, virtual, pp_layers, schedule))
 
 
-def combined_first_stage_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+def combined_first_stage_parameter_count(model: GPTConfig, layout: Layout) -> int:
     """What rank 0 (the first stage's tp rank 0) holds under dp x tp x pp."""
     pipeline = layout.of(PPOptions)
-    return combined_local_parameter_count(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers,
+    return combined_local_parameter_count(model, layout.dims, pipeline.virtual_stages, pipeline.layers,
                                         schedule=pipeline.schedule)
 
 
-def combined_model_state_bytes(cfg: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
+def combined_model_state_bytes(model: GPTConfig, dims: ParallelDims, pp_rank: int, zero: int = 0, virtual: int = 1,
                              pp_layers=None, dtype_bytes: int = FP32_BYTES, schedule: str = "1f1b") -> dict:
     """What one rank of stage `pp_rank` holds under dp x tp x pp: plain dp the stage's tp shard Ψ_r
     in full (4 + 4 + 8 bytes per parameter); ZeRO-1 over dp 1/d of its Adam state, ZeRO-2 also 1/d
     of its gradients, on the padded Ψ_pad,r (`stage_zero_padded_count`); d·cp under context parallelism.
     parallel/model_state.py's `model_state` of the rank's `stage_parts`."""
-    parts = stage_parts(cfg, dims, pp_rank, virtual, pp_layers, schedule)
+    parts = stage_parts(model, dims, pp_rank, virtual, pp_layers, schedule)
     return model_state(parts, run_state_bytes(dtype_bytes), zero, replica_group_size(dims))
 
 
-def combined_first_stage_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict | None:
+def combined_first_stage_model_state_bytes(model: GPTConfig, layout: Layout) -> dict | None:
     """dp x tp x pp: with one pipeline stage every rank holds the same (`combined_model_state_bytes`);
     with several the stages differ, and the summary's one formula is None (per stage, call that)."""
     if layout.dims.pp != 1:
         return None
     pipeline = layout.of(PPOptions)
-    return combined_model_state_bytes(cfg, layout.dims, 0, layout.of(SyncOptions).zero, pipeline.virtual_stages,
+    return combined_model_state_bytes(model, layout.dims, 0, layout.of(SyncOptions).zero, pipeline.virtual_stages,
                                     pipeline.layers, layout.dtype_bytes, pipeline.schedule)
 
 
 # -- a layout's stages, for the planner (which reads no family's options) --------------------------------
-def layers_by_stage(cfg: GPTConfig, layout: Layout) -> list[int]:
+def layers_by_stage(model: GPTConfig, layout: Layout) -> list[int]:
     """Blocks each pipeline rank holds over its chunks, by the schedule's placement (`stage_layers`)."""
     pipeline = layout.of(PPOptions)
-    return stage_layers(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule)
+    return stage_layers(model, layout.dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule)
 
 
-def placement_by_stage(cfg: GPTConfig, layout: Layout) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
+def placement_by_stage(model: GPTConfig, layout: Layout) -> tuple[list[list[int]], list[tuple[bool, bool]]]:
     """Each pipeline rank's blocks and whether it holds the first and the last virtual stage."""
     pipeline = layout.of(PPOptions)
-    return (stage_blocks(cfg, layout.dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule),
+    return (stage_blocks(model, layout.dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule),
             stage_ends(layout.dims, pipeline.virtual_stages, pipeline.schedule))
 
 
@@ -220,7 +220,7 @@ def chunks_per_rank(layout: Layout) -> int:
 
 
 # -- what each stage sends ------------------------------------------------------------------------------
-def combined_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def combined_comm(model: GPTConfig, layout: Layout) -> dict:
     """dp x tp x pp (with a plain or ZeRO dp dimension): every rank's traffic, stage by stage, then
     summed over the d·t ranks of each. See the module's docstring for the terms
     of each stage, each a family's own formula placed on the stage.
@@ -228,10 +228,10 @@ def combined_comm(cfg: GPTConfig, layout: Layout) -> dict:
     dims, m, B = layout.dims, layout.microbatches, layout.dtype_bytes
     pipeline, zero = layout.of(PPOptions), layout.of(SyncOptions).zero
     d = replica_group_size(dims)  # the dp sum: over dp, or dp x cp
-    boundary = layout.microbatch_size * (cfg.seq_len // dims.cp) * cfg.d_model * B
+    boundary = layout.microbatch_size * (model.seq_len // dims.cp) * model.d_model * B
     if layout.cut().sequence_parallel:  # each tp rank sends its piece of the sequence
         boundary //= dims.tp
-    layers = stage_layers(cfg, dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule)
+    layers = stage_layers(model, dims, pipeline.virtual_stages, pipeline.layers, pipeline.schedule)
     ends = stage_ends(dims, pipeline.virtual_stages, pipeline.schedule)
     pp_sent = p2p_sent_by_rank(pipeline.schedule, dims.pp, m, pipeline.virtual_stages, boundary)
     total = _Traffic(dp_group="dp_cp" if dims.cp > 1 else "dp")
@@ -240,19 +240,19 @@ def combined_comm(cfg: GPTConfig, layout: Layout) -> dict:
         first, last = ends[r]
         stage = _Traffic(dp_group=total.dp_group)
         if dims.tp > 1:
-            tp = tp_stage_payloads(cfg, layout, layers[r], first, last)
+            tp = tp_stage_payloads(model, layout, layers[r], first, last)
             stage.add("tp", dims.tp, all_reduce=tp.all_reduce, all_gather=tp.all_gather,
                       reduce_scatter=tp.reduce_scatter)
-        for op, (payload, sent) in cp_attention_traffic(cfg, layout, layers[r]).items():
+        for op, (payload, sent) in cp_attention_traffic(model, layout, layers[r]).items():
             stage.add_sent("cp", op, payload, sent)
         stage.add_sent("pp", "send", pp_sent[r], Fraction(pp_sent[r]))
         stage.add_sent("pp", "recv", pp_sent[r], Fraction(0))
         if d > 1 and zero:  # ZeRO over dp: the parts padded to multiples of d
-            padded_bytes = stage_zero_padded_count(cfg, dims, r, pipeline.virtual_stages, pipeline.layers,
+            padded_bytes = stage_zero_padded_count(model, dims, r, pipeline.virtual_stages, pipeline.layers,
                                                    pipeline.schedule) * B
             stage.add(total.dp_group, d, all_gather=padded_bytes, reduce_scatter=(m if zero == 2 else 1) * padded_bytes)
         elif d > 1:
-            grads = stage_shard_parameter_count(cfg, dims.tp, layers[r], first, last) * B
+            grads = stage_shard_parameter_count(model, dims.tp, layers[r], first, last) * B
             stage.add(total.dp_group, d, all_reduce=grads)
         total.merge(stage, ranks=d * dims.tp)  # the ranks of this stage, all alike
         per_rank_by_stage.append(stage.sent())

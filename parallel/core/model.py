@@ -128,17 +128,17 @@ class AttentionCore(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.head_dim = cfg.head_dim
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
         # Separate Q, K and V projections (not one fused qkv matrix) so that tensor parallelism can
         # cut each along its heads without reshuffling a fused weight.
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v = nn.Linear(cfg.d_model, cfg.d_model)
-        self.core = AttentionCore(cfg.dropout)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.q = nn.Linear(config.d_model, config.d_model)
+        self.k = nn.Linear(config.d_model, config.d_model)
+        self.v = nn.Linear(config.d_model, config.d_model)
+        self.core = AttentionCore(config.dropout)
+        self.proj = nn.Linear(config.d_model, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -150,10 +150,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fc = nn.Linear(config.d_model, config.d_ff)
+        self.proj = nn.Linear(config.d_ff, config.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -174,25 +174,25 @@ class MoEMLP(nn.Module):
     (parallel/moe/expert_parallel.py) keeps the routing and overrides `run_experts` only.
     """
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.cfg = cfg
-        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
+        self.config = config
+        self.router = nn.Linear(config.d_model, config.moe_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(config.moe_experts))
         self.aux_loss_sum: torch.Tensor | None = None
         self.routed_counts: torch.Tensor | None = None
         self.kept_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        cfg = self.cfg
-        capacity = expert_capacity(s, cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor)
+        config = self.config
+        capacity = expert_capacity(s, config.moe_top_k, config.moe_experts, config.moe_capacity_factor)
         # The router in fp32 even under bf16 autocast (Switch §2.4, "selective precision"): its
         # logits decide discrete choices, and bf16's 8 bits of mantissa would make near-ties common.
         with torch.autocast(x.device.type, enabled=False):
             logits = self.router(x.float())
-        routing = route(logits, cfg.moe_top_k, capacity)
-        self.aux_loss_sum = cfg.moe_aux_weight * routing.aux_sum
+        routing = route(logits, config.moe_top_k, capacity)
+        self.aux_loss_sum = config.moe_aux_weight * routing.aux_sum
         self.routed_counts, self.kept_counts = routing.routed, routing.counts
         rows = x.reshape(b * s, h).index_select(0, routing.token)
         return combine(self.run_experts(rows, routing.counts), routing, b * s).view(b, s, h)
@@ -203,13 +203,13 @@ class MoEMLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, moe: bool = False):
+    def __init__(self, config: GPTConfig, moe: bool = False):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MoEMLP(cfg) if moe else MLP(cfg)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.ln1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.d_model)
+        self.mlp = MoEMLP(config) if moe else MLP(config)
+        self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.drop(self.attn(self.ln1(x)))
@@ -229,11 +229,11 @@ class Embedding(nn.Module):
     chunks, on this embedding and on tensor parallelism's alike, without either knowing the other.
     """
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.tok = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.pos = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
         self.positions = sequence_positions
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -243,22 +243,22 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """Final LayerNorm and the untied LM head (no bias, as in GPT-2)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.out = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.out = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.ln_f(x))
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, seed: int = 0):
+    def __init__(self, config: GPTConfig, seed: int = 0):
         super().__init__()
-        self.cfg = cfg
-        self.embed = Embedding(cfg)
-        self.blocks = nn.ModuleList(Block(cfg, moe=cfg.is_moe_block(i)) for i in range(cfg.n_layers))
-        self.head = Head(cfg)
+        self.config = config
+        self.embed = Embedding(config)
+        self.blocks = nn.ModuleList(Block(config, moe=config.is_moe_block(i)) for i in range(config.n_layers))
+        self.head = Head(config)
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -271,7 +271,7 @@ class GPT(nn.Module):
         gen = torch.Generator().manual_seed(seed)
         # Residual projections are scaled down by sqrt(2 * layers) so the residual stream's
         # variance does not grow with depth (GPT-2 paper, section 2.3).
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.LayerNorm):
                 module.weight.fill_(1.0)

@@ -92,7 +92,7 @@ def activation_dtype_bytes(layout: Layout) -> int:
     return 2 if layout.precision == "bf16" else layout.dtype_bytes
 
 
-def cp_attention_traffic(cfg: GPTConfig, layout: Layout, layers: int) -> dict[str, tuple[int, Fraction]]:
+def cp_attention_traffic(model: GPTConfig, layout: Layout, layers: int) -> dict[str, tuple[int, Fraction]]:
     """What one rank's attention sends across its cp group per step, over `layers` blocks:
     {op: (payload bytes, sent bytes)}, empty without context parallelism.
 
@@ -110,17 +110,17 @@ def cp_attention_traffic(cfg: GPTConfig, layout: Layout, layers: int) -> dict[st
     if dims.cp == 1:
         return {}
     b, m, B = layout.microbatch_size, layout.microbatches, activation_dtype_bytes(layout)
-    heads, forwards = cfg.n_heads // dims.tp, 2 if layout.recompute != "none" else 1
+    heads, forwards = model.n_heads // dims.tp, 2 if layout.recompute != "none" else 1
     traffic = (ring_layer_traffic if layout.of(CPOptions).kind == "ring" else ulysses_layer_traffic)(
-        b, cfg.seq_len, heads, cfg.head_dim, dims.cp, B)
+        b, model.seq_len, heads, model.head_dim, dims.cp, B)
     sent = layers * m * (forwards * traffic.fwd_sent + traffic.bwd_sent)
     if traffic.op == "send":
         return {"send": (int(sent), sent), "recv": (int(sent), Fraction(0))}
-    per_direction = 4 * local_kv_elements(b, cfg.seq_len, heads, cfg.head_dim, dims.cp) * B
+    per_direction = 4 * local_kv_elements(b, model.seq_len, heads, model.head_dim, dims.cp) * B
     return {"all_to_all": (layers * m * (forwards + 1) * per_direction, sent)}
 
 
-def cp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def cp_comm(model: GPTConfig, layout: Layout) -> dict:
     """cp and cp_a2a (dp x cp, one stage, no tp): per step, every rank sends
 
       cp      its attention's bytes over all L layers (`cp_attention_traffic`), and
@@ -131,24 +131,24 @@ def cp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """
     dims, B, m = layout.dims, layout.dtype_bytes, layout.microbatches
     n, ranks = replica_group_size(dims), dims.world_size
-    attention = cp_attention_traffic(cfg, layout, cfg.n_layers)
+    attention = cp_attention_traffic(model, layout, model.n_layers)
     zero = layout.of(SyncOptions).zero
     if zero:
-        size = zero_padded_parameter_count(cfg, n) * B
+        size = zero_padded_parameter_count(model, n) * B
         grads = {"all_gather": size, "reduce_scatter": (m if zero == 2 else 1) * size}
         grad_ops = {op: (payload, gather_or_scatter_sent_per_rank(n, payload)) for op, payload in grads.items()}
     else:
-        grads_bytes = parameter_count(cfg) * B
+        grads_bytes = parameter_count(model) * B
         grad_ops = {"all_reduce": (grads_bytes, all_reduce_sent_per_rank(n, grads_bytes))}
     groups = {"cp": sum((sent for _, sent in attention.values()), Fraction(0)) * ranks,
               "dp_cp": sum((sent for _, sent in grad_ops.values()), Fraction(0)) * ranks}
     return figure(all_ranks({**attention, **grad_ops}, ranks), ranks, groups)
 
 
-def cp_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
+def cp_model_state_bytes(model: GPTConfig, layout: Layout) -> dict:
     """Every rank holds the whole model (16Ψ bytes in fp32 with Adam); with ZeRO-1/2 over the
     n = dp·cp ranks, on the padded Ψ_pad(n): 1/n of Adam's state, and under ZeRO-2 of the gradients
     (parallel/zero/theory.py's `zero_model_state_bytes` with N = n): every part, sharded over dp·cp."""
-    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes),
+    return model_state(whole_model_parts(ModelShape(gpt=model)), run_state_bytes(layout.dtype_bytes),
                        layout.of(SyncOptions).zero,
                        replica_group_size(layout.dims))

@@ -6,7 +6,7 @@ not give a rank a core: it moves every thread of every rank to whichever core is
 wake-up, so a rank's compute thread, its gloo threads and the other ranks' gloo threads meet on
 both cores in turn, and each handoff of a gloo call wakes its next thread on the other core.
 Bound, a rank's threads stay on one core and hand off there: its steps are shorter and steadier,
-with the same losses to the bit (docs/measured.md has the figures). This is what MPI launchers do
+with the same losses to the bit (docs/core-binding.md). This is what MPI launchers do
 by default (`--bind-to core` where there are at least as many cores as processes).
 
 `round_robin`: on the CPU, every rank on cores of its own whatever their number, rank i's

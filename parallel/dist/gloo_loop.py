@@ -25,7 +25,7 @@ changes: only which thread the kernel runs first.
 
 The price is paid where *other* processes keep the cores busy: the loop thread then waits out
 their slices too, where under the default policy it would have taken the core at once: beside a
-busy process per core, a step is much longer under `batch` (docs/measured.md). Hence the choice,
+busy process per core, a step is much longer under `batch` (docs/gloo-event-loop.md). Hence the choice,
 and `batch` as the default for what this sandbox runs on: a machine whose cores are its ranks'.
 
 `train.gloo_loop_policy` chooses: `batch` (the default: every gloo event-loop thread of the rank

@@ -13,17 +13,17 @@ from parallel.layout import Layout
 from parallel.model_state import model_state, run_state_bytes, whole_model_parts
 
 
-def dp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def dp_comm(model: GPTConfig, layout: Layout) -> dict:
     """dp (naive, bucketed), torch_ddp, accelerate_ddp: one all-reduce of all gradients per step,
     2(N-1)/N · Ψ·B per rank, whatever the bucketing and however many microbatches are accumulated."""
-    dims, grads = layout.dims, parameter_count(cfg) * layout.dtype_bytes
+    dims, grads = layout.dims, parameter_count(model) * layout.dtype_bytes
     return figure({"all_reduce": (grads * dims.world_size,
                                   all_reduce_sent_per_rank(dims.dp, grads) * dims.world_size)},
                   dims.world_size)
 
 
-def replicated_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
+def replicated_model_state_bytes(model: GPTConfig, layout: Layout) -> dict:
     """Plain data parallelism (and one process) holds all of it on every rank: fp32 parameters 4Ψ,
     gradients 4Ψ and Adam's two moments 8Ψ bytes (ZeRO paper §5, with K = 8 for fp32 Adam): every part
     whole (parallel/model_state.py)."""
-    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes))
+    return model_state(whole_model_parts(ModelShape(gpt=model)), run_state_bytes(layout.dtype_bytes))

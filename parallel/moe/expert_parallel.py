@@ -103,13 +103,13 @@ class ExpertParallelMoE(MoEMLP):
 
     def __init__(self, full: MoEMLP, comm: Communicator, tag: str):
         nn.Module.__init__(self)  # not MoEMLP.__init__: it would build all E experts again
-        experts = full.cfg.moe_experts
+        experts = full.config.moe_experts
         if experts % comm.size:
             raise ValueError(
                 f"model.moe_experts={experts} does not divide over {comm.size} expert-parallel ranks: "
                 f"use an ep size that divides {experts}, or a multiple of {comm.size} experts"
             )
-        self.cfg = full.cfg
+        self.config = full.config
         self.router = full.router
         local = local_expert_range(experts, comm.size, comm.rank)
         self.experts = nn.ModuleDict({str(e): full.experts[e] for e in local})

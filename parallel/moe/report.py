@@ -91,20 +91,20 @@ def _all_to_all_block(plan, layout: Layout, rank_reports: list[dict], n_steps: i
 
 def routing_block(plan, rank_reports: list[dict], run_dir: Path | None) -> dict:
     """The summary's `moe` block (see the module docstring); writes routing.png into run_dir."""
-    cfg = plan.model
-    experts, ranks = cfg.moe_experts, _by_rank(rank_reports)
-    blocks = [f"blocks.{i}.mlp" for i in cfg.moe_blocks]
+    model = plan.model
+    experts, ranks = model.moe_experts, _by_rank(rank_reports)
+    blocks = [f"blocks.{i}.mlp" for i in model.moe_blocks]
     n_steps = len(ranks[0])
     kept = [_sum_calls([steps[i] for steps in ranks], "kept", blocks, experts) for i in range(n_steps)]
     routed = [_sum_calls([steps[i] for steps in ranks], "routed", blocks, experts) for i in range(n_steps)]
     dropped = [sum(map(sum, r.values())) - sum(map(sum, k.values())) for r, k in zip(routed, kept)]
-    assignments = plan.tokens_per_step * cfg.moe_top_k * len(blocks)
+    assignments = plan.tokens_per_step * model.moe_top_k * len(blocks)
     block = {
-        "experts": experts, "top_k": cfg.moe_top_k, "capacity_factor": cfg.moe_capacity_factor,
-        "capacity_per_sequence": expert_capacity(cfg.seq_len, cfg.moe_top_k, experts, cfg.moe_capacity_factor),
+        "experts": experts, "top_k": model.moe_top_k, "capacity_factor": model.moe_capacity_factor,
+        "capacity_per_sequence": expert_capacity(model.seq_len, model.moe_top_k, experts, model.moe_capacity_factor),
         # The most one expert can keep in one block and step: min(C, s) from each sequence.
-        "capacity_per_step": min(expert_capacity(cfg.seq_len, cfg.moe_top_k, experts, cfg.moe_capacity_factor),
-                                 cfg.seq_len) * plan.global_batch,
+        "capacity_per_step": min(expert_capacity(model.seq_len, model.moe_top_k, experts, model.moe_capacity_factor),
+                                 model.seq_len) * plan.global_batch,
         "moe_blocks": blocks, "first_step": plan.start_step,
         "tokens_per_expert_by_step": [[k[b] for b in blocks] for k in kept],
         "routed_per_expert_by_step": [[r[b] for b in blocks] for r in routed],

@@ -114,59 +114,59 @@ def uniform_sent_per_rank(tokens: int, top_k: int, d_model: int, experts: int, e
 
 
 # -- per step, on the model and a Layout (parallel/moe/strategy.py) -----------------------------------
-def ep_shard_parameter_count(cfg: GPTConfig, ep: int) -> int:
+def ep_shard_parameter_count(model: GPTConfig, ep: int) -> int:
     """Parameters one expert-parallel rank holds: everything but the experts whole, and E/ep of each
     MoE block's experts: Ψ - L_moe·(E - E/ep)·(2f·h + f + h)."""
-    E = cfg.moe_experts
-    return parameter_count(cfg) - len(cfg.moe_blocks) * (E - E // ep) * expert_parameters(cfg)
+    E = model.moe_experts
+    return parameter_count(model) - len(model.moe_blocks) * (E - E // ep) * expert_parameters(model)
 
 
-def ep_dense_parameter_count(cfg: GPTConfig) -> int:
+def ep_dense_parameter_count(model: GPTConfig) -> int:
     """What every dp rank holds whole under expert parallelism, and sums over all dp ranks: the model
     but its experts (the routers included), Ψ - L_moe·E·(2f·h + f + h)."""
-    return parameter_count(cfg) - len(cfg.moe_blocks) * cfg.moe_experts * expert_parameters(cfg)
+    return parameter_count(model) - len(model.moe_blocks) * model.moe_experts * expert_parameters(model)
 
 
-def ep_expert_parameter_count(cfg: GPTConfig, ep: int) -> int:
+def ep_expert_parameter_count(model: GPTConfig, ep: int) -> int:
     """The experts one of `ep` expert-parallel ranks holds, summed over its edp group only:
     L_moe·(E/ep)·(2f·h + f + h)."""
-    return len(cfg.moe_blocks) * (cfg.moe_experts // ep) * expert_parameters(cfg)
+    return len(model.moe_blocks) * (model.moe_experts // ep) * expert_parameters(model)
 
 
-def ep_model_state_bytes(cfg: GPTConfig, layout: Layout) -> dict:
+def ep_model_state_bytes(model: GPTConfig, layout: Layout) -> dict:
     """One expert-parallel rank's model state (every rank alike): its Ψ_ep parameters in fp32, their
     gradients, and Adam's two moments, 4Ψ_ep + 4Ψ_ep + 8Ψ_ep bytes, Ψ_ep = `ep_shard_parameter_count`:
     every part, each MoE block with E/ep of its experts (parallel/model_state.py)."""
-    parts = whole_model_parts(ModelShape(gpt=cfg), ep=layout.dims.ep)
+    parts = whole_model_parts(ModelShape(gpt=model), ep=layout.dims.ep)
     return model_state(parts, run_state_bytes(layout.dtype_bytes))
 
 
-def ep_local_parameter_count(cfg: GPTConfig, layout: Layout) -> int:
+def ep_local_parameter_count(model: GPTConfig, layout: Layout) -> int:
     """What rank 0 holds under expert parallelism: Ψ_ep."""
-    return ep_shard_parameter_count(cfg, layout.dims.ep)
+    return ep_shard_parameter_count(model, layout.dims.ep)
 
 
-def ep_all_to_all_uniform_bytes(cfg: GPTConfig, layout: Layout) -> Fraction:
+def ep_all_to_all_uniform_bytes(model: GPTConfig, layout: Layout) -> Fraction:
     """Bytes one expert-parallel rank sends per step in its all-to-alls under uniform routing with
     nothing dropped (the planner's figure; a run's exact one follows its routing, `ep_comm`):
 
         m · L_moe · [ 4 · (n-1)/n · T·k·h·B  +  (n-1)/n · E·8 ]      T = b·s tokens per microbatch
     """
-    tokens = layout.microbatch_size * cfg.seq_len
-    return uniform_sent_per_rank(tokens, cfg.moe_top_k, cfg.d_model, cfg.moe_experts, layout.dims.ep,
-                                 layout.dtype_bytes, len(cfg.moe_blocks), layout.microbatches)
+    tokens = layout.microbatch_size * model.seq_len
+    return uniform_sent_per_rank(tokens, model.moe_top_k, model.d_model, model.moe_experts, layout.dims.ep,
+                                 layout.dtype_bytes, len(model.moe_blocks), layout.microbatches)
 
 
-def ep_all_to_all_pair_bytes_uniform(cfg: GPTConfig, layout: Layout) -> Fraction:
+def ep_all_to_all_pair_bytes_uniform(model: GPTConfig, layout: Layout) -> Fraction:
     """Bytes one expert-parallel rank sends to each one of the n-1 others per step under uniform
     routing, m · L_moe · [4·T·k/n·h·B + E/n·8]: what a planner puts on the link between two ep ranks
     (an intra-node or an inter-node one, by where it places them); (n-1) of these make
     `ep_all_to_all_uniform_bytes`."""
     n = layout.dims.ep
-    return ep_all_to_all_uniform_bytes(cfg, layout) / (n - 1) if n > 1 else Fraction(0)
+    return ep_all_to_all_uniform_bytes(model, layout) / (n - 1) if n > 1 else Fraction(0)
 
 
-def ep_all_to_all_exact(cfg: GPTConfig, layout: Layout) -> tuple[int, Fraction]:
+def ep_all_to_all_exact(model: GPTConfig, layout: Layout) -> tuple[int, Fraction]:
     """(payload, sent) of every rank's all-to-alls in the step whose routing the layout holds: per ep
     group and MoE call, the five calls of `layer_call_bytes` on that call's counts matrix."""
     payload, sent = 0, Fraction(0)
@@ -176,13 +176,13 @@ def ep_all_to_all_exact(cfg: GPTConfig, layout: Layout) -> tuple[int, Fraction]:
             raise ValueError(f"the ranks of ep group {group} report different numbers of MoE calls: {sorted(calls)}")
         for call in range(calls.pop()):
             counts = [list(layout.routing[r][call]) for r in group]
-            for rank_calls in layer_call_bytes(counts, cfg.d_model, layout.dtype_bytes):
+            for rank_calls in layer_call_bytes(counts, model.d_model, layout.dtype_bytes):
                 payload += sum(c.payload for c in rank_calls.values())
                 sent += sum(c.sent for c in rank_calls.values())
     return payload, sent
 
 
-def ep_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def ep_comm(model: GPTConfig, layout: Layout) -> dict:
     """Expert parallelism inside data parallelism (d = dp ranks, n = ep of them per expert group):
 
       dp   every rank all-reduces the gradients of the dense parts and routers, Ψ_dense·B, over dp:
@@ -198,18 +198,18 @@ def ep_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """
     dims, B = layout.dims, layout.dtype_bytes
     d, n, ranks = dims.dp, dims.ep, dims.world_size
-    dense = ep_dense_parameter_count(cfg) * B
-    experts = ep_expert_parameter_count(cfg, n) * B
+    dense = ep_dense_parameter_count(model) * B
+    experts = ep_expert_parameter_count(model, n) * B
     dp_sent = all_reduce_sent_per_rank(d, dense) * ranks
     edp_sent = all_reduce_sent_per_rank(d // n, experts) * ranks
-    uniform = ep_all_to_all_uniform_bytes(cfg, layout) * ranks
-    tokens = layout.microbatch_size * cfg.seq_len
+    uniform = ep_all_to_all_uniform_bytes(model, layout) * ranks
+    tokens = layout.microbatch_size * model.seq_len
     if layout.routing is None:
         # Uniform routing: every call's input holds the counts and T·k rows (dispatch, combine, twice).
-        per_call = cfg.moe_experts * COUNT_BYTES + 4 * tokens * cfg.moe_top_k * cfg.d_model * B
-        a2a_payload, a2a_sent = per_call * len(cfg.moe_blocks) * layout.microbatches * ranks, uniform
+        per_call = model.moe_experts * COUNT_BYTES + 4 * tokens * model.moe_top_k * model.d_model * B
+        a2a_payload, a2a_sent = per_call * len(model.moe_blocks) * layout.microbatches * ranks, uniform
     else:
-        a2a_payload, a2a_sent = ep_all_to_all_exact(cfg, layout)
+        a2a_payload, a2a_sent = ep_all_to_all_exact(model, layout)
     totals = {"all_reduce": ((dense + (experts if d > n else 0)) * ranks, dp_sent + edp_sent),
               "all_to_all": (a2a_payload, a2a_sent)}
     extra = {"all_to_all": {"routing": "uniform" if layout.routing is None else "measured",

@@ -8,5 +8,5 @@
     predict.py    the bytes the communication log says cross between nodes, per gloo algorithm
     faults.py     link faults applied by launch.run at a given time (down, loss, latency spike)
 
-docs/network.md explains the emulation, the link model and what each prediction assumes.
+docs/network.md and docs/network-bytes.md explain the emulation, the link model and what each prediction assumes.
 """

@@ -3,7 +3,7 @@
 comm.py records, per rank and step, each call's op, group, tag and payload S (the full tensor the
 collective is about). That fixes how many bytes the rank sends, but not where they go: for that,
 the algorithm gloo runs on CPU tensors (torch 2.13's ProcessGroupGloo and its gloo; checked
-against the interface counters, docs/network.md) gives each rank's transfers. For the member at
+against the interface counters, docs/network-bytes.md) gives each rank's transfers. For the member at
 position i of a group of n (positions in group-rank order):
 
   all_reduce      ring (gloo/allreduce.cc, ring()). S is cut into N = roundUp(max(ceil(S / 1 MiB),

@@ -13,5 +13,6 @@
     report.py plots.py   the table, report.md, plan.json, the two plots
     validate.py   run layouts, read their summary.json, add measured columns and errors
 
-The derivations are in docs/theory/planner.md; how to use it and what it found, docs/planner.md.
+The derivations are in docs/theory/planner.md; how to use it,
+docs/planner.md; what it found, docs/planner-examples.md and docs/planner-validation.md.
 """

@@ -76,7 +76,7 @@ def split_model(model: GPT, stages: int, virtual: int, rank: int, explicit: list
     """The chunks rank `rank` holds, chunk c being virtual stage `placement.vstage(rank, c)`
     (by default the loop: c·stages + rank)."""
     placement = placement or Placement(stages, virtual)
-    counts = layer_counts(model.cfg.n_layers, stages * virtual, explicit)
+    counts = layer_counts(model.config.n_layers, stages * virtual, explicit)
     starts = [sum(counts[:i]) for i in range(len(counts))]
     last = stages * virtual - 1
     return [PipelineChunk(model, vs, starts[vs], counts[vs], is_last=vs == last) for vs in placement.vstages_of(rank)]

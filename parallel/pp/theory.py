@@ -87,7 +87,7 @@ def pipeline_p2p_bytes(model_cfg: GPTConfig, microbatch_size: int, microbatches:
     return 2 * microbatches * (virtual * stages - 1) * activation
 
 
-def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def pipeline_comm(model: GPTConfig, layout: Layout) -> dict:
     """pp and torch_pp (torch's stages send the same activations and gradients): every activation
     and its gradient crosses each boundary between ranks once per microbatch (sends; a receive sends
     nothing), 2·m·crossings·b·s·h·B per pipeline with the schedule's placement's crossings (v·p-1 on
@@ -95,13 +95,13 @@ def pipeline_comm(cfg: GPTConfig, layout: Layout) -> dict:
     each stage then all-reduces its own parameters over dp, which sums to 2(dp-1)/dp · Ψ·B per
     pipeline rank position, i.e. 2(dp-1) · Ψ·B over all ranks."""
     dims, B = layout.dims, layout.dtype_bytes
-    boundary = boundary_bytes(layout.microbatch_size, cfg.seq_len, cfg.d_model, B)
+    boundary = boundary_bytes(layout.microbatch_size, model.seq_len, model.d_model, B)
     pipeline = layout.of(PPOptions)
     p2p = dims.dp * p2p_bytes_per_step(pipeline.schedule, dims.pp, layout.microbatches, pipeline.virtual_stages,
                                        boundary)
     totals = {"send": (p2p, Fraction(p2p)), "recv": (p2p, Fraction(0))} if p2p else {}
     if dims.dp > 1:
-        grads = parameter_count(cfg) * B  # summed over the stages of one pipeline
+        grads = parameter_count(model) * B  # summed over the stages of one pipeline
         totals["all_reduce"] = (grads * dims.dp, all_reduce_sent_per_rank(dims.dp, grads) * dims.dp)
     return figure(totals, dims.world_size)
 
@@ -131,10 +131,10 @@ def pipeline_walk(layout: Layout) -> tuple[tuple[tuple[bool, int], ...], ...] | 
     return schedule_walk(pipeline.schedule, dims.pp, layout.microbatches, pipeline.virtual_stages)
 
 
-def pipeline_activations(cfg: GPTConfig, layout: Layout) -> list[int] | None:
+def pipeline_activations(model: GPTConfig, layout: Layout) -> list[int] | None:
     """The registry's `activations` (parallel/activations.py's `registry_activations`), given the
     layout's virtual stages and, in a pipeline, its schedule's walk."""
-    return registry_activations(cfg, layout, layers=stage_layer_counts(cfg.n_layers, layout),
+    return registry_activations(model, layout, layers=stage_layer_counts(model.n_layers, layout),
                                 walk=pipeline_walk(layout))
 
 

@@ -7,7 +7,7 @@ while every other rank waits in a barrier (a gloo barrier blocks in a receive: i
 Each of the two is bound to a core of its own while it measures, its gloo threads with it, as a
 virtual rank's core is (a run bound by `train.pin_cores` already is; parallel/dist/binding.py):
 unbound, each handoff of a call may wake its thread on the other core, and a call costs several
-times the latency (docs/measured.md, "A core per rank").
+times the latency (docs/core-binding.md).
 
 They measure a collective the way a training step meets one: **coming out of compute, and on
 average**. Each timed all-reduce follows a burst of matmuls on both ranks (at least `BURST_S` of

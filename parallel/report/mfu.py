@@ -31,15 +31,15 @@ from parallel.core.model import GPTConfig
 from parallel.dist.binding import host_cores
 
 
-def matmul_parameters(cfg: GPTConfig) -> int:
+def matmul_parameters(model: GPTConfig) -> int:
     """N: every parameter a token uses but the token and position embedding tables (parallel/algebra.py's
     active count, Ψ for a dense model, minus them)."""
-    return active_parameter_count(cfg) - cfg.padded_vocab_size * cfg.d_model - cfg.seq_len * cfg.d_model
+    return active_parameter_count(model) - model.padded_vocab_size * model.d_model - model.seq_len * model.d_model
 
 
-def flops_per_token(cfg: GPTConfig) -> int:
+def flops_per_token(model: GPTConfig) -> int:
     """Training FLOPs per token: 6·N + 12·L·h·s (PaLM appendix B)."""
-    return 6 * matmul_parameters(cfg) + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    return 6 * matmul_parameters(model) + 12 * model.n_layers * model.d_model * model.seq_len
 
 
 def usable_cores() -> int:
@@ -107,5 +107,5 @@ def devices_for_peak(device: torch.device, world_size: int) -> int:
     return world_size if torch.device(device).type == "cuda" else 1
 
 
-def mfu(cfg: GPTConfig, tokens_per_s: float, peak_flops_per_device: float, devices: int) -> float:
-    return flops_per_token(cfg) * tokens_per_s / (peak_flops_per_device * devices)
+def mfu(model: GPTConfig, tokens_per_s: float, peak_flops_per_device: float, devices: int) -> float:
+    return flops_per_token(model) * tokens_per_s / (peak_flops_per_device * devices)

@@ -30,13 +30,13 @@ def tp_tensors_per_layer(recompute: str) -> int:
     return 6 if recompute == "full" else 4
 
 
-def tp_regathers_per_microbatch(cfg: GPTConfig, layout: Layout) -> int:
+def tp_regathers_per_microbatch(model: GPTConfig, layout: Layout) -> int:
     """Tensors of b·s·h all-gathered once more in backward per microbatch where the column-parallel
     linears keep their input's sequence piece (`Cut.saves_shard`): their weight gradients need it
     whole. One per region that opens with column-parallel linears: attention (Q, K, V share one) and
     MLP in every block, and the vocab-parallel head: 2L + 1 (none otherwise; full recomputation's
     second forward all-gathers as the first did, counted in `tp_tensors_per_layer`)."""
-    return 2 * cfg.n_layers + 1 if layout.cut().saves_shard else 0
+    return 2 * model.n_layers + 1 if layout.cut().saves_shard else 0
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,12 @@ class StagePayloads:
             t, self.all_gather + self.reduce_scatter)
 
 
-def tp_stage_payloads(cfg: GPTConfig, layout: Layout, layers: int, first: bool, last: bool) -> StagePayloads:
+def tp_stage_payloads(model: GPTConfig, layout: Layout, layers: int, first: bool, last: bool) -> StagePayloads:
     """The tp collectives of one rank of a stage holding `layers` blocks, the embedding where `first`
     and the head and loss where `last` (the whole model: L, True, True), per step: see `tp_comm`.
     Under context parallelism every activation is this rank's s/cp tokens of each sequence."""
     dims, cut, m, B = layout.dims, layout.cut(), layout.microbatches, layout.dtype_bytes
-    s, h = cfg.seq_len // dims.cp, cfg.d_model
+    s, h = model.seq_len // dims.cp, model.d_model
     activation = layout.microbatch_size * s * h * B
     activations = (tp_tensors_per_layer(layout.recompute) * layers + first + last) * m * activation
     loss = 3 * m * layout.microbatch_size * s * FP32_BYTES if last else 0
@@ -67,11 +67,11 @@ def tp_stage_payloads(cfg: GPTConfig, layout: Layout, layers: int, first: bool, 
     # Each region's input gathered again in backward where the sequence piece is saved (attention and
     # MLP in every block, the head on the last stage).
     regathered = (2 * layers + last) * m * activation if cut.saves_shard else 0
-    sharded = (6 * h * layers + cfg.seq_len * h * first + 2 * h * last) * B  # sequence-sharded parameters' grads
+    sharded = (6 * h * layers + model.seq_len * h * first + 2 * h * last) * B  # sequence-sharded parameters' grads
     return StagePayloads(all_reduce=loss + sharded, all_gather=activations + regathered, reduce_scatter=activations)
 
 
-def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
+def tp_comm(model: GPTConfig, layout: Layout) -> dict:
     """Tensor parallelism, tp and tp_sp (with sequence parallelism, and data parallelism across tp groups).
 
     Per microbatch, every activation collective moves one tensor of b·s·h elements (the full
@@ -103,18 +103,18 @@ def tp_comm(cfg: GPTConfig, layout: Layout) -> dict:
     """
     dims, B = layout.dims, layout.dtype_bytes
     t, d = dims.tp, dims.dp
-    tp = tp_stage_payloads(cfg, layout, cfg.n_layers, True, True)
+    tp = tp_stage_payloads(model, layout, model.n_layers, True, True)
     by_op = {op: (payload, gather_or_scatter_sent_per_rank(t, payload))
              for op, payload in (("all_gather", tp.all_gather), ("reduce_scatter", tp.reduce_scatter)) if payload}
     tp_sent = tp.sent(t)
-    dp_grads = tp_shard_parameter_count(cfg, t) * B if d > 1 else 0
+    dp_grads = tp_shard_parameter_count(model, t) * B if d > 1 else 0
     dp_sent = all_reduce_sent_per_rank(d, dp_grads)
     by_op["all_reduce"] = (tp.all_reduce + dp_grads, all_reduce_sent_per_rank(t, tp.all_reduce) + dp_sent)
     ranks = dims.world_size
     extra = {
         # The Megatron count a run's comm.by_tag_op shows for every block, per rank.
         "per_layer_per_microbatch": per_layer_counts(layout),
-        "activation_bytes": layout.microbatch_size * cfg.seq_len * cfg.d_model * B,
+        "activation_bytes": layout.microbatch_size * model.seq_len * model.d_model * B,
     }
     return figure(all_ranks(by_op, ranks), ranks, {"tp": tp_sent * ranks, "dp": dp_sent * ranks}, extra)
 

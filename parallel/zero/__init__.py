@@ -66,8 +66,8 @@ def _build_zero3(model, plan, ctx):
 def _entry(stage: int, what: str, build) -> StrategySpec:
     return StrategySpec(
         name=f"zero{stage}", description=f"ZeRO stage {stage}: {what} sharded over dp",
-        build=build, comm=lambda cfg, layout: theory.zero_comm(cfg, layout, stage),
-        model_state=lambda cfg, layout: theory.zero_model_state_bytes(cfg, layout, stage),
+        build=build, comm=lambda model, layout: theory.zero_comm(model, layout, stage),
+        model_state=lambda model, layout: theory.zero_model_state_bytes(model, layout, stage),
         local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
         counterpart=f"torch_zero{stage}" if stage < 3 else "torch_fsdp2", moe=True,
         # Every stage has the activation formula (zero3 too: tests/helpers/planner_memory_check.py measures

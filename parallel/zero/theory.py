@@ -13,7 +13,7 @@ from parallel.layout import Layout
 from parallel.model_state import model_state, run_state_bytes, whole_model_parts
 
 
-def zero_comm(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
+def zero_comm(model: GPTConfig, layout: Layout, stage: int) -> dict:
     """ZeRO over N = dp ranks (Rajbhandari et al. §7), on the padded flat buffers (Ψ_pad·B bytes
     of gradients G and of parameters P); a reduce-scatter or all-gather of S bytes sends
     (N-1)/N·S per rank:
@@ -25,15 +25,15 @@ def zero_comm(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
               reduce-scattered: m·(N-1)/N·(2P + G)
     """
     n, m = layout.dims.dp, layout.microbatches
-    size = zero_padded_parameter_count(cfg, n) * layout.dtype_bytes
+    size = zero_padded_parameter_count(model, n) * layout.dtype_bytes
     gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[stage]
     per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
                 for op, payload in (("all_gather", gathers * size), ("reduce_scatter", scatters * size))}
     ranks = layout.dims.world_size
-    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": zero_padded_parameter_count(cfg, n)})
+    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": zero_padded_parameter_count(model, n)})
 
 
-def zero_model_state_bytes(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
+def zero_model_state_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict:
     """ZeRO over the N dp ranks (Rajbhandari et al. 2019, §5): stage 1 shards Adam's state, stage 2
     also the gradients, stage 3 also the parameters, each on the padded count Ψ_pad:
 
@@ -41,5 +41,5 @@ def zero_model_state_bytes(cfg: GPTConfig, layout: Layout, stage: int) -> dict:
 
     every part held, sharded over the dp ranks (parallel/model_state.py).
     """
-    return model_state(whole_model_parts(ModelShape(gpt=cfg)), run_state_bytes(layout.dtype_bytes), stage,
+    return model_state(whole_model_parts(ModelShape(gpt=model)), run_state_bytes(layout.dtype_bytes), stage,
                        layout.dims.dp)

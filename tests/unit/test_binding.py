@@ -1,7 +1,7 @@
 """`train.pin_cores` (parallel/dist/binding.py): which block of cores each rank of a machine takes,
 when it takes none, and that binding moves every thread of the process, earlier and later ones.
 
-What binding buys is a timing (docs/measured.md gives the figures); these tests check what can be
+What binding buys is a timing (docs/core-binding.md); these tests check what can be
 checked exactly, in this process, binding nothing (tests/runs/test_core_binding.py binds, in child
 processes).
 """
