@@ -19,3 +19,14 @@ def single_run(tmp_path_factory):
                     tmp_path_factory.mktemp("single") / "run")
     assert_ok(run)
     return run
+
+
+# The quick tier (`pytest -m "not slow"`): what runs in one process or spawns gloo ranks inside pytest.
+# Everything that starts torchrun, a tool's command line or a cluster takes seconds to minutes a test.
+SLOW_FOLDERS = ("runs", "tools")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.parent.name in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)

@@ -10,6 +10,8 @@ imports another: dp, zero, tp, cp, moe and the recipe all plug in the same syncs
   shards.py     the machinery ZeRO is made of: each model part as one flat buffer padded to a
                 multiple of the group size, an AdamW over this rank's shard, the reduce-scatter
   zero.py       ZeroOptimizer: ZeRO stage 1 or 2 over any group, the sync and the optimizer in one
+  options.py    how the dp dimension syncs (parallel.grad_sync, bucket_mb, zero): the options every
+                family that replicates parameters reads, declared here as a family of their own
 
 Each sync is a `parallel.strategy.GradSync`: what a step calls after backward (`finish`), and the
 completions other families hang on it (tp's sum of sequence-sharded gradients).
