@@ -52,6 +52,7 @@ from parallel.sync.options import SyncOptions
 from parallel.sync.zero import ZeroOptimizer
 from parallel.tp.layers import TPShards, parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
+from parallel.tp.options import TPOptions
 from parallel.tp.regions import sum_sequence_partial_grads
 
 
@@ -65,9 +66,9 @@ def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
     sequence_parallel = cut.sequence_parallel
     full_parameters = sum(p.numel() for p in model.parameters())
     # 1. Tensor parallelism on the whole model: the shards keep the single-process names, and the
-    #    tp tags the global layer index, whichever stage a block then lands on (under `saves_shard`
-    #    the column-parallel inputs keep their sequence pieces).
-    shards = parallelize_tp(model, tp_comm, sequence_parallel, cut.saves_shard) if tp_comm is not None else TPShards()
+    #    tp tags the global layer index, whichever stage a block then lands on (tp's options say
+    #    whether the sequence is cut, and what the column-parallel linears keep).
+    shards = parallelize_tp(model, tp_comm, plan.layout.of(TPOptions)) if tp_comm is not None else TPShards()
     if cp_comm is not None:  # 1b. context parallelism on the tp shard: positions and attention cores
         parallelize_cp(model, cp_comm, cut.cp_kind)
     # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ... on the loop; r and

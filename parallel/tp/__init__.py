@@ -32,10 +32,8 @@ def _build_tp(model, plan, ctx):
     from parallel.strategy import make_optimizer
     from parallel.tp.strategy import TensorParallel
 
-    cut, sync = plan.layout.cut(), plan.layout.of(SyncOptions)
     return TensorParallel(model, lambda module: make_optimizer(module, plan.lr, plan.weight_decay), ctx.comm("tp"),
-                          ctx.comm("dp"), plan.layout.of(TPOptions).sequence_parallel, sync.grad_sync,
-                          sync.bucket_mb, saves_shard=cut.saves_shard)
+                          ctx.comm("dp"), plan.layout.of(TPOptions), plan.layout.of(SyncOptions))
 
 
 def _describe(layout, spec) -> dict:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
+from parallel.tp.options import TPOptions
 from parallel.tp.regions import SequencePiece, all_gather_along, enter_region, exit_region, linear_on_sequence_piece
 
 
@@ -212,12 +213,12 @@ class TPShards:
         return spread
 
 
-def parallelize_tp(model: GPT, comm: Communicator, sequence_parallel: bool = False,
-                   saves_shard: bool = False) -> TPShards:
-    """Turn the full model into this rank's tensor-parallel shard, in place. `saves_shard`
-    (parallel.tp_saves=sharded, under sequence parallelism): the column-parallel linears keep
-    their input's sequence piece and gather it again in backward."""
-    sp, keep = sequence_parallel, saves_shard
+def parallelize_tp(model: GPT, comm: Communicator, options: TPOptions = TPOptions()) -> TPShards:
+    """Turn the full model into this rank's tensor-parallel shard, in place, as tp's options say: under
+    sequence parallelism, with parallel.tp_saves=sharded, the column-parallel linears keep their
+    input's sequence piece and gather it again in backward."""
+    sp = options.sequence_parallel
+    keep = sp and options.saves == "sharded"
     for i, block in enumerate(model.blocks):
         attn, mlp = f"blocks.{i}.attn", f"blocks.{i}.mlp"
         block.ln1 = NormIntoTP(block.ln1, comm, f"tp/{attn}", sp, keep)

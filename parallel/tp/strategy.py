@@ -23,8 +23,10 @@ from parallel.core.data import Batch
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy, flat_moments, moment_param, nest_moments
 from parallel.sync.allreduce import make_grad_sync
+from parallel.sync.options import SyncOptions
 from parallel.tp.layers import parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
+from parallel.tp.options import TPOptions
 from parallel.tp.regions import sum_sequence_partial_grads
 
 
@@ -32,11 +34,11 @@ class TensorParallel(Strategy):
     name = "tp"
 
     def __init__(self, model: nn.Module, optimizer_factory, tp_comm: Communicator, dp_comm: Communicator,
-                 sequence_parallel: bool, grad_sync: str, bucket_mb: float, saves_shard: bool = False):
+                 options: TPOptions, dp_sync: SyncOptions):
         self.tp_comm = tp_comm
-        self.sequence_parallel = sequence_parallel
-        self.shards = parallelize_tp(model, tp_comm, sequence_parallel, saves_shard)
-        sync = make_grad_sync(list(model.named_parameters()), dp_comm, grad_sync, bucket_mb)
+        self.sequence_parallel = options.sequence_parallel
+        self.shards = parallelize_tp(model, tp_comm, options)
+        sync = make_grad_sync(list(model.named_parameters()), dp_comm, dp_sync.grad_sync, dp_sync.bucket_mb)
         params = dict(model.named_parameters())
         sequence_partial = [params[n] for n in self.shards.sequence_partial]
         if sequence_partial:
