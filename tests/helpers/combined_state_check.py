@@ -29,6 +29,7 @@ from parallel.dist.comm import CommLog
 from parallel.dist.dims import ParallelDims
 from parallel.dist.groups import LaunchEnv, exit_process, init_distributed, shutdown
 from parallel.pp.executor import PipelineParallel
+from parallel.registry import layout_of
 from parallel.strategy import SingleProcess, make_optimizer
 
 CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
@@ -85,8 +86,8 @@ def main() -> None:
     batches = GlobalBatches(corpus, CFG.seq_len, GLOBAL_BATCH, SEED)
     ctx = init_distributed(env, dims, "gloo", 60.0, CommLog())
 
-    plan = SimpleNamespace(sequence_parallel=False, grad_sync="naive", bucket_mb=25.0, schedule="1f1b",
-                           microbatches=MICROBATCHES, virtual_stages=1, pp_layers=None, lr=LR, weight_decay=WD, zero=0)
+    layout = layout_of(dims, microbatches=MICROBATCHES, grad_sync="naive")
+    plan = SimpleNamespace(layout=layout, microbatches=MICROBATCHES, lr=LR, weight_decay=WD)
 
     def build(seed: int) -> PipelineParallel:
         return build_combined(GPT(CFG, seed=seed), plan, ctx)
