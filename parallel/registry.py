@@ -9,6 +9,12 @@ Which entry runs a requested layout is parallel/compose/route.py's table; the ru
 shares are `check_layout` and `check_model` below, each entry's own are its `check`,
 `check_model` and `schedule_check` (in its family's rules.py).
 
+The families are gathered here too (`FAMILIES`: each folder's `Family` record, parallel/family.py),
+and the functions below are what the run validator, the planner and the summary know of them:
+every family's options parsed (`parse_options`), its rules run (`check_rules`), its fields
+described and labelled (`describe`, `label`), its searches multiplied out (`option_choices`). None
+of those callers names a family or an option.
+
 Adding a strategy is one module in its family (the Strategy subclass), one entry in the family's
 `ENTRIES`:
 
