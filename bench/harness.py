@@ -61,6 +61,17 @@ def split_args(argv: list[str], options: dict[str, str]) -> tuple[list[str], dic
     return overrides, values
 
 
+def options(argv: list[str], defaults: dict[str, str]) -> dict[str, str]:
+    """`key=value` arguments, each one of `defaults`' keys: an unknown one is refused by name."""
+    values = dict(defaults)
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in values:
+            raise SystemExit(f"unknown option {key!r}: {', '.join(values)}")
+        values[key] = value
+    return values
+
+
 def plan_for(env: LaunchEnv, defaults: list[str], overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[*defaults, *overrides])
