@@ -1,6 +1,6 @@
 """docs/network.md's table: each strategy on each network, one launch.run job each (needs root).
 
-    python -m bench.net_table                                    # model=small, 6 steps (~15 min on 2 cores)
+    python -m bench.net_table                                    # model=small, 6 steps
     python -m bench.net_table model=tiny train.steps=6 nets=none,ethernet_1g strategies=dp,tp
     python -m bench.net_table render                             # the table again, from the last runs
 
