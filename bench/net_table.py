@@ -1,24 +1,26 @@
 """docs/network.md's table: each strategy on each network, one launch.run job each (needs root).
 
-    python bench/net_table.py                                    # model=small, 6 steps (~15 min on 2 cores)
-    python bench/net_table.py model=tiny train.steps=6 nets=none,ethernet_1g strategies=dp,tp
-    python bench/net_table.py render                             # the table again, from the last runs
+    python -m bench.net_table                                    # model=small, 6 steps
+    python -m bench.net_table model=tiny train.steps=6 nets=none,ethernet_1g strategies=dp,tp
+    python -m bench.net_table render                             # the table again, from the last runs
 
 Prints one markdown row per (network, strategy): tokens/s, exposed communication per step, how long
 each node's link is busy a step (its share of the inter-node wire bytes at the link's rate), and the
 inter-node (and shaped intra-node) bytes per step the interface counters saw against what the
-communication log predicts (parallel/net/predict.py). Run directories go to runs/net_table/<net>-<strategy>;
-`render` re-prints the table from them without running anything.
+communication log predicts (parallel/net/predict.py). Each job runs through bench/harness.py (parallel/runner.py);
+run directories go to runs/net_table/<net>-<strategy>; `render` re-prints the table from them without running
+anything.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench import harness
+
+OUT = Path("runs") / "net_table"
 # name -> launch.run overrides; "200mbit" is ethernet_1g slowed to 200 Mbit/s (the issue's measurement).
 NETS = {
     "none": ["net=none"],
@@ -74,17 +76,15 @@ def main(argv: list[str]) -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for net in nets:
         for strategy in strategies:
-            run_dir = ROOT / "runs" / "net_table" / f"{net}-{strategy}"
-            summary_path = run_dir / "summary.json"
-            if not render:
-                cmd = [sys.executable, "-m", "launch.run", *NETS[net], f"parallel={strategy}", *overrides,
-                       f"run.dir={run_dir}"]
-                proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-                if proc.returncode != 0 or not summary_path.exists():
-                    print(f"| {net} | | {strategy} | failed (exit {proc.returncode}): "
-                          f"{proc.stderr.strip().splitlines()[-1:]} |")
-                    continue
-            print(row(net, strategy, json.loads(summary_path.read_text())), flush=True)
+            run_dir = (OUT / f"{net}-{strategy}").resolve()
+            try:
+                summary = (json.loads((run_dir / "summary.json").read_text()) if render else
+                           harness.run(harness.net_command([*NETS[net], f"parallel={strategy}", *overrides], run_dir),
+                                       run_dir))
+            except (harness.RunFailed, FileNotFoundError) as e:
+                print(f"| {net} | | {strategy} | failed: {e} |", flush=True)
+                continue
+            print(row(net, strategy, summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The pipeline executor's cost per action, beside the chunk's compute, at small chunks.
 
-    torchrun --standalone --nproc-per-node 2 bench/pp_action_overhead.py
-    torchrun --standalone --nproc-per-node 2 bench/pp_action_overhead.py schedules=1f1b,zbv parallel.microbatches=16
-    torchrun --standalone --nproc-per-node 4 bench/pp_action_overhead.py model=small parallel.microbatches=8
+    torchrun --standalone --nproc-per-node 2 -m bench.pp_action_overhead
+    torchrun --standalone --nproc-per-node 2 -m bench.pp_action_overhead schedules=1f1b,zbv parallel.microbatches=16
+    torchrun --standalone --nproc-per-node 4 -m bench.pp_action_overhead model=small parallel.microbatches=8
 
 parallel/pp/executor.py walks each rank's action list in Python. Every action leaves a span in
 the step's timeline (`PipelineParallel.spans`): a compute span (F, B, W: the chunk's own work), a
@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import statistics
 import sys
-from functools import partial
 
-from harness import plan_for, refuse, run_distributed, split_args, timed_step
-
-from parallel.core.data import GlobalBatches, local_microbatches
+from bench import harness
 from parallel.core.model import GPT
 from parallel.dist.groups import LaunchEnv
 
@@ -40,14 +37,14 @@ COMPUTE = ("forward", "backward", "weight")
 
 def main() -> None:
     env = LaunchEnv.from_environ()
-    overrides, opts = split_args(sys.argv[1:], {"steps": "6", "schedules": "gpipe,1f1b,zbv"})
+    overrides, opts = harness.split_args(sys.argv[1:], {"steps": "6", "schedules": "gpipe,1f1b,zbv"})
     schedules = [s for s in opts["schedules"].split(",") if s]
     if any(s not in PRESETS for s in schedules):
-        refuse(env, f"schedules={opts['schedules']}: choose from {', '.join(PRESETS)}")
+        harness.refuse(env, f"schedules={opts['schedules']}: choose from {', '.join(PRESETS)}")
     defaults = ["model=tiny", "train.global_batch=16", "parallel.microbatches=8"]
-    plans = {s: plan_for(env, [*defaults, f"parallel={PRESETS[s]}"], overrides) for s in schedules}
+    plans = {s: harness.plan_for(env, [*defaults, f"parallel={PRESETS[s]}"], overrides) for s in schedules}
     first = next(iter(plans.values()))
-    run_distributed(env, first, lambda plan, ctx, corpus: run(plans, ctx, corpus, int(opts["steps"])))
+    harness.run_distributed(env, first, lambda plan, ctx, corpus: run(plans, ctx, corpus, int(opts["steps"])))
 
 
 def step_figures(spans: list[dict]) -> dict:
@@ -66,12 +63,10 @@ def run(plans: dict, ctx, corpus, steps: int) -> None:
     rows = {}
     for schedule, plan in plans.items():
         strategy = plan.spec.build(GPT(plan.model, seed=plan.seed).to(ctx.device), plan, ctx)
-        batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
+        batch = harness.Steps(plan, ctx, corpus)
         figures = []
         for step in range(steps + 1):  # step 0 warms up
-            glob = batches(step)
-            mbs = [mb.to(ctx.device) for mb in local_microbatches(glob, 0, 1, plan.microbatches)]
-            timed_step(ctx, partial(strategy.train_step, mbs, glob.n_tokens))
+            harness.timed_step(ctx, batch.of(strategy, step))
             if step:
                 figures.append(step_figures(strategy.spans))
         strategy.close()
@@ -80,7 +75,7 @@ def run(plans: dict, ctx, corpus, steps: int) -> None:
         plan = next(iter(plans.values()))
         print(f"\nmodel d_model={plan.model.d_model} layers={plan.model.n_layers} | pp {plan.dims.pp} | "
               f"m {plan.microbatches} x {plan.global_batch // plan.microbatches} sequences | rank 0, "
-              f"medians of {steps} steps")
+              f"medians of {steps} steps after a warm-up step | clock: the executor's spans (time.time, the wall)")
         print(f"{'schedule':<12} {'actions':>8} {'compute ms':>11} {'gap us':>8} {'gap/compute':>12} {'post us':>8} "
               f"{'wait ms':>8}")
         for s, r in rows.items():

@@ -1,6 +1,6 @@
 """The zero-bubble figures of docs/pipeline-zero-bubble.md, from `launch.compare` sweeps.
 
-    python bench/zero_bubble_report.py SWEEP_DIR [SWEEP_DIR ...] [--timelines OUT.png] [--simulated OUT.png]
+    python -m bench.zero_bubble_report SWEEP_DIR [SWEEP_DIR ...] [--timelines OUT.png] [--simulated OUT.png]
 
 Each SWEEP_DIR is a `python -m launch.compare` run directory (results.json, and one run directory
 per strategy with its summary.json and trace.json). Printed, as markdown:
@@ -24,12 +24,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from parallel.pp.placement import Placement  # noqa: E402
-from parallel.pp.schedules import closed_form_bubble, schedule_placement  # noqa: E402
-from parallel.pp.simulator import simulate_schedule, split_costs  # noqa: E402
-from parallel.pp.timeline import COLORS  # noqa: E402
+from parallel.pp.placement import Placement
+from parallel.pp.schedules import closed_form_bubble, schedule_placement
+from parallel.pp.simulator import simulate_schedule, split_costs
+from parallel.pp.timeline import COLORS
 
 MB = 2**20
 

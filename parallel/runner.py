@@ -1,9 +1,10 @@
 """Start one run as a child process, bounded in time, and stop it with everything it started.
 
-The sweep (launch.compare) and the planner's validation (parallel/planner/validate.py) both run
-`launch.train` or `launch.run` this way: each run in a session of its own, its console saved to
-<run dir>/console.log, a timeout that stops torchrun and every worker below it (Linux /proc), and
-the run's own one-line verdict read back from its output.
+The sweep (launch.compare), the planner's validation (parallel/planner/validate.py) and the
+benchmarks that launch runs (bench/harness.py) run `launch.train` or `launch.run` this way: each
+run in a session of its own, its console saved to <run dir>/console.log, a timeout that stops
+torchrun and every worker below it (Linux /proc), and the run's own one-line verdict read back
+from its output. `start` and `finish` apart let a caller hold several runs in flight at once.
 """
 
 from __future__ import annotations
@@ -76,17 +77,17 @@ def stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, float]:
-    """Run one strategy; returns (status, error, seconds). Output goes to <run_dir>/console.log.
-
-    The run gets its own session, so that a timeout stops torchrun and everything it started
-    (see `stop`) and nothing is left behind.
-    """
+def start(cmd: list[str], run_dir: Path) -> subprocess.Popen:
+    """Start one run in a session of its own, so that a timeout stops torchrun and everything it
+    started (see `stop`) and nothing is left behind; this code first on its PYTHONPATH."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE_ROOT), os.environ.get("PYTHONPATH")]))}
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout_s: float) -> tuple[str, str]:
+    """Wait for a started run; returns (status, error). Output goes to <run_dir>/console.log."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
         status = "ok" if proc.returncode == 0 else "failed"
@@ -94,13 +95,18 @@ def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, 
         stop(proc)
         stdout, stderr = proc.communicate()
         status = "timeout"
-    seconds = time.perf_counter() - start
-    (run_dir / "console.log").write_text(f"$ {' '.join(cmd)}\n{stdout}\n--- stderr ---\n{stderr}")
+    (run_dir / "console.log").write_text(f"$ {' '.join(proc.args)}\n{stdout}\n--- stderr ---\n{stderr}")
     if status == "ok" and not (run_dir / "summary.json").exists():
-        status = "failed"
-        return status, f"exit 0 but no summary.json: {error_line(stdout, stderr)}", seconds
+        return "failed", f"exit 0 but no summary.json: {error_line(stdout, stderr)}"
     if status == "timeout":
-        return status, f"stopped after {timeout_s:g} s (compare.timeout_s)", seconds
+        return status, f"stopped after {timeout_s:g} s (compare.timeout_s)"
     if status == "failed":
-        return status, f"exit {proc.returncode}: {error_line(stdout, stderr)}", seconds
-    return status, "", seconds
+        return status, f"exit {proc.returncode}: {error_line(stdout, stderr)}"
+    return status, ""
+
+
+def run_one(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[str, str, float]:
+    """Run one strategy; returns (status, error, seconds). Output goes to <run_dir>/console.log."""
+    begun = time.perf_counter()
+    status, error = finish(start(cmd, run_dir), run_dir, timeout_s)
+    return status, error, time.perf_counter() - begun

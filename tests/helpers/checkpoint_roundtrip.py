@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-# Run as a script: this checkout's code first (not an installed copy), and bench/ for its harness.
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[2] / "bench")]
+# Run as a script: this checkout's code first (not an installed copy), bench's harness with it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from harness import plan_for, run_distributed  # noqa: E402
 from options import option  # noqa: E402
 
+from bench.harness import plan_for, run_distributed  # noqa: E402
 from parallel.baselines.fsdp2 import TorchFSDP2, TorchZero2  # noqa: E402
 from parallel.baselines.zero_redundancy import TorchZero1  # noqa: E402
 from parallel.core.data import GlobalBatches, local_microbatches  # noqa: E402

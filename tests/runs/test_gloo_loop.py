@@ -1,7 +1,7 @@
 """`train.gloo_loop_policy` (parallel/dist/gloo_loop.py): gloo's event-loop threads are set to
 SCHED_BATCH, so that one woken on the core of the thread it waits for does not take that core.
 
-What the policy buys is a timing (bench/gloo_call_costs.py measures it; docs/virtual-time.md gives
+What the policy buys is a timing (lab/gloo_call_costs.py measures it; docs/virtual-time.md gives
 the figures); these tests check what can be checked exactly: which threads get which policy, in a
 live training run and in one process, and that a bad choice is refused by name.
 """

@@ -1,11 +1,11 @@
-"""bench/virtual_time.py, the validation table's bench: its options and its runs made at once.
+"""bench/virtual_time, the validation table's bench: its options and its runs made at once.
 
-The bench's checks themselves are timings, measured and written into docs/virtual-time.md, never
-asserted here. What is asserted: a bad option is refused by name before any run, and repeats
-started together (`repeats_at=once`, the stability check's default) are real, separate runs of the
-same config: each its own directory and summary, the same losses to the bit, as the same config
-made twice one after another gives; and the hold that lines their steps up stops a run, every
-process of it, until the last run has written its first step.
+The bench's checks themselves are timings, never asserted here. What is asserted: a bad option is
+refused by name before any run, and repeats started together (the stability check's) are real,
+separate runs of the same config, each through parallel/runner.py: each its own directory and
+summary, the same losses to the bit, as the same config made twice one after another gives; and
+the hold that lines their steps up stops a run, every process of it, until the last run has
+written its first step.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ from launcher import CPU_ONLY, PROJECT_ROOT
 
 from parallel.runner import descendants
 
-SCRIPT = str(PROJECT_ROOT / "bench" / "virtual_time.py")
-
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **CPU_ONLY})
+    return subprocess.run([sys.executable, "-m", "bench.virtual_time", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **CPU_ONLY})
 
 
 @pytest.mark.parametrize("args, said", [
-    (["repeats_at=sometimes"], "repeats_at='sometimes': once (the repeats started together) or apart"),
-    (["loopback=per-run"], "repeats_at=once needs loopback=sampled or once"),
+    (["loopback=per-run"], "loopback='per-run': sampled or once"),
+    (["repeats=1"], "repeats='1': at least 2"),
     (["checks=stability,speed"], "unknown check(s) speed"),
     (["reps=3"], "unknown option 'reps'"),
 ])
@@ -44,20 +42,26 @@ def test_bad_options_are_refused_by_name(args, said, tmp_path):
 
 
 @pytest.fixture
-def virtual_time(monkeypatch):
-    """The bench as a module (it imports bench/host_speed.py from its own folder)."""
-    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
-    return importlib.import_module("virtual_time")
+def runs(monkeypatch):
+    """The bench's runs, as a module of the project's folder."""
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT))
+    return importlib.import_module("bench.virtual_time.runs")
 
 
-def test_repeats_started_together_are_separate_runs_of_one_config(tmp_path, monkeypatch, virtual_time):
+@pytest.fixture
+def tables(monkeypatch):
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT))
+    return importlib.import_module("bench.virtual_time.tables")
+
+
+def test_repeats_started_together_are_separate_runs_of_one_config(tmp_path, monkeypatch, runs):
     for key, value in CPU_ONLY.items():
         monkeypatch.setenv(key, value)
 
     # The loopback's figures given, as the bench gives its probe to every run: no run probes it.
     given = ["virtual.loopback_gbytes_per_s=1.0", "virtual.loopback_latency_us=200",
              "virtual.loopback_p2p_latency_us=100"]
-    batch = virtual_time.Batch(tmp_path, ["model=tiny", "train.steps=2", *given], sampled=False)
+    batch = runs.Batch(tmp_path, ["model=tiny", "train.steps=2", *given], sampled=False)
     dirs = [tmp_path / f"once-{k}" for k in range(2)]
     summaries = batch.train_together(2, [*batch.common, "parallel=dp"], dirs)
     assert summaries[0]["losses"] == summaries[1]["losses"] and len(summaries[0]["losses"]) == 2
@@ -66,8 +70,8 @@ def test_repeats_started_together_are_separate_runs_of_one_config(tmp_path, monk
     # Both commands are printed as started in the background, then waited for.
     assert [c.endswith(" &") for c in batch.commands] == [True, True, False]
     assert batch.commands[-1].startswith("wait")
-    # One host window before them stands for both.
-    assert batch.host_cpu[dirs[0].name] == batch.host_cpu[dirs[1].name] > 0
+    # Each through the runner: its console kept beside its summary.
+    assert all((d / "console.log").read_text().startswith("$ ") for d in dirs)
 
 
 HOLDER = """
@@ -81,7 +85,7 @@ time.sleep(float(sys.argv[3]))  # stopped in here by the hold, if it holds
 """
 
 
-def test_the_hold_keeps_each_run_stopped_until_every_run_has_stepped(tmp_path, virtual_time):
+def test_the_hold_keeps_each_run_stopped_until_every_run_has_stepped(tmp_path, runs):
     dirs = [tmp_path / "early", tmp_path / "late"]
     for d in dirs:
         d.mkdir()
@@ -90,7 +94,7 @@ def test_the_hold_keeps_each_run_stopped_until_every_run_has_stepped(tmp_path, v
     procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(d), delay, "0.3"])
              for d, delay in zip(dirs, ("0", "1.5"))]
     try:
-        virtual_time.hold_until_all_stepped(procs, dirs, limit_s=60)
+        runs.hold_until_all_stepped(procs, dirs, limit_s=60)
         assert [p.wait(timeout=30) for p in procs] == [0, 0]
     finally:
         for p in procs:
@@ -120,17 +124,17 @@ def test_the_processes_held_reach_ranks_in_sessions_of_their_own():
         parent.wait()
 
 
-def test_ranks_are_spread_over_the_cores_by_local_rank(virtual_time):
+def test_ranks_are_spread_over_the_cores_by_local_rank(runs):
     cores = sorted(os.sched_getaffinity(0))
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
     ranks = [subprocess.Popen(sleeper, env={**os.environ, "LOCAL_RANK": str(r)}) for r in range(2)]
     other = subprocess.Popen(sleeper, env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
     try:
         for _ in range(500):  # until each has exec'd python, whose environment /proc shows
-            if all(virtual_time.local_rank_of(p.pid) == r for r, p in enumerate(ranks)):
+            if all(runs.local_rank_of(p.pid) == r for r, p in enumerate(ranks)):
                 break
             time.sleep(0.01)
-        virtual_time.spread_ranks_over_cores([p.pid for p in [*ranks, other]], cores)
+        runs.spread_ranks_over_cores([p.pid for p in [*ranks, other]], cores)
         assert [os.sched_getaffinity(p.pid) for p in ranks] == [{cores[r % len(cores)]} for r in range(2)]
         assert os.sched_getaffinity(other.pid) == set(cores)  # not a rank: left alone
     finally:
@@ -139,17 +143,17 @@ def test_ranks_are_spread_over_the_cores_by_local_rank(virtual_time):
             p.wait()
 
 
-def test_a_probe_replaces_the_loopback_figures_and_nothing_else(virtual_time):
+def test_a_probe_replaces_the_loopback_figures_and_nothing_else(tables):
     from parallel.replay.links import LinkModel, loopback
 
     own = loopback(1.5e9, 200e-6, "the probe before the batch", p2p_latency_s=120e-6)
     own = LinkModel(own.name, own.intra, own.inter, procs_per_node=4, placement="cyclic", lanes=1)
     probe = {"bytes_per_s": 0.9e9, "latency_s": 310e-6, "p2p_latency_s": 180e-6, "time": "05:06:00"}
-    links = virtual_time.on_loopback({"virtual": {"link_model": own.as_dict()}}, probe, "the probe just before")
+    links = tables.on_loopback({"virtual": {"link_model": own.as_dict()}}, probe, "the probe just before")
 
     assert (links.intra.bytes_per_s, links.intra.latency_s, links.intra.p2p_latency_s) == (0.9e9, 310e-6, 180e-6)
     assert links.source == "the probe just before"
     assert (links.procs_per_node, links.placement, links.lanes, links.intra.scope) == (4, "cyclic", 1, "rank")
     # The view on the batch's median is the same replacement.
-    view = virtual_time.View("the median", probe)
+    view = tables.View("the median", probe)
     assert view.link({"virtual": {"link_model": own.as_dict()}}) == dataclasses.replace(links, source="the median")

@@ -1,6 +1,6 @@
 """How long a point-to-point message takes to reach a receiver that is already waiting for it.
 
-    python bench/handoffs.py <run dir> [<run dir> ...]
+    python -m lab.handoffs <run dir> [<run dir> ...]
 
 Reads each run's trace.json (every rank's last step, on one wall clock: the ranks of a run on one
 machine, or on its emulated nodes, share it) and matches every send a rank posted with the
@@ -15,7 +15,7 @@ the receiver waits). With more ranks than cores the receiver's thread, and gloo'
 takes the bytes off the socket, must first get a core: the kernel's scheduler lets the running
 thread finish its slice before a woken one runs, so a handoff can wait milliseconds. The replay's
 processor sharing (`launch.replay <run> cores=C`) gives a woken rank its share of the cores at
-once, so it does not see that wait; this measures it (docs/virtual-time.md, the contention check).
+once, so it does not see that wait; this measures it.
 """
 
 from __future__ import annotations

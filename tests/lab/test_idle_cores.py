@@ -1,6 +1,6 @@
-"""bench/idle_cores.py: the kernel counters it splits the cores' time with.
+"""lab/idle_cores.py: the kernel counters it splits the cores' time with.
 
-The bench's figures are measurements (docs/virtual-time.md); what is asserted is that its reading
+Its figures are measurements, never asserted; what is asserted is that its reading
 of /proc/stat covers the given CPUs' whole time, idle and busy together, as the cores x wall
 split needs: over an interval the two counters together grow by about the CPUs times the interval;
 and that its reading of a process's own ticks (torchrun's agent's share) follows that process's CPU,
@@ -21,8 +21,8 @@ from launcher import PROJECT_ROOT
 
 @pytest.fixture
 def idle_cores(monkeypatch):
-    monkeypatch.syspath_prepend(str(PROJECT_ROOT / "bench"))
-    return importlib.import_module("idle_cores")
+    monkeypatch.syspath_prepend(str(PROJECT_ROOT))
+    return importlib.import_module("lab.idle_cores")
 
 
 def test_idle_and_busy_together_cover_every_cpu_the_whole_interval(idle_cores):

@@ -1,8 +1,8 @@
 """The loopback probe's figures two ways from the same calls: from the later of the two posts (the
-probe's method, parallel/replay/probe.py) and from each rank's own post (its method until
-2026-12-02 21:00, rank 0's mean call time).
+probe's method, parallel/replay/probe.py) and from each rank's own post (rank 0's mean call time,
+the method it replaced).
 
-    python bench/probe_from_last_post.py [runs=5]
+    python -m lab.probe_from_last_post [runs=5]
 
 Each run is one pair of processes under torchrun, bound a core each, that makes the probe's calls
 (16 KiB and 8 MiB all-reduces, 16 KiB ping-pongs, each after a burst of L2-sized matmuls) and
@@ -20,9 +20,8 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from launch.config import CODE_ROOT
 
 
 def pair() -> None:
@@ -56,8 +55,8 @@ def main(argv: list[str]) -> None:
     rows = []
     for _ in range(runs):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                               __file__, "pair"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               "-m", "lab.probe_from_last_post", "pair"], cwd=CODE_ROOT, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(CODE_ROOT)})
         line = [x for x in proc.stdout.splitlines() if x.startswith("{")]
         if proc.returncode or not line:
             raise SystemExit(f"probe pair failed: {proc.stderr[-800:]}")

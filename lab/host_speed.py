@@ -1,16 +1,16 @@
 """How fast this host runs the same work from one moment to the next: the floor under any CPU-timed figure.
 
-    python bench/host_speed.py [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4] [reference=0] [beside=0]
+    python -m lab.host_speed [windows=30] [steps=30] [gap_s=5] [repeats=3] [batch=4] [reference=0] [beside=0]
 
 One process, one intra-op thread, nothing else of ours running: `windows` times, the tiny model's
 forward and backward on a fixed batch of `batch` sequences (a world-4 rank's share of the default
-global batch), `steps` steps in a row, `gap_s` seconds of sleep between windows (a run's start-up
-separates two runs of the stability check by about that much). Each step is timed on the thread's
+global batch), `steps` steps in a row, `gap_s` seconds of sleep between windows (about what a run's
+start-up puts between two runs made one after another). Each step is timed on the thread's
 CPU clock (`time.thread_time`, the clock the virtual time is built on) and on the wall clock; a
 window's figure is the lower median of its steps, as a run's step time is.
 
 Printed: the windows' figures (median, range, the largest deviation from the median), and the same
-statistic the stability check (bench/virtual_time.py) applies to a strategy's three repeats,
+statistic the virtual-time validation's stability check applies to a strategy's repeats,
 applied to every `repeats` consecutive windows: how often the same work, on one thread, with no
 contention from other ranks, already stays within ±5% of its median. Where this host's own speed
 moves by more, no CPU-timed figure can stay within it.
@@ -19,9 +19,7 @@ Why the CPU clock moves at all: on a virtual machine the thread's CPU time count
 and the vCPU runs slower when its physical core's caches and memory bandwidth are busy with other
 guests' work, or at a lower frequency. Nothing inside the guest sees it (the hypervisor's steal
 time counts only time the vCPU did not run; hardware cycle and instruction counters are not
-exposed on this machine kind: `perf stat -e instructions true` reads "not supported").
-bench/virtual_time.py times one such window before each of its runs and prints, beside the
-stability check, how far the host alone moved over the same repeats.
+exposed on a guest of this kind: `perf stat -e instructions true` says whether they are).
 
 With `reference=1` every model step is followed, in the same thread, by two reference kernels: a
 compute-bound one (four 256x256 fp32 matmuls) and a pure-Python loop (20000 integer additions, the
@@ -42,23 +40,17 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from bench.harness import lower_median, max_dev
+from parallel.core.model import GPT, GPTConfig, token_loss_sum
 
-from parallel.core.model import GPT, GPTConfig, token_loss_sum  # noqa: E402
-
-
-def lower_median(xs: list[float]) -> float:
-    return sorted(xs)[(len(xs) - 1) // 2]
+OPTIONS = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4", "reference": "0", "beside": "0"}
 
 
 class Workload:
-    """The fixed work: the tiny model's forward and backward on `batch` sequences, on one thread.
-    bench/virtual_time.py times one window of it before each of its runs."""
+    """The fixed work: the tiny model's forward and backward on `batch` sequences, on one thread."""
 
     def __init__(self, batch: int = 4):
         torch.set_num_threads(1)
@@ -69,12 +61,15 @@ class Workload:
         self.idx, self.targets = tokens[:, :-1], tokens[:, 1:]
         self.window(5)  # warm-up: the allocator and the kernels
 
+    def step(self) -> None:
+        token_loss_sum(self.model(self.idx), self.targets).backward()
+
     def window(self, steps: int) -> tuple[float, float]:
         """The lower median of `steps` forward+backward steps, on the thread's CPU clock and the wall clock."""
         cpu, wall = [], []
         for _ in range(steps):
             c0, w0 = time.thread_time(), time.perf_counter()
-            token_loss_sum(self.model(self.idx), self.targets).backward()
+            self.step()
             cpu.append(time.thread_time() - c0)
             wall.append(time.perf_counter() - w0)
         return lower_median(cpu), lower_median(wall)
@@ -109,7 +104,7 @@ def interleaved_window(work: Workload, ref: Reference, steps: int) -> tuple[floa
     model, mm, py = [], [], []
     for _ in range(steps):
         c0 = time.thread_time()
-        token_loss_sum(work.model(work.idx), work.targets).backward()
+        work.step()
         model.append(time.thread_time() - c0)
         mm.append(ref.matmul())
         py.append(ref.python_loop())
@@ -125,14 +120,27 @@ def beside_worker(core: int, batch: int, windows: int, steps: int, barrier, resu
         results.put(work.window(steps)[0])
 
 
-def max_dev(xs: list[float]) -> float:
-    m = statistics.median(xs)
-    return max(abs(x / m - 1) for x in xs)
+class Beside:
+    """`beside=1`: this process bound to the first core, a second one on the other, their windows
+    started together."""
+
+    def __init__(self, cores: list[int], batch: int, windows: int, steps: int):
+        os.sched_setaffinity(0, {cores[0]})
+        spawn = multiprocessing.get_context("spawn")
+        self.barrier, self.results = spawn.Barrier(2), spawn.Queue()
+        self.other = spawn.Process(target=beside_worker, args=(cores[1], batch, windows, steps, self.barrier,
+                                                               self.results), daemon=True)
+        self.other.start()
+
+    def window(self, work: Workload, steps: int) -> tuple[float, float]:
+        """This process's window and the other's, started together (CPU seconds)."""
+        self.barrier.wait(timeout=300)
+        mine = work.window(steps)[0]
+        return mine, self.results.get(timeout=300)
 
 
-def main(argv: list[str]) -> None:
-    opts = {"windows": "30", "steps": "30", "gap_s": "5", "repeats": "3", "batch": "4", "reference": "0",
-            "beside": "0"}
+def options(argv: list[str]) -> dict[str, str]:
+    opts = dict(OPTIONS)
     for arg in argv:
         key, _, value = arg.partition("=")
         if key not in opts:
@@ -143,70 +151,78 @@ def main(argv: list[str]) -> None:
             sys.exit(f"host_speed: {key}={opts[key]!r}: give 0 or 1")
     if opts["reference"] == "1" and opts["beside"] == "1":
         sys.exit("host_speed: reference=1 and beside=1 are two experiments: give one")
-    cores = sorted(os.sched_getaffinity(0))
-    if opts["beside"] == "1" and len(cores) < 2:
-        sys.exit(f"host_speed: beside=1 needs two usable cores, this process has {len(cores)}")
-    windows, steps = int(opts["windows"]), int(opts["steps"])
-    work = Workload(int(opts["batch"]))
+    if opts["beside"] == "1" and len(os.sched_getaffinity(0)) < 2:
+        sys.exit(f"host_speed: beside=1 needs two usable cores, this process has {len(os.sched_getaffinity(0))}")
+    return opts
+
+
+def window_line(k: int, figures: dict[str, float]) -> str:
+    """One window's figures (ms a step), and the ratio its experiment is about."""
+    line = f"window {k:2d}: " + "  ".join(f"{name} {x * 1e3:6.3f} ms" for name, x in figures.items())
+    return line + "".join(f"  {name} {x:5.2f}" for name, (x,) in ratios({n: [x] for n, x in figures.items()}).items())
+
+
+def sample(opts: dict[str, str]) -> dict[str, list[float]]:
+    """Every window's figures, one series per name, printed as they come."""
+    windows, steps, batch = int(opts["windows"]), int(opts["steps"]), int(opts["batch"])
+    work = Workload(batch)
     ref = Reference() if opts["reference"] == "1" else None
-    other, barrier, results, beside = None, None, None, []
-    if opts["beside"] == "1":
-        os.sched_setaffinity(0, {cores[0]})
-        spawn = multiprocessing.get_context("spawn")
-        barrier, results = spawn.Barrier(2), spawn.Queue()
-        other = spawn.Process(target=beside_worker, args=(cores[1], int(opts["batch"]), windows, steps, barrier,
-                                                           results), daemon=True)
-        other.start()
-    cpu, wall, mm, py = [], [], [], []
+    beside = Beside(sorted(os.sched_getaffinity(0)), batch, windows, steps) if opts["beside"] == "1" else None
+    names = ("model", "matmul", "Python loop") if ref else ("CPU", "beside") if beside else ("CPU", "wall")
+    series: dict[str, list[float]] = {name: [] for name in names}
     for k in range(windows):
         if k:
             time.sleep(float(opts["gap_s"]))
-        if other is not None:
-            barrier.wait(timeout=300)
-            c, _ = work.window(steps)
-            b = results.get(timeout=300)
-            cpu.append(c)
-            beside.append(b)
-            print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  beside {b * 1e3:6.2f} ms  ratio {c / b:5.2f}", flush=True)
-        elif ref is None:
-            c, w = work.window(steps)
-            cpu.append(c)
-            wall.append(w)
-            print(f"window {k:2d}: CPU {c * 1e3:6.2f} ms  wall {w * 1e3:6.2f} ms", flush=True)
+        if ref:
+            figures = interleaved_window(work, ref, steps)
         else:
-            c, m, p = interleaved_window(work, ref, steps)
-            cpu.append(c)
-            mm.append(m)
-            py.append(p)
-            print(f"window {k:2d}: model {c * 1e3:6.2f} ms  matmul {m * 1e3:6.3f} ms  Python loop {p * 1e3:6.3f} ms"
-                  f"  model/matmul {c / m:5.2f}  model/Python {c / p:5.2f}", flush=True)
-    if other is not None:
-        other.join(timeout=60)
-    r = int(opts["repeats"])
-    print(f"\n{len(cpu)} windows of {opts['steps']} steps, {opts['gap_s']} s apart, one thread (ms a step):")
-    series = ([("model", cpu), ("matmul", mm), ("Python loop", py)] if ref is not None
-              else [("CPU", cpu), ("beside", beside)] if beside else [("CPU", cpu), ("wall", wall)])
-    for name, xs in series:
-        m = statistics.median(xs)
-        print(f"  {name:4s} median {m * 1e3:.2f}, range {min(xs) * 1e3:.2f}-{max(xs) * 1e3:.2f}, "
-              f"max dev. from median ±{max_dev(xs):.1%}")
-    if ref is not None:
-        for name, den in (("matmul", mm), ("Python loop", py)):
-            ratio = [c / d for c, d in zip(cpu, den)]
-            print(f"  model / {name}: median {statistics.median(ratio):.2f}, "
-                  f"range {min(ratio):.2f}-{max(ratio):.2f}, max dev. from median ±{max_dev(ratio):.1%} "
-                  "(to put runs on a steady scale it would have to hold within ±5%)")
+            figures = beside.window(work, steps) if beside else work.window(steps)
+        for name, x in zip(names, figures):
+            series[name].append(x)
+        print(window_line(k, dict(zip(names, figures))), flush=True)
     if beside:
-        ratio = [c / b for c, b in zip(cpu, beside)]
-        print(f"  this core / the other: median {statistics.median(ratio):.2f}, "
-              f"range {min(ratio):.2f}-{max(ratio):.2f}, max dev. from median ±{max_dev(ratio):.1%} "
-              "(for a probe beside a run to carry the run's moment it would have to hold within ±5%)")
-    groups = [cpu[i:i + r] for i in range(len(cpu) - r + 1)]
-    devs = sorted(max_dev(g) for g in groups)
+        beside.other.join(timeout=60)
+    return series
+
+
+def ratios(series: dict[str, list[float]]) -> dict[str, list[float]]:
+    """What an experiment is about: the model's step over each reference kernel's (`reference=1`),
+    or this core's window over the other's (`beside=1`)."""
+    if "model" in series:
+        return {f"model/{name}": [a / b for a, b in zip(series["model"], series[name])]
+                for name in ("matmul", "Python loop")}
+    if "beside" in series:
+        return {"ratio": [a / b for a, b in zip(series["CPU"], series["beside"])]}
+    return {}
+
+
+def spread(xs: list[float], scale: float = 1.0) -> str:
+    return (f"median {statistics.median(xs) * scale:.2f}, range {min(xs) * scale:.2f}-{max(xs) * scale:.2f}, "
+            f"max dev. from median ±{max_dev(xs):.1%}")
+
+
+def summarize(series: dict[str, list[float]], opts: dict[str, str]) -> None:
+    print(f"\n{opts['windows']} windows of {opts['steps']} steps, {opts['gap_s']} s apart, one thread (ms a step):")
+    for name, xs in series.items():
+        print(f"  {name:4s} {spread(xs, 1e3)}")
+    for name, xs in ratios(series).items():
+        if name == "ratio":
+            print(f"  this core / the other: {spread(xs)} (for a probe beside a run to carry the run's moment it "
+                  "would have to hold within ±5%)")
+        else:
+            print(f"  {name.replace('/', ' / ')}: {spread(xs)} (to put runs on a steady scale it would have to "
+                  "hold within ±5%)")
+    cpu, r = next(iter(series.values())), int(opts["repeats"])
+    devs = sorted(max_dev(cpu[i:i + r]) for i in range(len(cpu) - r + 1))
     within = sum(d <= 0.05 for d in devs)
     print(f"  every {r} consecutive windows on the CPU clock (the stability check's statistic): "
-          f"{within} of {len(groups)} within ±5%; max dev. median ±{statistics.median(devs):.1%}, "
+          f"{within} of {len(devs)} within ±5%; max dev. median ±{statistics.median(devs):.1%}, "
           f"worst ±{devs[-1]:.1%}")
+
+
+def main(argv: list[str]) -> None:
+    opts = options(argv)
+    summarize(sample(opts), opts)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Why the comparison has no PyTorch context-parallel row: PyTorch's own cp, tried on gloo and the CPU.
 
-    python bench/torch_cp_cpu.py
+    python -m lab.torch_cp_cpu
 
-Spawns 2 gloo ranks on this machine (a 1-D "cp" mesh) and tries the three ways PyTorch 2.13 offers
-to run causal attention over a sequence split across them, forward and backward, as training
-needs. Each prints "ran" or its exception's first line (docs/context-parallel.md quotes them):
+Spawns 2 gloo ranks on this machine (a 1-D "cp" mesh) and tries the three ways the installed
+PyTorch offers to run causal attention over a sequence split across them, forward and backward, as
+training needs. Each prints "ran" or its exception's first line (docs/context-parallel.md quotes them);
+what follows is why each failed on the PyTorch this project pins:
 
   1. `context_parallel(mesh, buffers=[x], buffer_seq_dims=[2])` around
      F.scaled_dot_product_attention (the API torchtitan uses): on the CPU, SDPA dispatches to

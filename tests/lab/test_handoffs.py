@@ -1,4 +1,4 @@
-"""bench/handoffs.py, the handoff of every point-to-point message in a run's last step, on traces
+"""lab/handoffs.py, the handoff of every point-to-point message in a run's last step, on traces
 with known answers: what it reads from a run's trace.json and summary.json, and what it refuses."""
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import subprocess
 import sys
 
 from launcher import PROJECT_ROOT
-
-SCRIPT = str(PROJECT_ROOT / "bench" / "handoffs.py")
 
 
 def _span(rank: int, op: str, kind: str, tag: str, ts: float, dur: float) -> dict:
@@ -28,8 +26,8 @@ def _run_dir(tmp_path, events: list[dict]):
 
 
 def handoffs(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *map(str, args)], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=60, env=os.environ.copy())
+    return subprocess.run([sys.executable, "-m", "lab.handoffs", *map(str, args)], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
 
 
 def test_each_message_is_timed_from_both_sides_ready_to_the_waits_end(tmp_path):

@@ -1,4 +1,4 @@
-"""bench/host_speed.py, the floor under every CPU-timed figure, runs as docs/virtual-time.md shows it.
+"""lab/host_speed.py, the floor under every CPU-timed figure, runs as its docstring shows it.
 
 Nothing here looks at a timing: a few windows of a few steps check that every documented option
 parses, that each window prints both clocks (or, with `reference=1`, the model beside its two
@@ -15,12 +15,10 @@ import sys
 
 from launcher import CPU_ONLY, PROJECT_ROOT
 
-SCRIPT = str(PROJECT_ROOT / "bench" / "host_speed.py")
-
 
 def host_speed(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=PROJECT_ROOT, capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **CPU_ONLY})
+    return subprocess.run([sys.executable, "-m", "lab.host_speed", *args], cwd=PROJECT_ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **CPU_ONLY})
 
 
 def test_windows_report_both_clocks_and_the_stability_statistic():

@@ -1,9 +1,10 @@
 """Where a run with more ranks than cores spends the cores' time: its ranks' own CPU, the rest of
 the machine, or nothing at all.
 
-    python bench/idle_cores.py <launch.train overrides ...> [world=4] [out=runs/idle-cores]
+    python -m lab.idle_cores <launch.train overrides ...> [world=4] [out=runs/idle-cores]
 
-Runs `launch.train` under torchrun (one run, `world` ranks on this machine's cores) and reads the
+Runs `launch.train` under torchrun through parallel/runner.py (one run, `world` ranks on this
+machine's cores) and reads the
 kernel's per-CPU counters (/proc/stat) at two moments: when rank 0 has written its last warm-up step
 to metrics.jsonl and when it has written its last step. Between them, the cores' time splits into
 time idle (the kernel's idle and iowait), time busy, and of the busy time what the run's own ranks
@@ -12,7 +13,7 @@ steps, from the run's saved events (the clock virtual time replays). Busy time t
 count is the rest of the machine, and each process's own CPU (/proc/<pid>/stat: the kernel keeps it
 in ns, so it is not sampled like /proc/stat's ticks) splits it: the ranks' processes outside their
 timed steps (their compute threads, the main ones, and their other threads apart: the loss's
-all-reduce, the next batch, the metrics), torchrun's agent, this bench's own polling of
+all-reduce, the next batch, the metrics), torchrun's agent, this script's own polling of
 metrics.jsonl; what is left is the kernel's interrupt work outside any of them and anything else.
 The ticks that landed in interrupt work are printed too, with a caveat: on a kernel without
 CONFIG_IRQ_TIME_ACCOUNTING (this machine's) the softirq work a thread runs on its way out of a
@@ -36,19 +37,16 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from parallel.dist.timing import default_warmup_steps  # noqa: E402
-from parallel.replay import events as saved  # noqa: E402
-from parallel.replay.links import LinkModel  # noqa: E402
-from parallel.replay.virtual import replay_steps  # noqa: E402
-from parallel.runner import descendants  # noqa: E402
+from bench import harness
+from parallel import runner
+from parallel.dist.timing import default_warmup_steps
+from parallel.replay import events as saved
+from parallel.replay.links import LinkModel
+from parallel.replay.virtual import replay_steps
 
 
 def cpu_ticks(cpus: set[int]) -> dict[str, int]:
@@ -93,7 +91,7 @@ def children_ticks(parent: int) -> tuple[int, int]:
     """The summed own CPU of every process below `parent` (the agent's workers, the ranks), split into
     their main threads' (each rank's compute thread) and their other threads' (gloo's, and any other)."""
     main = every = 0
-    for pid in descendants(parent):
+    for pid in runner.descendants(parent):
         every += process_ticks(pid)
         main += cpu_of(process_stat(pid, pid))
     return main, every - main
@@ -107,7 +105,7 @@ def counters(cpus: set[int], agent: int) -> dict[str, int]:
 
 
 def lines(path: Path, seen: dict) -> int:
-    """metrics.jsonl's lines, read again only when its size has changed: the bench polls it every
+    """metrics.jsonl's lines, read again only when its size has changed: the script polls it every
     2 ms on the cores it measures, so each poll should cost a stat, not a read."""
     try:
         size = path.stat().st_size
@@ -124,13 +122,13 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
     steps = next((int(o.split("=", 1)[1]) for o in overrides if o.startswith("train.steps=")), 30)
     given = next((o.split("=", 1)[1] for o in overrides if o.startswith("train.warmup_steps=")), "null")
     warmup = default_warmup_steps(steps) if given == "null" else int(given)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "launch.train", *overrides, *([] if any(o.startswith("train.steps=") for o in overrides) else
-                                                [f"train.steps={steps}"]), f"run.dir={run_dir}", "run.timeline=false"]
-    print(" ".join(cmd[1:]).replace(str(ROOT) + "/", ""))
+    given_steps = any(o.startswith("train.steps=") for o in overrides)
+    cmd = harness.train_command(world, [*overrides, *([] if given_steps else [f"train.steps={steps}"]),
+                                        "run.timeline=false"], run_dir)
+    print(harness.shown(cmd))
     cpus = os.sched_getaffinity(0)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    marks: dict[int, dict] = {}
+    proc = runner.start(cmd, run_dir)
+    marks: dict[str, dict] = {}
     metrics, seen = run_dir / "metrics.jsonl", {}
     while proc.poll() is None and len(marks) < 2:
         n = lines(metrics, seen)
@@ -139,46 +137,62 @@ def run(overrides: list[str], world: int, run_dir: Path) -> tuple[dict, dict, in
         if n >= steps and "start" in marks:
             marks["end"] = counters(cpus, proc.pid)
         time.sleep(0.002)
-    _, err = proc.communicate(timeout=900)
-    if proc.returncode:
-        raise SystemExit(f"the run failed ({proc.returncode}):\n{err[-2000:]}")
+    status, error = runner.finish(proc, run_dir, harness.RUN_TIMEOUT_S)
+    if status != "ok":
+        raise SystemExit(f"the run failed: {error}")
     if len(marks) < 2:
         raise SystemExit("the run ended before both marks were read: give more train.steps")
     return marks["start"], marks["end"], steps - warmup
 
 
+def own_cpu(events: list[dict], timed: int) -> tuple[float, float, float]:
+    """Per timed step, the ranks' own CPU: their compute threads' and their other threads' (gloo's)
+    while the step ran, summed over the ranks; and the wall step (the slowest rank's)."""
+    n = len(events[0]["steps"])
+    steps = range(n - timed, n)
+    main = statistics.mean(sum(e["steps"][i]["cpu_s"] for e in events) for i in steps)
+    others = statistics.mean(sum(e["steps"][i]["phases"][-1]["helper_end"] - e["steps"][i]["phases"][0]["helper_start"]
+                                 for e in events) for i in steps)
+    wall = statistics.mean(max(e["steps"][i]["wall_s"] for e in events) for i in steps)
+    return main, others, wall
+
+
+def replayed(run_dir: Path, events: list[dict], cores: int) -> tuple[float, str]:
+    """The run's replayed step: a run bound two to a core (train.pin_cores=round_robin) on its ranks'
+    cores, as the contention check replays it; an unbound one on a pool of the cores."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    links = LinkModel.from_dict(summary["virtual"]["link_model"])
+    placement = saved.placement(events)
+    step = statistics.mean(r.step_s for r in replay_steps(events, links, placement or cores))
+    return step, (f"replayed, each rank on its bound core of {cores}" if placement
+                  else f"replayed on {cores} shared cores")
+
+
+HEADER = ("| clock | step ms | cores x step | idle | the ranks' own CPU | the rest of the machine "
+          "| of it: the ranks' compute threads beyond their steps | the ranks' other threads beyond their steps "
+          "| torchrun's agent | this script's polling | irq+softirq ticks (partly in the ranks' own) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+
+
 def main(argv: list[str]) -> None:
-    world, out, overrides = 4, ROOT / "runs" / "idle-cores", []
+    world, out, overrides = 4, Path("runs") / "idle-cores", []
     for arg in argv:
         key, _, value = arg.partition("=")
         if key == "world":
             world = int(value)
         elif key == "out":
-            out = ROOT / value
+            out = Path(value)
         else:
             overrides.append(arg)
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     start, end, timed = run(overrides, world, out)
-    cores = len(os.sched_getaffinity(0))
-    tick = os.sysconf("SC_CLK_TCK")
+    cores, tick = len(os.sched_getaffinity(0)), os.sysconf("SC_CLK_TCK")
     per_step = {key: (end[key] - start[key]) / tick / timed for key in start}
-
     events = saved.load(out)
-    summary = json.loads((out / "summary.json").read_text())
-    n = len(events[0]["steps"])
-    timed_steps = range(n - timed, n)
-    # Each rank's own CPU over a step: its compute thread's, and its other threads' (gloo's) while it ran.
-    own_main = statistics.mean(sum(e["steps"][i]["cpu_s"] for e in events) for i in timed_steps)
-    own_others = statistics.mean(sum(e["steps"][i]["phases"][-1]["helper_end"]
-                                     - e["steps"][i]["phases"][0]["helper_start"] for e in events) for i in timed_steps)
+    own_main, own_others, wall = own_cpu(events, timed)
     own = own_main + own_others
-    wall = statistics.mean(max(e["steps"][i]["wall_s"] for e in events) for i in timed_steps)
-    links = LinkModel.from_dict(summary["virtual"]["link_model"])
-    # A run bound two to a core (train.pin_cores=round_robin) replays on its ranks' cores, as the
-    # contention check does; an unbound one on a pool of the cores.
-    placement = saved.placement(events)
-    replayed = statistics.mean(r.step_s for r in replay_steps(events, links, placement or cores))
-    how = f"replayed, each rank on its bound core of {cores}" if placement else f"replayed on {cores} shared cores"
+    step, how = replayed(out, events, cores)
 
     def row(name: str, step: float, idle_s: float, rest_s: float, *parts: float) -> str:
         total = cores * step
@@ -186,18 +200,14 @@ def main(argv: list[str]) -> None:
                 f"{own * 1e3:.1f} ({own / total:.0%}) | {rest_s * 1e3:.1f} ({rest_s / total:.0%}) | "
                 + " | ".join(f"{part * 1e3:.1f}" for part in parts) + " |")
 
-    print(f"\n{timed} timed steps, {world} ranks on {cores} cores, means per step (core-ms)\n")
-    print("| clock | step ms | cores x step | idle | the ranks' own CPU | the rest of the machine "
-          "| of it: the ranks' compute threads beyond their steps | the ranks' other threads beyond their steps "
-          "| torchrun's agent | this bench's polling | irq+softirq ticks (partly in the ranks' own) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    # /proc/stat's ticks (10 ms) over the timed steps: the two marks' busy and idle, scaled to the step
-    # (the marks fall between ticks); the processes' own CPU is kept in ns (reported in ticks), so it is not scaled.
+    print(f"\n{timed} timed steps, {world} ranks on {cores} cores, means per step (core-ms)\n\n{HEADER}")
+    # /proc/stat's ticks over the timed steps: the two marks' busy and idle, scaled to the step (the
+    # marks fall between ticks); the processes' own CPU is kept in ns (reported in ticks), so it is not scaled.
     scale = cores * wall / (per_step["idle"] + per_step["busy"])
     print(row("wall (/proc/stat between the marks)", wall, per_step["idle"] * scale, per_step["busy"] * scale - own,
               per_step["ranks_main"] - own_main, per_step["ranks_others"] - own_others, per_step["agent"],
               per_step["bench"], per_step["irqs"] * scale))
-    print(row(how, replayed, cores * replayed - own, *[0.0] * 6))
+    print(row(how, step, cores * step - own, *[0.0] * 6))
 
 
 if __name__ == "__main__":

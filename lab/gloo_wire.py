@@ -1,7 +1,7 @@
 """Check parallel/net/predict.py's rules against the wire: each gloo collective alone, on 2 emulated
 nodes of 2 ranks (needs root, like launch.run), bytes counted by the links' interfaces.
 
-    python bench/gloo_wire.py            # ~1 min; prints docs/network.md's "Checking the rules" table
+    python -m lab.gloo_wire              # prints the table of docs on the network's bytes, "Checking the rules"
 
 For each op, on three kinds of group (pairs across the nodes {0,2},{1,3}; pairs inside them
 {0,1},{2,3}; the whole world), 20 calls on a 4 MiB tensor between two readings of the counters
@@ -15,10 +15,8 @@ import os
 import subprocess
 import sys
 from functools import partial
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from launch.config import CODE_ROOT
 
 CALLS = 20
 NBYTES = 4 << 20
@@ -91,13 +89,13 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     with EmulatedNetwork(spec) as net:
         addrs = [net.names.address(k) for k in range(spec.nodes)]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": NODE_IF, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": NODE_IF, "PYTHONPATH": str(CODE_ROOT)}
         procs = [subprocess.Popen(net.node_command(k, [
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={spec.nodes}", "--nproc-per-node=2",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={addrs[0]}:29400", "--rdzv-id=gloo_wire",
             f"--local-addr={addrs[k]}",
-            f"--rdzv-conf=is_host={int(k == 0)}", "--monitor-interval=1", __file__, "--worker"]),
-            env=env, stderr=subprocess.DEVNULL) for k in range(spec.nodes)]
+            f"--rdzv-conf=is_host={int(k == 0)}", "--monitor-interval=1", "-m", "lab.gloo_wire", "--worker"]),
+            cwd=CODE_ROOT, env=env, stderr=subprocess.DEVNULL) for k in range(spec.nodes)]
         for p in procs:
             p.wait(timeout=600)
 

@@ -1,6 +1,6 @@
 """What one gloo call costs on this machine, call by call: the distribution behind the loopback link model.
 
-    torchrun --standalone --nproc-per-node 2 bench/gloo_call_costs.py [calls=150] [sizes_kib=2,16,128,1024]
+    torchrun --standalone --nproc-per-node 2 -m lab.gloo_call_costs [calls=150] [sizes_kib=2,16,128,1024]
         [burst_ms=0.5] [policies=normal,batch]
 
 Two ranks, a core each. For each size and each gloo event-loop policy (`train.gloo_loop_policy`,
@@ -11,12 +11,11 @@ and policy: the 10th, 50th and 90th percentiles, the mean, and the share of call
 Beside them, rank 0 times a plain TCP ping-pong of 16 KiB with a child process over the loopback
 device, the kernel's own cost with no gloo in the way.
 
-Why it is here: the replay's loopback model is one latency and one rate (a call's mean). Under
-the kernel's default policy gloo's calls have a heavy tail on this machine kind, a share of calls
-that take 3-5 ms whatever their size (one scheduler tick: gloo's event-loop thread spins on a
-lock whose holder it took the core from), and that share moves from one run to the next. With
-`batch` the tail is gone. `taskset -c 0 torchrun ...` (both ranks on one core) shows the mechanism
-alone: every ping-pong a tick under `normal`. docs/virtual-time.md gives the measured figures.
+Why: the replay's loopback model is one latency and one rate (a call's mean). Under the kernel's
+default policy gloo's calls can have a heavy tail, a share of calls that take a scheduler tick
+whatever their size (gloo's event-loop thread spins on a lock whose holder it took the core from),
+and that share can move from one run to the next; this shows whether a host has it and whether
+`batch` removes it. `taskset -c 0 torchrun ...` (both ranks on one core) shows the mechanism alone.
 """
 
 from __future__ import annotations
