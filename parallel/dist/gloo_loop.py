@@ -13,7 +13,7 @@ woke up on the lock holder's core: Linux lets a freshly woken thread preempt the
 the loop thread takes the core from the very thread it waits for, and nothing moves until the
 scheduler's next tick takes it back (4 ms at HZ=250). With every thread of two ranks on one core,
 a small send/receive ping-pong then lasts a tick each way; with a core per rank, a share of small
-all-reduces still does (`bench/gloo_call_costs.py` shows both, and how the policy below removes
+all-reduces still does (`lab/gloo_call_costs.py` shows both, and how the policy below removes
 most of them). The stall is gloo's, not the network's: a plain TCP ping-pong between the same two
 processes never stalls.
 

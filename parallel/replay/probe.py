@@ -41,15 +41,15 @@ host's monotonic clock, one clock for the two processes of one node:
     p2p       one message's latency: half the mean time of a SMALL_BYTES ping-pong (a send and a
               receive each way), less its bytes' time. gloo runs a send or a receive on the
               calling thread and a collective on the group's worker threads, so a message makes
-              fewer handoffs than a ring step (bench/gloo_call_costs.py shows the two
+              fewer handoffs than a ring step (lab/gloo_call_costs.py shows the two
               distributions)
 
 The first two from the same bursts, so the two equations t = 2 L + sent / rate are solved
 together. A figure given in the config (`virtual.loopback_gbytes_per_s`,
 `virtual.loopback_latency_us`, `virtual.loopback_p2p_latency_us`) is used as given instead:
-launch.compare and bench/virtual_time.py measure it once for all their runs (`measure_once`: the
+launch.compare and bench/virtual_time measure it once for all their runs (`measure_once`: the
 median of three runs of this module under `python -m torch.distributed.run --nproc-per-node 2 -m
-parallel.replay.probe`; `figure_overrides` hands them on), and bench/virtual_time.py also
+parallel.replay.probe`; `figure_overrides` hands them on), and bench/virtual_time also
 probes once before each run and replays its batch on their median afterwards (`run_probe`, its
 `loopback=sampled`). Nothing here goes through the communication log: it is not the strategy's
 traffic.
@@ -311,7 +311,7 @@ def measure_once(runs: int = 3, timeout_s: float = 120, gloo_loop_policy: str = 
     run of a sweep inherits its probe's error in one direction.
 
     `pin_cores=off` probes with the two ranks' threads left where the kernel puts them, as in a
-    run with more ranks than cores (bench/virtual_time.py prints the contention replays on it beside
+    run with more ranks than cores (bench/virtual_time prints the contention replays on it beside
     its check, which uses the runs' own bound figures): each handoff of a call then may wake its
     thread on the other core."""
     probes = [run_probe("parallel.replay.probe", 2, timeout_s, gloo_loop_policy, pin_cores)
