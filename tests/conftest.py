@@ -22,8 +22,8 @@ def single_run(tmp_path_factory):
 
 
 # The quick tier (`pytest -m "not slow"`): what runs in one process or spawns gloo ranks inside pytest.
-# Everything that starts torchrun, a tool's command line or a cluster takes seconds to minutes a test.
-SLOW_FOLDERS = ("runs", "tools")
+# Everything that starts torchrun, a tool's command line, a cluster or a lab script takes seconds to minutes a test.
+SLOW_FOLDERS = ("runs", "tools", "lab")
 
 
 def pytest_collection_modifyitems(config, items):
