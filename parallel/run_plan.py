@@ -87,18 +87,6 @@ class RunPlan:
         return self.layout.microbatches
 
     @property
-    def microbatch_size(self) -> int:
-        return self.layout.microbatch_size
-
-    @property
-    def precision(self) -> str:
-        return self.layout.precision
-
-    @property
-    def recompute(self) -> str:
-        return self.layout.recompute
-
-    @property
     def local_batch(self) -> int:
         return self.global_batch // self.dims.dp
 

@@ -119,7 +119,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
         "run %s | strategy %s | world %d = dp %d x cp %d x tp %d x pp %d | backend %s | device %s | precision %s "
         "| rank %d pid %d",
         run_dir, plan.strategy, plan.dims.world_size, plan.dims.dp, plan.dims.cp, plan.dims.tp, plan.dims.pp,
-        plan.backend or "none", ctx.device, plan.precision, ctx.rank, os.getpid(),
+        plan.backend or "none", ctx.device, plan.layout.precision, ctx.rank, os.getpid(),
     )
     # Where this process runs (torchrun's GROUP_RANK is the node's rank): the per-rank logs show the layout.
     logging.getLogger("parallel.rank").info(
@@ -133,8 +133,8 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     model = GPT(plan.model, seed=plan.seed).to(ctx.device)
     strategy = plan.spec.build(model, plan, ctx)
     # Recomputation wraps the blocks as the strategy left them (shards, cp cores, pipeline chunks).
-    apply_recompute(model, plan.recompute, strategy.phases)
-    strategy.forward_context = ForwardContext(plan.precision, ctx.device)
+    apply_recompute(model, plan.layout.recompute, strategy.phases)
+    strategy.forward_context = ForwardContext(plan.layout.precision, ctx.device)
     strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
     if plan.resume_from:
         model_state, optim_state = load_checkpoint(Path(plan.resume_from))
@@ -143,7 +143,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
         log.info("resumed from %s: continuing at step %d", plan.resume_from, plan.start_step)
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              strategy.full_parameter_count(), count_parameters(strategy.model), plan.tokens_per_step,
-             plan.microbatches, plan.microbatch_size)
+             plan.microbatches, plan.layout.microbatch_size)
     steps_run = plan.steps - plan.start_step
     log.info("timing: %d warm-up step(s) not timed%s, %d timed", plan.warmup_steps,
              f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
@@ -251,10 +251,11 @@ def _guarded_step(run: Run, step: int, microbatches, global_tokens: int) -> torc
 
 def _check_forward_context(plan: RunPlan, strategy: Strategy) -> None:
     """Every rank runs a forward pass each step, so every rank reaches the same verdict here."""
-    if plan.precision != "fp32" and strategy.forward_context.entered == 0:
+    if plan.layout.precision != "fp32" and strategy.forward_context.entered == 0:
         raise ConfigError(
-            f"train.precision={plan.precision} is not implemented by parallel={plan.strategy}: its train_step runs the "
-            "forward pass outside Strategy.forward_context, so it would train in fp32; use train.precision=fp32"
+            f"train.precision={plan.layout.precision} is not implemented by parallel={plan.strategy}: its "
+            "train_step runs the forward pass outside Strategy.forward_context, so it would train in fp32; "
+            "use train.precision=fp32"
         )
 
 

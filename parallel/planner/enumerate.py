@@ -261,7 +261,7 @@ def _try_memo(tried: dict, base: dict, name: str, request: dict, env: LaunchEnv)
         tried[key] = _try(base, name, {**request, "recompute": "none"} if "recompute" in request else request, env)
     plan, why = tried[key]
     mode = request.get("recompute")
-    if plan is None or mode is None or mode == plan.recompute:
+    if plan is None or mode is None or mode == plan.layout.recompute:
         return plan, why
     try:
         check_recompute(mode, plan.strategy, plan.spec)

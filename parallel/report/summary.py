@@ -80,7 +80,7 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "world_size": plan.dims.world_size,
         "parallel": parallel_block(plan),
         **against_theory(plan, rank_reports, timed_from),
-        "precision": plan.precision,
+        "precision": plan.layout.precision,
         "device": plan.device_type,
         "steps": len(losses),
         "first_step": plan.start_step,
@@ -112,8 +112,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
 def parallel_block(plan) -> dict:
     """The layout: the dimensions, the microbatches, each family's options (null where the strategy
     does not honour them: parallel/family.py), the backend and the recomputation."""
-    return {**plan.dims.as_dict(), "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
-            **describe(plan.layout, plan.spec), "backend": plan.backend, "recompute": plan.recompute}
+    return {**plan.dims.as_dict(), "microbatches": plan.microbatches, "microbatch_size": plan.layout.microbatch_size,
+            **describe(plan.layout, plan.spec), "backend": plan.backend, "recompute": plan.layout.recompute}
 
 
 def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
@@ -153,10 +153,10 @@ def mfu_block(plan, device: torch.device, tokens_per_s: float) -> dict:
     A quarter of a second of matmuls keeps every run cheap; launch.compare measures for longer,
     once, and passes the figure to each of its runs (train.peak_flops)."""
     # The peak of the dtype the matmuls run in: autocast's bf16 under train.precision=bf16.
-    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25, dtype=PEAK_DTYPES[plan.precision])
+    peak = plan.peak_flops or measure_peak_flops(device, min_seconds=0.25, dtype=PEAK_DTYPES[plan.layout.precision])
     devices = devices_for_peak(device, plan.dims.world_size)
     return {"mfu": mfu(plan.model, tokens_per_s, peak, devices), "flops_per_token": flops_per_token(plan.model),
-            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "peak_dtype": plan.precision,
+            "peak_flops": peak, "peak_measured": plan.peak_flops is None, "peak_dtype": plan.layout.precision,
             "devices": devices}
 
 

@@ -272,7 +272,7 @@ def test_time_model_by_hand(base):
     # dp 4 on one node, one bucket (0.9 MB of gradients < 25 MiB): the last bucket is the whole
     # all-reduce, so none of it hides; the step is compute + bytes / rate.
     shape, plan, traffic, t = _time(base, "dp", ParallelDims(4, 4), cluster)
-    b = plan.microbatch_size
+    b = plan.layout.microbatch_size
     forward = b * s * forward_flops_per_token(shape, 1, 4, True) / 1e12
     dp_seconds = 2 * 3 / 4 * algebra.parameter_count(plan.model) * 4 / 1e9
     assert t.compute == pytest.approx(3 * forward) and t.bubble == 0
@@ -290,7 +290,7 @@ def test_time_model_by_hand(base):
     two = synthetic_cluster(gpus_per_node=2)
     shape, plan, traffic, t = _time(base, "pp", ParallelDims(4, 1, 1, 4), two, microbatches=8)
     assert t.bubble == pytest.approx(3 * (t.forward + t.backward), rel=1e-3)
-    boundary = plan.microbatch_size * s * 64 * 4
+    boundary = plan.layout.microbatch_size * s * 64 * 4
     assert t.exposed_comm == pytest.approx(2 * (2 * boundary / 1e9 + boundary / 1e8))
     # On gloo (sends on the sender's path) the simulator plays each send: more exposed, never less.
     _, _, _, gloo = _time(base, "pp", ParallelDims(4, 1, 1, 4), synthetic_cluster(gpus_per_node=2, p2p_overlap=False),

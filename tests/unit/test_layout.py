@@ -93,7 +93,7 @@ def test_plan_defaults_single_process_dp_is_single():
 def test_plan_dp_under_torchrun():
     plan = plan_for(4, "parallel=dp_naive", "parallel.microbatches=2")
     assert (plan.strategy, option(plan, "grad_sync"), plan.dims.dp, plan.backend) == ("dp", "naive", 4, "gloo")
-    assert plan.local_batch == 4 and plan.microbatch_size == 2
+    assert plan.local_batch == 4 and plan.layout.microbatch_size == 2
 
 
 @pytest.mark.parametrize("world,overrides,message", [
