@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from launcher import GIVEN_LOOPBACK, PROJECT_ROOT
 from observability import check_time_breakdown
 
-from launch.compare import unquoted_overrides
+from launch.config import unquoted_overrides
 from parallel.compare.report import CONSOLE, CONSOLE_WIDTH, console_table
 from parallel.compare.rounds import aggregate_rounds, round_order
 from parallel.compare.rows import COLUMNS, NOISY_SPREAD, failed_row
