@@ -10,9 +10,9 @@ run. Here each rank imports launch.train once and then waits, blocked on its job
 no core. For every job it forks: the child is launch.train on the job's overrides, under the
 same torchrun environment (rank, world, node), and ends as launch.train ends. The parent never
 runs a strategy, so every child starts from the same state a fresh process starts from: no
-process group, thread, allocator setting, core binding or memory of an earlier strategy. Each
-child's peak memory is its own (its kernel high-water mark starts at what it inherits, the
-imports a fresh process also holds).
+process group, thread, allocator setting, core binding or memory of an earlier strategy. Its
+peak memory is a fresh process's: it starts from what it inherits, the imports a fresh process
+also holds, with its parent's library pages mapped again (`map_again` says why).
 
 Each job brings its own rendezvous: the address of a store the sweep opened for that run alone,
 so that no key of an earlier run's process groups is ever read by a later one.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 from launch import train as launch_train
 from launch.config import CONFIG_DIR, unknown_preset
+from parallel.compare.pool import DONE, JOBS
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
 
-JOBS, DONE = "jobs{rank}", "done"  # the pool directory's pipes: one per rank from the sweep, one back
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MADV_POPULATE_READ = 22  # Linux 5.14's madvise(2) advice: fault the range's pages in, as a read would
 _PRESENT = bytes(0x31 if byte & 0x80 else 0x30 for byte in range(256))  # a pagemap entry's top byte -> "1"/"0"

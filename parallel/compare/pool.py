@@ -32,6 +32,7 @@ from pathlib import Path
 from parallel.runner import CODE_ROOT, error_line, stop
 
 STOP_WAIT_S = 30.0  # how long a pool told to end may take before it is stopped
+JOBS, DONE = "jobs{rank}", "done"  # the pool directory's pipes: one per rank from the sweep, one back
 
 
 class Pool:
@@ -41,12 +42,12 @@ class Pool:
         self.world = world
         self.dir = Path(tempfile.mkdtemp(prefix="compare-pool-"))
         for rank in range(world):
-            os.mkfifo(self.dir / f"jobs{rank}")
-        os.mkfifo(self.dir / "done")
+            os.mkfifo(self.dir / JOBS.format(rank=rank))
+        os.mkfifo(self.dir / DONE)
         # Read-write ends: opening them never blocks, and the ranks see the end of their pipe
         # only when the sweep closes it (or dies).
-        self._jobs = [os.open(self.dir / f"jobs{rank}", os.O_RDWR) for rank in range(world)]
-        self._done = os.open(self.dir / "done", os.O_RDWR | os.O_NONBLOCK)
+        self._jobs = [os.open(self.dir / JOBS.format(rank=rank), os.O_RDWR) for rank in range(world)]
+        self._done = os.open(self.dir / DONE, os.O_RDWR | os.O_NONBLOCK)
         self._console = {name: self.dir / f"pool.{name}" for name in ("stdout", "stderr")}
         self._read_to = dict.fromkeys(self._console, 0)
         files = {name: open(path, "w") for name, path in self._console.items()}
@@ -162,13 +163,14 @@ class Pool:
         except subprocess.TimeoutExpired:
             stop(self.proc)
 
-    def close(self) -> None:
-        """End the pool: each rank sees its pipe end and leaves; remove its directory."""
+    def close(self, at_once: bool = False) -> None:
+        """End the pool: each rank sees its pipe end and leaves (`at_once`: the pool is stopped, with
+        any run in it, as when the sweep itself is interrupted); remove its directory."""
         for fd in self._jobs:
             os.close(fd)
         self._jobs = []
         if self.alive:
-            self._end(time.monotonic() + STOP_WAIT_S)
+            self._end(time.monotonic() + (0.0 if at_once else STOP_WAIT_S))
         os.close(self._done)
         os.close(self._exited)
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -176,8 +178,8 @@ class Pool:
     def __enter__(self) -> Pool:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *_) -> None:
+        self.close(at_once=kind is not None)
 
 
 def pools_supported() -> bool:
@@ -202,13 +204,13 @@ class Pools:
             self._pool = Pool(world)
         return self._pool.run(cmd, overrides, run_dir, timeout_s)
 
-    def close(self) -> None:
+    def close(self, at_once: bool = False) -> None:
         if self._pool is not None:
-            self._pool.close()
+            self._pool.close(at_once)
             self._pool = None
 
     def __enter__(self) -> Pools:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *_) -> None:
+        self.close(at_once=kind is not None)
