@@ -7,10 +7,14 @@
     python -m launch.compare net=cluster 'compare.strategies=[dp,tp,pp_1f1b]'     # on an emulated network (root)
     python -m launch.compare 'compare.nets=[none,ethernet_1g,cluster]'             # once per network + crossover
 
-Not run under torchrun itself: for each strategy (a preset of conf/parallel/) it starts one
-`python -m torch.distributed.run --standalone` (plain python for `single`) with a timeout, passing
-the model, data and train settings and `run.dir=<sweep dir>/<strategy>`, then reads that run's
-summary.json. A strategy that fails or times out gets a row with its error; the sweep goes on.
+Not run under torchrun itself: each strategy (a preset of conf/parallel/) is one launch.train run
+with a timeout, given the model, data and train settings and `run.dir=<sweep dir>/<strategy>`;
+the sweep then reads that run's summary.json. On net=none the runs of one world are forked from a
+pool of ranks started once (one torchrun of launch.forkserver, plain python for `single`:
+parallel/compare/pool.py), each still a process of its own with process groups of its own;
+`compare.pool=false` starts a fresh torchrun per run instead. A strategy that fails or times out
+gets a row with its error; the sweep goes on. The runs draw no timeline (run.timeline=false): the
+sweep draws those its report shows, from their trace.json.
 With `compare.rounds=N` the sweep runs N times, its order rotated each round with each of ours
 beside its PyTorch counterpart (run dirs <sweep dir>/round<k>/<strategy>), and each row holds the
 median and min-max over the rounds (parallel/compare/rounds.py).
@@ -34,9 +38,9 @@ with the quoted form to use.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import hydra
@@ -45,11 +49,9 @@ from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from launch.config import CONFIG_DIR
+from launch.config import CONFIG_DIR, unquoted_overrides
 from launch.run import Refused, check_privileges
 from parallel.algebra import parameter_count
-from parallel.compare import plots
-from parallel.compare.clock import apply as apply_clock
 from parallel.compare.clock import leading_clock
 from parallel.compare.clock import sentence as clock_sentence
 from parallel.compare.crossover import console_lines, write_all
@@ -60,13 +62,12 @@ from parallel.compare.networks import (
     explicit_keys,
     from_entry,
     from_group,
-    net_columns,
     network_verdict,
     strategy_world,
 )
-from parallel.compare.report import console_table, write_csv, write_json, write_markdown
-from parallel.compare.rounds import aggregate_rounds, round_order
-from parallel.compare.rows import add_baseline_ratios, failed_row, row_from_summary
+from parallel.compare.pool import Pools, pools_supported
+from parallel.compare.report import console_table, write_report
+from parallel.compare.rounds import aggregate_rounds, round_order, rows_by_round
 from parallel.net.netns import remove_leftovers
 from parallel.replay.probe import figure_overrides, given_figures, measure_once
 from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
@@ -143,37 +144,6 @@ def default_sweep_dir(networks: list[Network], multi: bool) -> Path:
     return Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-compare-{name}"
 
 
-def unquoted_overrides(argv: list[str]) -> str | None:
-    """The error for a `compare.overrides=[key=value, ...]` whose elements are not quoted (Hydra's
-    grammar reads `=` inside a list as a syntax error: "no viable alternative at input"), or None."""
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key.lstrip("+~") != "compare.overrides" or not value.startswith("["):
-            continue
-        elements, depth, quote, current = [], 0, None, ""
-        for ch in value[1:-1] if value.endswith("]") else value[1:]:
-            if quote:
-                quote = None if ch == quote else quote
-            elif ch in "'\"":
-                quote = ch
-            elif ch in "[{(":
-                depth += 1
-            elif ch in "]})":
-                depth -= 1
-            elif ch == "," and depth == 0:
-                elements.append(current.strip())
-                current = ""
-                continue
-            current += ch
-        elements.append(current.strip())
-        bare = [e for e in elements if "=" in e and e[:1] not in "'\""]
-        if bare:
-            quoted = ",".join(f'"{e}"' if e in bare else e for e in elements)
-            return (f"{arg}: Hydra cannot read an unquoted key=value inside a list; quote each override: "
-                    f"'compare.overrides=[{quoted}]'")
-    return None
-
-
 def warmup_of(summaries: list[dict], cfg_warmup) -> str:
     """The warm-up steps the runs used (each run resolves train.warmup_steps=null itself)."""
     used = "/".join(map(str, sorted({s["warmup_steps"] for s in summaries}))) or str(cfg_warmup)
@@ -232,108 +202,101 @@ def tensorboard_override(cfg: DictConfig, sweep_dir: Path, run_dir: Path) -> lis
     return [f"train.tensorboard_dir={sweep_dir / 'tensorboard' / run_dir.relative_to(sweep_dir)}"]
 
 
+def run_strategy(cfg: DictConfig, network: Network, strategy: str, world: int, run_dir: Path, sweep_dir: Path,
+                 common: list[str], pools: Pools | None) -> tuple[str, str, float]:
+    """One run: (status, error, seconds). A name without a preset fails at once; on net=none the run
+    is forked in the pool of its world (parallel/compare/pool.py), elsewhere (an emulated network,
+    or compare.pool=false) it is a fresh command."""
+    missing = missing_preset(strategy)
+    if missing:
+        return "failed", missing, 0.0
+    overrides = [*common, f"run.dir={run_dir}", *tensorboard_override(cfg, sweep_dir, run_dir)]
+    cmd = run_command_on(network, strategy, world, overrides)
+    if pools is not None and not network.emulated:
+        return pools.run(world, cmd, [f"parallel={strategy}", *overrides], run_dir, cfg.compare.timeout_s)
+    result = run_one(cmd, run_dir, cfg.compare.timeout_s)
+    if network.emulated:
+        remove_leftovers()  # a launch.run stopped past its grace period leaves its namespaces
+    return result
+
+
+def run_rounds(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str],
+               label: str) -> tuple[list[dict], list[list[str]]]:
+    """Every run of every round, in each round's order: the runs (their summaries read back) and the orders."""
+    c = cfg.compare
+    rounds, strategies = c.get("rounds", 1), list(c.strategies)
+    runs, orders, total = [], [], rounds * len(strategies)
+    partners = swept_counterparts(strategies) if rounds > 1 else {}
+    with Pools() if c.get("pool", True) and pools_supported() else nullcontext() as pools:
+        for k in range(rounds):
+            orders.append(round_order(strategies, k, partners))
+            for strategy in orders[-1]:
+                world = strategy_world(strategy, c, network)
+                run_dir = sweep_dir / strategy if rounds == 1 else sweep_dir / f"round{k}" / strategy
+                prefix = label + (f"round {k}: " if rounds > 1 else "")
+                print(progress(len(runs), total, f"{prefix}running {strategy} (world {world})"), flush=True)
+                status, error, seconds = run_strategy(cfg, network, strategy, world, run_dir, sweep_dir, common, pools)
+                summary = json.loads((run_dir / "summary.json").read_text()) if status == "ok" else None
+                runs.append({"round": k, "strategy": strategy, "world": world, "run_dir": run_dir, "status": status,
+                             "error": error, "seconds": seconds, "summary": summary})
+                tail = f"{summary['tokens_per_s']:.0f} tokens/s" if summary else f"{status}: {error[:120]}"
+                print(progress(len(runs), total, f"{prefix}{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
+    return runs, orders
+
+
+def sweep_meta(cfg: DictConfig, network: Network, command: str, sweep_dir: Path, peak: float, summaries: dict,
+               orders: list[list[str]], clock: str, clock_line: str) -> dict:
+    """results.json's meta: what ran, on what, with which settings."""
+    c, model = cfg.compare, model_config(cfg.model)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    cores, unit = capacity(device)
+    return {
+        "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
+        "steps": cfg.train.steps, "warmup_steps": warmup_of(list(summaries.values()), cfg.train.warmup_steps),
+        "global_batch": cfg.train.global_batch, "seq_len": model.seq_len, "world": network.world, "peak_flops": peak,
+        "peak_source": "given" if c.peak_flops else "measured", "torch": torch.__version__,
+        "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
+        "capacity": cores, "capacity_unit": unit, "rounds": c.get("rounds", 1), "orders": orders,
+        "reference": c.reference or ("single" if "single" in summaries else None),
+        "network": network.label, "network_settings": network.spec.as_dict(), "clock": clock,
+        "clock_sentence": clock_line,
+    }
+
+
 def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str], peak: float,
                   command: str, multi: bool) -> tuple[list[dict], dict[str, dict], dict]:
     """Every strategy (every round) on one network: its runs under `sweep_dir`, its results, report and
     plots there, its console table. Returns its rows (with the network columns), the summaries
     of each row's run, and the sweep's meta (results.json's)."""
     c = cfg.compare
-    rounds = c.get("rounds", 1)
     strategies = list(c.strategies)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    cores, unit = capacity(device)
+    cores, _ = capacity(device)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     label = f"{network.label}: " if multi else ""
     if multi:
         print(f"\n== network {network.label} ({network.describe()}) -> {sweep_dir}", flush=True)
-
     # The clock that leads the rows: virtual time when ranks outnumber the cores (parallel/compare/clock.py).
     max_world = max(strategy_world(strategy, c, network) for strategy in strategies)
     clock = leading_clock(c.get("clock", "auto"), device.type, max_world, cores)
-    print(clock_sentence(clock, c.get("clock", "auto"), max_world, cores), flush=True)
+    clock_line = clock_sentence(clock, c.get("clock", "auto"), max_world, cores)
+    print(clock_line, flush=True)
 
-    # Every run of every round; rows are made at the end, once `single`'s losses (the reference) are known.
-    runs, orders, total = [], [], rounds * len(strategies)
-    partners = swept_counterparts(strategies) if rounds > 1 else {}
-    for k in range(rounds):
-        orders.append(round_order(strategies, k, partners))
-        for strategy in orders[-1]:
-            world = strategy_world(strategy, c, network)
-            run_dir = sweep_dir / strategy if rounds == 1 else sweep_dir / f"round{k}" / strategy
-            prefix = label + (f"round {k}: " if rounds > 1 else "")
-            print(progress(len(runs), total, f"{prefix}running {strategy} (world {world})"), flush=True)
-            missing = missing_preset(strategy)
-            if missing:
-                status, error, seconds = "failed", missing, 0.0
-            else:
-                cmd = run_command_on(network, strategy, world, [*common, f"run.dir={run_dir}",
-                                                                *tensorboard_override(cfg, sweep_dir, run_dir)])
-                status, error, seconds = run_one(cmd, run_dir, c.timeout_s)
-                if network.emulated:
-                    remove_leftovers()  # a launch.run stopped past its grace period leaves its namespaces
-            summary = json.loads((run_dir / "summary.json").read_text()) if status == "ok" else None
-            runs.append({"round": k, "strategy": strategy, "world": world, "run_dir": run_dir, "status": status,
-                         "error": error, "seconds": seconds, "summary": summary})
-            tail = f"{summary['tokens_per_s']:.0f} tokens/s" if summary else f"{status}: {error[:120]}"
-            print(progress(len(runs), total, f"{prefix}{strategy}: {tail} ({seconds:.0f} s)"), flush=True)
-
+    # Rows are made once every run is done, when `single`'s losses (the reference) are known.
+    runs, orders = run_rounds(cfg, network, sweep_dir, common, label)
     reference = load_reference(c.reference) if c.reference else next(
         (r["summary"]["losses"] for r in runs if r["strategy"] == "single" and r["summary"]), None)
-    per_round = []
-    for k in range(rounds):
-        mine = {r["strategy"]: r for r in runs if r["round"] == k}
-        rows_k = []
-        for strategy in strategies:
-            r = mine[strategy]
-            row = (row_from_summary(strategy, r["summary"], reference, r["seconds"], cores) if r["summary"] else
-                   failed_row(strategy, r["world"], r["status"], r["error"], r["seconds"]))
-            if r["summary"]:
-                apply_clock(row, r["summary"], clock)
-            row.update(net_columns(network, r["summary"]))
-            row["round"] = k
-            rows_k.append(row)
-        add_baseline_ratios(rows_k)  # pairs from the same round
-        per_round.append(rows_k)
+    per_round = rows_by_round(runs, strategies, len(orders), reference, cores, clock, network)
     rows = aggregate_rounds(per_round, strategies)
     # Each row's other figures (and plots, timelines) come from its median round's run.
     chosen = {row["strategy"]: next(r for r in runs if r["strategy"] == row["strategy"] and r["round"] == row["round"])
               for row in rows}
     summaries = {name: r["summary"] for name, r in chosen.items() if r["summary"]}
-
-    model = model_config(cfg.model)
-    world = network.world
-    meta = {
-        "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
-        "steps": cfg.train.steps, "warmup_steps": warmup_of(list(summaries.values()), cfg.train.warmup_steps),
-        "global_batch": cfg.train.global_batch, "seq_len": model.seq_len, "world": world, "peak_flops": peak,
-        "peak_source": "given" if c.peak_flops else "measured", "torch": torch.__version__,
-        "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
-        "capacity": cores, "capacity_unit": unit, "rounds": rounds, "orders": orders,
-        "reference": c.reference or ("single" if "single" in summaries else None),
-        "network": network.label, "network_settings": network.spec.as_dict(),
-        "clock": clock, "clock_sentence": clock_sentence(clock, c.get("clock", "auto"), max_world, cores),
-    }
-    write_json(sweep_dir / "results.json", meta, rows, per_round if rounds > 1 else None)
-    write_csv(sweep_dir / "results.csv", rows)
-    if rounds > 1:
-        write_csv(sweep_dir / "rounds.csv", [row for rows_k in per_round for row in rows_k])
-    figures = {"Throughput": "tokens_per_s.png", "Where each step's time goes": "time_breakdown.png",
-               "Bytes per step, by op and by group (theory marked)": "bytes_per_step.png",
-               "Memory per rank: model state and activations, and peak process memory": "memory_per_rank.png"}
-    names = iter(figures.values())
-    plots.tokens_per_s(rows, sweep_dir / next(names))
-    plots.time_breakdown(rows, sweep_dir / next(names))
-    plots.bytes_per_step(rows, summaries, sweep_dir / next(names))
-    plots.memory_per_rank(rows, summaries, sweep_dir / next(names))
-    timelines = {}
-    for strategy, r in chosen.items():
-        source = r["run_dir"] / "timeline.png"
-        if r["summary"] and source.exists():
-            timelines[strategy] = f"timeline_{strategy}.png"
-            shutil.copyfile(source, sweep_dir / timelines[strategy])
+    meta = sweep_meta(cfg, network, command, sweep_dir, peak, summaries, orders, clock, clock_line)
     # On an emulated network the report opens with the network: the best layout and what the others wait on.
     network_section = ["## On the network\n", *network_verdict(network, rows, summaries)] if network.emulated else None
-    write_markdown(sweep_dir / "report.md", meta, rows, figures, timelines, summaries, network_section)
+    write_report(sweep_dir, meta, rows, per_round, summaries, {name: r["run_dir"] for name, r in chosen.items()},
+                 network_section)
     print()
     print(console_table(rows))
     ok = sum(r["status"] == "ok" for r in rows)
@@ -385,8 +348,10 @@ def sweep(cfg: DictConfig) -> None:
     # The loopback is probed only for a sweep with something to run: a list of names without presets
     # (each fails at once, as its row says) starts no process.
     loopback = loopback_overrides(cfg, device) if any(not missing_preset(s) for s in strategies) else []
+    # The runs draw no timeline: the sweep draws the ones its report shows, from their trace.json.
     common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
-              *section_overrides(cfg, "train"), f"train.peak_flops={peak}", *loopback, *c.overrides]
+              *section_overrides(cfg, "train"), f"train.peak_flops={peak}", *loopback, "run.timeline=false",
+              *c.overrides]
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
     on = f" x {len(networks)} networks" if multi else (f" on net={networks[0].label}" if networks[0].emulated else "")
     print(f"compare: {len(strategies)} strategies{on}{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "

@@ -67,7 +67,12 @@ def _restore_stderr() -> None:
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     _restore_stderr()  # Hydra accepted the command line: from here every rank speaks for itself
-    env = LaunchEnv.from_environ()
+    run(cfg, LaunchEnv.from_environ())
+
+
+def run(cfg: DictConfig, env: LaunchEnv) -> None:
+    """One run of a composed config on this rank, and its exit: the body of `main`, which the
+    sweep's pool (launch/forkserver.py) also calls, in a fork, on a config it composed itself."""
     timeout_s = cfg.parallel.timeout_s
     try:
         plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())

@@ -1,10 +1,12 @@
 """Start one run as a child process, bounded in time, and stop it with everything it started.
 
-The sweep (launch.compare), the planner's validation (parallel/planner/validate.py) and the
-benchmarks that launch runs (bench/harness.py) run `launch.train` or `launch.run` this way: each
-run in a session of its own, its console saved to <run dir>/console.log, a timeout that stops
-torchrun and every worker below it (Linux /proc), and the run's own one-line verdict read back
-from its output. `start` and `finish` apart let a caller hold several runs in flight at once.
+The planner's validation (parallel/planner/validate.py), the benchmarks that launch runs
+(bench/harness.py) and the sweep (launch.compare, on an emulated network or with
+compare.pool=false) run `launch.train` or `launch.run` this way: each run in a session of its own,
+its console saved to <run dir>/console.log, a timeout that stops torchrun and every worker below it
+(Linux /proc), and the run's own one-line verdict read back from its output. `start` and `finish`
+apart let a caller hold several runs in flight at once. The sweep's pool of ranks
+(parallel/compare/pool.py) stops and reads its runs with the same `stop` and `error_line`.
 """
 
 from __future__ import annotations

@@ -210,17 +210,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         run.losses.append(loss)
         run.step_times.append(seconds)
         if metrics is not None:
-            warmup = step - plan.start_step < plan.warmup_steps
-            sent = float(summarize_traffic(traffic)["total"].sent_bytes)
-            record = {
-                "step": step, "loss": loss, "step_time_s": seconds, "warmup": warmup,
-                "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
-                "data_checksum": global_batch.checksum(), "rank0_calls": calls_by_tag_op(traffic),
-            }
-            metrics.write(record)
-            if board is not None:
-                board.write(record, run.breakdowns[-1], summarize_traffic(traffic))
-            log.info(step_line(step, loss, seconds, sent, None if warmup else plan.tokens_per_step / seconds))
+            _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum())
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
             _save_checkpoint(run, checkpoint_root, step + 1)
     strategy.close()
@@ -228,6 +218,23 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         metrics.close()
     if board is not None:
         board.close()
+
+
+def _record_step(run: Run, metrics: MetricsWriter, board, step: int, loss: float, seconds: float, traffic,
+                 checksum) -> None:
+    """Rank 0's line of metrics.jsonl for the step (and TensorBoard's, and the log's)."""
+    plan = run.plan
+    warmup = step - plan.start_step < plan.warmup_steps
+    sent = float(summarize_traffic(traffic)["total"].sent_bytes)
+    record = {
+        "step": step, "loss": loss, "step_time_s": seconds, "warmup": warmup,
+        "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
+        "data_checksum": checksum, "rank0_calls": calls_by_tag_op(traffic),
+    }
+    metrics.write(record)
+    if board is not None:
+        board.write(record, run.breakdowns[-1], summarize_traffic(traffic))
+    log.info(step_line(step, loss, seconds, sent, None if warmup else plan.tokens_per_step / seconds))
 
 
 def _guarded_step(run: Run, step: int, microbatches, global_tokens: int) -> torch.Tensor:

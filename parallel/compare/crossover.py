@@ -57,35 +57,51 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
     # their runs, not as a line that would wander with the machine's load from network to network.
     alone = {r["strategy"] for _, rows in results for r in rows if (r.get("world") or 1) == 1}
     strategies = [s for s in dict.fromkeys(r["strategy"] for _, rows in results for r in rows) if s not in alone]
-    colors = plt.get_cmap("tab10")
     families = list(dict.fromkeys(_family(n) for n, _ in results if n.emulated)) or [()]
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     for f, family in enumerate(families):
         # Each family's networks, and the unshaped loopback of the same world (its right end).
         members = [(n, rows) for n, rows in results
                    if _family(n) == family or (not n.emulated and (not family or n.world == family[0]))]
-        style, marker = STYLES[f % len(STYLES)], MARKERS[f % len(MARKERS)]
-        for s, strategy in enumerate(strategies):
-            points = []
-            for network, rows in members:
-                row = next((r for r in rows if r["strategy"] == strategy and r["status"] == "ok"), None)
-                if row is not None:
-                    lo, hi = row.get("tokens_per_s_lo"), row.get("tokens_per_s_hi")
-                    points.append((x_of(network), row["tokens_per_s"], lo, hi))
-            if not points:
-                continue
-            points.sort()
-            xs, ys = [p[0] for p in points], [p[1] for p in points]
-            ax.plot(xs, ys, linestyle=style, marker=marker, color=colors(s % 10), label=strategy if f == 0 else None)
-            for x, _, lo, hi in points:
-                if lo is not None:
-                    ax.plot([x, x], [lo, hi], color=colors(s % 10), linewidth=1, alpha=0.6)
+        _draw_family(ax, plt.get_cmap("tab10"), members, strategies, x_of, f)
     for strategy in sorted(alone):
         runs = sorted(r["tokens_per_s"] for _, rows in results for r in rows
                       if r["strategy"] == strategy and r["status"] == "ok" and r.get("tokens_per_s"))
         if runs:
             ax.axhline(runs[len(runs) // 2], color="gray", linestyle=":", linewidth=1.2,
                        label=f"{strategy} (one process, no links)")
+    _label_axes(ax, plt, results, finite, unshaped_x, families)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _draw_family(ax, colors, members: list[tuple[Network, list[dict]]], strategies: list[str], x_of,
+                 f: int) -> None:
+    """One line per strategy over the networks of family number `f`, in that family's style, with
+    each point's min-max over the rounds; the legend names each strategy once (family 0's line)."""
+    style, marker = STYLES[f % len(STYLES)], MARKERS[f % len(MARKERS)]
+    for s, strategy in enumerate(strategies):
+        points = []
+        for network, rows in members:
+            row = next((r for r in rows if r["strategy"] == strategy and r["status"] == "ok"), None)
+            if row is not None:
+                points.append((x_of(network), row["tokens_per_s"], row.get("tokens_per_s_lo"),
+                               row.get("tokens_per_s_hi")))
+        if not points:
+            continue
+        points.sort()
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        ax.plot(xs, ys, linestyle=style, marker=marker, color=colors(s % 10), label=strategy if f == 0 else None)
+        for x, _, lo, hi in points:
+            if lo is not None:
+                ax.plot([x, x], [lo, hi], color=colors(s % 10), linewidth=1, alpha=0.6)
+
+
+def _label_axes(ax, plt, results: list[tuple[Network, list[dict]]], finite: list[float], unshaped_x: float,
+                families: list[tuple]) -> None:
+    """The log-scale bandwidth axis (the unshaped loopback last), the clock of the tokens/s axis, and
+    the legend: the strategies, then one line style per family of networks where there are several."""
     ax.set_xscale("log")
     ticks = finite + ([unshaped_x] if any(not n.emulated or not n.spec.inter_mbit for n, _ in results) else [])
     ax.set_xticks(ticks, [f"{t:g}" for t in finite] + (["unshaped"] if len(ticks) > len(finite) else []))
@@ -104,9 +120,6 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
                                       marker=MARKERS[f % len(MARKERS)]))
             labels.append(name)
     ax.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 
 def tokens_table(results: list[tuple[Network, list[dict]]]) -> str:

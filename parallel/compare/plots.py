@@ -151,3 +151,19 @@ def memory_per_rank(rows: list[dict], summaries: dict[str, dict], path: Path) ->
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def timelines(summaries: dict[str, dict], run_dirs: dict[str, Path], out: Path) -> dict[str, str]:
+    """timeline_<strategy>.png in `out` for every run that wrote a trace.json, drawn here from that
+    file: the sweep's runs draw none themselves (run.timeline=false), so matplotlib is started once
+    for the whole sweep rather than in every run. Returns strategy -> file name."""
+    from parallel.report.trace import draw_trace_file, timeline_title
+
+    drawn = {}
+    for strategy, summary in summaries.items():
+        trace = summary.get("trace")
+        if trace:
+            drawn[strategy] = f"timeline_{strategy}.png"
+            draw_trace_file(run_dirs[strategy] / trace["trace"], out / drawn[strategy],
+                            timeline_title(summary, trace["step"]))
+    return drawn

@@ -10,6 +10,7 @@ import csv
 import json
 from pathlib import Path
 
+from parallel.compare import plots
 from parallel.compare.rows import COLUMNS, LOSS_RTOL, NOISY_SPREAD
 from parallel.compare.verdict import caveats, opening
 
@@ -257,3 +258,26 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], plots: dict[str, st
         for strategy, name in timelines.items():
             parts.append(f"### {strategy}\n\n![{strategy}]({name})\n")
     path.write_text("\n".join(parts))
+
+
+FIGURES = {"Throughput": "tokens_per_s.png", "Where each step's time goes": "time_breakdown.png",
+           "Bytes per step, by op and by group (theory marked)": "bytes_per_step.png",
+           "Memory per rank: model state and activations, and peak process memory": "memory_per_rank.png"}
+
+
+def write_report(out: Path, meta: dict, rows: list[dict], per_round: list[list[dict]], summaries: dict[str, dict],
+                 run_dirs: dict[str, Path], network_section: list[str] | None = None) -> None:
+    """Everything a sweep writes in `out`: results.json and results.csv (rounds.csv with rounds), the
+    plots, each row's timeline (from its run's trace.json) and report.md."""
+    rounds = len(per_round) > 1
+    write_json(out / "results.json", meta, rows, per_round if rounds else None)
+    write_csv(out / "results.csv", rows)
+    if rounds:
+        write_csv(out / "rounds.csv", [row for rows_k in per_round for row in rows_k])
+    names = iter(FIGURES.values())
+    plots.tokens_per_s(rows, out / next(names))
+    plots.time_breakdown(rows, out / next(names))
+    plots.bytes_per_step(rows, summaries, out / next(names))
+    plots.memory_per_rank(rows, summaries, out / next(names))
+    timelines = plots.timelines(summaries, run_dirs, out)
+    write_markdown(out / "report.md", meta, rows, FIGURES, timelines, summaries, network_section)

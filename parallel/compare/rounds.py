@@ -10,8 +10,8 @@ neighbours, one run apart, whatever the rotation, and the machine's drift betwee
 minute) is charged to each side equally often. A rotation of the plain list would split one pair
 per round across the whole sweep: at world 2 on the 2-core machine, such a split ZB-H1 pair read
 0.80 where its adjacent rounds read 0.97-1.04, its PyTorch run having opened the round before the
-machine slowed by a quarter and ours closed it after. Every run of every round is its own torchrun
-launch.
+machine slowed by a quarter and ours closed it after. Every run of every round is a process of its
+own.
 
 A strategy's row over its rounds:
 
@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import statistics
 
-from parallel.compare.rows import NOISY_SPREAD
+from parallel.compare.clock import apply as apply_clock
+from parallel.compare.networks import Network, net_columns
+from parallel.compare.rows import NOISY_SPREAD, add_baseline_ratios, failed_row, row_from_summary
 
 
 def units(strategies: list[str], partners: dict[str, str]) -> list[list[str]]:
@@ -104,3 +106,26 @@ def aggregate_rounds(rounds: list[list[dict]], strategies: list[str]) -> list[di
             row["error"] = f"{failed[0]['status']} in {len(failed)} of {len(runs)} rounds: {failed[0]['error']}"
         rows.append(row)
     return rows
+
+
+def rows_by_round(runs: list[dict], strategies: list[str], rounds: int, reference: list[float] | None, cores: int,
+                  clock: str, network: Network) -> list[list[dict]]:
+    """Each round's rows, in the order of `strategies`, from the sweep's runs (dicts with round,
+    strategy, world, status, error, seconds, summary): figures on the leading clock, the network's
+    columns, and the ratios to each row's counterpart from the same round."""
+    per_round = []
+    for k in range(rounds):
+        mine = {r["strategy"]: r for r in runs if r["round"] == k}
+        rows_k = []
+        for strategy in strategies:
+            r = mine[strategy]
+            row = (row_from_summary(strategy, r["summary"], reference, r["seconds"], cores) if r["summary"] else
+                   failed_row(strategy, r["world"], r["status"], r["error"], r["seconds"]))
+            if r["summary"]:
+                apply_clock(row, r["summary"], clock)
+            row.update(net_columns(network, r["summary"]))
+            row["round"] = k
+            rows_k.append(row)
+        add_baseline_ratios(rows_k)
+        per_round.append(rows_k)
+    return per_round

@@ -69,6 +69,32 @@ def chrome_trace(traces: list[dict], labels: list[str]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def from_chrome(doc: dict) -> tuple[list[dict], list[str]]:
+    """The traces and labels `chrome_trace` was given, back from its events, on one time axis (each
+    rank's `origin_wall` 0, its times from the earliest rank's start): enough to draw the timeline
+    again from a trace.json, as launch.compare does for its report."""
+    labels: dict[int, str] = {}
+    traces: dict[int, dict] = {}
+    for e in doc["traceEvents"]:
+        t = traces.setdefault(e["pid"], {"origin_wall": 0.0, "phases": [], "spans": []})
+        if e["ph"] == "M":
+            if e["name"] == "process_name":
+                labels[e["pid"]] = e["args"]["name"]
+            continue
+        start, end = e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6
+        if e["tid"] == 0:
+            t["phases"].append({"phase": e["cat"], "start": start, "end": end})
+        else:
+            t["spans"].append({"group": e["args"]["group"], "blocked": e["tid"] == 1, "start": start, "end": end})
+    ranks = sorted(traces)
+    return [traces[r] for r in ranks], [labels[r] for r in ranks]
+
+
+def draw_trace_file(trace: Path, path: Path, title: str) -> None:
+    """timeline.png drawn from a written trace.json (or trace_virtual.json)."""
+    draw_timeline(*from_chrome(json.loads(Path(trace).read_text())), path, title)
+
+
 def draw_timeline(traces: list[dict], labels: list[str], path: Path, title: str) -> None:
     import matplotlib
 

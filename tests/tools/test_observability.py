@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from launcher import GIVEN_LOOPBACK, PROJECT_ROOT
 from observability import check_time_breakdown
 
-from launch.compare import unquoted_overrides
+from launch.config import unquoted_overrides
 from parallel.compare.report import CONSOLE, CONSOLE_WIDTH, console_table
 from parallel.compare.rounds import aggregate_rounds, round_order
 from parallel.compare.rows import COLUMNS, NOISY_SPREAD, failed_row
@@ -27,7 +27,7 @@ from parallel.core.phases import PhaseLog
 from parallel.dist.groups import LaunchEnv
 from parallel.dist.timing import StepClock, default_warmup_steps
 from parallel.report.breakdown import WAITING_FOR_SLOWEST, breakdown_notes, rank_step_breakdown, summarize_breakdown
-from parallel.report.trace import chrome_trace, rank_label
+from parallel.report.trace import chrome_trace, draw_timeline, draw_trace_file, from_chrome, rank_label
 from parallel.run_plan import build_plan
 
 
@@ -124,6 +124,30 @@ def test_chrome_trace_has_a_process_per_rank_named_by_its_coordinates():
     # Rank 1 started its step a second after rank 0: one axis for both, in µs.
     assert [e["ts"] for e in x if e["tid"] == 0] == [0.0, 1e6]
     assert sum(e["args"]["sent_bytes"] for e in x if e["tid"] == 1) == 16.0
+
+
+def test_the_timeline_drawn_from_trace_json_is_the_runs_own(tmp_path):
+    """launch.compare draws its report's timelines from the runs' trace.json files: the traces read
+    back give the picture the run would have drawn, pixel for pixel."""
+    from matplotlib.image import imread
+
+    traces = [{"origin_wall": 50.0 + 0.002 * r,
+               "phases": [phase("forward", 0.0, 0.004, "F0"), phase("backward", 0.004, 0.010, "B0"),
+                          phase("optimizer", 0.010, 0.012)],
+               "spans": [span("all_reduce", "dp", 0.005, 0.0055, kind="post", sent=8.0),
+                         span("all_reduce", "dp", 0.0100, 0.0105, kind="wait"),
+                         span("send", "pp", 0.002, 0.003, sent=4.0),
+                         span("all_reduce", "world", 0.013, 0.014)]}  # after the step: in the file, not drawn
+              for r in range(3)]
+    labels = [f"rank {r} (dp {r})" for r in range(3)]
+    (tmp_path / "trace.json").write_text(json.dumps(chrome_trace(traces, labels)))
+    back, back_labels = from_chrome(json.loads((tmp_path / "trace.json").read_text()))
+    assert back_labels == labels
+    assert [[s["blocked"] for s in t["spans"]] for t in back] == [[False, True, True, True]] * 3
+    assert back[2]["phases"][0]["start"] == pytest.approx(0.004)  # on the earliest rank's axis
+    draw_timeline(traces, labels, tmp_path / "run.png", "a title")
+    draw_trace_file(tmp_path / "trace.json", tmp_path / "sweep.png", "a title")
+    assert (imread(tmp_path / "run.png") == imread(tmp_path / "sweep.png")).all()
 
 
 def test_warmup_default_leaves_at_least_half_the_steps_timed():
