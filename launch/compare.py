@@ -158,7 +158,7 @@ def capacity(device: torch.device) -> tuple[int, str]:
 
 
 def networks_of(cfg: DictConfig) -> list[Network]:
-    """The networks to sweep: compare.nets, or else the `net` group (net=none: today's single sweep).
+    """The networks to sweep: compare.nets, or else the `net` group (net=none: one sweep on the loopback).
     Refuses (NetworkRefused) what cannot run, before anything does."""
     c = cfg.compare
     world_given, worlds_given, net_given = explicit_keys(list(HydraConfig.get().overrides.task))
@@ -186,7 +186,7 @@ def networks_of(cfg: DictConfig) -> list[Network]:
 
 
 def run_command_on(network: Network, strategy: str, world: int, overrides: list[str]) -> list[str]:
-    """One run on `network`: today's command on none (and for one process anywhere: no links), else
+    """One run on `network`: the plain command on none (and for one process anywhere: no links), else
     launch.run on the network's nodes."""
     if not network.emulated or world == 1:
         return run_command(strategy, world, overrides)

@@ -89,7 +89,7 @@ BUCKETS = {"sync": ("bucket_mb",)}  # DDP's own buckets, of parallel.bucket_mb; 
 PIPELINE = ("schedule", "virtual_stages", "layers")
 
 # DTensor's TP (its loss runs on the all-gathered logits) and pipelining (its first stage holds
-# more: +17% at 4 stages) save more for backward than ours: they have no activation formula.
+# more) save more for backward than ours: they have no activation formula.
 ENTRIES = (
     StrategySpec(
         name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp)",

@@ -8,10 +8,9 @@ first on a cold machine or always the one after the same neighbour, and inside a
 first in even rounds and PyTorch's first in odd ones. A pair's two runs are therefore always
 neighbours, one run apart, whatever the rotation, and the machine's drift between two runs (a
 minute) is charged to each side equally often. A rotation of the plain list would split one pair
-per round across the whole sweep: at world 2 on the 2-core machine, such a split ZB-H1 pair read
-0.80 where its adjacent rounds read 0.97-1.04, its PyTorch run having opened the round before the
-machine slowed by a quarter and ours closed it after. Every run of every round is a process of its
-own.
+per round across the whole sweep, its two runs at opposite ends of a round, and a machine that
+slows or speeds up within the round would be charged to one side only. Every run of every round is
+a process of its own.
 
 A strategy's row over its rounds:
 
