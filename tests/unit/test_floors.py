@@ -158,3 +158,15 @@ def test_what_runs_is_plain_code():
     done = subprocess.run([sys.executable, "-OO", "-c", "import parallel.registry, parallel.compose.route"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_each_formula_is_written_once():
+    """The recipe's per-stage traffic is the sum of the families' own terms (tp's per stage, cp's per
+    block, the pipeline's per rank), called, never written out again: compose/theory.py calls each
+    family's term and names none of the counts those terms are made of."""
+    tree = ast.parse((ROOT / "parallel" / "compose" / "theory.py").read_text())
+    called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert {"tp_stage_payloads", "cp_attention_traffic", "p2p_sent_by_rank"} <= called
+    named = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    # tp's own counts: tensors per layer, the sequence-sharded parameters, the regathered inputs
+    assert not named & {"tp_tensors_per_layer", "sequence_sharded_parameter_count", "tp_regathers_per_microbatch"}
