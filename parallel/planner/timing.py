@@ -47,8 +47,8 @@ ASSUMPTIONS = {
                "backward, less the last bucket; ZeRO-1's reduction and every ZeRO all-gather are exposed; "
                "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
     "bubble": "parallel/pp/simulator.py on the schedule's lists with the slowest stage's forward and backward times",
-    "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets), kernel launch and Python "
-                   "overheads, stragglers, stage imbalance beyond the slowest stage, network congestion",
+    "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets), kernel launch "
+                   "and Python overheads, stragglers, stage imbalance beyond the slowest stage, network congestion",
 }
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
 
