@@ -248,12 +248,15 @@ if set(SIZES) != {d.name for d in DIMS if d.sized}:
     raise ImportError(f"ParallelDims fields {SIZES} are not the sized rows of DIMS")
 
 
-def build_device_mesh(dims: ParallelDims, device_type: str):
+def build_device_mesh(dims: ParallelDims, device_type: str, group_options=None):
     """A (pp, dp, cp, tp) DeviceMesh (`MESH_DIMS`) with named dims; each sub-group is reachable as mesh["dp"] etc.
 
     Sharing one named mesh lets PyTorch's own DDP, FSDP2 and DTensor baselines run on exactly
-    the groups the hand-written strategies use.
+    the groups the hand-written strategies use. `group_options`: the backend options every
+    dimension's group is made with (parallel/dist/groups.py gives them the run's timeout; torch's
+    own default would be its backend's, minutes, whatever the default group was given).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    override = {name: group_options for name in MESH_DIMS} if group_options is not None else None
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS, backend_override=override)

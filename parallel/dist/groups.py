@@ -136,16 +136,41 @@ def add_layout_groups(ctx: DistContext) -> DistContext:
     initialised default process group. Collective: every rank calls it, in the same order. (A
     test that tries several layouts in one job calls it once per layout, on contexts that share
     the default group.)"""
-    ctx.mesh = build_device_mesh(ctx.dims, ctx.device.type)
+    # Every group gets the run's timeout (the default group's): a rank that hangs inside a tp or dp
+    # group is reported after parallel.timeout_s, not after the backend's default minutes.
+    timeout = default_group_timeout()
+    ctx.mesh = build_device_mesh(ctx.dims, ctx.device.type, group_options(dist.get_backend(), timeout))
     ctx.comms["world"] = Communicator("world", dist.group.WORLD, ctx.log)
     for name in MESH_DIMS:
         ctx.comms[name] = Communicator(name, ctx.mesh[name].get_group(), ctx.log)
     # The groups that are not dimensions of the mesh (dims.DIMS' derived rows: expert parallelism's
     # ep and edp, dp with cp together), made only where the layout uses them.
     for name in ctx.dims.groups_in_use():
-        mine, _ = dist.new_subgroups_by_enumeration(ctx.dims.group_ranks(name))
+        mine, _ = dist.new_subgroups_by_enumeration(ctx.dims.group_ranks(name), timeout=timeout)
         ctx.comms[name] = Communicator(name, mine, ctx.log)
     return ctx
+
+
+def default_group_timeout() -> datetime.timedelta:
+    """The timeout the default process group was made with (parallel.timeout_s)."""
+    return group_timeout(dist.group.WORLD)
+
+
+def group_timeout(group) -> datetime.timedelta:
+    """The timeout a process group's backend was made with."""
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return group._get_backend(device).options._timeout
+
+
+def group_options(backend: str, timeout: datetime.timedelta):
+    """The options a group of `backend` is made with, carrying `timeout`."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options(backend, timeout)
 
 
 def shutdown(ctx: DistContext) -> None:

@@ -16,9 +16,9 @@ from launcher import PROJECT_ROOT, TINY, run_train, train_command
 LIMIT_S = 60
 
 
-def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = ()):
+def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = (), world: int = 2):
     """The run, and the seconds from the injected fault to the end of the whole job."""
-    run = run_train(2, [*TINY, f"parallel={preset}", *fault, *extra], tmp_path / "run", timeout=120)
+    run = run_train(world, [*TINY, f"parallel={preset}", *fault, *extra], tmp_path / "run", timeout=120)
     ended = time.time()
     injected = re.search(r"injecting train.fail_mode=\S+ at step \d+ \(unix time ([\d.]+)\)", run.stderr)
     assert injected, run.stderr[-3000:]
@@ -54,6 +54,21 @@ def test_one_failing_rank_ends_the_job(preset, mode, extra, own_line, tmp_path):
         # Rank 0 of a 2-stage pipeline waits for rank 1's activation gradients: the line names both.
         assert re.search(r"error: rank 0 stopped: recv 'pp/bwd/1->0' over group pp \(ranks \[0, 1\]\) with rank 1: "
                          r"Timed out waiting 8000ms .*parallel.timeout_s=8 s", err), err[-3000:]
+    assert not (run.run_dir / "summary.json").exists()
+
+
+def test_a_rank_hanging_inside_a_subgroup_ends_the_job_within_the_timeout(tmp_path):
+    """At world 4, dp 2 x tp 2, rank 1 hangs: its tp partner waits in the tp group {0, 1} and the other
+    tp group's ranks in the dp groups {0, 2} and {1, 3}, none of them the default group. Every group
+    carries parallel.timeout_s (tests/layers/test_group_timeouts.py), so the job ends within it plus
+    10 s, its first error line naming the subgroup it timed out in (torch's default would be 30 minutes)."""
+    timeout_s = 8
+    run, elapsed = _timed_run("tp", ["train.fail_mode=hang", "train.fail_at_step=2", "train.fail_rank=1"],
+                              tmp_path, [f"parallel.timeout_s={timeout_s}"], world=4)
+    assert run.returncode != 0
+    assert elapsed < timeout_s + 10, f"a hang inside a subgroup took {elapsed:.0f} s to end the job"
+    assert re.search(r"error: rank \d stopped: .* over group (tp|dp) \(ranks \[\d, \d\]\).*Timed out waiting 8000ms",
+                     run.stderr), run.stderr[-3000:]
     assert not (run.run_dir / "summary.json").exists()
 
 
