@@ -42,9 +42,11 @@ def option(default, key: str | None = None, configurable: bool = True):
     return field(default=default, metadata={"key": key, "configurable": configurable})
 
 
-def option_keys(cls: type) -> dict[str, str]:
-    """Each option's config key -> its field, for a family's record class."""
-    return {(f.metadata.get("key") or f.name): f.name for f in fields(cls)}
+def option_keys(cls: type, configurable_only: bool = False) -> dict[str, str]:
+    """Each option's config key -> its field, for a family's record class (with `configurable_only`,
+    only the options a user sets)."""
+    return {(f.metadata.get("key") or f.name): f.name for f in fields(cls)
+            if not configurable_only or f.metadata.get("configurable", True)}
 
 
 @dataclass(frozen=True)
@@ -102,12 +104,8 @@ class Family:
     def parse(self, section) -> object:
         """This family's record from the `parallel` config section (a DictConfig or a mapping): each
         configurable option's key where given, its default where not. The record checks its own values."""
-        values = {}
-        for f in fields(self.options):
-            key = f.metadata.get("key") or f.name
-            if f.metadata.get("configurable", True) and key in section:
-                values[f.name] = section[key]
-        return self.options(**values)
+        keys = option_keys(self.options, configurable_only=True)
+        return self.options(**{name: section[key] for key, name in keys.items() if key in section})
 
 
 def hydra_value(value) -> str:

@@ -29,7 +29,6 @@ added at run time with `register` (tests/helpers/toy_strategy.py does exactly th
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from itertools import chain
 
@@ -160,13 +159,6 @@ def parse_options(section) -> FamilyOptions:
     return FamilyOptions.of_records(family.parse(section) for family in WITH_OPTIONS)
 
 
-def with_entry_options(options: FamilyOptions, spec: StrategySpec) -> FamilyOptions:
-    """The option values entry `spec` sets wherever it runs (`StrategySpec.sets`: cp_a2a's attention)."""
-    for family, values in spec.sets.items():
-        options = options.changed(family, **values)
-    return options
-
-
 def check_rules(check: Check) -> None:
     """Every family's refusals, in `FAMILIES` order, then those that span two (parallel/compose/rules.py)."""
     for family in FAMILIES:
@@ -207,9 +199,7 @@ def request_fields(options: FamilyOptions, differing_from: dict | None = None) -
     out = {}
     for family in WITH_OPTIONS:
         record = options.of(family.options)
-        for key, name in option_keys(family.options).items():
-            if not _configurable(family.options, name):
-                continue
+        for key, name in option_keys(family.options, configurable_only=True).items():
             if differing_from is None:
                 out[key] = getattr(record, name)
             elif key in differing_from and _normal(differing_from[key]) != _normal(getattr(record, name)):
@@ -235,10 +225,6 @@ def fallback(options: FamilyOptions, reason: str) -> FamilyOptions | None:
             if instead is not None:
                 return options.with_record(instead)
     return None
-
-
-def _configurable(cls: type, name: str) -> bool:
-    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata.get("configurable", True)
 
 
 # -- theory by strategy name (tests, benches and tools that have a name, a model and a layout) ----------
