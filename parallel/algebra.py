@@ -105,13 +105,16 @@ def tp_local_parameter_count(model: GPTConfig, layout: Layout) -> int:
     return tp_shard_parameter_count(model, layout.dims.tp)
 
 
-def sequence_sharded_parameter_count(model: GPTConfig) -> int:
+def sequence_sharded_parameter_count(model: GPTConfig, layers: int | None = None, first: bool = True,
+                                     last: bool = True) -> int:
     """Replicated parameters whose gradient is partial under sequence parallelism: per layer two
     LayerNorms (4h) and two row-parallel biases (2h, added after the reduce-scatter), the final
-    LayerNorm (2h) and the position table (s·h, each rank adds only its piece's positions)."""
+    LayerNorm (2h, where `last`) and the position table (s·h where `first`, each rank adds only its
+    piece's positions). `layers` (every block where None), `first`, `last`: one pipeline stage's."""
     refuse_moe(model, "sequence-parallel parameter counts")
-    h, s, L = model.d_model, model.seq_len, model.n_layers
-    return L * 6 * h + 2 * h + s * h
+    h, s = model.d_model, model.seq_len
+    layers = model.n_layers if layers is None else layers
+    return layers * 6 * h + 2 * h * last + s * h * first
 
 
 def part_parameter_counts(model: GPTConfig) -> list[int]:

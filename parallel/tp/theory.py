@@ -16,6 +16,7 @@ from parallel.algebra import (
     all_reduce_sent_per_rank,
     figure,
     gather_or_scatter_sent_per_rank,
+    sequence_sharded_parameter_count,
     tp_shard_parameter_count,
 )
 from parallel.core.model import GPTConfig
@@ -30,13 +31,14 @@ def tp_tensors_per_layer(recompute: str) -> int:
     return 6 if recompute == "full" else 4
 
 
-def tp_regathers_per_microbatch(model: GPTConfig, layout: Layout) -> int:
+def tp_regathers_per_microbatch(layout: Layout, layers: int, last: bool) -> int:
     """Tensors of b·s·h all-gathered once more in backward per microbatch where the column-parallel
     linears keep their input's sequence piece (`Cut.saves_shard`): their weight gradients need it
     whole. One per region that opens with column-parallel linears: attention (Q, K, V share one) and
-    MLP in every block, and the vocab-parallel head: 2L + 1 (none otherwise; full recomputation's
-    second forward all-gathers as the first did, counted in `tp_tensors_per_layer`)."""
-    return 2 * model.n_layers + 1 if layout.cut().saves_shard else 0
+    MLP in each of the `layers` blocks, and the vocab-parallel head where `last`: 2L + 1 for the
+    whole model (none otherwise; full recomputation's second forward all-gathers as the first did,
+    counted in `tp_tensors_per_layer`)."""
+    return 2 * layers + last if layout.cut().saves_shard else 0
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,8 @@ def tp_stage_payloads(model: GPTConfig, layout: Layout, layers: int, first: bool
     loss = 3 * m * layout.microbatch_size * s * FP32_BYTES if last else 0
     if not cut.sequence_parallel:
         return StagePayloads(all_reduce=activations + loss)
-    # Each region's input gathered again in backward where the sequence piece is saved (attention and
-    # MLP in every block, the head on the last stage).
-    regathered = (2 * layers + last) * m * activation if cut.saves_shard else 0
-    sharded = (6 * h * layers + model.seq_len * h * first + 2 * h * last) * B  # sequence-sharded parameters' grads
+    regathered = tp_regathers_per_microbatch(layout, layers, last) * m * activation
+    sharded = sequence_sharded_parameter_count(model, layers, first, last) * B  # their grads, once per step
     return StagePayloads(all_reduce=loss + sharded, all_gather=activations + regathered, reduce_scatter=activations)
 
 
