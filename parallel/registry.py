@@ -89,10 +89,26 @@ WITH_OPTIONS: tuple[Family, ...] = tuple(f for f in FAMILIES if f.options is not
 SEARCHED: tuple[Family, ...] = (pp.FAMILY, sync.FAMILY, tp.FAMILY, cp.FAMILY)
 
 
+def check_declarations(spec: StrategySpec) -> None:
+    """An entry's `honours` and `sets` name families that have options, and options they have: a
+    misspelt name would otherwise read as an option the entry does not take."""
+    options = {family.name: family.options for family in WITH_OPTIONS}
+    for family, names in [*spec.honours.items(), *((f, tuple(v)) for f, v in spec.sets.items())]:
+        if family not in options:
+            raise ValueError(f"strategy {spec.name!r} names family {family!r}: choose one of {', '.join(options)}")
+        for name in names:
+            spec.honours_option(options[family], name)  # refuses a name the family does not have
+
+
+for _spec in REGISTRY.values():
+    check_declarations(_spec)
+
+
 def register(spec: StrategySpec) -> StrategySpec:
     """A strategy added at run time, from outside the project's families (tests/helpers/toy_strategy.py)."""
     if spec.name in REGISTRY:
         raise ValueError(f"strategy {spec.name!r} is registered twice")
+    check_declarations(spec)
     REGISTRY[spec.name] = spec
     return spec
 

@@ -15,7 +15,8 @@ ends in. Which families' options an entry honours is its `honours` (parallel/fam
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cache
 
 from parallel.core.model import GPTConfig
 from parallel.layout import Layout
@@ -60,9 +61,21 @@ class StrategySpec:
     counterpart: str | None = None  # PyTorch's implementation of the same idea, for the comparison's ratio
     tags: frozenset = field(default_factory=frozenset)  # "baseline" for PyTorch's own, "sharded" for ZeRO-like
 
-    def uses(self, family: str) -> bool:
-        """Whether this entry is cut by `family` (honours it, with or without options)."""
-        return family in self.honours
+    def uses(self, family: type) -> bool:
+        """Whether this entry is cut by the family whose options class is `family` (TPOptions: tp),
+        with or without its options."""
+        return family.FAMILY in self.honours
 
-    def honours_option(self, family: str, name: str) -> bool:
-        return name in self.honours.get(family, ())
+    def honours_option(self, family: type, name: str) -> bool:
+        """Whether this entry takes option `name` of the family whose options class is `family`; a
+        name the class does not have is refused, so that a misspelt option never reads as `False`."""
+        if name not in option_names(family):
+            raise ValueError(f"{family.__name__} has no option {name!r}: "
+                             f"choose one of {', '.join(option_names(family))}")
+        return name in self.honours.get(family.FAMILY, ())
+
+
+@cache
+def option_names(family: type) -> tuple[str, ...]:
+    """The fields of a family's options class."""
+    return tuple(f.name for f in fields(family))

@@ -56,7 +56,7 @@ class Route:
     def matches(self, spec: StrategySpec, dims: ParallelDims, zero: int) -> bool:
         if self.names is not None and spec.name not in self.names:
             return False
-        if self.zero_dp is not None and spec.honours_option("sync", "zero") != self.zero_dp:
+        if self.zero_dp is not None and spec.honours_option(SyncOptions, "zero") != self.zero_dp:
             return False
         return (self.zero is None or zero in self.zero) and _holds(self.layout, dims)
 

@@ -25,14 +25,14 @@ from parallel.zero import rules as zero_rules
 
 def rules_across_families(check: Check) -> None:
     spec, layout = check.spec, check.layout
-    if not spec.uses("pp"):
+    if not spec.uses(PPOptions):
         return
     pipeline, sync = layout.of(PPOptions), layout.of(SyncOptions)
     # Built once per (p, m, v) by the cache: the pipeline's own rule has just built it.
     if layout.cut().saves_shard and splits_backward(
             built_schedule(pipeline.schedule, check.dims.pp, layout.microbatches, pipeline.virtual_stages)):
         raise LayoutError(SAVES_WITH_SPLIT_BACKWARD)
-    if not spec.honours_option("sync", "grad_sync"):
+    if not spec.honours_option(SyncOptions, "grad_sync"):
         return
     if sync.zero:  # the ZeroOptimizer replaces grad_sync
         zero_rules.check_zero_in_pipeline(sync.zero, layout.of(TPOptions).sequence_parallel, pipeline.virtual_stages,

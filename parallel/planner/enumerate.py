@@ -111,7 +111,8 @@ def zero_stage(strategy: str, plan: RunPlan) -> int:
         return zero
     for stage in (1, 2, 3):
         try:
-            name, options = resolve("dp", plan.dims, plan.layout.options.changed("sync", zero=stage))
+            staged = plan.layout.options.with_record(replace(plan.layout.of(SyncOptions), zero=stage))
+            name, options = resolve("dp", plan.dims, staged)
         except (ConfigError, LayoutError):
             continue
         if name == strategy and options.of(SyncOptions).zero == 0:

@@ -28,6 +28,7 @@ from parallel.planner.enumerate import Candidate
 from parallel.planner.timing import step_time
 from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
 from parallel.registry import describe
+from parallel.sync.options import SyncOptions
 
 ACT_BYTES = {"fp32": 4, "bf16": 2}
 
@@ -45,7 +46,7 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) ->
         return None  # context parallelism's saved bytes: the registry's formula, for the GPT in fp32 only
     # Elsewhere (cluster shapes, bf16): as a Megatron-style implementation holds them (memory.py), the same
     # for every ZeRO stage (the search asks for each).
-    any_stage = replace(layout, options=layout.options.changed("sync", zero=0))
+    any_stage = replace(layout, options=layout.options.with_record(replace(layout.of(SyncOptions), zero=0)))
     return _cached(("acts", shape, _layout_key(any_stage), precision),
                    lambda: memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision]))
 

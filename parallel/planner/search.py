@@ -18,6 +18,7 @@ from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
 from parallel.planner.predict import predict_row
 from parallel.registry import differing_options, request_fields
+from parallel.sync.options import SyncOptions
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def model_state_over(shape: ModelShape, cluster: Cluster):
 
     def beyond(spec, request: dict) -> bool:
         held = shape.gpt.n_layers * shape.layer_parameters(request["tp"]) / request["pp"]
-        zero = request.get("zero", 0) if spec.honours_option("sync", "zero") else 3
+        zero = request.get("zero", 0) if spec.honours_option(SyncOptions, "zero") else 3
         d = request["dp"] * request.get("cp", 1)
         per = param_b / (d if zero >= 3 else 1) + grad_b / (d if zero >= 2 else 1) + optim_b / (d if zero >= 1 else 1)
         return held * per > cluster.usable_bytes

@@ -32,7 +32,7 @@ ENTRIES: tuple = ()
 
 
 def _describe(layout, spec) -> dict:
-    options, pipelined = layout.of(PPOptions), spec.uses("pp")
+    options, pipelined = layout.of(PPOptions), spec.uses(PPOptions)
     return {"schedule": options.schedule if pipelined else None,
             "virtual_stages": options.virtual_stages if pipelined else None,
             "pp_layers": list(options.layers) if pipelined and options.layers else None}
@@ -41,7 +41,7 @@ def _describe(layout, spec) -> dict:
 def _report(plan, rank_reports: list[dict], run_dir) -> dict:
     """The first pipeline's (dp 0, tp 0) ranks' spans of the last step, in stage order: the measured,
     simulated and closed-form bubble (parallel/pp/timeline.py)."""
-    if not plan.spec.uses("pp") or rank_reports[0]["pipeline_spans"] is None:
+    if not plan.spec.uses(PPOptions) or rank_reports[0]["pipeline_spans"] is None:
         return {}
     from parallel.pp.timeline import pipeline_report
 
@@ -62,7 +62,7 @@ def _identity(layout, spec) -> tuple:
     """Two schedule names that give the same action lists are one layout (interleaved with one chunk is 1F1B)."""
     options = layout.of(PPOptions)
     lists = None
-    if spec.uses("pp") and layout.dims.pp > 1:
+    if spec.uses(PPOptions) and layout.dims.pp > 1:
         lists = schedule_identity(options.schedule, layout.dims.pp, layout.microbatches, options.virtual_stages)
     return lists, options.layers
 

@@ -25,7 +25,7 @@ PP_NO_MOE = ("a pipeline stage that holds MoE blocks must back-propagate their b
 
 def pp_rules(check: Check) -> None:
     """For every entry the pipeline cuts: its layers, the schedule's rule and the entry's own."""
-    if not check.spec.uses("pp"):
+    if not check.spec.uses(PPOptions):
         return
     options = check.layout.of(PPOptions)
     check_pipeline(check.model, check.dims, options.schedule, check.layout.microbatches, options.virtual_stages,

@@ -15,7 +15,7 @@ from parallel.pp.schedules import SCHEDULES, built_schedule
 
 
 def pp_search(search: Search) -> list[PPOptions]:
-    if not (search.spec.uses("pp") and search.dims.pp > 1):
+    if not (search.spec.uses(PPOptions) and search.dims.pp > 1):
         return [PPOptions()]
     space, pp = search.space, search.dims.pp
     out = []

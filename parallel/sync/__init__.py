@@ -29,7 +29,7 @@ from parallel.sync.options import ZERO_STAGES, SyncOptions
 
 def _search(search: Search) -> list[SyncOptions]:
     """The ZeRO stages where the entry honours parallel.zero, each with the all-reduce syncs asked for."""
-    stages = search.space.get("zero", ZERO_STAGES) if search.spec.honours_option("sync", "zero") else (0,)
+    stages = search.space.get("zero", ZERO_STAGES) if search.spec.honours_option(SyncOptions, "zero") else (0,)
     return [SyncOptions(grad_sync=g, zero=z) for z in stages for g in search.space.get("grad_sync", ("bucketed",))]
 
 
@@ -41,13 +41,13 @@ def _fallback(options: SyncOptions, reason: str) -> SyncOptions | None:
 def all_reduce_sync(layout: Layout, spec: StrategySpec) -> bool:
     """Whether the layout's dp dimension runs parallel.grad_sync's all-reduce: the entry honours it,
     there is more than one dp rank, and no ZeRO stage replaces it."""
-    return spec.honours_option("sync", "grad_sync") and layout.dims.dp > 1 and not layout.of(SyncOptions).zero
+    return spec.honours_option(SyncOptions, "grad_sync") and layout.dims.dp > 1 and not layout.of(SyncOptions).zero
 
 
 def _describe(layout: Layout, spec: StrategySpec) -> dict:
     """The options an entry does not honour are null, so a reader never mistakes them for facts."""
     options, all_reduce = layout.of(SyncOptions), all_reduce_sync(layout, spec)
-    bucket_alone = spec.honours_option("sync", "bucket_mb") and not spec.honours_option("sync", "grad_sync")
+    bucket_alone = spec.honours_option(SyncOptions, "bucket_mb") and not spec.honours_option(SyncOptions, "grad_sync")
     return {"grad_sync": options.grad_sync if all_reduce else None,
             "bucket_mb": options.bucket_mb if all_reduce or bucket_alone else None, "zero": options.zero}
 

@@ -72,15 +72,15 @@ def tp_rules(check: Check) -> None:
     """Sequence parallelism only where tp cuts, the cut itself for every entry tp cuts, then what
     `parallel.tp_saves` may say."""
     options, dims, spec = check.layout.of(TPOptions), check.dims, check.spec
-    if options.sequence_parallel and (not spec.honours_option("tp", "sequence_parallel") or dims.tp == 1):
+    if options.sequence_parallel and (not spec.honours_option(TPOptions, "sequence_parallel") or dims.tp == 1):
         raise ConfigError(
             f"parallel.sequence_parallel=true needs tensor parallelism, "
             f"but parallel={spec.name} with parallel.tp={dims.tp}: "
             "use parallel=tp_sp (with parallel.tp > 1) or set parallel.sequence_parallel=false"
         )
-    if spec.uses("tp"):
+    if spec.uses(TPOptions):
         check_tensor_parallel(check.model, dims, options.sequence_parallel)
-    keepers = [name for name, entry in check.entries.items() if entry.honours_option("tp", "saves")]
+    keepers = [name for name, entry in check.entries.items() if entry.honours_option(TPOptions, "saves")]
     check_tp_saves(options, spec, keepers, dims)
 
 
@@ -100,7 +100,7 @@ def check_tp_saves(options: TPOptions, spec: StrategySpec, keepers: Sequence[str
             "the sequence, which only sequence parallelism over tp > 1 ranks cuts; use parallel=tp_sp with "
             "parallel.tp > 1, or set parallel.tp_saves=gathered"
         )
-    if not spec.honours_option("tp", "saves"):
+    if not spec.honours_option(TPOptions, "saves"):
         raise LayoutError(
             f"parallel.tp_saves=sharded runs as parallel={spec.name}, whose layers keep the gathered input: "
             f"the sequence piece is kept by parallel={' and '.join(keepers)} only; "

@@ -18,11 +18,11 @@ from parallel.tp.rules import check_tp_saves, tp_cut_refusal
 
 def tp_search(search: Search) -> list[TPOptions]:
     spec, dims, model = search.spec, search.dims, search.model
-    cuts = model is not None and spec.uses("tp") and dims.tp > 1
+    cuts = model is not None and spec.uses(TPOptions) and dims.tp > 1
     if cuts and tp_cut_refusal(model, dims.tp, False):
         return []
     choices = tuple(search.space.get("sequence_parallel", (False, True)))
-    sp_choices = choices if spec.honours_option("tp", "sequence_parallel") and dims.tp > 1 else (False,)
+    sp_choices = choices if spec.honours_option(TPOptions, "sequence_parallel") and dims.tp > 1 else (False,)
     if cuts and tp_cut_refusal(model, dims.tp, True):
         sp_choices = tuple(sp for sp in sp_choices if not sp)
     out = []

@@ -57,6 +57,20 @@ def test_the_route_table_names_only_entries_that_exist():
         route.route("dp", "tp>>1", "any", "single").matches(REGISTRY["dp"], ParallelDims(2, 2), 0)
 
 
+def test_an_entry_naming_an_option_its_family_lacks_is_refused():
+    """A misspelt family or option in an entry's `honours` would read as an option it does not take:
+    registering it is refused, naming the name."""
+    def entry(name, honours):
+        return StrategySpec(name=name, description="a typo", build=lambda *a: None, comm=lambda *a: {},
+                            honours=honours)
+
+    with pytest.raises(ValueError, match="TPOptions has no option 'sequence_paralel'"):
+        register(entry("typo_option", {"tp": ("sequence_paralel",)}))
+    with pytest.raises(ValueError, match="names family 'tpp'"):
+        register(entry("typo_family", {"tpp": ()}))
+    assert "typo_option" not in REGISTRY and "typo_family" not in REGISTRY
+
+
 def test_a_name_is_registered_once():
     with pytest.raises(ValueError, match="registered twice"):
         register(StrategySpec(name="dp", description="again", build=lambda *a: None, comm=lambda *a: {}))

@@ -146,7 +146,7 @@ def test_an_entry_with_other_tp_layers_is_refused():
     from parallel.registry import REGISTRY, spec_of
     from parallel.tp.rules import check_tp_saves
 
-    keepers = [name for name, spec in REGISTRY.items() if spec.honours_option("tp", "saves")]
+    keepers = [name for name, spec in REGISTRY.items() if spec.honours_option(TPOptions, "saves")]
     with pytest.raises(LayoutError, match="runs as parallel=torch_tp, whose layers keep the gathered input: the "
                                           "sequence piece is kept by parallel=tp and 3d only"):
         check_tp_saves(TPOptions(True, "sharded"), spec_of("torch_tp"), keepers, ParallelDims.resolve(2, tp=2))
