@@ -1,91 +1,121 @@
 #!/usr/bin/env bash
-# The one script a GPU machine runs for this project (a few minutes on one GPU):
+# The one script a GPU machine runs for this project, and its dry run on the CPU:
 #
-#   bash launch/gpu_check.sh                 # results under runs/gpu_check/ (or $OUT/gpu_check)
+#   bash launch/gpu_check.sh             # on a GPU machine: NCCL, CUDA, model=gpt2 (under 8 minutes on one GPU)
+#   bash launch/gpu_check.sh --dry-run   # the same steps on gloo and the CPU, model=tiny (the test suite runs it)
 #
-#   1. the GPU-marked tests (pytest -m gpu), which skip with their reason where they cannot run;
-#   2. short `single` runs on the GPU in fp32 and bf16 (model=small);
-#   3. with 2+ GPUs: dp over all GPUs (fp32, bf16) and tp, pp at 2 GPUs, NCCL chosen automatically;
-#      with 1 GPU: the same strategies as 2 gloo ranks on the CPU (NCCL needs a GPU per rank);
-#   4. a short compare run (launch.compare, where the project has it);
-#   5. figures.txt: one line per run (device, precision, tokens/s, step time, memory, MFU if known).
+# Results go under $GPU_CHECK_DIR (default ${OUT:-runs}/gpu_check). Each check prints one verdict line
+# (PASS, FAIL or SKIP with its reason); the last line counts them; the exit status is non-zero if any failed.
 #
-# Every step runs under a timeout and a failing step does not stop the others; the exit status
-# is non-zero if any step failed. PYTHON picks the interpreter (default: python); MODEL, STEPS and
-# WARMUP the runs' size (default: small, 20, 5; `MODEL=tiny STEPS=4 WARMUP=1` is a quick smoke test).
+#   1. versions: python, torch, CUDA, NCCL, the GPUs (machine.txt);
+#   2. the GPU-marked tests (pytest -m gpu), which skip with their reason where they cannot run;
+#   3. one rank, one process group on the backend: every communication call and every strategy's steps on
+#      the device, against the single run (launch/gpu_selfcheck.py: what one GPU can check of NCCL);
+#   4. `single` in fp32, and in bf16 with full recomputation;
+#   5. a one-rank launch.compare;
+#   6. with 2 or more GPUs (always in the dry run, as gloo ranks of 4 "GPUs"): dp over every GPU, tp, every pipeline
+#      schedule, zero3 and (with 4) 3d, each run's losses against single's; the network what-if on NVLink
+#      (launch.replay of the dp run on the h200 cluster's links);
+#   7. figures.txt: one line of figures per run.
+#
+# PYTHON picks the interpreter (default: python); MODEL and STEPS the runs' size.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+DRY=0
+case "${1:-}" in
+    --dry-run) DRY=1 ;;
+    "") ;;
+    *) echo "usage: bash launch/gpu_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python}
-RESULTS=${OUT:-runs}/gpu_check
-mkdir -p "$RESULTS"
-MODEL=${MODEL:-small}
-STEPS=${STEPS:-20}
-WARMUP=${WARMUP:-5}
-failed=0
+RESULTS=${GPU_CHECK_DIR:-${OUT:-runs}/gpu_check}
+rm -rf "$RESULTS" && mkdir -p "$RESULTS"
+if [ "$DRY" -eq 1 ]; then
+    BACKEND=gloo; NGPU=4; MODEL=${MODEL:-tiny}; STEPS=${STEPS:-4}; WARMUP=1
+    DEVICE_ARGS=(parallel.backend=gloo)  # every rank on the CPU, as NCCL's would be on its GPU
+else
+    BACKEND=nccl; MODEL=${MODEL:-gpt2}; STEPS=${STEPS:-12}; WARMUP=4; DEVICE_ARGS=()
+    NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
+passed=0; failed=0; skipped=0
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run, log to $RESULTS/NAME.log, remember a failure
-    local name=$1 limit=$2
-    shift 2
-    echo "== $name: $*"
-    timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
-    local rc=$?
-    echo "   exit $rc ($(tail -n 1 "$RESULTS/$name.log"))"
-    [ "$rc" -eq 0 ] || failed=1
+verdict() {  # verdict PASS|FAIL|SKIP NAME DETAIL
+    printf '%-4s %-22s %s\n' "$1" "$2" "$3" | tee -a "$RESULTS/verdicts.txt"
+    case $1 in PASS) passed=$((passed + 1)) ;; FAIL) failed=$((failed + 1)) ;; *) skipped=$((skipped + 1)) ;; esac
 }
 
-{
-    date -u +"%Y-%m-%d %H:%M UTC"
-    if command -v nvidia-smi >/dev/null; then nvidia-smi -L; else echo "nvidia-smi: not available"; fi
-    "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
-[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())'
-} | tee "$RESULTS/machine.txt"
-NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+check() {  # check NAME TIMEOUT_S COMMAND...: run it, its output in NAME.log, one verdict from its exit status
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    local rc=$?
+    local last
+    last=$(grep -v '^\s*$' "$RESULTS/$name.log" | tail -n 1 | cut -c1-110)
+    if [ "$rc" -eq 0 ]; then verdict PASS "$name" "$last"
+    elif [ "$rc" -eq 124 ]; then verdict FAIL "$name" "timed out after ${limit} s (log: $RESULTS/$name.log)"
+    else verdict FAIL "$name" "exit $rc: $last (log: $RESULTS/$name.log)"; fi
+}
 
-step pytest_gpu 900 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/
+train() {  # train NAME RANKS OVERRIDES...: launch.train under torchrun, its run dir RESULTS/NAME
+    local name=$1 ranks=$2
+    shift 2
+    check "$name" 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ranks" -m launch.train \
+        model="$MODEL" train.steps="$STEPS" train.warmup_steps="$WARMUP" train.global_batch="$BATCH" \
+        "${DEVICE_ARGS[@]}" "$@" run.dir="$RESULTS/$name"
+}
 
-RUN="model=$MODEL train.steps=$STEPS train.warmup_steps=$WARMUP"
-step single_fp32 300 "$PY" -m launch.train $RUN parallel=single run.dir="$RESULTS/single_fp32"
-step single_bf16 300 "$PY" -m launch.train $RUN parallel=single train.precision=bf16 run.dir="$RESULTS/single_bf16"
-
-if [ "$NGPU" -ge 2 ]; then
-    TORCHRUN=("$PY" -m torch.distributed.run --standalone)
-    DP_BATCH="train.global_batch=$((8 * NGPU))"  # divisible by any GPU count
-    step dp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" -m launch.train $RUN parallel=dp $DP_BATCH run.dir="$RESULTS/dp_nccl"
-    step tp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node 2 -m launch.train $RUN parallel=tp run.dir="$RESULTS/tp_nccl"
-    step pp_nccl 300 "${TORCHRUN[@]}" --nproc-per-node 2 -m launch.train $RUN parallel=pp_1f1b run.dir="$RESULTS/pp_nccl"
-    step dp_nccl_bf16 300 "${TORCHRUN[@]}" --nproc-per-node "$NGPU" -m launch.train $RUN parallel=dp $DP_BATCH \
-        train.precision=bf16 run.dir="$RESULTS/dp_nccl_bf16"
-    COMPARE_WORLD=2  # every strategy's layout fits 2 ranks
-else
-    TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc-per-node 2)
-    for s in dp tp pp_1f1b; do
-        step "${s}_gloo_cpu" 300 "${TORCHRUN[@]}" -m launch.train $RUN parallel=$s parallel.backend=gloo run.dir="$RESULTS/${s}_gloo_cpu"
-    done
-    COMPARE_WORLD=1
-fi
-
-if [ -f launch/compare.py ]; then
-    if [ "$COMPARE_WORLD" -ge 2 ]; then strategies="[single,dp,torch_ddp,tp,pp_1f1b]"; else strategies="[single]"; fi
-    step compare 600 "$PY" -m launch.compare model="$MODEL" compare.world="$COMPARE_WORLD" compare.strategies="$strategies" \
-        run.dir="$RESULTS/compare"
-else
-    echo "== compare: launch/compare.py is not in this checkout, skipped"
-fi
-
-"$PY" - "$RESULTS" <<'EOF' | tee "$RESULTS/figures.txt"
-import json, pathlib, sys
-print(f"{'run':<16} {'strategy':<10} {'world':>5} {'device':<6} {'prec':<5} {'tok/s':>10} {'step ms':>8} {'peak MB':>8} {'MFU':>6}")
-root = pathlib.Path(sys.argv[1])
-for path in sorted(root.rglob("summary.json")):
-    s = json.loads(path.read_text())
-    name = str(path.parent.relative_to(root))
-    mfu = s.get("mfu")
-    mfu = mfu.get("mfu") if isinstance(mfu, dict) else mfu
-    print(f"{name:<16} {s['strategy']:<10} {s['world_size']:>5} {s.get('device', '?'):<6} {s.get('precision', '?'):<5} "
-          f"{s['tokens_per_s']:>10.0f} {s['step_time_s'] * 1e3:>8.1f} {s['peak_memory_bytes'] / 1e6:>8.1f} "
-          f"{'' if mfu is None else f'{100 * mfu:.1f}%':>6}")
+# 1. versions
+"$PY" - "$DRY" <<'EOF' | tee "$RESULTS/machine.txt"
+import platform, subprocess, sys
+import torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| nccl", ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None)
+gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+print("gpus", len(gpus), gpus, "| bf16", torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+if sys.argv[1] == "1":
+    print("dry run: every step on gloo and the CPU; no CUDA path is reached")
 EOF
+BATCH=$((8 * (NGPU > 2 ? NGPU : 2)))  # divisible by dp over every GPU and by every schedule's microbatches
 
-echo "gpu_check: results in $RESULTS ($([ $failed -eq 0 ] && echo 'all steps passed' || echo 'SOME STEPS FAILED'))"
-exit $failed
+# 2. the GPU tests (on the CPU they skip, each with its reason)
+check pytest_gpu 600 "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider tests/
+
+# 3. one rank on the backend: every call, every strategy
+check selfcheck_$BACKEND 600 "$PY" -m launch.gpu_selfcheck --backend "$BACKEND"
+
+# 4. single: the reference of every loss below, then bf16 with full recomputation
+if [ "$DRY" -eq 1 ] || [ "$NGPU" -ge 1 ]; then
+    train single_fp32 1 parallel=single
+    train single_bf16_recompute 1 parallel=single train.precision=bf16 train.recompute=full
+    # 5. a one-rank compare (its parent must not hold a GPU: its runs take them)
+    check compare_1rank 600 "$PY" -m launch.compare model="$MODEL" compare.world=1 compare.strategies="[single]" \
+        train.steps="$STEPS" train.warmup_steps="$WARMUP" run.dir="$RESULTS/compare_1rank"
+else
+    verdict SKIP single "no CUDA device is visible (bash launch/gpu_check.sh --dry-run runs the steps on the CPU)"
+fi
+
+# 6. two or more ranks on the backend, each against single
+if [ "$NGPU" -ge 2 ]; then
+    train dp "$NGPU" parallel=dp
+    train tp 2 parallel=tp
+    for schedule in pp_gpipe pp_1f1b pp_interleaved pp_zbh1 pp_zbv pp_dualpipev; do
+        train "$schedule" 2 parallel="$schedule"
+    done
+    train zero3 2 parallel=zero3
+    if [ "$NGPU" -ge 4 ]; then train 3d 4 parallel=3d; else verdict SKIP 3d "needs 4 GPUs (tp 2 x pp 2), $NGPU visible"; fi
+    check whatif_nvlink 300 "$PY" -m launch.replay "$RESULTS/dp" cluster=h200 out="$RESULTS/whatif_nvlink"
+else
+    verdict SKIP multi_gpu "NCCL needs one GPU per rank: 2 or more for dp, tp, pipelines, zero3, 3d; $NGPU visible"
+fi
+
+# 7. every run's losses against single's, and its figures
+if "$PY" -m launch.gpu_check_figures "$RESULTS" >"$RESULTS/figures.txt" 2>&1; then
+    grep -vE '^(PASS|FAIL) ' "$RESULTS/figures.txt"
+    while read -r word name rest; do verdict "$word" "$name" "$rest"; done < <(grep -E '^(PASS|FAIL) ' "$RESULTS/figures.txt")
+else
+    verdict FAIL figures "$(tail -n 1 "$RESULTS/figures.txt")"
+fi
+
+echo "gpu_check$([ "$DRY" -eq 1 ] && echo ' --dry-run'): $passed passed, $failed failed, $skipped skipped; results in $RESULTS"
+[ "$failed" -eq 0 ]
