@@ -101,7 +101,6 @@ CONSOLE = (
     ("layout", "layout", str),
     ("tokens/s", None, _tokens_short),
     ("vs torch", None, _ratio_short),
-    ("x single", None, _speedup),
     ("step ms", "step_ms", _num("{:.1f}")),
     ("spread", None, _spread),
     ("MFU%", "mfu", _num("{:.1f}", 100)),

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from parallel.compare.clock import apply, one_thread_per_rank
-from parallel.compare.report import console_table
+from parallel.compare.report import markdown_table
 from parallel.compare.rows import COLUMNS
 from parallel.compare.speedup import add_speedups
 from parallel.compare.verdict import caveats
@@ -58,9 +58,9 @@ def test_a_speed_up_above_the_ranks_on_one_device_is_kept_and_flagged_as_not_the
     assert rows[1]["speedup_note"].startswith("above its ranks: 5.00x single with 4 ranks, both on virtual time, "
                                               "1 core per rank on thread CPU time: not the clock's doing")
     assert rows[2]["speedup_note"] == ""
-    lines = console_table(rows).splitlines()
-    assert "x single" in lines[0]
-    assert " 5.00! " in lines[3] and " 2.00 " in lines[4]
+    lines = markdown_table(rows).splitlines()
+    assert "| x single |" in lines[0]
+    assert "| 5.00! |" in lines[3] and "| 2.00 |" in lines[4]
 
 
 def test_rows_on_different_clocks_or_without_a_single_row_get_no_speed_up():
