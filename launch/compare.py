@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.config import CONFIG_DIR, unquoted_overrides
 from launch.run import Refused, check_privileges
 from parallel.algebra import parameter_count
-from parallel.compare.clock import leading_clock
+from parallel.compare.clock import leading_clock, one_thread_per_rank
 from parallel.compare.clock import sentence as clock_sentence
 from parallel.compare.crossover import console_lines, write_all
 from parallel.compare.networks import (
@@ -283,7 +283,8 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
     print(clock_line, flush=True)
 
     # Rows are made once every run is done, when `single`'s losses (the reference) are known.
-    runs, orders = run_rounds(cfg, network, sweep_dir, common, label)
+    # In virtual time a rank's device is a core per thread: one thread each, so that `single` is one core.
+    runs, orders = run_rounds(cfg, network, sweep_dir, one_thread_per_rank(common, clock), label)
     reference = load_reference(c.reference) if c.reference else next(
         (r["summary"]["losses"] for r in runs if r["strategy"] == "single" and r["summary"]), None)
     per_round = rows_by_round(runs, strategies, len(orders), reference, cores, clock, network)

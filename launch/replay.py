@@ -112,8 +112,9 @@ def parse(argv: list[str]) -> tuple[Path, dict]:
     return run_dir, options
 
 
-def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, float, float | None, str]:
+def links_for(options: dict, summary: dict, events: list[dict]) -> tuple[LinkModel, float, float | None, str]:
     """(link model, compute scale, peak per device, label) for the options."""
+    world = len(events)
     own = summary.get("virtual") or {}
     if "link_model" not in own:
         raise ReplayError("the run's summary.json has no virtual link model (an older run, or its replay failed)")
@@ -136,7 +137,7 @@ def links_for(options: dict, summary: dict, world: int) -> tuple[LinkModel, floa
         c = cluster_from_config(OmegaConf.to_container(OmegaConf.load(path)), world=world)
         links = from_cluster(c.name, c.gpus_per_node, c.intra_bytes_per_s, c.inter_bytes_per_s, c.intra_latency_s,
                              c.inter_latency_s, world, c.comm_efficiency)
-        here = peak_per_device(summary)
+        here = peak_per_device(summary, events)
         scale = here / c.peak_flops
         label = (f"cluster={c.name}: compute scaled by {scale:.3g} (one device's peak here {here:.3g} FLOP/s over the "
                  f"cluster's {c.peak_flops:.3g}), links from the preset")
@@ -190,7 +191,7 @@ def replay(run_dir: Path, options: dict) -> tuple[Path, dict]:
         raise ReplayError(f"{run_dir}: no summary.json (not a run directory, or the run did not finish)")
     summary = json.loads(summary_path.read_text())
     events = saved.load(run_dir)
-    links, scale, peak, label = links_for(options, summary, len(events))
+    links, scale, peak, label = links_for(options, summary, events)
     cores = shared_cores(options.get("cores"), events)
     suffix = "" if cores is None else "-cores_bound" if isinstance(cores, list) else f"-cores{options['cores']}"
     name = options.get("out") or f"replay-{(options.get('cluster') or options.get('net') or 'own')}" + (

@@ -24,7 +24,7 @@ from parallel.dist.binding import allowed_cores, bind_rank, threads_per_rank
 from parallel.dist.comm import CommFailure, CommLog, calls_by_tag_op, summarize_traffic
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutdown
-from parallel.dist.timing import StepTimer, count_every_thread
+from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
@@ -78,7 +78,6 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     """Run the plan; returns the run directory (summary.json is in it on rank 0)."""
     torch.set_num_threads(threads_per_rank(env.local_world_size, plan.threads))
     host_allocator = apply_host_allocator(plan.host_allocator)  # before the run allocates (core/host_memory.py)
-    count_every_thread(torch.get_num_threads() > 1)  # the second clock: all the compute's threads (timing.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
@@ -314,6 +313,7 @@ def rank_report(run: Run) -> dict:
         "trace": run.trace,
         "events": {"rank": ctx.rank, "coords": ctx.coords, "node": run.wire.node if run.wire is not None else 0,
                    "machine": ctx.peers[ctx.rank][2] if ctx.peers else None, "cores": run.cores,
+                   "threads": torch.get_num_threads(),  # its virtual device's cores (replay/device.py)
                    "groups": {name: list(c.global_ranks) for name, c in ctx.comms.items() if c is not None},
                    "steps": run.events},
         # Parameters, gradients and optimizer state this rank holds after the last step, and its

@@ -13,6 +13,12 @@ virtual time; the wall figures stay beside them (wall_tokens_per_s, wall_step_ms
 virtual ones are always there too (virtual_tokens_per_s, virtual_step_ms). exposed_comm_share
 stays the communication log's measured share (None where PyTorch waits out of its sight); the
 virtual exposed communication is in exposed_comm_ms.
+
+A rank's virtual device is a core per intra-op thread (parallel/replay/device.py), so with virtual
+leading every run of the sweep computes on one thread per rank (`one_thread_per_rank`, unless
+train.threads is given): `single` is one core, a world-4 row four, and a speed-up over `single`
+is per core (parallel/compare/speedup.py). Each row says what its ranks had
+(virtual_cores_per_rank, virtual_compute_clock).
 """
 
 from __future__ import annotations
@@ -32,12 +38,21 @@ def leading_clock(setting: str, device_type: str, max_world: int, cores: int) ->
     return "virtual" if device_type == "cpu" and max_world > cores else "wall"
 
 
+def one_thread_per_rank(overrides: list[str], clock: str) -> list[str]:
+    """The runs' overrides with train.threads=1 where virtual time leads and train.threads is unset
+    (the sweep passes every train field, an unset one as `train.threads=null`)."""
+    if clock != "virtual":
+        return overrides
+    return ["train.threads=1" if o == "train.threads=null" else o for o in overrides]
+
+
 def sentence(clock: str, setting: str, max_world: int, cores: int) -> str:
     if clock == "virtual":
         why = (f"{max_world} ranks on {cores} cores: the wall clock measures the machine" if setting == "auto"
                else "compare.clock=virtual")
-        return (f"Ranked in virtual time (a device per rank, docs/virtual-time.md; {why}); wall time beside it in "
-                "wall_tokens_per_s and wall_step_ms.")
+        return (f"Ranked in virtual time (a device per rank, docs/virtual-time.md; {why}): every run computes on "
+                "one thread per rank unless train.threads says otherwise, so a rank's device is one core and "
+                "its compute the thread's CPU time; wall time beside it in wall_tokens_per_s and wall_step_ms.")
     return "Ranked in wall time" + (" (a core per rank, or a GPU)." if setting == "auto" else " (compare.clock=wall).")
 
 
@@ -50,6 +65,11 @@ def apply(row: dict, summary: dict | None, clock: str) -> dict:
     row["virtual_tokens_per_s"] = virtual["tokens_per_s"] if ok else None
     row["virtual_step_ms"] = virtual["step_time_s"] * 1e3 if ok else None
     row["clock"] = clock if ok or clock == "wall" else "wall (no virtual block)"
+    device = virtual.get("device_per_rank")
+    if isinstance(device, dict):
+        row["virtual_cores_per_rank"], row["virtual_compute_clock"] = device["cores"], device["compute_clock"]
+    elif device:  # the ranks' devices differ
+        row["virtual_cores_per_rank"], row["virtual_compute_clock"] = None, "differs by rank"
     if clock != "virtual" or not ok:
         return row
     row["tokens_per_s"], row["step_ms"] = virtual["tokens_per_s"], virtual["step_time_s"] * 1e3

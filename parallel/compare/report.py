@@ -12,6 +12,7 @@ from pathlib import Path
 
 from parallel.compare import plots
 from parallel.compare.rows import COLUMNS, LOSS_RTOL, NOISY_SPREAD
+from parallel.compare.speedup import ABOVE_RANKS
 from parallel.compare.verdict import caveats, opening
 
 CONSOLE_WIDTH = 120
@@ -57,6 +58,13 @@ def _spread(row: dict) -> str:
     return f"{row['spread']:.0%}" + ("!" if row["noisy"] else "")
 
 
+def _speedup(row: dict) -> str:
+    """The speed-up over single; '-' where withheld or not known, a '!' where above the row's ranks."""
+    if row.get("speedup_vs_single") is None:
+        return "-"
+    return f"{row['speedup_vs_single']:.2f}" + ("!" if (row.get("speedup_note") or "").startswith(ABOVE_RANKS) else "")
+
+
 def _share(value) -> str:
     return "-" if value is None else f"{value:.0%}"
 
@@ -71,6 +79,7 @@ TABLE = (
     ("layout dp x tp x pp", "layout", str),
     ("tokens/s", None, _tokens),
     ("vs torch", None, _ratio),
+    ("x single", None, _speedup),
     ("step ms", "step_ms", _num("{:.1f}")),
     ("min-max ms", None, lambda r: f"{r['step_ms_min']:.1f}-{r['step_ms_max']:.1f}"),
     ("spread", None, _spread),
@@ -200,6 +209,11 @@ How to read the columns (MB: 10^6 bytes, for traffic and memory alike):
   pp_X -> torch_pp_X). Above 1: ours is faster. With rounds: the median of the per-round ratios
   (each pair from the same round) and their min-max. One run each is one sample: trust a difference
   only beyond the spread.
+- **x single**: this row's tokens/s over `single`'s (same round), on the clock that ranks the sweep.
+  In virtual time every run computes on one thread per rank, so each rank's device is one core and
+  the ratio is per core; it is withheld (`-`) where this row's ranks and single had different
+  devices (`train.threads` given: `speedup_note` says which), and marked `!` where it is above the
+  row's ranks on one clock: then not the clock's doing (a rank computes less per token).
 - **step ms**, **min-max ms**, **spread**: the median timed step, the fastest and slowest timed step
   (over every round), and (slowest - fastest) / median; `!` marks a spread above {NOISY_SPREAD:.0%}
   (`noisy` in results.csv): such a row's figure can move that much on a rerun.

@@ -24,6 +24,7 @@ A strategy's row over its rounds:
     ratio_to_baseline, ratio_lo, ratio_hi
                                     per round ours / the counterpart's in that same round (two
                                     neighbouring runs), then the median and min-max of those ratios
+    speedup_vs_single, speedup_note  the median round's run's, against `single` in that round
     step_ms_min, step_ms_max        over every timed step of every round, and spread / noisy
                                     from them (spread: their difference over the median round's step)
     rounds_ok                       how many rounds ran it; a strategy that failed in some rounds
@@ -37,6 +38,7 @@ import statistics
 from parallel.compare.clock import apply as apply_clock
 from parallel.compare.networks import Network, net_columns
 from parallel.compare.rows import NOISY_SPREAD, add_baseline_ratios, failed_row, row_from_summary
+from parallel.compare.speedup import add_speedups
 
 
 def units(strategies: list[str], partners: dict[str, str]) -> list[list[str]]:
@@ -111,7 +113,7 @@ def rows_by_round(runs: list[dict], strategies: list[str], rounds: int, referenc
                   clock: str, network: Network) -> list[list[dict]]:
     """Each round's rows, in the order of `strategies`, from the sweep's runs (dicts with round,
     strategy, world, status, error, seconds, summary): figures on the leading clock, the network's
-    columns, and the ratios to each row's counterpart from the same round."""
+    columns, and the ratios to each row's counterpart and to `single` from the same round."""
     per_round = []
     for k in range(rounds):
         mine = {r["strategy"]: r for r in runs if r["round"] == k}
@@ -126,5 +128,6 @@ def rows_by_round(runs: list[dict], strategies: list[str], rounds: int, referenc
             row["round"] = k
             rows_k.append(row)
         add_baseline_ratios(rows_k)
+        add_speedups(rows_k)
         per_round.append(rows_k)
     return per_round

@@ -24,6 +24,9 @@ COLUMNS = (
     "seconds", "error",
     # Which clock leads the row (parallel/compare/clock.py), and both clocks' figures side by side.
     "clock", "wall_tokens_per_s", "wall_step_ms", "wall_bubble_share", "virtual_tokens_per_s", "virtual_step_ms",
+    # What a rank's virtual device was, and the speed-up over `single` on the leading clock, with why it
+    # is withheld or above the row's ranks where it is (parallel/compare/speedup.py).
+    "virtual_cores_per_rank", "virtual_compute_clock", "speedup_vs_single", "speedup_note",
     # The network the run was on (launch.compare net=..., compare.nets; parallel/compare/networks.py):
     # its settings, and per link class the bytes the interface counters saw, what the log predicts,
     # and how long the busiest link needs for them at its rate. "none": this machine's loopback.

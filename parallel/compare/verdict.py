@@ -11,7 +11,8 @@ Three sentences, as a person reading the tables would put them:
    not established), or that the runner-up computes more (then only less compute changes it).
 
 Then, where they apply, `caveats`: which rows ran more ranks than the machine has cores (or GPUs),
-and which were noisy.
+whose speed-up over single is withheld or above its ranks (parallel/compare/speedup.py), and which
+were noisy.
 """
 
 from __future__ import annotations
@@ -125,6 +126,9 @@ def caveats(rows: list[dict], meta: dict) -> list[str]:
         out.append(f"Oversubscribed: {', '.join(over)} ran more ranks than this machine has {meta['capacity_unit']} "
                    f"({meta['capacity']}): ranks took turns, so their step times include waiting for one, and their "
                    "speed against a single process is not what one per rank would give.")
+    notes = [f"{r['strategy']} ({r['speedup_note']})" for r in ok if r.get("speedup_note")]
+    if notes:
+        out.append(f"Speed-up over single: {'; '.join(notes)}.")
     noisy = [r["strategy"] for r in ok if r.get("noisy")]
     if noisy:
         out.append(f"Noisy (timed steps spread more than {NOISY_SPREAD:.0%} of the median): {', '.join(noisy)}.")

@@ -16,7 +16,8 @@ every phase mark and call. With one intra-op thread per rank (the training loop 
 autograd running backward on the thread that called it, and gloo's own threads (which move the
 bytes) left out, it is the rank's compute as one dedicated core would take it: it does not advance
 while the thread waits for a core or blocks in a call. The replay (parallel/replay/) rebuilds the
-step from it.
+step from it. A rank of several intra-op threads has no such clock (the sum of their CPU times is
+not what its cores took: parallel/replay/device.py): the replay reads its wall stamps instead.
 
 Each stamp of that clock also reads the process's CPU time: the difference is the CPU time of the
 rank's other threads, gloo's (its event loop and its worker threads, which move and reduce the
@@ -37,29 +38,11 @@ import time
 import torch
 
 
-def _thread_cpu() -> float:
-    return time.thread_time()
-
-
-_cpu_clock = _thread_cpu
-
-
 def cpu_stamp() -> tuple[float, float]:
     """A stamp of the second clock: (the compute thread's CPU time, the CPU time of the process's
-    other threads). In one process counting every thread there are no other threads to tell apart
-    (no gloo): the second is 0."""
-    if _cpu_clock is not _thread_cpu:
-        return _cpu_clock(), 0.0
+    other threads)."""
     thread = time.thread_time()
     return thread, time.process_time() - thread
-
-
-def count_every_thread(on: bool) -> None:
-    """With more than one intra-op thread per rank (a single process on every core), the matmuls
-    run on several threads: then the second clock is the process's CPU time, all its threads, the
-    compute as one core would take it (there is no gloo thread to leave out in one process)."""
-    global _cpu_clock
-    _cpu_clock = time.process_time if on else _thread_cpu
 
 
 class StepClock:

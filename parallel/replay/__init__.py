@@ -5,6 +5,7 @@ time does not (parallel/dist/timing.py), its communication is known to the byte 
 and a link model says how long those bytes take. The replay puts the step back together:
 
     events.py    what every rank saves of its timed steps (phases and calls, wall and CPU time)
+    device.py    a rank's virtual device: its cores, and the clock its compute is read on
     graph.py     one step's events -> every rank's program: compute pieces, calls, posts, waits,
                  matched across ranks (collectives by order in their group, messages by peer)
     engine.py    the discrete-event simulator that plays the programs together

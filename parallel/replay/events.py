@@ -6,6 +6,8 @@ Per rank, events/rank<r>.json:
     machine, cores          the machine it shared cores with (parallel/dist/binding.py's machine id)
                             and the cores it could run on once bound (`train.pin_cores`): one core
                             where the run bound it, the machine's usable cores where it did not
+    threads                 its intra-op threads (torch.get_num_threads()): its virtual device's cores,
+                            and the clock the replay reads its compute on (device.py)
     groups                  {group name: its members' global ranks, in group-rank order}
     steps                   per timed step: step, wall_s (the rank's step time), cpu_s (its thread's
                             CPU time in the step), phases [{phase, label, start, end, cpu_start,

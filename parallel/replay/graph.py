@@ -5,7 +5,8 @@ start, and its communication spans in the order it made them, each with the CPU 
 and end, its peer, its id and, for a wait, the ids of the posts it waits for. The program:
 
 * compute: the thread's CPU time between one call and the next, cut where the phases change (so
-  that each piece keeps its phase: forward, backward, optimizer, ...);
+  that each piece keeps its phase: forward, backward, optimizer, ...); a rank of several intra-op
+  threads comes here with its wall stamps in place of its CPU ones (device.py);
 * a blocking call or a wait: the CPU time inside it is left out (the rank was communicating; the
   link model times that instead);
 * a post (an async call; PyTorch's pipeline posts, drawn as blocking calls, are posts here): the

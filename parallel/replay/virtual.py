@@ -5,11 +5,14 @@ the wall clock (parallel/report/summary.py, breakdown.py), the run's figure is t
 the steps' times (a step lasts as long as its slowest rank), and the breakdown is that step's:
 per rank, where its virtual time went, in the wall breakdown's five categories,
 
-    compute       the CPU time of its forward, backward, weight and recompute phases
+    compute       the time of its forward, backward, weight and recompute phases on its device
     exposed_comm  blocked in a call or a wait, by "op group" (pipeline p2p excluded)
     bubble        blocked in pipeline sends and receives (group pp)
-    optimizer     the CPU time of its optimizer phase
-    other         the CPU time of its other phases, plus the wait for the slowest rank
+    optimizer     the time of its optimizer phase
+    other         the time of its other phases, plus the wait for the slowest rank
+
+(a rank's device: one core and its compute thread's CPU time, or, for a rank of several intra-op
+threads, its cores and the wall clock: device.py; `device_per_rank` in the block says which)
 
 which add up to the step on every rank (by construction: a rank is always computing or blocked).
 """
@@ -20,7 +23,7 @@ import statistics
 from collections import defaultdict
 
 from parallel.core.phases import CATEGORY_OF_PHASE
-from parallel.replay import graph
+from parallel.replay import device, graph
 from parallel.replay.engine import Result, run
 from parallel.replay.links import LinkModel
 
@@ -35,8 +38,9 @@ def replay_step(events: list[dict], index: int, links: LinkModel, cores: float |
     """Step `index` of the saved run replayed; `with_cpu`: charge each rank's core with the CPU its
     communication took (False: a device with its own copy engines: the cluster what-if, a GPU run);
     `op_cpu`: the run's `graph.median_op_cpu`, each op's typical CPU instead of this step's call's
-    (`replay_steps` passes it; None: the step's own figures)."""
-    steps = [e["steps"][index] for e in events]
+    (`replay_steps` passes it; None: the step's own figures). A rank of several intra-op threads
+    is read on its wall stamps (device.py)."""
+    steps = [device.replayed_step(e, index) for e in events]
     programs = graph.build(steps, [e["groups"] for e in events], links, compute_scale, with_cpu, op_cpu)
     bandwidth, buckets = _link_figures(programs, links)
     return run(programs, bandwidth, cores, buckets)
@@ -52,7 +56,7 @@ def replay_steps(events: list[dict], links: LinkModel, cores: float | list | Non
     `cores` (the contention replay, which reproduces that machine) each call keeps its own figure:
     the CPU the contended run really spent is part of what it waited on."""
     n_steps = min(len(e["steps"]) for e in events)
-    op_cpu = graph.median_op_cpu(events) if with_cpu and cores is None else None
+    op_cpu = graph.median_op_cpu(device.as_replayed(events)) if with_cpu and cores is None else None
     return [replay_step(events, i, links, cores, compute_scale, with_cpu, op_cpu) for i in range(n_steps)]
 
 
@@ -170,9 +174,9 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         "tokens_per_s": tokens_per_s,
         "mfu": {"mfu": flops_per_token * tokens_per_s / (peak_per_device * world) if peak_per_device else None,
                 "peak_flops_per_device": peak_per_device, "devices": world,
-                "definition": "one device per rank: the FLOPs of the virtual step over the peak of one core per "
-                              "rank (the machine's measured peak / its usable cores)" if what_if is None else
-                              "one device per rank at the cluster's peak"},
+                "definition": "one device per rank: the FLOPs of the virtual step over the peak of the rank's cores "
+                              "(the machine's measured peak / its usable cores, times the rank's cores)"
+                if what_if is None else "one device per rank at the cluster's peak"},
         "time_breakdown_s": mean,
         "time_breakdown_by_rank": by_rank,
         "exposed_comm_by_op_s": dict(sorted(exposed.items(), key=lambda kv: -kv[1])),
@@ -186,17 +190,28 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         if measured else None,
         "compute_scale": compute_scale,
         "what_if": what_if,
-        "definition": "each timed step replayed with a core per rank (parallel/replay/): compute in the thread's "
-                      "CPU time, communication by the link model, the CPU the communication took (gloo's threads) "
-                      + ("sharing the rank's core" if charged else "taking none of it (a device's copy engine)")
-                      + "; the lower median over the timed steps"
-                      + ("" if cores is None else
-                         f"; the ranks on the cores the run bound them to ({_cores_of(cores)}), each core "
-                         "shared by its ranks" if isinstance(cores, (list, tuple)) else
-                         f"; everything by processor sharing of {cores:g} cores")
-                      + ("" if what_if is None else "; what-if: compute scaled to the cluster's devices"),
+        "device_per_rank": device.run_device(events),
+        "definition": _definition(events, charged, cores, what_if),
     }
     return block, virtual_traces(result, events, index)
+
+
+def _definition(events: list[dict], charged: bool, cores, what_if: str | None) -> str:
+    """The block's `definition`: what a rank's device is, and how the step was put together."""
+    devices = {device.device_of(e) for e in events}
+    on_wall = any(d.clock == device.WALL for d in devices)
+    return ("each timed step replayed with a device per rank (parallel/replay/): "
+            + (next(iter(devices)).describe() if len(devices) == 1 else "each rank's cores as device_per_rank says")
+            + " (a core per intra-op thread: one thread's CPU time, or several threads' wall time, "
+            "parallel/replay/device.py), communication by the link model, the CPU the communication took "
+            + ("already in the wall time of the compute of a rank of several threads; elsewhere " if on_wall else "")
+            + ("sharing the rank's core" if charged else "taking none of it (a device's copy engine)")
+            + "; the lower median over the timed steps"
+            + ("" if cores is None else
+               f"; the ranks on the cores the run bound them to ({_cores_of(cores)}), each core "
+               "shared by its ranks" if isinstance(cores, (list, tuple)) else
+               f"; everything by processor sharing of {cores:g} cores")
+            + ("" if what_if is None else "; what-if: compute scaled to the cluster's devices"))
 
 
 def _cores_of(placement: list) -> str:

@@ -104,7 +104,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     summary["net"] = net
     # The last step of every rank as trace.json (and timeline.png): drawn from the summary's own figures.
     summary["trace"] = write_run_trace(run_dir, rank_reports, summary, draw=plan.timeline)
-    # The same steps replayed with a device per rank (compute in thread CPU time, links modelled).
+    # The same steps replayed with a device per rank (a core per intra-op thread, parallel/replay/device.py;
+    # links modelled).
     summary["virtual"] = virtual_block(plan, rank_reports, summary, run_dir, links)
     return summary
 

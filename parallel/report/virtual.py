@@ -5,9 +5,10 @@ timed steps on the run's link model (parallel/replay/virtual.py) and writes, bes
 clock's trace.json and timeline.png, the replayed median step on the same tracks:
 trace_virtual.json and (where run.timeline is on) timeline_virtual.png.
 
-On the CPU a device is one core: its peak (for the virtual MFU) is the machine's measured peak
-over its usable cores. A replay that cannot be made (a run without a clock, an op a member never
-posted) leaves {"error": why} in the block, and the run goes on.
+On the CPU a rank's device is its cores, one per intra-op thread (parallel/replay/device.py): its
+peak (for the virtual MFU) is the machine's measured peak over its usable cores, times the rank's.
+A replay that cannot be made (a run without a clock, an op a member never posted) leaves
+{"error": why} in the block, and the run goes on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 from pathlib import Path
 
 from parallel.replay import events as saved
+from parallel.replay.device import cores_per_rank
 from parallel.replay.virtual import replay_run
 from parallel.report.mfu import usable_cores
 from parallel.report.trace import chrome_trace, draw_timeline, rank_label, timeline_title
@@ -25,10 +27,10 @@ log = logging.getLogger("parallel")
 TRACE, TIMELINE = "trace_virtual.json", "timeline_virtual.png"
 
 
-def peak_per_device(summary: dict) -> float:
-    """One device's peak: a GPU's own; on the CPU one core's share of the machine's."""
+def peak_per_device(summary: dict, events: list[dict]) -> float:
+    """One device's peak: a GPU's own; on the CPU its cores' share of the machine's."""
     peak = summary["mfu"]["peak_flops"]
-    return peak if summary["device"] == "cuda" else peak / usable_cores()
+    return peak if summary["device"] == "cuda" else peak / usable_cores() * cores_per_rank(events)
 
 
 def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw: bool, *, cores: float | None = None,
@@ -42,7 +44,7 @@ def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw:
         comm_cpu = False
     block, traces = replay_run(events, links, tokens_per_step=summary["tokens_per_step"],
                                flops_per_token=summary["mfu"]["flops_per_token"],
-                               peak_per_device=peak or peak_per_device(summary),
+                               peak_per_device=peak or peak_per_device(summary, events),
                                cores=cores, compute_scale=compute_scale, what_if=what_if, comm_cpu=comm_cpu)
     labels = [rank_label(e["rank"], e.get("coords") or {}, summary["parallel"]) for e in events]
     (Path(run_dir) / TRACE).write_text(json.dumps(chrome_trace(traces, labels)))

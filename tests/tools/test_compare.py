@@ -1,5 +1,6 @@
 """launch.compare as a user runs it: a small sweep on the tiny model, with one PyTorch baseline
-and two strategies that cannot run (a layout that does not divide, a name with no preset)."""
+and two strategies that cannot run (a layout that does not divide, a name with no preset); a sweep
+ranked in virtual time, whose runs compute on one thread per rank."""
 
 import csv
 import json
@@ -7,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from launcher import PROJECT_ROOT
+from launcher import GIVEN_LOOPBACK, PROJECT_ROOT
 
 from parallel.compare.rows import COLUMNS
 
@@ -73,3 +74,28 @@ def test_compare_with_nothing_to_run_fails(tmp_path):
     assert "error: 1 of 1 strategies did not run: dpp" in proc.stderr
     assert (out / "results.csv").exists() and "0/1 strategies ran" in proc.stdout
     assert "loopback for virtual time" not in proc.stdout  # nothing to run: no probe was started
+
+
+def test_a_virtual_sweep_runs_single_on_one_core_and_its_speed_up_is_per_core(tmp_path):
+    """In virtual time every run computes on one thread per rank (a rank's device is a core per
+    thread, parallel/replay/device.py): single is one core like each dp rank, so dp's speed-up over
+    it is per core, and one above its ranks would be flagged as not the clock's."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "launch.compare", "compare.world=2", "compare.strategies=[single,dp]",
+           "compare.clock=virtual", "compare.peak_flops=1e11", "model=tiny", "train.steps=3", "train.warmup_steps=1",
+           "data.max_bytes=1000000", *GIVEN_LOOPBACK, f"run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for strategy in ("single", "dp"):
+        events = json.loads((out / strategy / "events" / "rank0.json").read_text())
+        assert events["threads"] == 1, strategy
+        virtual = json.loads((out / strategy / "summary.json").read_text())["virtual"]
+        assert virtual["device_per_rank"]["cores"] == 1 and virtual["device_per_rank"]["compute_clock"] == "thread_cpu"
+    rows = {r["strategy"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    single, dp = rows["single"], rows["dp"]
+    assert single["speedup_vs_single"] == 1.0 and dp["clock"] == "virtual" and dp["virtual_cores_per_rank"] == 1
+    assert dp["speedup_vs_single"] == dp["tokens_per_s"] / single["tokens_per_s"] == \
+        dp["virtual_tokens_per_s"] / single["virtual_tokens_per_s"]
+    assert (dp["speedup_note"] == "") == (dp["speedup_vs_single"] <= 2), dp["speedup_note"]
+    report = (out / "report.md").read_text()
+    assert "every run computes on one thread per rank" in report and "| x single |" in report
