@@ -39,6 +39,7 @@ from parallel.report.metrics import (
     close_logging,
     default_run_dir,
     peak_memory_bytes,
+    reset_peak_memory,
     setup_logging,
     write_json,
 )
@@ -184,6 +185,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
                            strategy.model.parameters())
         if plan.start_step < step <= plan.start_step + plan.warmup_steps:
             apply_gloo_loop_policy(plan.gloo_loop_policy)  # groups made during the steps before (dist/gloo_loop.py)
+        if step == plan.start_step + plan.warmup_steps:
+            reset_peak_memory(ctx.device)  # the peak is the timed steps' (report/metrics.py)
         ctx.log.begin_step()
         timer.start()
         strategy.phases.begin_step(clock)

@@ -10,7 +10,9 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   step_time_s         the (lower) median over the timed steps (warm-up excluded) of the slowest rank's time
                       (host clock on the CPU, CUDA events on a GPU: parallel/dist/timing.py)
   tokens_per_s        global tokens per step / step_time_s
-  peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
+  peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank;
+                      peak_memory_scope says what it covers: on a GPU the timed steps (the allocator's
+                      peak is reset after the warm-up), on the CPU the whole process
   comm                measured strategy traffic per optimizer step, summed over ranks:
                       sent_bytes_per_step, by_op / by_group / by_tag (calls, payload_bytes,
                       sent_bytes, seconds), by_tag_op (the same per tag and op: the per-layer
@@ -57,6 +59,7 @@ from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.registry import FAMILIES, describe
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
+from parallel.report.metrics import peak_memory_scope
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.report.trace import write_run_trace
 from parallel.report.virtual import virtual_block
@@ -137,6 +140,7 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         },
         "peak_memory_bytes": max(memory),
         "memory_by_rank": memory,
+        "peak_memory_scope": peak_memory_scope(plan.device_type),
         "comm": comm,
         "expected_comm": expected,
         "comm_matches_theory": (Fraction(comm["sent_bytes_per_step_exact"])
