@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from parallel.activations import activation_check_note
 from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.registry import FAMILIES, describe
@@ -147,7 +148,7 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
                                 == Fraction(expected["sent_bytes_per_step_exact"])),
         "exposed_comm_measured": spec.exposed_comm_measured,
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
-                                   spec.activations(plan.model, layout)),
+                                   spec.activations(plan.model, layout), activation_check_note(plan.device_type)),
     }
 
 
@@ -232,13 +233,14 @@ MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
 def summarize_memory(rank_reports: list[dict], formula: dict | None,
-                     activation_formula: list[int] | None = None) -> dict:
+                     activation_formula: list[int] | None = None, unchecked: str | None = None) -> dict:
     """The summary's `memory` block: per rank, the parameter, gradient and optimizer-state bytes
     it held after the last step, its peak model-state bytes during it (tensor sizes) and the bytes
     saved for backward at the last step's peak (parallel/report/activations.py), with the
     allocator's peak (CUDA on GPU, RSS on CPU); beside them the strategy's closed forms (`theory`:
     model_state_bytes, activation_bytes per rank) and whether every rank's model state equals its
-    formula exactly. (`formula` is registry.model_state_bytes under its first name.)"""
+    formula exactly. (`formula` is registry.model_state_bytes under its first name.) `unchecked`: why the
+    activation formula cannot be held to this device's measurement (parallel/activations.py), or None."""
     by_rank = []
     for r in rank_reports:
         state = r["model_state"]
@@ -256,6 +258,9 @@ def summarize_memory(rank_reports: list[dict], formula: dict | None,
     measured = [row["activation_peak_bytes"] for row in by_rank]
     return {"by_rank": by_rank, "formula": formula, "matches_formula": matches,
             "activations_bytes_measured": measured,
-            # Every rank's bytes saved for backward equal the registry's formula exactly (None: no formula).
-            "activations_match_theory": None if activation_formula is None else measured == activation_formula,
+            # Every rank's bytes saved for backward equal the registry's formula exactly (None: no formula,
+            # or one that does not describe this device's kernels: `activations_check_note` says why).
+            "activations_match_theory": (None if activation_formula is None or unchecked
+                                         else measured == activation_formula),
+            "activations_check_note": unchecked if activation_formula is not None else None,
             "theory": {"model_state_bytes": formula, "activation_bytes": activation_formula}}

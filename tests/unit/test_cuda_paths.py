@@ -40,3 +40,24 @@ def test_the_peak_reset_forgets_what_came_before_on_cuda():
     assert peak_memory_bytes(device) >= 64 * 2**20
     assert reset_peak_memory(device) is True
     assert peak_memory_bytes(device) == torch.cuda.memory_allocated(device) < 64 * 2**20
+
+
+# -- the activation check: against the CPU kernel's saved tensors, or not at all -------------------
+def _memory(device_type: str, measured: int, formula: int) -> dict:
+    from parallel.activations import activation_check_note
+    from parallel.report.summary import summarize_memory
+
+    state = {"param_bytes": 1, "grad_bytes": 1, "optimizer_bytes": 2, "peak_model_state_bytes": 4}
+    report = {"rank": 0, "model_state": state, "activation_peak_bytes": measured, "peak_memory_bytes": 10}
+    return summarize_memory([report], None, [formula], activation_check_note(device_type))
+
+
+def test_the_activation_formula_is_held_to_the_cpu_kernel_and_not_claimed_on_cuda():
+    assert _memory("cpu", 100, 100)["activations_match_theory"] is True
+    assert _memory("cpu", 100, 101)["activations_match_theory"] is False
+    assert _memory("cpu", 100, 100)["activations_check_note"] is None
+    cuda = _memory("cuda", 100, 101)
+    # Not false: the formula does not describe what CUDA's attention kernels save.
+    assert cuda["activations_match_theory"] is None
+    assert cuda["activations_check_note"].startswith("not checked on CUDA: ")
+    assert cuda["activations_bytes_measured"] == [100] and cuda["theory"]["activation_bytes"] == [101]
