@@ -231,6 +231,11 @@ class Strategy:
         if self.finite_comm is not None and self.finite_comm.size > 1:
             self.finite_comm.all_reduce(bad, tag="tooling/finite", op="max")
         if bad.item():
+            # Under NCCL a collective the watchdog failed returns when it aborts the communicators,
+            # with whatever the buffer held: a flag read after that is no verdict on the loss.
+            failed = self.finite_comm.backend_failure("all_reduce", "tooling/finite") if self.finite_comm else None
+            if failed is not None:
+                raise failed
             raise NonFiniteLoss(float(local_loss))
 
     def global_loss(self, local_loss: torch.Tensor) -> float:

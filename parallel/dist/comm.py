@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import pickle
-import re
 import time
 
 import torch
 import torch.distributed as dist
 
 from parallel.dist.commlog import CommLog, DeviceInterval
+from parallel.dist.failures import failure_line, watchdog_verdict
 from parallel.dist.timing import cpu_stamp
 from parallel.dist.traffic import (
     TOOLING_PREFIX,
@@ -44,9 +44,8 @@ class CommFailure(RuntimeError):
 
 
 def _failed(comm: Communicator, op: str, tag: str, error: Exception, peer: int | None = None) -> CommFailure:
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    # gloo's text: "[/path/to/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
-    first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". This is typically")[0]
+    """The failed call named, with gloo's or NCCL's words in one line (failures.py)."""
+    first_line = failure_line(error)
     with_peer = f" with rank {comm.global_ranks[peer]}" if peer is not None else ""
     return CommFailure(f"{op} {tag!r} over group {comm.name} (ranks {comm.global_ranks}){with_peer}: {first_line}")
 
@@ -140,6 +139,18 @@ class Communicator:
     def wait_all(self) -> None:
         for handle in list(self._pending):
             handle.wait()
+
+    def backend_failure(self, op: str, tag: str) -> CommFailure | None:
+        """The failure NCCL's watchdog recorded on this group, once it has failed one of its
+        collectives and aborted its communicators (dist/groups.py nccl_failure_env), as the failure
+        of call `op` `tag`; None before that, and on gloo, whose calls raise in the caller's thread."""
+        if dist.get_backend(self.group) != "nccl":
+            return None
+        error = getattr(self.group._get_backend(torch.device("cuda")), "get_error", lambda: None)()
+        if error is None or error.name == "SUCCESS":
+            return None
+        return CommFailure(f"{op} {tag!r} over group {self.name} (ranks {self.global_ranks}): "
+                           f"{watchdog_verdict(error.name)}")
 
     @property
     def pending(self) -> int:

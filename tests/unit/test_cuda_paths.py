@@ -8,6 +8,8 @@ elsewhere.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -61,3 +63,122 @@ def test_the_activation_formula_is_held_to_the_cpu_kernel_and_not_claimed_on_cud
     assert cuda["activations_match_theory"] is None
     assert cuda["activations_check_note"].startswith("not checked on CUDA: ")
     assert cuda["activations_bytes_measured"] == [100] and cuda["theory"]["activation_bytes"] == [101]
+
+
+# -- NCCL's failures end in the same one line as gloo's ----------------------------------------------
+# NCCL's texts as torch 2.13 writes them (ProcessGroupNCCL.cpp: WorkNCCL::checkTimeout and
+# operator<<, checkForNCCLErrorsInternal; NCCLUtils.cpp: NCCLComm::getNcclComm,
+# ncclGetErrorWithVersion, getNcclErrorDetailStr; NCCL's ncclGetErrorString).
+NCCL_TIMEOUT = ("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                "NumelIn=1, NumelOut=1, Timeout(ms)=60000) ran for 60004 milliseconds before timing out.")
+NCCL_ABORTED = f"NCCL communicator was aborted on rank 1.  Original reason for failure was: {NCCL_TIMEOUT}"
+NCCL_REMOTE = ("NCCL error: remote process exited or there was a network error, NCCL version 2.27.5\n"
+               "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting "
+               "prematurely.\nLast error:\nsocketProgress: Connection closed by remote peer gpu02<45678>")
+NCCL_SYSTEM = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, unhandled system "
+               "error (run with NCCL_DEBUG=INFO for details), NCCL version 2.27.5\nncclSystemError: System call "
+               "(e.g. socket, malloc) or external library call failed or device error. \nLast error:\n"
+               "socketPollConnect: connect returned Connection refused")
+GLOO_TIMEOUT = "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv"
+GLOO_CLOSED = ("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5678. "
+               "This is typically caused by a peer that exited")
+
+
+def test_nccl_and_gloo_failures_read_as_one_line_of_one_kind():
+    from parallel.dist.failures import PEER, TIMEOUT, failure_kind, failure_line, watchdog_verdict
+
+    timeout = ("Timed out: NCCL's watchdog stopped ALLREDUCE (collective 7 of its group) after 60.0 s, past the "
+               "group's timeout of 60 s")
+    expected = {
+        NCCL_TIMEOUT: (timeout, TIMEOUT),
+        NCCL_ABORTED: (f"{timeout}; it aborted the group's communicators", TIMEOUT),
+        NCCL_REMOTE: ("NCCL error: remote process exited or there was a network error (NCCL 2.27.5; last error: "
+                      "socketProgress: Connection closed by remote peer gpu02<45678>)", PEER),
+        NCCL_SYSTEM: ("NCCL error: unhandled system error (run with NCCL_DEBUG=INFO for details) (NCCL 2.27.5; "
+                      "last error: socketPollConnect: connect returned Connection refused)", None),
+        GLOO_TIMEOUT: ("Timed out waiting 60000ms for recv", TIMEOUT),
+        GLOO_CLOSED: ("Connection closed by peer [127.0.0.1]:5678", PEER),
+    }
+    for text, (line, kind) in expected.items():
+        assert failure_line(torch.distributed.DistBackendError(text)) == line
+        assert failure_line(line) == line  # a line already read stays as it is
+        assert failure_kind(line) == kind, line
+    assert failure_kind(watchdog_verdict("TIMEOUT")) == TIMEOUT
+    assert failure_kind(watchdog_verdict("REMOTE_ERROR")) == PEER
+
+
+def test_an_nccl_failure_ends_in_the_error_line_that_names_the_call():
+    from parallel.dist.comm import CommFailure
+    from parallel.reliability.faults import describe_failure
+
+    call = "all_reduce 'grads/bucket0' over group dp (ranks [0, 1])"
+    hung = describe_failure(CommFailure(f"{call}: Timed out: NCCL ALLREDUCE ..."), 0, 60)
+    assert hung.startswith(f"rank 0 stopped: {call}: Timed out: NCCL ALLREDUCE ...: waited parallel.timeout_s=60 s")
+    # Raised outside comm.py (a baseline's own wait): NCCL's text, read all the same.
+    raw = describe_failure(torch.distributed.DistBackendError(NCCL_ABORTED), 1, 60)
+    assert raw.startswith("rank 1 stopped: Timed out: NCCL's watchdog stopped ALLREDUCE (collective 7 of its group)")
+    assert "\n" not in raw
+    died = describe_failure(torch.distributed.DistBackendError(NCCL_REMOTE), 1, 60)
+    assert died.startswith("rank 1 stopped: NCCL error: remote process exited") and "crashed or was killed" in died
+
+
+def test_nccl_groups_are_made_with_the_watchdog_leaving_the_process_up(monkeypatch):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING=2 is in the environment when the first NCCL group is made
+    (torchrun sets 1: the watchdog would take the process down, with no error line)."""
+    import torch.distributed as dist
+
+    from parallel.dist.comm import CommLog
+    from parallel.dist.dims import ParallelDims
+    from parallel.dist.groups import LaunchEnv, init_distributed
+
+    seen = {}
+
+    def made(**kwargs):
+        seen.update(backend=kwargs["backend"], handling=os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+        raise _Stop
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    monkeypatch.setattr(dist, "init_process_group", made)
+    env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    with pytest.raises(_Stop):
+        init_distributed(env, ParallelDims(world_size=2, dp=2), "nccl", 60, CommLog(), device_type="cpu")
+    assert seen == {"backend": "nccl", "handling": "2"}
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    with pytest.raises(_Stop):  # gloo's groups: nothing of NCCL's is touched
+        init_distributed(env, ParallelDims(world_size=2, dp=2), "gloo", 60, CommLog(), device_type="cpu")
+    assert seen == {"backend": "gloo", "handling": "1"}
+
+
+class _Stop(Exception):
+    """Raised in place of making the process group: what was set before it is what the test reads."""
+
+
+def test_a_flag_read_after_the_watchdog_failed_the_group_is_no_nonfinite_verdict():
+    """Under NCCL a hung finite check returns, garbage and all, once the watchdog aborts the group:
+    the guard says which call failed, not "non-finite loss"."""
+    from parallel.core.model import GPT, GPTConfig
+    from parallel.dist.comm import CommFailure
+    from parallel.strategy import NonFiniteLoss, SingleProcess, make_optimizer
+
+    class AbortedWorld:
+        """The world group after NCCL's watchdog aborted it: the flag comes back set."""
+        size, name = 2, "world"
+
+        def __init__(self, failure):
+            self.failure = failure
+
+        def all_reduce(self, flag, tag, op):
+            flag.fill_(1.0)
+
+        def backend_failure(self, op, tag):
+            return self.failure
+
+    model = GPT(GPTConfig(), seed=0)
+    strategy = SingleProcess(model, make_optimizer(model, 1e-3, 0.1))
+    strategy.finite_comm = AbortedWorld(CommFailure("all_reduce 'tooling/finite' over group world: Timed out: ..."))
+    with pytest.raises(CommFailure, match="tooling/finite"):
+        strategy.guard_finite(torch.tensor(2.0))
+    strategy.finite_comm = AbortedWorld(None)  # a group that is fine: the flag is the ranks' verdict
+    with pytest.raises(NonFiniteLoss):
+        strategy.guard_finite(torch.tensor(2.0))
