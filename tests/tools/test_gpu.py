@@ -142,3 +142,21 @@ def test_nccl_matches_single(overrides, single_run, tmp_path):
     assert (summary["parallel"]["backend"], summary["device"]) == ("nccl", "cuda")
     assert summary["comm_matches_theory"]
     assert max_rel_diff(summary["losses"], single_run.summary["losses"]) < 1e-3
+
+
+def test_the_sweep_parent_asks_for_the_gpus_without_initialising_cuda():
+    """launch.compare's parent and the pool's ranks import, and the parent asks for the machine's
+    GPUs (a child process asks CUDA where torch has it), and CUDA is still uninitialised in the
+    parent: on a GPU machine the point of it, on a CPU-only one a check that nothing regressed."""
+    import subprocess
+    import sys
+
+    code = ("import launch.compare, launch.forkserver, torch\n"
+            "from parallel.compare.devices import sweep_machine\n"
+            "machine = sweep_machine(None)\n"
+            "print(machine.device_type, machine.gpus, torch.cuda.is_initialized())\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    device_type, gpus, initialised = done.stdout.split()
+    assert initialised == "False"
+    assert (device_type, int(gpus)) == (("cuda", N_GPUS) if N_GPUS else ("cpu", 0))

@@ -182,3 +182,67 @@ def test_a_flag_read_after_the_watchdog_failed_the_group_is_no_nonfinite_verdict
     strategy.finite_comm = AbortedWorld(None)  # a group that is fine: the flag is the ranks' verdict
     with pytest.raises(NonFiniteLoss):
         strategy.guard_finite(torch.tensor(2.0))
+
+
+# -- the sweep's parent holds no CUDA context -------------------------------------------------------
+# What initialises CUDA in a process (torch 2.13): torch.cuda's lazy init, and cudaGetDeviceCount
+# behind torch.cuda.is_available() (device_count() asks NVML first, and CUDA where NVML fails).
+CUDA_ENTRY_POINTS = ("_lazy_init", "init", "is_available", "device_count", "get_device_name",
+                     "get_device_properties", "synchronize", "empty_cache", "set_device", "current_device")
+
+
+def _no_cuda_in_this_process(monkeypatch) -> None:
+    for name in CUDA_ENTRY_POINTS:
+        monkeypatch.setattr(torch.cuda, name, _refuse)
+    for name in ("_cuda_init", "_cuda_getDeviceCount"):
+        monkeypatch.setattr(torch._C, name, _refuse, raising=False)
+
+
+def test_the_sweep_asks_a_child_for_the_gpus_and_never_cuda_itself(monkeypatch):
+    """A CUDA build (faked: the flag of the build is all the parent reads) asks a child process; the
+    parent's own path calls nothing that would initialise CUDA."""
+    import json
+    import sys
+
+    from parallel.compare.devices import probe_command, sweep_machine
+
+    _no_cuda_in_this_process(monkeypatch)
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+
+    def child(facts: dict) -> list[str]:
+        return [sys.executable, "-c", f"print({json.dumps(json.dumps(facts))})"]
+
+    gpus = {"gpus": 2, "names": ["NVIDIA H100 80GB HBM3"] * 2, "peak_flops": 9.5e14}
+    machine = sweep_machine("bf16", command=child(gpus))
+    assert (machine.device_type, machine.gpus, machine.name, machine.peak_flops) == \
+        ("cuda", 2, "NVIDIA H100 80GB HBM3", 9.5e14)
+    assert machine.capacity == (2, "GPUs")
+    assert sweep_machine(None, command=child({"gpus": 0, "names": [], "peak_flops": None})).device_type == "cpu"
+    with pytest.raises(RuntimeError, match="asking CUDA for the GPUs failed in a child process .*no driver"):
+        sweep_machine(None, command=[sys.executable, "-c", "import sys; sys.exit('no driver')"])
+    assert probe_command("bf16")[1:] == ["-m", "parallel.compare.devices", "bf16"]
+
+
+def test_the_sweep_parent_and_the_pool_ranks_name_no_cuda_call():
+    """Read, not run: the parent's modules (and devices.py outside the child's `probe`) never touch
+    torch.cuda, whatever machine they run on."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for path in ("launch/compare.py", "launch/forkserver.py", "parallel/compare/pool.py",
+                 "parallel/compare/devices.py"):
+        tree = ast.parse((root / path).read_text())
+        child = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "probe"]
+        in_child = {id(n) for f in child for n in ast.walk(f)}
+        calls = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and id(n) not in in_child
+                 and ast.unparse(n).startswith("torch.cuda.") and "is_initialized" not in ast.unparse(n)]
+        assert calls == [], (path, calls)
+
+
+def test_a_pool_rank_with_cuda_initialised_refuses_to_fork(monkeypatch):
+    from launch.forkserver import cuda_refusal
+
+    assert cuda_refusal() is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "initialised CUDA before forking" in cuda_refusal()
