@@ -67,7 +67,7 @@ def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
     assert done.returncode == 0, done.stderr
     split = args.index(sys.executable)
     # The node's task gets its CPUs: 2 GPUs x --cpus-per-gpu=4; srun is not handed SLURM_CPUS_PER_GPU,
-    # which it would read as a --cpus-per-gpu of its own and refuse beside --cpus-per-task.
+    # which it would read as a --cpus-per-gpu of its own beside --cpus-per-task (mutually exclusive).
     assert args[:split] == ["--ntasks-per-node=1", "--cpus-per-task=8", "--kill-on-bad-exit=1"]
     assert cpus_per_gpu == "unset"
     endpoint = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=", 1)[1]
