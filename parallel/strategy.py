@@ -154,6 +154,9 @@ class Strategy:
     finite_checks: int = 0  # how many steps were guarded; train.py checks every step was
     # What this strategy's time breakdown cannot split, and why (summary.json's time_breakdown.notes).
     breakdown_note: str | None = None
+    # False where the waits for this strategy's communication happen out of the log's sight (inside
+    # DDP's reducer; inside FSDP2 on CUDA): its exposed communication is then not measured.
+    exposed_comm_measured: bool = True
 
     def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None,
                  sync: GradSync | None = None):

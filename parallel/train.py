@@ -314,6 +314,7 @@ def rank_report(run: Run) -> dict:
         "net": run.wire.report() if run.wire is not None else None,
         "time_breakdown": run.breakdowns,
         "breakdown_note": strategy.breakdown_note,
+        "exposed_comm_measured": strategy.exposed_comm_measured,
         "trace": run.trace,
         "events": {"rank": ctx.rank, "coords": ctx.coords, "node": run.wire.node if run.wire is not None else 0,
                    "machine": ctx.peers[ctx.rank][2] if ctx.peers else None, "cores": run.cores,

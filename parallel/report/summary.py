@@ -22,6 +22,7 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
+                      (DDP's reducer; FSDP2's side streams on CUDA: time_breakdown's notes say which)
   memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
                       `formula` (the strategy's model_state formula, ZeRO paper) and `matches_formula`
@@ -146,7 +147,9 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         "expected_comm": expected,
         "comm_matches_theory": (Fraction(comm["sent_bytes_per_step_exact"])
                                 == Fraction(expected["sent_bytes_per_step_exact"])),
-        "exposed_comm_measured": spec.exposed_comm_measured,
+        # The registry's word for every device, and each rank's strategy's for this one (FSDP2 on CUDA).
+        "exposed_comm_measured": spec.exposed_comm_measured and all(r.get("exposed_comm_measured", True)
+                                                                    for r in rank_reports),
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
                                    spec.activations(plan.model, layout), activation_check_note(plan.device_type)),
     }

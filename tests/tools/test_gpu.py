@@ -144,6 +144,20 @@ def test_nccl_matches_single(overrides, single_run, tmp_path):
     assert max_rel_diff(summary["losses"], single_run.summary["losses"]) < 1e-3
 
 
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.parametrize("preset,measured", [("torch_fsdp2", False), ("torch_tp", True), ("torch_pp_1f1b", True)])
+def test_baselines_on_nccl_time_what_the_compute_stream_waits(preset, measured, single_run, tmp_path):
+    """DTensor's and torch pipelining's waits are timed by CUDA events on the compute stream; FSDP2's
+    collectives run on its own streams, so its exposed communication is reported as not measured."""
+    summary = assert_ok(run_train(2, [*TINY, f"parallel={preset}"], tmp_path / "run", gpu=True))
+    assert (summary["parallel"]["backend"], summary["device"]) == ("nccl", "cuda")
+    assert summary["exposed_comm_measured"] is measured
+    notes = " ".join(summary["time_breakdown"]["notes"])
+    assert ("FSDP2 runs its all-gathers and reduce-scatters on CUDA streams of its own" in notes) is not measured
+    assert max_rel_diff(summary["losses"], single_run.summary["losses"]) < 1e-3
+
+
 def test_the_sweep_parent_asks_for_the_gpus_without_initialising_cuda():
     """launch.compare's parent and the pool's ranks import, and the parent asks for the machine's
     GPUs (a child process asks CUDA where torch has it), and CUDA is still uninitialised in the

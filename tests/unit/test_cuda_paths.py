@@ -246,3 +246,111 @@ def test_a_pool_rank_with_cuda_initialised_refuses_to_fork(monkeypatch):
     assert cuda_refusal() is None
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert "initialised CUDA before forking" in cuda_refusal()
+
+
+# -- the baselines' waits, on the clock of the stream that runs the step ----------------------------
+def _events(seconds: float):
+    """A stand-in for commlog.DeviceInterval (two CUDA events on the current stream) that a CPU can
+    make: its stamps are labels, its time a given figure, read only when the step resolves it."""
+    from parallel.dist.comm import DeviceInterval
+
+    class Events(DeviceInterval):
+        def __init__(self):
+            self._start, self._end = "start event", "end event"
+
+        def seconds(self) -> float:
+            return seconds
+
+    return Events()
+
+
+def test_a_baseline_call_is_charged_by_the_clock_of_its_device():
+    from parallel.baselines.counting import HostInterval, call_interval, charge
+    from parallel.dist.comm import CommLog
+
+    log = CommLog()
+    log.begin_step()
+    host = call_interval(cuda=False)
+    assert isinstance(host, HostInterval)
+    charge(log, ("recv", "pp", "pipelining/recv"), host.stop())
+    charged_now = log._current[("recv", "pp", "pipelining/recv")].seconds
+    assert charged_now == host.seconds() >= 0
+    # CUDA events: nothing read during the step (it would synchronise), their time at its end.
+    charge(log, ("all_reduce", "tp", "dtensor/all_reduce"), _events(0.25))
+    assert log._current[("all_reduce", "tp", "dtensor/all_reduce")].seconds == 0.0
+    traffic = log.end_step()
+    assert traffic[("all_reduce", "tp", "dtensor/all_reduce")].seconds == 0.25
+
+
+def test_a_batch_of_pipeline_posts_is_counted_once_on_either_clock():
+    from parallel.baselines.counting import HostInterval, PipelineP2PCounter
+
+    host = HostInterval()
+    host._start, host._end = 10.0, 10.3
+    shares = PipelineP2PCounter.op_stamps(host, 3)
+    assert [round(b - a, 9) for a, b in shares] == [0.1, 0.1, 0.1] and shares[0][0] == 10.0
+    # Events cannot be cut: the first op holds the whole interval, the others none, at its end.
+    assert PipelineP2PCounter.op_stamps(_events(0.3), 3) == [("start event", "end event"),
+                                                             ("end event", "end event"), ("end event", "end event")]
+
+
+def test_calls_on_a_side_stream_are_counted_but_not_timed():
+    """FSDP2's collectives on CUDA run on its own streams: their bytes are logged, their time is not
+    the step's wait (the summary then says exposed comm is not measured)."""
+    from parallel.baselines.fsdp2 import _side_stream_call
+    from parallel.dist.comm import CommLog
+
+    log = CommLog()
+
+    class Comm:
+        pass
+
+    comm = Comm()
+    comm.log = log
+    with _side_stream_call(comm, torch.zeros(1)):  # the CPU: no side stream, timed as any call
+        assert log.timed
+    with log.untimed():
+        assert not log.timed and not log.spanning
+        log.record("all_gather", "dp", "fsdp2/param_all_gather/root", 64, 2, 0.0)
+    assert log.timed and log._current[("all_gather", "dp", "fsdp2/param_all_gather/root")].payload_bytes == 64
+
+
+BASELINE_COUNTER_ON_CUDA = """
+import os, torch, torch.distributed as dist
+from parallel.baselines.counting import FunctionalCollectiveCounter
+from parallel.dist.comm import CommLog, Communicator, DeviceInterval
+from parallel.dist.timing import StepClock
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+log = CommLog()
+comm = Communicator("tp", dist.group.WORLD, log)
+log.clock = StepClock(torch.device("cuda", 0))
+log.begin_step()
+log.clock.begin_step()
+x = torch.ones(1 << 20, device="cuda")
+with FunctionalCollectiveCounter(log, [comm], "dtensor"):
+    y = torch.ops._c10d_functional.all_reduce(x, "sum", dist.group.WORLD.group_name)
+    y = torch.ops._c10d_functional.wait_tensor(y)
+log.clock.end_step()
+traffic = log.end_step()
+spans = log.last_spans
+assert [s["kind"] for s in spans] == ["call", "wait"], spans
+assert all(0 <= s["start"] <= s["end"] for s in spans), spans
+assert traffic[("all_reduce", "tp", "dtensor/all_reduce")].calls == 1
+print("ok", traffic[("all_reduce", "tp", "dtensor/all_reduce")].seconds)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_dtensor_collective_is_timed_by_cuda_events_on_a_gpu():
+    """DTensor's functional all-reduce and its wait, counted on a one-rank NCCL group: spans on the
+    step's CUDA clock, the record's time resolved from events at the step's end."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", BASELINE_COUNTER_ON_CUDA], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stderr[-3000:]
