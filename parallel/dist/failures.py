@@ -13,7 +13,8 @@ gloo and NCCL word the same events differently, and NCCL's words run over severa
          ncclRemoteError: ...\nLast error:\n<NCCL's last warning>" (a peer that died; "NCCL error in:
          <file>:<line>, ..." where a call itself failed);
          "NCCL communicator was aborted on rank 0. Original reason for failure was: <one of the
-         above>" (a call on a group whose communicators the watchdog has aborted).
+         above>" (a call on a group whose communicators the watchdog has aborted; the watchdog's own
+         abort gives no reason, and the group's recorded error, ErrorType, says why: comm.py).
 
 `failure_line` gives the event in one line, `failure_kind` says which: "timeout", "peer" (a peer
 died or the network went), or None. parallel/dist/comm.py names the failed call with it, and
@@ -87,7 +88,7 @@ def _timeout(found: re.Match, _text: str) -> str:
 def _aborted(found: re.Match, _text: str) -> str:
     if found["reason"]:
         return f"{failure_line(found['reason'])}; it aborted the group's communicators"
-    return f"NCCL communicator was aborted on rank {found['rank']}"
+    return f"NCCL communicator was aborted on rank {found['rank']} (NCCL's watchdog found its group failed)"
 
 
 def _set_error(found: re.Match, _text: str) -> str:

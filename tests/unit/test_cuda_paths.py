@@ -122,6 +122,33 @@ def test_an_nccl_failure_ends_in_the_error_line_that_names_the_call():
     assert died.startswith("rank 1 stopped: NCCL error: remote process exited") and "crashed or was killed" in died
 
 
+def test_a_call_on_a_group_the_watchdog_aborted_says_why_from_the_group_s_error():
+    """The watchdog aborts the communicators without a reason (WorkNCCL::abort, abortComms): the
+    next call says only "NCCL communicator was aborted on rank 1."; the error the watchdog recorded
+    on the group (ErrorType) completes the line."""
+    from parallel.dist.comm import _failed
+    from parallel.reliability.faults import describe_failure
+
+    class Group:
+        name, global_ranks = "dp", [0, 1]
+
+        def __init__(self, recorded):
+            self.recorded = recorded
+
+        def watchdog_error(self):
+            return self.recorded
+
+    aborted = torch.distributed.DistBackendError("NCCL communicator was aborted on rank 1. ")
+    line = str(_failed(Group("TIMEOUT"), "all_reduce", "grads/bucket0", aborted))
+    assert line == ("all_reduce 'grads/bucket0' over group dp (ranks [0, 1]): Timed out: a collective of the group "
+                    "ran past its timeout; NCCL's watchdog aborted the group's communicators (NCCL communicator was "
+                    "aborted on rank 1 (NCCL's watchdog found its group failed))")
+    assert "waited parallel.timeout_s=60 s" in describe_failure(_failed(Group("TIMEOUT"), "all_reduce", "x", aborted),
+                                                                1, 60)
+    plain = str(_failed(Group(None), "all_reduce", "grads/bucket0", aborted))
+    assert plain.endswith(": NCCL communicator was aborted on rank 1 (NCCL's watchdog found its group failed)")
+
+
 def test_nccl_groups_are_made_with_the_watchdog_leaving_the_process_up(monkeypatch):
     """TORCH_NCCL_ASYNC_ERROR_HANDLING=2 is in the environment when the first NCCL group is made
     (torchrun sets 1: the watchdog would take the process down, with no error line)."""
