@@ -55,6 +55,7 @@ from parallel.algebra import parameter_count
 from parallel.compare.clock import leading_clock, one_thread_per_rank
 from parallel.compare.clock import sentence as clock_sentence
 from parallel.compare.crossover import console_lines, write_all
+from parallel.compare.devices import Machine, sweep_machine
 from parallel.compare.networks import (
     Network,
     NetworkRefused,
@@ -70,7 +71,7 @@ from parallel.compare.report import console_table, write_report
 from parallel.compare.rounds import aggregate_rounds, round_order, rows_by_round
 from parallel.net.netns import remove_leftovers
 from parallel.replay.probe import figure_overrides, given_figures, measure_once
-from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops, usable_cores
+from parallel.report.mfu import PEAK_DTYPES, measure_peak_flops
 from parallel.run_plan import model_config
 from parallel.runner import run_one
 
@@ -148,13 +149,6 @@ def warmup_of(summaries: list[dict], cfg_warmup) -> str:
     """The warm-up steps the runs used (each run resolves train.warmup_steps=null itself)."""
     used = "/".join(map(str, sorted({s["warmup_steps"] for s in summaries}))) or str(cfg_warmup)
     return f"{used} warm-up" + (" (train.warmup_steps=null: min(3, half of the steps))" if cfg_warmup is None else "")
-
-
-def capacity(device: torch.device) -> tuple[int, str]:
-    """What the ranks of one run share on this machine: its usable cores, or its GPUs."""
-    if device.type == "cuda":
-        return torch.cuda.device_count(), "GPUs"
-    return usable_cores(), "cores"
 
 
 def networks_of(cfg: DictConfig) -> list[Network]:
@@ -244,18 +238,17 @@ def run_rounds(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[
     return runs, orders
 
 
-def sweep_meta(cfg: DictConfig, network: Network, command: str, sweep_dir: Path, peak: float, summaries: dict,
-               orders: list[list[str]], clock: str, clock_line: str) -> dict:
+def sweep_meta(cfg: DictConfig, network: Network, command: str, sweep_dir: Path, machine: Machine, peak: float,
+               summaries: dict, orders: list[list[str]], clock: str, clock_line: str) -> dict:
     """results.json's meta: what ran, on what, with which settings."""
     c, model = cfg.compare, model_config(cfg.model)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    cores, unit = capacity(device)
+    cores, unit = machine.capacity
     return {
         "command": command, "sweep_dir": str(sweep_dir), "model": model_choice(), "parameters": parameter_count(model),
         "steps": cfg.train.steps, "warmup_steps": warmup_of(list(summaries.values()), cfg.train.warmup_steps),
         "global_batch": cfg.train.global_batch, "seq_len": model.seq_len, "world": network.world, "peak_flops": peak,
         "peak_source": "given" if c.peak_flops else "measured", "torch": torch.__version__,
-        "device": f"{device} ({usable_cores()} cores)" if device.type == "cpu" else torch.cuda.get_device_name(0),
+        "device": machine.name,
         "capacity": cores, "capacity_unit": unit, "rounds": c.get("rounds", 1), "orders": orders,
         "reference": c.reference or ("single" if "single" in summaries else None),
         "network": network.label, "network_settings": network.spec.as_dict(), "clock": clock,
@@ -263,22 +256,21 @@ def sweep_meta(cfg: DictConfig, network: Network, command: str, sweep_dir: Path,
     }
 
 
-def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str], peak: float,
-                  command: str, multi: bool) -> tuple[list[dict], dict[str, dict], dict]:
+def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: list[str], machine: Machine,
+                  peak: float, command: str, multi: bool) -> tuple[list[dict], dict[str, dict], dict]:
     """Every strategy (every round) on one network: its runs under `sweep_dir`, its results, report and
     plots there, its console table. Returns its rows (with the network columns), the summaries
     of each row's run, and the sweep's meta (results.json's)."""
     c = cfg.compare
     strategies = list(c.strategies)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    cores, _ = capacity(device)
+    cores, _ = machine.capacity
     sweep_dir.mkdir(parents=True, exist_ok=True)
     label = f"{network.label}: " if multi else ""
     if multi:
         print(f"\n== network {network.label} ({network.describe()}) -> {sweep_dir}", flush=True)
     # The clock that leads the rows: virtual time when ranks outnumber the cores (parallel/compare/clock.py).
     max_world = max(strategy_world(strategy, c, network) for strategy in strategies)
-    clock = leading_clock(c.get("clock", "auto"), device.type, max_world, cores)
+    clock = leading_clock(c.get("clock", "auto"), machine.device_type, max_world, cores)
     clock_line = clock_sentence(clock, c.get("clock", "auto"), max_world, cores)
     print(clock_line, flush=True)
 
@@ -293,7 +285,7 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
     chosen = {row["strategy"]: next(r for r in runs if r["strategy"] == row["strategy"] and r["round"] == row["round"])
               for row in rows}
     summaries = {name: r["summary"] for name, r in chosen.items() if r["summary"]}
-    meta = sweep_meta(cfg, network, command, sweep_dir, peak, summaries, orders, clock, clock_line)
+    meta = sweep_meta(cfg, network, command, sweep_dir, machine, peak, summaries, orders, clock, clock_line)
     # On an emulated network the report opens with the network: the best layout and what the others wait on.
     network_section = ["## On the network\n", *network_verdict(network, rows, summaries)] if network.emulated else None
     write_report(sweep_dir, meta, rows, per_round, summaries, {name: r["run_dir"] for name, r in chosen.items()},
@@ -306,13 +298,13 @@ def sweep_network(cfg: DictConfig, network: Network, sweep_dir: Path, common: li
     return rows, summaries, meta
 
 
-def loopback_overrides(cfg: DictConfig, device: torch.device) -> list[str]:
+def loopback_overrides(cfg: DictConfig, machine: Machine) -> list[str]:
     """Virtual time's loopback link, probed once (two ranks, one per core) and given to every run,
     as the peak is: each run probing its own would put the probe's spread between the strategies."""
     given = given_figures(cfg.get("virtual") or {})
     if given is not None:
         return figure_overrides(given)
-    if device.type != "cpu":
+    if machine.device_type != "cpu":
         return []
     loop = measure_once(gloo_loop_policy=str(cfg.train.get("gloo_loop_policy", "batch")))  # as the runs set it
     print(f"compare: loopback for virtual time {loop['bytes_per_s'] / 1e9:.2f} GB/s per rank, "
@@ -339,16 +331,16 @@ def sweep(cfg: DictConfig) -> None:
     sweep_dir = (Path(cfg.run.dir) if cfg.run.dir else default_sweep_dir(networks, multi)).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     strategies = list(c.strategies)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    # Measured once, in the runs' compute dtype (train.precision), and given to every run.
-    peak = float(c.peak_flops) if c.peak_flops else measure_peak_flops(device, dtype=PEAK_DTYPES[cfg.train.precision])
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # hand the measuring matmul's memory back before the runs start
+    # This process never calls into CUDA (parallel/compare/devices.py): on a GPU a child asks it, and
+    # measures the peak. Measured once, in the runs' compute dtype (train.precision), given to every run.
+    machine = sweep_machine(None if c.peak_flops else cfg.train.precision)
+    peak = float(c.peak_flops) if c.peak_flops else machine.peak_flops or measure_peak_flops(
+        torch.device("cpu"), dtype=PEAK_DTYPES[cfg.train.precision])
     # The model preset first (a run's default is the dense `small`, which has no moe_* keys to set),
     # then every resolved field of it, so that what was overridden here reaches the runs.
     # The loopback is probed only for a sweep with something to run: a list of names without presets
     # (each fails at once, as its row says) starts no process.
-    loopback = loopback_overrides(cfg, device) if any(not missing_preset(s) for s in strategies) else []
+    loopback = loopback_overrides(cfg, machine) if any(not missing_preset(s) for s in strategies) else []
     # The runs draw no timeline: the sweep draws the ones its report shows, from their trace.json.
     common = [f"model={model_choice()}", *section_overrides(cfg, "model"), *section_overrides(cfg, "data"),
               *section_overrides(cfg, "train"), f"train.peak_flops={peak}", *loopback, "run.timeline=false",
@@ -356,12 +348,13 @@ def sweep(cfg: DictConfig) -> None:
     command = "python -m launch.compare " + " ".join(sys.argv[1:])
     on = f" x {len(networks)} networks" if multi else (f" on net={networks[0].label}" if networks[0].emulated else "")
     print(f"compare: {len(strategies)} strategies{on}{f' x {rounds} rounds' if rounds > 1 else ''} -> {sweep_dir} | "
-          f"peak {peak:.3g} FLOP/s per device ({'given' if c.peak_flops else 'measured'}) on {device}", flush=True)
+          f"peak {peak:.3g} FLOP/s per device ({'given' if c.peak_flops else 'measured'}) on {machine.name}",
+          flush=True)
 
     results, meta = [], {}
     for network in networks:
         out = sweep_dir / network.dir_name if multi else sweep_dir
-        rows, summaries, meta = sweep_network(cfg, network, out, common, peak, command, multi)
+        rows, summaries, meta = sweep_network(cfg, network, out, common, machine, peak, command, multi)
         results.append((network, rows, summaries))
     if multi:
         # The model, steps, peak ... are every network's; the world, order and network are each network's own.

@@ -106,9 +106,25 @@ def compose_config(overrides: list[str], env: LaunchEnv):
         exit_with_error(env, " ".join(str(e).split()), code=1)
 
 
+def cuda_refusal() -> str | None:
+    """Why this process must not fork a run, or None: a fork of a process that has initialised CUDA
+    cannot use CUDA at all (torch refuses: "Cannot re-initialize CUDA in forked subprocess"), so a
+    rank of the pool never touches it; each forked run initialises its own."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return ("a rank of the sweep's pool initialised CUDA before forking its runs, which then cannot use CUDA: "
+                "nothing imported by launch/forkserver.py may call into torch.cuda")
+    return None
+
+
 def serve(pool_dir: Path) -> int:
     """Fork one child per job line until the pipe ends or a child fails; the exit status to leave with."""
     env = LaunchEnv.from_environ()
+    refusal = cuda_refusal()
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr, flush=True)
+        return 1
     done = os.open(pool_dir / DONE, os.O_WRONLY)
     with open(pool_dir / JOBS.format(rank=env.rank), "rb") as jobs:
         for line in iter(jobs.readline, b""):

@@ -87,6 +87,27 @@ def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
     return dims.tp == 1 and dims.pp == 1 and layout.precision == "fp32"
 
 
+# The formulas count what the CPU's attention kernel saves (torch 2.13, _scaled_dot_product_flash_
+# attention_for_cpu: its output and a log-sum-exp of s rows per head). On CUDA, scaled_dot_product_
+# attention picks its kernel by GPU, dtype and shape, and each saves other tensors for backward
+# (torch 2.13's meta functions, torch/_meta_registrations.py): flash (fp16 and bf16 only) adds the
+# dropout generator's seed and offset; memory-efficient (fp32's kernel) pads its log-sum-exp to a
+# multiple of 32 rows and adds the seed and offset; math saves the s x s attention weights. Which
+# one runs is the machine's choice, so no closed form of this file is its measurement's.
+CUDA_ATTENTION_UNCHECKED = (
+    "not checked on CUDA: the formula counts what the CPU attention kernel saves for backward (its output and "
+    "a log-sum-exp of s rows per head); CUDA's scaled_dot_product_attention picks flash, memory-efficient, cuDNN "
+    "or math attention by GPU, dtype and shape, and they save other tensors (the memory-efficient kernel's "
+    "log-sum-exp padded to a multiple of 32 rows, the dropout generator's seed and offset, the math kernel's "
+    "s x s weights)")
+
+
+def activation_check_note(device_type: str) -> str | None:
+    """Why the measured bytes saved for backward cannot be held to the formula on this device, or
+    None where they can (the CPU, where every formula of this file is measured to the byte)."""
+    return CUDA_ATTENTION_UNCHECKED if device_type == "cuda" else None
+
+
 # -- what each part saves for one microbatch ----------------------------------------------------------
 def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
     """One block's saved bytes for one microbatch on one rank, term by term (see the module):

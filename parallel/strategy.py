@@ -154,6 +154,9 @@ class Strategy:
     finite_checks: int = 0  # how many steps were guarded; train.py checks every step was
     # What this strategy's time breakdown cannot split, and why (summary.json's time_breakdown.notes).
     breakdown_note: str | None = None
+    # False where the waits for this strategy's communication happen out of the log's sight (inside
+    # DDP's reducer; inside FSDP2 on CUDA): its exposed communication is then not measured.
+    exposed_comm_measured: bool = True
 
     def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None,
                  sync: GradSync | None = None):
@@ -231,6 +234,11 @@ class Strategy:
         if self.finite_comm is not None and self.finite_comm.size > 1:
             self.finite_comm.all_reduce(bad, tag="tooling/finite", op="max")
         if bad.item():
+            # Under NCCL a collective the watchdog failed returns when it aborts the communicators,
+            # with whatever the buffer held: a flag read after that is no verdict on the loss.
+            failed = self.finite_comm.backend_failure("all_reduce", "tooling/finite") if self.finite_comm else None
+            if failed is not None:
+                raise failed
             raise NonFiniteLoss(float(local_loss))
 
     def global_loss(self, local_loss: torch.Tensor) -> float:

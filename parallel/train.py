@@ -39,6 +39,7 @@ from parallel.report.metrics import (
     close_logging,
     default_run_dir,
     peak_memory_bytes,
+    reset_peak_memory,
     setup_logging,
     write_json,
 )
@@ -183,6 +184,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
                            strategy.model.parameters())
         if plan.start_step < step <= plan.start_step + plan.warmup_steps:
             apply_gloo_loop_policy(plan.gloo_loop_policy)  # groups made during the steps before (dist/gloo_loop.py)
+        if step == plan.start_step + plan.warmup_steps:
+            reset_peak_memory(ctx.device)  # the peak is the timed steps' (report/metrics.py)
         ctx.log.begin_step()
         timer.start()
         strategy.phases.begin_step(clock)
@@ -310,6 +313,7 @@ def rank_report(run: Run) -> dict:
         "net": run.wire.report() if run.wire is not None else None,
         "time_breakdown": run.breakdowns,
         "breakdown_note": strategy.breakdown_note,
+        "exposed_comm_measured": strategy.exposed_comm_measured,
         "trace": run.trace,
         "events": {"rank": ctx.rank, "coords": ctx.coords, "node": run.wire.node if run.wire is not None else 0,
                    "machine": ctx.peers[ctx.rank][2] if ctx.peers else None, "cores": run.cores,

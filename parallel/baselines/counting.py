@@ -28,6 +28,13 @@ wait names its post); torch's pipeline posts its sends and receives in `_batch_p
 blocking calls, as before, but marked `posted`) and `_wait_batch_p2p` waits for the batch it is
 given (the wait names that batch's posts).
 
+Time is read as comm.py reads its own calls': on the CPU by the host clock, where a call's work is
+done when it returns; on a GPU by CUDA events on the current stream (commlog.DeviceInterval), the
+stream that runs the step's compute, read at the step's end. A functional collective or a batch of
+p2p posts runs on NCCL's stream and holds the current one for nothing; `wait_tensor` and
+`_wait_batch_p2p` make it wait for them: that wait is the exposed communication (and, for the
+pipeline's receives, the bubble), and what NCCL's stream did meanwhile stays hidden.
+
 A call on a process group that is none of the run's communicators raises: its traffic could not
 be placed in a group. Not counted: torch pipelining's one-time metadata exchange on the first step
 (shapes and dtypes as pickled objects through send_object_list), which is setup, not step traffic.
@@ -40,7 +47,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.dist.comm import CommLog, Communicator, tensor_bytes
+from parallel.dist.comm import CommLog, Communicator, DeviceInterval, tensor_bytes
 from parallel.dist.timing import cpu_stamp
 
 # functional op -> (the project's op name, payload rule): "input" the input tensor (an all-reduce's
@@ -54,6 +61,39 @@ FUNCTIONAL_OPS = {
     "broadcast": ("broadcast", "input"),
     "broadcast_": ("broadcast", "input"),
 }
+
+
+class HostInterval:
+    """A call timed by the host clock: on the CPU its work is done when it returns."""
+
+    def __init__(self):
+        self._start, self._end = time.perf_counter(), None
+
+    def stop(self) -> HostInterval:
+        self._end = time.perf_counter()
+        return self
+
+    def stamps(self) -> tuple[float, float]:
+        return self._start, self._end
+
+    def seconds(self) -> float:
+        return self._end - self._start
+
+
+def call_interval(cuda: bool) -> HostInterval | DeviceInterval:
+    """Start timing a call on the clock of the device its tensors are on (see the module)."""
+    return DeviceInterval() if cuda else HostInterval()
+
+
+def charge(log: CommLog, key: tuple[str, str, str], interval: HostInterval | DeviceInterval) -> None:
+    """The time the call held its caller into the call's record (op, group, tag): the host's at once,
+    CUDA events' at the step's end (reading them now would synchronise)."""
+    if not log.timed:
+        return
+    if isinstance(interval, DeviceInterval):
+        log.add_device_interval(*key, interval)
+    else:
+        log.add_seconds(*key, interval.seconds())
 
 
 class _GroupNames:
@@ -102,12 +142,14 @@ class FunctionalCollectiveCounter:
         def call(tensor, *args):
             group, size = self.groups(args[-1])  # the group name is every functional collective's last argument
             payload = tensor_bytes(tensor) * (size if rule == "gathered" else 1)
-            start, cpu_start = time.perf_counter(), cpu_stamp()
+            interval, cpu_start = call_interval(tensor.is_cuda), cpu_stamp()
             out = original(tensor, *args)
-            end = time.perf_counter()
+            interval.stop()
             tag = f"{self.prefix}/{op}"
-            entry = self.log.record(op, group, tag, payload, size, end - start if self.log.timed else 0.0)
-            span_id = self.log.span("call", op, group, tag, start, end, entry, cpu_start=cpu_start, posted=True)
+            entry = self.log.record(op, group, tag, payload, size)
+            charge(self.log, (op, group, tag), interval)
+            span_id = self.log.span("call", op, group, tag, *interval.stamps(), entry, cpu_start=cpu_start,
+                                    posted=True)
             self._awaiting[id(out)] = ((op, group, tag), span_id)
             return out
 
@@ -115,14 +157,14 @@ class FunctionalCollectiveCounter:
 
     def _timed_wait(self, original):
         def call(tensor):
-            start, cpu_start = time.perf_counter(), cpu_stamp()
+            interval, cpu_start = call_interval(tensor.is_cuda), cpu_stamp()
             out = original(tensor)
-            end = time.perf_counter()
+            interval.stop()
             awaited = self._awaiting.pop(id(tensor), None)
             if awaited is not None and self.log.timed:
                 key, span_id = awaited
-                self.log.add_seconds(*key, end - start)
-                self.log.span("wait", *key, start, end, cpu_start=cpu_start,
+                charge(self.log, key, interval)
+                self.log.span("wait", *key, *interval.stamps(), cpu_start=cpu_start,
                               waits=() if span_id is None else (span_id,))
             return out
 
@@ -131,17 +173,20 @@ class FunctionalCollectiveCounter:
 
 class PipelineP2PCounter:
     """Within `with`: every send and receive torch's pipeline schedules post is recorded under
-    `<prefix>/send|recv`, and the time blocked waiting for them is charged to them."""
+    `<prefix>/send|recv`, and the time blocked waiting for them is charged to them. `cuda`: the
+    stages run on a GPU (a batch's own tensors say so; this is for a wait on works of no batch
+    seen)."""
 
-    def __init__(self, log: CommLog, comms: list[Communicator], tag_prefix: str):
+    def __init__(self, log: CommLog, comms: list[Communicator], tag_prefix: str, cuda: bool = False):
         from torch.distributed.pipelining import schedules
 
         self.log = log
         self.groups = _GroupNames(comms)
         self.prefix = tag_prefix
+        self.cuda = cuda
         self._module = schedules
         self._originals: dict[str, object] = {}
-        self._batches: dict[int, list[int]] = {}  # id(works of a batch) -> its posts' spans
+        self._batches: dict[int, tuple[list[int], bool]] = {}  # id(works of a batch) -> its posts' spans, on CUDA
 
     def __enter__(self):
         for name, wrap in (("_batch_p2p", self._counted), ("_wait_batch_p2p", self._timed_wait)):
@@ -156,42 +201,55 @@ class PipelineP2PCounter:
         self._originals.clear()
         return False
 
+    @staticmethod
+    def op_stamps(interval: HostInterval | DeviceInterval, n: int) -> list[tuple]:
+        """Each op of a batch its piece of the batch's posting time, one after the other: an equal
+        share of the host's on the CPU; on a GPU, whose events cannot be cut, all of it to the first
+        op and none (at its end) to the others, so that the batch is counted once."""
+        start, end = interval.stamps()
+        if isinstance(interval, DeviceInterval):
+            return [(start, end)] + [(end, end)] * (n - 1)
+        share = (end - start) / max(n, 1)
+        return [(start + i * share, start + (i + 1) * share) for i in range(n)]
+
     def _counted(self, original):
         def call(p2p_ops, *args, **kwargs):
-            start, cpu_start = time.perf_counter(), cpu_stamp()
+            cuda = any(p.tensor.is_cuda for p in p2p_ops)
+            interval, cpu_start = call_interval(cuda), cpu_stamp()
             works = original(p2p_ops, *args, **kwargs)
-            share = (time.perf_counter() - start) / max(len(p2p_ops), 1)
-            seconds = share if self.log.timed else 0.0
+            interval.stop()
             span_ids = []
-            for i, p in enumerate(p2p_ops):
+            for i, (p, (start, end)) in enumerate(zip(p2p_ops, self.op_stamps(interval, len(p2p_ops)))):
                 kind = "send" if p.op is dist.isend else "recv"
                 group, size = self.groups((p.group or dist.group.WORLD).group_name)
                 # A send's tag names its ends (group ranks), as ours do: the link it crosses (parallel/net/predict.py).
                 tag = (f"{self.prefix}/send/{dist.get_rank(p.group)}->{p.group_peer}" if kind == "send"
                        else f"{self.prefix}/recv")
+                seconds = end - start if self.log.timed and not cuda else 0.0
                 entry = self.log.record(kind, group, tag, tensor_bytes(p.tensor), size, seconds)
-                # Each op its equal share of the batch's posting time, one after the other.
+                if cuda and i == 0:
+                    charge(self.log, (kind, group, tag), interval)
                 peer = dist.get_global_rank(p.group or dist.group.WORLD, p.group_peer)
-                span_ids.append(self.log.span("call", kind, group, tag, start + i * share, start + (i + 1) * share,
-                                              entry, cpu_start=cpu_start, peer=peer, posted=True))
-            self._batches[id(works)] = [i for i in span_ids if i is not None]
+                span_ids.append(self.log.span("call", kind, group, tag, start, end, entry, cpu_start=cpu_start,
+                                              peer=peer, posted=True))
+            self._batches[id(works)] = ([i for i in span_ids if i is not None], cuda)
             return works
 
         return call
 
     def _timed_wait(self, original):
         def call(works, *args, **kwargs):
-            start, cpu_start = time.perf_counter(), cpu_stamp()
+            waits, cuda = self._batches.pop(id(works), ((), self.cuda))
+            interval, cpu_start = call_interval(cuda), cpu_stamp()
             out = original(works, *args, **kwargs)
-            end = time.perf_counter()
-            waits = self._batches.pop(id(works), ())
+            interval.stop()
             if self.log.timed and self.groups.by_name:
                 group = next(iter(self.groups.by_name.values()))[0]
                 # Which op a finished batch was cannot be told from its Work objects: waiting is
                 # charged to the receives, which are what a pipeline stage waits for.
-                self.log.add_seconds("recv", group, f"{self.prefix}/recv", end - start)
-                self.log.span("wait", "recv", group, f"{self.prefix}/recv", start, end, cpu_start=cpu_start,
-                              waits=waits)
+                key = ("recv", group, f"{self.prefix}/recv")
+                charge(self.log, key, interval)
+                self.log.span("wait", *key, *interval.stamps(), cpu_start=cpu_start, waits=waits)
             return out
 
         return call

@@ -83,8 +83,8 @@ class TorchPipeline(Strategy):
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
         self.global_tokens = 0  # set each step, read by the loss function
-        self.counter = ((lambda: PipelineP2PCounter(log, [pp_comm], "pipelining")) if log is not None
-                        else contextlib.nullcontext)
+        self.counter = ((lambda: PipelineP2PCounter(log, [pp_comm], "pipelining", device.type == "cuda"))
+                        if log is not None else contextlib.nullcontext)
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             return token_loss_sum(logits, targets) / self.global_tokens

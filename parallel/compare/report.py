@@ -224,7 +224,7 @@ How to read the columns (MB: 10^6 bytes, for traffic and memory alike):
   the families' theory.py closed form; **= theory**: equal to the byte.
 - **exposed comm**: share of the step a rank spent blocked in communication (not hidden behind
   compute), mean over ranks, from the communication log; `-` where PyTorch waits internally, out of
-  the log's sight (DDP's comm hook futures).
+  the log's sight (DDP's comm hook futures; on GPUs, FSDP2's collectives on its own CUDA streams).
 - **bubble**: share of one pipeline's rank x time in which no rank computed (measured from the
   ranks' timelines; our pipelines only).
 - **peak MB/rank**: the largest rank's peak memory (RSS on CPU, which includes the Python and

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import pickle
-import re
 import time
 
 import torch
 import torch.distributed as dist
 
 from parallel.dist.commlog import CommLog, DeviceInterval
+from parallel.dist.failures import failure_kind, failure_line, watchdog_verdict
 from parallel.dist.timing import cpu_stamp
 from parallel.dist.traffic import (
     TOOLING_PREFIX,
@@ -44,9 +44,13 @@ class CommFailure(RuntimeError):
 
 
 def _failed(comm: Communicator, op: str, tag: str, error: Exception, peer: int | None = None) -> CommFailure:
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    # gloo's text: "[/path/to/pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
-    first_line = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". This is typically")[0]
+    """The failed call named, with gloo's or NCCL's words in one line (failures.py). A call on a
+    group whose communicators NCCL's watchdog aborted may say only that ("NCCL communicator was
+    aborted on rank N."): the group's recorded error says why."""
+    first_line = failure_line(error)
+    recorded = comm.watchdog_error() if failure_kind(first_line) is None else None
+    if recorded:
+        first_line = f"{watchdog_verdict(recorded)} ({first_line})"
     with_peer = f" with rank {comm.global_ranks[peer]}" if peer is not None else ""
     return CommFailure(f"{op} {tag!r} over group {comm.name} (ranks {comm.global_ranks}){with_peer}: {first_line}")
 
@@ -140,6 +144,26 @@ class Communicator:
     def wait_all(self) -> None:
         for handle in list(self._pending):
             handle.wait()
+
+    def watchdog_error(self) -> str | None:
+        """The error NCCL's watchdog recorded on this group once it failed one of its collectives and
+        aborted its communicators (dist/groups.py nccl_failure_env): "TIMEOUT", "COMM_ERROR" or
+        "REMOTE_ERROR"; None before that, and on gloo, whose calls raise in the caller's thread."""
+        try:
+            if dist.get_backend(self.group) != "nccl":
+                return None
+            error = getattr(self.group._get_backend(torch.device("cuda")), "get_error", lambda: None)()
+        except (RuntimeError, ValueError):
+            return None  # asked while reporting another failure: that one is the story
+        return None if error is None or error.name == "SUCCESS" else error.name
+
+    def backend_failure(self, op: str, tag: str) -> CommFailure | None:
+        """The watchdog's error on this group as the failure of call `op` `tag`, or None."""
+        error = self.watchdog_error()
+        if error is None:
+            return None
+        return CommFailure(f"{op} {tag!r} over group {self.name} (ranks {self.global_ranks}): "
+                           f"{watchdog_verdict(error)}")
 
     @property
     def pending(self) -> int:

@@ -31,6 +31,7 @@ Nothing here calls torch.distributed: the calls themselves are made by comm.py's
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from fractions import Fraction
 
@@ -70,6 +71,17 @@ class CommLog:
     def spanning(self) -> bool:
         """Whether calls made now are kept as spans (timed, inside a step, with a clock)."""
         return self._in_step and self.timed and self.clock is not None
+
+    @contextlib.contextmanager
+    def untimed(self):
+        """Calls made within are recorded (their bytes) but neither timed nor drawn as spans: calls
+        that run on a stream of their own, which the step's stream waits for elsewhere (FSDP2's
+        collectives on CUDA), so that their time would be the side stream's, not the step's wait."""
+        timed, self.timed = self.timed, False
+        try:
+            yield self
+        finally:
+            self.timed = timed
 
     def begin_step(self) -> None:
         self._current = defaultdict(Totals)

@@ -95,6 +95,23 @@ class DistContext:
         return self.comms.get(name)
 
 
+def nccl_failure_env() -> dict[str, str]:
+    """What NCCL's process groups are made under, so that a failed or hung collective ends in an
+    exception on the rank's own thread, which launch/train.py prints as the one `error:` line.
+
+    torch 2.13's ProcessGroupNCCL checks every collective from a watchdog thread: past the group's
+    timeout (parallel.timeout_s) or on an NCCL error it marks the collective failed and then acts
+    as TORCH_NCCL_ASYNC_ERROR_HANDLING says. torch's default (3) and torchrun's (1) take the whole
+    process down from that thread: a SIGABRT, no Python frame, no line. 2 (CleanUpOnly) aborts the
+    group's communicators and leaves the process, so the next wait or call on the group raises
+    (DistBackendError: "NCCL communicator was aborted on rank N. Original reason for failure
+    was: ... Watchdog caught collective operation timeout ..."), which comm.py names.
+    TORCH_NCCL_BLOCKING_WAIT=1, which makes every wait itself block and raise, is left to the
+    user: it stops the host from running ahead of the GPU at every wait (FSDP2's prefetching
+    loses its overlap)."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+
+
 def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s: float, log: CommLog,
                      device_type: str | None = None) -> DistContext:
     """Create the process groups for `dims` (already validated) and name them.
@@ -121,6 +138,8 @@ def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s
         # One machine: talk over loopback. Hosts whose hostname resolves to an unreachable
         # address otherwise fail gloo's "connectFullMesh".
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if backend == "nccl":
+        os.environ.update(nccl_failure_env())  # read by every NCCL group as it is made
     dist.init_process_group(
         backend=backend,
         timeout=datetime.timedelta(seconds=timeout_s),

@@ -53,9 +53,9 @@ class StepClock:
     (the step's time). `now()` is a stamp: the host's perf_counter on the CPU; on a GPU a CUDA
     event recorded on the current stream, so that a phase lasts as long as the stream spent on it.
     `seconds(stamp)` is the time from the origin to the stamp: for an event, read once it has
-    completed. A float stamp taken on a GPU (PyTorch's own collectives, timed by the baselines'
-    counters on the host) is placed by host time from the origin: approximate, since the host runs
-    ahead of the stream. Nothing CUDA-related runs on the CPU path.
+    completed. A float stamp taken on a GPU (the post of DDP's comm hook, which DDP waits for
+    itself: comm.py's all_reduce_future) is placed by host time from the origin: approximate, since
+    the host runs ahead of the stream. Nothing CUDA-related runs on the CPU path.
 
     `origin_wall` is the wall-clock time of the origin: it places the steps of different ranks of
     one machine on one axis (ranks on different machines are as aligned as their clocks).

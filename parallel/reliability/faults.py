@@ -28,6 +28,7 @@ import time
 import torch
 
 from parallel.dist.binding import machine_id
+from parallel.dist.failures import PEER, TIMEOUT, failure_kind, failure_line
 
 FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill_during_save")
 STEP_MODES = ("raise", "exit", "hang", "nan_weights")
@@ -111,18 +112,21 @@ def describe_failure(exc: BaseException, rank: int, timeout_s: float) -> str:
     """One line for a rank that stopped on an exception: its own fault, or a peer's.
 
     A peer's death reaches the survivors as gloo's "Connection closed by peer" or "Connection
-    reset" at once; a peer that hangs, as "Timed out" after parallel.timeout_s. The failed call is
-    named by parallel/dist/comm.py (op, tag, group and, for a send or receive, the peer's rank).
+    reset" at once (NCCL's "remote process exited or there was a network error", where its
+    transport notices); a peer that hangs, as "Timed out" after parallel.timeout_s (NCCL's
+    watchdog's timeout, raised at the group's next call). parallel/dist/failures.py reads both
+    backends' words into one line; the failed call is named by parallel/dist/comm.py (op, tag,
+    group and, for a send or receive, the peer's rank).
     """
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = failure_line(exc)
+    kind = failure_kind(text) if isinstance(exc, RuntimeError) else None
     gone = getattr(exc, "gone_peers", None)
     if gone:
         return f"rank {rank} stopped: {', '.join(gone)} exited, so {text}"
-    if isinstance(exc, RuntimeError) and "Timed out" in text:
+    if kind == TIMEOUT:
         return (f"rank {rank} stopped: {text}: waited parallel.timeout_s={timeout_s:g} s "
                 "for a peer rank that hangs or died (torchrun's list below gives each rank's exit)")
-    if isinstance(exc, RuntimeError) and any(s in text for s in ("Connection closed by peer", "Connection reset",
-                                                                 "Broken pipe")):
+    if kind == PEER:
         return (f"rank {rank} stopped: {text}: a peer rank crashed or was killed "
                 "(torchrun's list below gives each rank's exit)")
     return f"rank {rank} failed: {type(exc).__name__}: {text}"

@@ -45,7 +45,27 @@ def close_logging() -> None:
         root.removeHandler(handler)
 
 
+def reset_peak_memory(device: torch.device) -> bool:
+    """Start the CUDA allocator's peak afresh, at the first timed step: from there on
+    `peak_memory_bytes` is the timed steps' peak (what the steps hold: the model, its state, a
+    step's activations), not model construction's, ZeRO's flattening's or the warm-up's. True
+    where it reset one. On the CPU nothing: the kernel's peak RSS (ru_maxrss) cannot be reset, so
+    it stays the process's peak since it started."""
+    if device.type != "cuda":
+        return False
+    torch.cuda.reset_peak_memory_stats(device)
+    return True
+
+
+def peak_memory_scope(device_type: str) -> str:
+    """What `peak_memory_bytes` covers on this device, in words (summary.json's peak_memory_scope)."""
+    if device_type == "cuda":
+        return "the timed steps: the CUDA allocator's peak, reset at the first step after the warm-up"
+    return "the whole process: peak RSS since it started (the kernel's figure cannot be reset)"
+
+
 def peak_memory_bytes(device: torch.device) -> int:
+    """The allocator's peak on a GPU (since `reset_peak_memory`), the process's peak RSS on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     # ru_maxrss is in KiB on Linux (bytes on macOS).

@@ -10,7 +10,9 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   step_time_s         the (lower) median over the timed steps (warm-up excluded) of the slowest rank's time
                       (host clock on the CPU, CUDA events on a GPU: parallel/dist/timing.py)
   tokens_per_s        global tokens per step / step_time_s
-  peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank
+  peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank;
+                      peak_memory_scope says what it covers: on a GPU the timed steps (the allocator's
+                      peak is reset after the warm-up), on the CPU the whole process
   comm                measured strategy traffic per optimizer step, summed over ranks:
                       sent_bytes_per_step, by_op / by_group / by_tag (calls, payload_bytes,
                       sent_bytes, seconds), by_tag_op (the same per tag and op: the per-layer
@@ -20,6 +22,7 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
+                      (DDP's reducer; FSDP2's side streams on CUDA: time_breakdown's notes say which)
   memory              per rank: param_bytes, grad_bytes, optimizer_bytes held after the last step
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
                       `formula` (the strategy's model_state formula, ZeRO paper) and `matches_formula`
@@ -53,10 +56,12 @@ from pathlib import Path
 
 import torch
 
+from parallel.activations import activation_check_note
 from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.registry import FAMILIES, describe
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
+from parallel.report.metrics import peak_memory_scope
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
 from parallel.report.trace import write_run_trace
 from parallel.report.virtual import virtual_block
@@ -138,13 +143,16 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         },
         "peak_memory_bytes": max(memory),
         "memory_by_rank": memory,
+        "peak_memory_scope": peak_memory_scope(plan.device_type),
         "comm": comm,
         "expected_comm": expected,
         "comm_matches_theory": (Fraction(comm["sent_bytes_per_step_exact"])
                                 == Fraction(expected["sent_bytes_per_step_exact"])),
-        "exposed_comm_measured": spec.exposed_comm_measured,
+        # The registry's word for every device, and each rank's strategy's for this one (FSDP2 on CUDA).
+        "exposed_comm_measured": spec.exposed_comm_measured and all(r.get("exposed_comm_measured", True)
+                                                                    for r in rank_reports),
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
-                                   spec.activations(plan.model, layout)),
+                                   spec.activations(plan.model, layout), activation_check_note(plan.device_type)),
     }
 
 
@@ -229,13 +237,14 @@ MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
 def summarize_memory(rank_reports: list[dict], formula: dict | None,
-                     activation_formula: list[int] | None = None) -> dict:
+                     activation_formula: list[int] | None = None, unchecked: str | None = None) -> dict:
     """The summary's `memory` block: per rank, the parameter, gradient and optimizer-state bytes
     it held after the last step, its peak model-state bytes during it (tensor sizes) and the bytes
     saved for backward at the last step's peak (parallel/report/activations.py), with the
     allocator's peak (CUDA on GPU, RSS on CPU); beside them the strategy's closed forms (`theory`:
     model_state_bytes, activation_bytes per rank) and whether every rank's model state equals its
-    formula exactly. (`formula` is registry.model_state_bytes under its first name.)"""
+    formula exactly. (`formula` is registry.model_state_bytes under its first name.) `unchecked`: why the
+    activation formula cannot be held to this device's measurement (parallel/activations.py), or None."""
     by_rank = []
     for r in rank_reports:
         state = r["model_state"]
@@ -253,6 +262,9 @@ def summarize_memory(rank_reports: list[dict], formula: dict | None,
     measured = [row["activation_peak_bytes"] for row in by_rank]
     return {"by_rank": by_rank, "formula": formula, "matches_formula": matches,
             "activations_bytes_measured": measured,
-            # Every rank's bytes saved for backward equal the registry's formula exactly (None: no formula).
-            "activations_match_theory": None if activation_formula is None else measured == activation_formula,
+            # Every rank's bytes saved for backward equal the registry's formula exactly (None: no formula,
+            # or one that does not describe this device's kernels: `activations_check_note` says why).
+            "activations_match_theory": (None if activation_formula is None or unchecked
+                                         else measured == activation_formula),
+            "activations_check_note": unchecked if activation_formula is not None else None,
             "theory": {"model_state_bytes": formula, "activation_bytes": activation_formula}}

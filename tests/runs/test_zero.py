@@ -98,6 +98,8 @@ def test_torch_fsdp2_matches_single_and_theory(single_run, tmp_path):
     s = assert_ok(run)
     assert s["strategy"] == "torch_fsdp2"
     check_matches_single(run, single_run)
+    # On the CPU FSDP2 has no side streams: its collectives are timed as any call (not so on CUDA).
+    assert s["exposed_comm_measured"] is True
     comm = s["comm"]
     # Its all-gathers and reduce-scatters went through our log (custom FSDP2 collectives): each
     # Block gathered twice (forward, backward), the root once, every group reduce-scattered once.

@@ -37,31 +37,67 @@ def test_sbatch_is_valid_bash_with_directives_before_the_first_command():
     assert "#SBATCH --ntasks-per-node=1" in lines  # one torchrun agent per node
 
 
-def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
+def _sbatch_with_stand_ins(tmp_path, slurm_env: dict[str, str], overrides: list[str]):
+    """train.sbatch run as the batch step of a 2-node job with 2 GPUs per node, with stand-ins for
+    scontrol and srun: (the finished script, srun's arguments or None, srun's SLURM_CPUS_PER_GPU)."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text('#!/bin/sh\n'
                                       '[ "$1 $2 $3" = "show hostnames gpu[01-02]" ] && printf "gpu01\\ngpu02\\n"\n')
-    (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$SRUN_ARGS"\n')
+    (bin_dir / "srun").write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > "$SRUN_ARGS"\n'
+                                  'printf "%s" "${SLURM_CPUS_PER_GPU-unset}" > "$SRUN_ARGS.cpus_per_gpu"\n')
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     args_file = tmp_path / "srun_args"
+    args_file.unlink(missing_ok=True)
     env = {
         "PATH": f"{bin_dir}:/usr/bin:/bin", "SRUN_ARGS": str(args_file), "PYTHON": sys.executable,
         "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242",
-        "SLURM_GPUS_ON_NODE": "2", "SLURM_SUBMIT_DIR": str(PROJECT_ROOT),
+        "SLURM_GPUS_ON_NODE": "2", "SLURM_SUBMIT_DIR": str(PROJECT_ROOT), **slurm_env,
     }
-    overrides = ["parallel=tp", "model=tiny", "train.steps=6"]
     done = subprocess.run(["bash", str(SBATCH), *overrides], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    if not args_file.exists():
+        return done, None, None
+    return done, args_file.read_text().splitlines(), Path(f"{args_file}.cpus_per_gpu").read_text()
 
-    args = args_file.read_text().splitlines()
+
+def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
+    overrides = ["parallel=tp", "model=tiny", "train.steps=6"]
+    done, args, cpus_per_gpu = _sbatch_with_stand_ins(tmp_path, {"SLURM_CPUS_PER_GPU": "4"}, overrides)
+    assert done.returncode == 0, done.stderr
     split = args.index(sys.executable)
-    assert args[:split] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    # The node's task gets its CPUs: 2 GPUs x --cpus-per-gpu=4; srun is not handed SLURM_CPUS_PER_GPU,
+    # which it would read as a --cpus-per-gpu of its own beside --cpus-per-task (mutually exclusive).
+    assert args[:split] == ["--ntasks-per-node=1", "--cpus-per-task=8", "--kill-on-bad-exit=1"]
+    assert cpus_per_gpu == "unset"
     endpoint = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=", 1)[1]
     host, port = endpoint.rsplit(":", 1)
     assert host == "gpu01" and 1024 <= int(port) <= 65535
     assert args[split:] == multinode_command(2, 2, endpoint, "4242", overrides, python=sys.executable)
+
+
+@pytest.mark.parametrize("slurm_env,cpus", [
+    ({"SLURM_CPUS_PER_TASK": "12", "SLURM_CPUS_ON_NODE": "12"}, 12),  # --cpus-per-task: the node's task's
+    ({"SLURM_CPUS_ON_NODE": "16"}, 16),  # nothing asked: what the cluster gave (DefCpuPerGPU, whole nodes)
+    ({"SLURM_CPUS_PER_GPU": "3", "SLURM_CPUS_ON_NODE": "64"}, 6),  # --cpus-per-gpu: 3 for each of 2 GPUs
+], ids=["cpus-per-task", "cluster-default", "cpus-per-gpu"])
+def test_the_gpu_ranks_get_the_cpus_the_job_holds(tmp_path, slurm_env, cpus):
+    done, args, _ = _sbatch_with_stand_ins(tmp_path, slurm_env, ["parallel=dp", "model=tiny"])
+    assert done.returncode == 0, done.stderr
+    assert args[:3] == ["--ntasks-per-node=1", f"--cpus-per-task={cpus}", "--kill-on-bad-exit=1"]
+    assert f"2 GPUs per node, one process each, {cpus} CPUs" in done.stdout
+
+
+@pytest.mark.parametrize("per_gpu", [None, "8"])
+def test_gpu_ranks_without_a_cpu_each_are_refused_in_one_line(tmp_path, per_gpu):
+    """Eight ranks and torchrun on the one CPU a job gets by default on many clusters: refused, with
+    the --cpus-per-gpu to ask for (CPUS_PER_GPU, 4 unless set)."""
+    slurm_env = {"SLURM_CPUS_ON_NODE": "1", **({"CPUS_PER_GPU": per_gpu} if per_gpu else {})}
+    done, args, _ = _sbatch_with_stand_ins(tmp_path, slurm_env, ["parallel=dp", "model=tiny"])
+    assert done.returncode == 2 and args is None  # nothing was started
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: 2 GPUs per node but 1 CPU(s) on the node for their 2 ranks and torchrun: ask for "
+                      f"CPUs per GPU, e.g. sbatch --gpus-per-node=2 --cpus-per-gpu={per_gpu or 4}"]
 
 
 def _compose():
