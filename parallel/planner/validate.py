@@ -78,7 +78,9 @@ def _rel(predicted, measured) -> float | None:
 def measured_columns(row: dict, summary: dict) -> tuple[dict, dict]:
     """(measured, errors) for one row from its run's summary.json."""
     memory = summary["memory"]
-    acts = memory.get("activations_bytes_measured")
+    # A run whose kernels the activation formula does not describe (CUDA's attention kernels save
+    # other tensors: the summary's activations_check_note) is not a measurement of the formula.
+    acts = None if memory.get("activations_check_note") else memory.get("activations_bytes_measured")
     state = [r["total_bytes"] for r in memory["by_rank"]]
     pipeline = summary.get("pipeline") or {}
     net = summary.get("net") or {}
