@@ -44,6 +44,7 @@ from parallel.report.metrics import (
 )
 from parallel.report.summary import build_summary
 from parallel.report.tensorboard import TensorBoardWriter
+from parallel.report.virtual import replayable
 from parallel.run_plan import ConfigError, RunPlan
 from parallel.strategy import NonFiniteLoss, Strategy
 
@@ -280,10 +281,14 @@ def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
 
 def _link_model(run: Run, resolved_config: dict):
     """The replay's links: an emulated network's net.* (launch.run), else this machine's loopback,
-    probed with one rank per core unless the config gives it (every rank takes part)."""
+    probed with one rank per core unless the config gives it (every rank takes part). None on a GPU
+    or under NCCL, where the virtual clock does not apply and nothing is probed
+    (parallel/report/virtual.py: `replayable`)."""
     from parallel.replay.links import from_net
 
     world = run.ctx.comm("world")
+    if not replayable(run.ctx.device.type, world.backend if world is not None else None):
+        return None
     virtual = dict(resolved_config.get("virtual") or {})
     settings = run.wire.settings if run.wire is not None else None
     node_of = (lambda r: r // int(settings.get("procs_per_node") or 1)) if settings else (lambda r: 0)
