@@ -65,7 +65,7 @@ takes milliseconds, as long as such a tick. Their number can: a probe run's figu
 run to the next with the host's moment, by more than the sampling error of a few calls (which is
 why `measure_once` takes the median of several runs), so calls past that error make no figure
 better. The payload all-reduces stop once the standard error of their mean is PRECISION of their
-bytes' time (`payload_stamps`): at least the fewest of PAYLOAD_REPEATS (a spread from fewer calls
+bytes' time (`payload_calls`): at least the fewest of PAYLOAD_REPEATS (a spread from fewer calls
 says little), at most the most, which a busy host's calls reach. The small calls keep their counts:
 they carry few bytes, and a latency is their mean, whose tail (the calls that wait a tick) only
 many calls sample.
@@ -176,16 +176,21 @@ def from_last_post(both: list[torch.Tensor], end_of: str = "mean") -> float:
     "mean", the two ranks' ends averaged (a collective ends for both at once, give or take the last
     chunk); "first", the first member's end (a ping-pong's round trip ends when the first member
     has the reply)."""
+    return float(call_times(both, end_of).mean())
+
+
+def call_times(both: list[torch.Tensor], end_of: str = "mean") -> torch.Tensor:
+    """Each call's time from the later of the two posts (`from_last_post`)."""
     a, b = both
     last_post = torch.maximum(a[:, 0], b[:, 0])
     end = (a[:, 1] + b[:, 1]) / 2 if end_of == "mean" else a[:, 1]
-    return float((end - last_post).mean())
+    return end - last_post
 
 
 def pair_calls(comm: Communicator) -> list[list[torch.Tensor]]:
     """Both members' (post, end) stamps of the probe's three kinds of call between the two ranks
     of `comm` (a group of two; both call it), each after a burst: SMALL_BYTES all-reduces,
-    PAYLOAD_BYTES all-reduces (`payload_stamps`), SMALL_BYTES ping-pongs (one message each way:
+    PAYLOAD_BYTES all-reduces (`payload_calls`), SMALL_BYTES ping-pongs (one message each way:
     the first member sends, then receives). Every call goes through `comm`, so its log holds them
     under TAG."""
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
@@ -206,39 +211,34 @@ def pair_calls(comm: Communicator) -> list[list[torch.Tensor]]:
     # Each kind's stamps gathered after its calls, so that no gather runs between a burst and its call.
     small_calls = stamps_after_compute(lambda: comm.all_reduce(small, tag=f"{TAG}/small"), SMALL_REPEATS, burst)
     small_both = pair_stamps(small_calls, comm)
-    big_both = pair_stamps(payload_stamps(comm, big, burst, mean_time(small_calls)), comm)
+    big_both = payload_calls(comm, big, burst, call_times(small_both))
     return [small_both, big_both, pair_stamps(stamps_after_compute(ping_pong, P2P_REPEATS, burst), comm)]
 
 
-def mean_time(stamps: list[tuple[float, float]]) -> float:
-    return statistics.fmean(end - post for post, end in stamps)
-
-
-def payload_stamps(comm: Communicator, big: torch.Tensor, burst: torch.Tensor,
-                   small_call_s: float) -> list[tuple[float, float]]:
-    """(post, end) of this rank's PAYLOAD_BYTES all-reduces, each after a burst: the fewest of
-    PAYLOAD_REPEATS, then one more at a time until their mean is known well enough
-    (`known_well_enough`, judged by the first member on its own calls, which it tells the other
-    after each call: a 4-byte broadcast, after the call's end and before the next burst), or the
-    most of PAYLOAD_REPEATS."""
+def payload_calls(comm: Communicator, big: torch.Tensor, burst: torch.Tensor,
+                  small: torch.Tensor) -> list[torch.Tensor]:
+    """Both members' (post, end) stamps of the PAYLOAD_BYTES all-reduces, each after a burst: the
+    two exchange each call's stamps after its end (before the next burst), and both judge from the
+    same figures whether their mean is known well enough (`known_well_enough`; `small`: the small
+    calls' times), at the fewest of PAYLOAD_REPEATS calls and after each one more, up to the most."""
     fewest, most = PAYLOAD_REPEATS
-    stamps, enough = [], torch.zeros(1)
-    while len(stamps) < most and not enough.item():
-        stamps += stamps_after_compute(lambda: comm.all_reduce(big, tag=f"{TAG}/payload"), 1, burst)
-        if len(stamps) >= fewest:
-            enough.fill_(float(comm.rank == 0 and known_well_enough(stamps, small_call_s)))
-            comm.broadcast(enough, 0, tag=f"{TAG}/enough")
-    return stamps
+    both = [torch.empty((0, 2), dtype=torch.float64)] * 2
+    while len(both[0]) < most:
+        latest = pair_stamps(stamps_after_compute(lambda: comm.all_reduce(big, tag=f"{TAG}/payload"), 1, burst), comm)
+        both = [torch.cat([mine, new]) for mine, new in zip(both, latest)]
+        if len(both[0]) >= fewest and known_well_enough(call_times(both), small):
+            break
+    return both
 
 
-def known_well_enough(stamps: list[tuple[float, float]], small_call_s: float, precision: float = PRECISION) -> bool:
-    """Whether the standard error of the calls' mean time is at most `precision` of their bytes'
-    time (their mean less a small call's, `small_call_s`). A rank's own call times also hold its
-    wait for the other's post, so they spread more than the times from the later post: the
-    judgement errs towards another call."""
-    times = [end - post for post, end in stamps]
-    bytes_time = statistics.fmean(times) - small_call_s
-    return bytes_time > 0 and statistics.stdev(times) / math.sqrt(len(times)) <= precision * bytes_time
+def known_well_enough(times: torch.Tensor, small: torch.Tensor, precision: float = PRECISION) -> bool:
+    """Whether the standard error of the mean of `times` (payload calls, from the later post) is
+    at most `precision` of their bytes' time, their mean less the small calls' (`small`). A payload
+    call makes a small one's handoffs and more, so its spread is taken as at least theirs, which
+    many calls measure well: the spread of a few calls can read low by chance."""
+    bytes_time = float(times.mean() - small.mean())
+    spread = max(float(times.std()), float(small.std()))
+    return bytes_time > 0 and spread / math.sqrt(len(times)) <= precision * bytes_time
 
 
 def solve(t_small: float, t_big: float, t_pp: float) -> tuple[float, float, float]:
