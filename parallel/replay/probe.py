@@ -3,7 +3,7 @@
 The replay needs the rate and the per-step latency one rank's transfers reach when it has a core
 of its own, not the contended figures of N ranks on fewer cores. So two ranks of one node (global
 rank 0 and the next rank on its node) measure them between themselves, after the timed steps,
-while every other rank waits in a barrier (a gloo barrier blocks in a receive: it takes no core).
+while every other rank waits for the figures (in a gloo broadcast's receive, which takes no core).
 Each of the two is bound to a core of its own while it measures, its gloo threads with it, as a
 virtual rank's core is (a run bound by `train.pin_cores` already is; parallel/dist/binding.py):
 unbound, each handoff of a call may wake its thread on the other core, and a call costs several
@@ -319,8 +319,8 @@ def probe_loopback(world: Communicator | None, node_of, given: dict | None = Non
 def pair_cores(first: bool) -> list[int] | None:
     """The core one rank of the probing pair takes while it measures, or None where it is already
     on a core of its own (a run bound by `train.pin_cores`) or the machine has a single core: in a
-    run with more ranks than cores the pair still measures with a core each (the others wait in a
-    barrier), as the virtual clock assumes and as a bound run has it (parallel/dist/binding.py)."""
+    run with more ranks than cores the pair still measures with a core each (the others wait for the
+    figures), as the virtual clock assumes and as a bound run has it (parallel/dist/binding.py)."""
     allowed = allowed_cores()
     if os.environ.get(HOST_CORES_ENV) or len(allowed) < 2:
         return None
