@@ -30,6 +30,7 @@ def pair() -> None:
     import torch.distributed as dist
 
     from parallel.dist.binding import bind_rank, machine_id
+    from parallel.dist.comm import CommLog, Communicator
     from parallel.dist.gloo_loop import apply_gloo_loop_policy
     from parallel.dist.groups import exit_process
     from parallel.replay import probe
@@ -38,7 +39,7 @@ def pair() -> None:
     apply_gloo_loop_policy("batch")
     torch.set_num_threads(1)
     bind_rank("auto", [machine_id()] * 2, dist.get_rank(), 1, "cpu")
-    small, big, pp = probe.pair_calls()
+    small, big, pp = probe.pair_calls(Communicator("world", dist.group.WORLD, CommLog()))
     if dist.get_rank() == 0:
         own = [float((calls[0][:, 1] - calls[0][:, 0]).mean()) for calls in (small, big, pp)]
         last = [probe.from_last_post(small), probe.from_last_post(big), probe.from_last_post(pp, end_of="first")]

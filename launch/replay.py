@@ -117,7 +117,8 @@ def links_for(options: dict, summary: dict, events: list[dict]) -> tuple[LinkMod
     world = len(events)
     own = summary.get("virtual") or {}
     if "link_model" not in own:
-        raise ReplayError("the run's summary.json has no virtual link model (an older run, or its replay failed)")
+        raise ReplayError("the run's summary.json has no virtual link model: " + (
+            own.get("skipped") or "an older run, or its replay failed"))
     base = LinkModel.from_dict(own["link_model"])
     loop = base if base.name == "loopback" else LinkModel("loopback", base.intra, source=base.source)
     if options.get("loopback") == "unbound":

@@ -45,6 +45,7 @@ from parallel.report.metrics import (
 )
 from parallel.report.summary import build_summary
 from parallel.report.tensorboard import TensorBoardWriter
+from parallel.report.virtual import replayable
 from parallel.run_plan import ConfigError, RunPlan
 from parallel.strategy import NonFiniteLoss, Strategy
 
@@ -282,15 +283,20 @@ def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
 
 def _link_model(run: Run, resolved_config: dict):
     """The replay's links: an emulated network's net.* (launch.run), else this machine's loopback,
-    probed with one rank per core unless the config gives it (every rank takes part)."""
+    probed with one rank per core unless the config gives it (every rank takes part). None on a GPU
+    or under NCCL, where the virtual clock does not apply and nothing is probed
+    (parallel/report/virtual.py: `replayable`)."""
     from parallel.replay.links import from_net
 
+    world = run.ctx.comm("world")
+    if not replayable(run.ctx.device.type, world.backend if world is not None else None):
+        return None
     virtual = dict(resolved_config.get("virtual") or {})
     settings = run.wire.settings if run.wire is not None else None
     node_of = (lambda r: r // int(settings.get("procs_per_node") or 1)) if settings else (lambda r: 0)
     if settings and settings.get("placement") == "cyclic":
         node_of = lambda r: r % int(settings.get("nodes") or 1)  # noqa: E731
-    loop = probe_loopback(run.ctx.rank, run.plan.dims.world_size, node_of, virtual, run.plan.gloo_loop_policy)
+    loop = probe_loopback(world, node_of, virtual, run.plan.gloo_loop_policy)
     return from_net(settings, loop) if settings and settings.get("name") != "none" else loop
 
 
@@ -307,6 +313,7 @@ def rank_report(run: Run) -> dict:
         "local_parameters": count_parameters(strategy.model),
         "step_times": run.step_times,
         "traffic": ctx.log.steps,
+        "traffic_outside": dict(ctx.log.outside),  # set-up, the loopback probe, checkpoints: so far
         "peak_memory_bytes": peak_memory_bytes(ctx.device),
         "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
         "routing": run.routing,

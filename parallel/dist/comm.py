@@ -169,6 +169,11 @@ class Communicator:
     def pending(self) -> int:
         return len(self._pending)
 
+    @property
+    def backend(self) -> str:
+        """The group's backend as torch has it ("gloo", "nccl"): an NCCL group takes CUDA tensors only."""
+        return dist.get_backend(self.group)
+
     # -- collectives --------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, tag: str, async_op: bool = False, op: str = "sum"):
         """Sum (or, with op="max", take the maximum of) `tensor` in place over the group.

@@ -18,11 +18,26 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 from parallel.dist.binding import threads_per_rank
+from parallel.dist.comm import TOOLING_PREFIX, CommLog, Communicator
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
 from parallel.dist.groups import exit_process
-from parallel.replay.probe import PAYLOAD_BYTES, best_time, run_probe
+from parallel.replay.probe import run_probe
+
+PAYLOAD_BYTES = 8 * 2**20  # the docstring's 8 MiB all-reduce (its own: the run probe's is parallel/replay/probe.py's)
+TAG = TOOLING_PREFIX + "planner_loopback"
+
+
+def best_time(fn, repeats: int) -> float:
+    """The fastest of `repeats` calls of `fn`, in wall seconds (the planner's method)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
@@ -32,13 +47,14 @@ def main() -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo")
     apply_gloo_loop_policy(sys.argv[1] if len(sys.argv) > 1 else "batch")  # as a run sets it (run_probe)
-    n = dist.get_world_size()
+    world = Communicator("world", dist.group.WORLD, CommLog())  # its calls go through comm.py, as every call does
+    n = world.size
     torch.set_num_threads(threads_per_rank(n))
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(1)
-    dist.all_reduce(big)
-    seconds = best_time(lambda: dist.all_reduce(big), 5)
-    tiny = best_time(lambda: dist.all_reduce(small), 20)
-    if dist.get_rank() == 0:
+    world.all_reduce(big, tag=f"{TAG}/warm")
+    seconds = best_time(lambda: world.all_reduce(big, tag=f"{TAG}/payload"), 5)
+    tiny = best_time(lambda: world.all_reduce(small, tag=f"{TAG}/small"), 20)
+    if world.rank == 0:
         sent = 2 * (n - 1) / n * PAYLOAD_BYTES
         print(json.dumps({"bytes_per_s": sent / seconds, "latency_s": tiny / max(1, 2 * (n - 1)), "ranks": n}))
     dist.destroy_process_group()

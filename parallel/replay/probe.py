@@ -3,7 +3,7 @@
 The replay needs the rate and the per-step latency one rank's transfers reach when it has a core
 of its own, not the contended figures of N ranks on fewer cores. So two ranks of one node (global
 rank 0 and the next rank on its node) measure them between themselves, after the timed steps,
-while every other rank waits in a barrier (a gloo barrier blocks in a receive: it takes no core).
+while every other rank waits for the figures (in a gloo broadcast's receive, which takes no core).
 Each of the two is bound to a core of its own while it measures, its gloo threads with it, as a
 virtual rank's core is (a run bound by `train.pin_cores` already is; parallel/dist/binding.py):
 unbound, each handoff of a call may wake its thread on the other core, and a call costs several
@@ -51,8 +51,28 @@ launch.compare and bench/virtual_time measure it once for all their runs (`measu
 median of three runs of this module under `python -m torch.distributed.run --nproc-per-node 2 -m
 parallel.replay.probe`; `figure_overrides` hands them on), and bench/virtual_time also
 probes once before each run and replays its batch on their median afterwards (`run_probe`, its
-`loopback=sampled`). Nothing here goes through the communication log: it is not the strategy's
-traffic.
+`loopback=sampled`).
+
+**Every byte logged, as few as the figures' accuracy allows.** The probe's calls cross the same
+loopback as the run's, so they go through a `Communicator` (parallel/dist/comm.py) and the run's
+log holds them under TAG: tooling, kept apart from the strategy's figures. A call is timed around
+the Communicator's, its record included, as a run's span leaves that record's CPU out of the
+compute between calls (its CPU end follows the record). Nearly all its bytes are the payload
+all-reduces'. The payload itself cannot shrink: the rate is its bytes over the difference of two
+means, which is the bytes' time only where it stands well above the spread of a call's handoffs,
+and on a busy host a handoff waits up to a scheduler tick; PAYLOAD_BYTES at a loopback's few GB/s
+takes milliseconds, as long as such a tick. Their number can: a probe run's figures move from one
+run to the next with the host's moment, by more than the sampling error of a few calls (which is
+why `measure_once` takes the median of several runs), so calls past that error make no figure
+better. The payload all-reduces stop once the standard error of their mean is PRECISION of their
+bytes' time (`payload_calls`): at least the fewest of PAYLOAD_REPEATS (a spread from fewer calls
+says little), at most the most, which a busy host's calls reach. The small calls keep their counts:
+they carry few bytes, and a latency is their mean, whose tail (the calls that wait a tick) only
+many calls sample.
+
+The virtual clock models CPU ranks, so a run on GPUs, or under NCCL, probes nothing
+(parallel/report/virtual.py: `replayable`); the pair is a gloo group of CPU tensors, and every rank
+learns the figures from an object broadcast.
 """
 
 from __future__ import annotations
@@ -70,30 +90,24 @@ import torch
 import torch.distributed as dist
 
 from parallel.dist.binding import HOST_CORES_ENV, allowed_cores, bind_rank, bound_to, machine_id
+from parallel.dist.comm import TOOLING_PREFIX, CommLog, Communicator
 from parallel.dist.gloo_loop import apply_gloo_loop_policy
-from parallel.dist.groups import exit_process
+from parallel.dist.groups import default_group_timeout, exit_process
 from parallel.replay.links import LinkModel, loopback
 
 PAYLOAD_BYTES = 8 * 2**20
 SMALL_BYTES = 16 * 2**10
 BURST_S = 0.5e-3          # thread CPU time of compute before each timed call: a run's calls follow compute
-SMALL_REPEATS, BIG_REPEATS, P2P_REPEATS = 120, 8, 120
+SMALL_REPEATS, P2P_REPEATS = 120, 120
+PAYLOAD_REPEATS = (3, 8)  # the fewest and the most payload all-reduces (module docstring: "As few bytes")
+PRECISION = 0.05          # their mean time is known to this share of their bytes' time when they stop
 # When no two ranks share a node (every rank on its own emulated node) there is no pair to probe:
 # a loopback of two ranks on the 2-core machine kind, as the planner's probe finds it
 # (parallel/planner/loopback.py; latency per ring step, half a 4-byte all-reduce at 2 ranks).
 FALLBACK = {"bytes_per_s": 1.3e9, "latency_s": 40e-6}
 FIGURES = ("bytes_per_s", "latency_s", "p2p_latency_s")  # a probe's figures, the keys of its JSON line
+TAG = TOOLING_PREFIX + "probe"  # the probe's calls in the run's log: tooling, not the strategy's
 FALLBACK_L2_BYTES = 2**20  # where the OS does not tell a core's L2 (1 MiB: a server core's of recent years)
-
-
-def best_time(fn, repeats: int) -> float:
-    """The fastest of `repeats` calls of `fn`, in wall seconds (the planner's method)."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def l2_cache_bytes(core: int = 0, cpus: Path = Path("/sys/devices/system/cpu")) -> int:
@@ -144,14 +158,14 @@ def stamps_after_compute(fn, repeats: int, a: torch.Tensor, burst_s: float = BUR
     return out
 
 
-def pair_stamps(mine: list[tuple[float, float]], group=None) -> list[torch.Tensor]:
+def pair_stamps(mine: list[tuple[float, float]], comm: Communicator) -> list[torch.Tensor]:
     """Both members' (post, end) stamps, in group-rank order. time.perf_counter is the host's
     monotonic clock (CLOCK_MONOTONIC on Linux), one clock for every process on the host, and the
     probing pair is always two ranks of one node, so the two lists compare directly."""
     stamps = torch.tensor(mine, dtype=torch.float64)
-    both = [torch.zeros_like(stamps) for _ in range(2)]
-    dist.all_gather(both, stamps, group=group)
-    return both
+    both = torch.empty((2 * len(mine), 2), dtype=torch.float64)
+    comm.all_gather_into(both, stamps, tag=f"{TAG}/stamps")
+    return list(both.chunk(2))
 
 
 def from_last_post(both: list[torch.Tensor], end_of: str = "mean") -> float:
@@ -162,39 +176,69 @@ def from_last_post(both: list[torch.Tensor], end_of: str = "mean") -> float:
     "mean", the two ranks' ends averaged (a collective ends for both at once, give or take the last
     chunk); "first", the first member's end (a ping-pong's round trip ends when the first member
     has the reply)."""
+    return float(call_times(both, end_of).mean())
+
+
+def call_times(both: list[torch.Tensor], end_of: str = "mean") -> torch.Tensor:
+    """Each call's time from the later of the two posts (`from_last_post`)."""
     a, b = both
     last_post = torch.maximum(a[:, 0], b[:, 0])
     end = (a[:, 1] + b[:, 1]) / 2 if end_of == "mean" else a[:, 1]
-    return float((end - last_post).mean())
+    return end - last_post
 
 
-def pair_calls(group=None) -> list[list[torch.Tensor]]:
+def pair_calls(comm: Communicator) -> list[list[torch.Tensor]]:
     """Both members' (post, end) stamps of the probe's three kinds of call between the two ranks
-    of `group` (both call it), each after a burst: SMALL_BYTES all-reduces, PAYLOAD_BYTES
-    all-reduces, SMALL_BYTES ping-pongs (one message each way: the first member sends, then
-    receives)."""
+    of `comm` (a group of two; both call it), each after a burst: SMALL_BYTES all-reduces,
+    PAYLOAD_BYTES all-reduces (`payload_calls`), SMALL_BYTES ping-pongs (one message each way:
+    the first member sends, then receives). Every call goes through `comm`, so its log holds them
+    under TAG."""
     big, small = torch.ones(PAYLOAD_BYTES // 4), torch.ones(SMALL_BYTES // 4)
-    dist.all_reduce(big, group=group)  # warm: connections made, buffers allocated
-    dist.all_reduce(small, group=group)
-    members = dist.get_process_group_ranks(group) if group is not None else [0, 1]
-    me = dist.get_rank()
-    peer = members[1] if me == members[0] else members[0]
-    first = me == members[0]
+    comm.all_reduce(big, tag=f"{TAG}/warm")  # warm: buffers of the payload's size allocated
+    comm.all_reduce(small, tag=f"{TAG}/warm")
+    peer, first = 1 - comm.rank, comm.rank == 0
 
     def ping_pong():
         if first:
-            dist.send(small, peer, group=group)
-            dist.recv(small, peer, group=group)
+            comm.send(small, peer, tag=f"{TAG}/ping_pong")
+            comm.recv(small, peer, tag=f"{TAG}/ping_pong")
         else:
-            dist.recv(small, peer, group=group)
-            dist.send(small, peer, group=group)
+            comm.recv(small, peer, tag=f"{TAG}/ping_pong")
+            comm.send(small, peer, tag=f"{TAG}/ping_pong")
 
     ping_pong()
     burst = burst_matrix()
-    calls = [(lambda: dist.all_reduce(small, group=group), SMALL_REPEATS),
-             (lambda: dist.all_reduce(big, group=group), BIG_REPEATS), (ping_pong, P2P_REPEATS)]
     # Each kind's stamps gathered after its calls, so that no gather runs between a burst and its call.
-    return [pair_stamps(stamps_after_compute(fn, repeats, burst), group) for fn, repeats in calls]
+    small_calls = stamps_after_compute(lambda: comm.all_reduce(small, tag=f"{TAG}/small"), SMALL_REPEATS, burst)
+    small_both = pair_stamps(small_calls, comm)
+    big_both = payload_calls(comm, big, burst, call_times(small_both))
+    return [small_both, big_both, pair_stamps(stamps_after_compute(ping_pong, P2P_REPEATS, burst), comm)]
+
+
+def payload_calls(comm: Communicator, big: torch.Tensor, burst: torch.Tensor,
+                  small: torch.Tensor) -> list[torch.Tensor]:
+    """Both members' (post, end) stamps of the PAYLOAD_BYTES all-reduces, each after a burst: the
+    two exchange each call's stamps after its end (before the next burst), and both judge from the
+    same figures whether their mean is known well enough (`known_well_enough`; `small`: the small
+    calls' times), at the fewest of PAYLOAD_REPEATS calls and after each one more, up to the most."""
+    fewest, most = PAYLOAD_REPEATS
+    both = [torch.empty((0, 2), dtype=torch.float64)] * 2
+    while len(both[0]) < most:
+        latest = pair_stamps(stamps_after_compute(lambda: comm.all_reduce(big, tag=f"{TAG}/payload"), 1, burst), comm)
+        both = [torch.cat([mine, new]) for mine, new in zip(both, latest)]
+        if len(both[0]) >= fewest and known_well_enough(call_times(both), small):
+            break
+    return both
+
+
+def known_well_enough(times: torch.Tensor, small: torch.Tensor, precision: float = PRECISION) -> bool:
+    """Whether the standard error of the mean of `times` (payload calls, from the later post) is
+    at most `precision` of their bytes' time, their mean less the small calls' (`small`). A payload
+    call makes a small one's handoffs and more, so its spread is taken as at least theirs, which
+    many calls measure well: the spread of a few calls can read low by chance."""
+    bytes_time = float(times.mean() - small.mean())
+    spread = max(float(times.std()), float(small.std()))
+    return bytes_time > 0 and spread / math.sqrt(len(times)) <= precision * bytes_time
 
 
 def solve(t_small: float, t_big: float, t_pp: float) -> tuple[float, float, float]:
@@ -207,12 +251,12 @@ def solve(t_small: float, t_big: float, t_pp: float) -> tuple[float, float, floa
     return rate, latency, p2p
 
 
-def measure_pair(group=None) -> tuple[float, float, float]:
+def measure_pair(comm: Communicator) -> tuple[float, float, float]:
     """(bytes_per_s, latency_s per ring step, p2p latency_s per message) between the two ranks of
-    `group` (both call it): each call timed from the later of the two posts (`from_last_post`);
+    `comm` (both call it): each call timed from the later of the two posts (`from_last_post`);
     a ping-pong's round trip to the first member's reply, two messages, each completing at the
     later of its two posts plus its transfer, as the replay has it."""
-    small, big, pp = pair_calls(group)
+    small, big, pp = pair_calls(comm)
     return solve(from_last_post(small), from_last_post(big), from_last_post(pp, end_of="first"))
 
 
@@ -244,38 +288,39 @@ def figure_overrides(figures: dict) -> list[str]:
     return out
 
 
-def probe_loopback(rank: int, world: int, node_of, given: dict | None = None,
+def probe_loopback(world: Communicator | None, node_of, given: dict | None = None,
                    gloo_loop_policy: str = "batch") -> LinkModel:
-    """Every rank calls this (a group is made, its gloo event loop set as the run's:
-    `train.gloo_loop_policy`); every rank gets the model (rank 0's figures)."""
+    """Every rank calls this with the run's world (a pair group is made, with the run's timeout,
+    its gloo event loop set as the run's: `train.gloo_loop_policy`); every rank gets the model
+    (rank 0's figures). Its calls reach `world`'s log under TAG."""
     figures = given_figures(given or {})
     if figures is not None:
         named = "virtual.loopback_gbytes_per_s, virtual.loopback_latency_us" + (
             ", virtual.loopback_p2p_latency_us" if figures["p2p_latency_s"] is not None else "")
         return link_of(figures, f"given ({named})")
-    partner = next((r for r in range(1, world) if node_of(r) == node_of(0)), None)
-    if world < 2 or partner is None or not dist.is_initialized():
+    partner = next((r for r in range(1, world.size) if node_of(r) == node_of(0)), None) if world else None
+    if partner is None:
         return loopback(FALLBACK["bytes_per_s"], FALLBACK["latency_s"],
                         "this machine's planner figures (no two ranks on one node to probe with)")
-    pair = dist.new_group([0, partner], backend="gloo")
+    pair = dist.new_group([0, partner], backend="gloo", timeout=default_group_timeout())
     apply_gloo_loop_policy(gloo_loop_policy)
-    figures = torch.zeros(3, dtype=torch.float64)
-    if rank in (0, partner):
-        with bound_to(pair_cores(rank == 0)):
-            figures[:] = torch.tensor(measure_pair(pair))
-    dist.broadcast(figures, src=0)
+    measured = None
+    if world.rank in (0, partner):
+        with bound_to(pair_cores(world.rank == 0)):
+            measured = measure_pair(Communicator("probe", pair, world.log))
+    rate, latency, p2p = world.broadcast_object(measured, 0, tag=f"{TAG}/figures")
     dist.destroy_process_group(pair)
-    return loopback(float(figures[0]), float(figures[1]),
+    return loopback(rate, latency,
                     f"probed in this run: ranks 0 and {partner}, each bound to a core of its own, mean of "
                     f"{SMALL_BYTES // 1024} KiB and {PAYLOAD_BYTES // 2**20} MiB all-reduces and of "
-                    f"{SMALL_BYTES // 1024} KiB ping-pongs after compute", float(figures[2]))
+                    f"{SMALL_BYTES // 1024} KiB ping-pongs after compute", p2p)
 
 
 def pair_cores(first: bool) -> list[int] | None:
     """The core one rank of the probing pair takes while it measures, or None where it is already
     on a core of its own (a run bound by `train.pin_cores`) or the machine has a single core: in a
-    run with more ranks than cores the pair still measures with a core each (the others wait in a
-    barrier), as the virtual clock assumes and as a bound run has it (parallel/dist/binding.py)."""
+    run with more ranks than cores the pair still measures with a core each (the others wait for the
+    figures), as the virtual clock assumes and as a bound run has it (parallel/dist/binding.py)."""
     allowed = allowed_cores()
     if os.environ.get(HOST_CORES_ENV) or len(allowed) < 2:
         return None
@@ -334,7 +379,7 @@ def main() -> None:
     apply_gloo_loop_policy(policy)
     torch.set_num_threads(1)
     bind_rank(pin, [machine_id()] * dist.get_world_size(), dist.get_rank(), 1, "cpu")
-    rate, latency, p2p = measure_pair()
+    rate, latency, p2p = measure_pair(Communicator("world", dist.group.WORLD, CommLog()))
     if dist.get_rank() == 0:
         print(json.dumps({"bytes_per_s": rate, "latency_s": latency, "p2p_latency_s": p2p}))
     dist.destroy_process_group()

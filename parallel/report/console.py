@@ -32,7 +32,7 @@ def speed_lines(summary: dict) -> None:
         summary["peak_memory_bytes"] / 1e6,
     )
     virtual = summary.get("virtual")
-    if virtual and "error" not in virtual:
+    if virtual and "step_time_s" in virtual:
         device = virtual.get("device_per_rank")
         device = (device["in_words"] if isinstance(device, dict) else "its cores differ by rank" if device
                   else "not recorded")
@@ -40,6 +40,8 @@ def speed_lines(summary: dict) -> None:
                  "wall: step %.1f ms | %.0f tokens/s | waits on %s", device, virtual["link_model"]["name"],
                  virtual["step_time_s"] * 1e3, virtual["tokens_per_s"], 100 * (virtual["mfu"]["mfu"] or 0),
                  summary["step_time_s"] * 1e3, summary["tokens_per_s"], virtual["waits_on"])
+    elif virtual and "skipped" in virtual:
+        log.info("virtual: %s", virtual["skipped"])
     log.info("MFU %.1f%% (%.3g FLOP/token, peak %.3g FLOP/s x %d device(s))", 100 * summary["mfu"]["mfu"],
              summary["mfu"]["flops_per_token"], summary["mfu"]["peak_flops"], summary["mfu"]["devices"])
     memory = summary["memory"]

@@ -16,7 +16,9 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   comm                measured strategy traffic per optimizer step, summed over ranks:
                       sent_bytes_per_step, by_op / by_group / by_tag (calls, payload_bytes,
                       sent_bytes, seconds), by_tag_op (the same per tag and op: the per-layer
-                      collective counts), by_rank, and `tooling` (traffic the tools add, excluded)
+                      collective counts), by_rank, `tooling` (traffic the tools add, excluded: the
+                      last step's, and `run`, every step's), and `outside_steps` (every call made
+                      outside the steps: set-up, the loopback probe, checkpoints)
   expected_comm       the strategy's closed form (its family's theory.py) in the same fields
   comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
   mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
@@ -131,7 +133,8 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         if family.measured is not None:
             layout = family.measured(layout, rank_reports)
     expected = spec.comm(plan.model, layout)
-    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from)
+    comm = summarize_comm([r["traffic"] for r in rank_reports], timed_from,
+                          [r.get("traffic_outside") or {} for r in rank_reports])
     memory = [r["peak_memory_bytes"] for r in rank_reports]
     return {
         "model": {
@@ -181,8 +184,10 @@ def _sum_over_ranks(traffics: list[StepTraffic]) -> StepTraffic:
     return dict(merged)
 
 
-def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict:
-    """Per-step traffic of every rank -> the summary's `comm` block.
+def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int,
+                   rank_outside: list[StepTraffic] | None = None) -> dict:
+    """Per-step traffic of every rank (and each rank's calls outside the steps) -> the summary's
+    `comm` block.
 
     Per-step figures are taken from the last step (the steady state) and summed over ranks;
     `steady` says whether every step moved exactly the same bytes.
@@ -221,7 +226,11 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
         "tooling": {
             "sent_bytes_per_step": float(tooling["total"].sent_bytes),
             "by_tag": _totals_dict(tooling["by_tag"]),
+            "run": _run_block(summarize_traffic(_sum_over_ranks(per_step), include_tooling=True)),
         },
+        # Every call made outside the steps, all ranks, whatever its tag: set-up, the loopback probe
+        # (parallel/replay/probe.py), checkpoints; up to the gathering of the reports this is built from.
+        "outside_steps": _run_block(_outside(_sum_over_ranks(rank_outside or []))),
         # The same sums over every step of the run (warm-up included), all ranks.
         "run": {
             "steps": n_steps,
@@ -231,6 +240,19 @@ def summarize_comm(rank_steps: list[list[StepTraffic]], timed_from: int) -> dict
             "by_tag": _totals_dict(whole_run["by_tag"]),
         },
     }
+
+
+def _run_block(summary: dict) -> dict:
+    return {"sent_bytes": float(summary["total"].sent_bytes), "by_tag": _totals_dict(summary["by_tag"])}
+
+
+def _outside(traffic: StepTraffic) -> dict:
+    """The total and by-tag sums of `traffic`, every tag (strategy and tooling) together."""
+    total, by_tag = Totals(), defaultdict(Totals)
+    for (_op, _group, tag), t in traffic.items():
+        total.add(t)
+        by_tag[tag].add(t)
+    return {"total": total, "by_tag": by_tag}
 
 
 MODEL_STATE_FIELDS = ("param_bytes", "grad_bytes", "optimizer_bytes")

@@ -9,6 +9,14 @@ On the CPU a rank's device is its cores, one per intra-op thread (parallel/repla
 peak (for the virtual MFU) is the machine's measured peak over its usable cores, times the rank's.
 A replay that cannot be made (a run without a clock, an op a member never posted) leaves
 {"error": why} in the block, and the run goes on.
+
+The virtual clock models CPU ranks: a rank's compute is its threads' CPU (or, with several, wall)
+time, its links this machine's gloo loopback, probed after the steps (parallel/replay/probe.py). A
+run on GPUs has neither: its ranks' CPU time is kernel launches, its links NCCL's, and its wall
+clock already times a device per rank (CUDA events). So under NCCL, or on a CUDA device, the run
+makes no probe (whose CPU tensors an NCCL group would refuse) and its block says why:
+{"skipped": NOT_REPLAYED}. The cluster what-ifs of a CPU run (`launch.replay <run> cluster=...`)
+are the virtual clock's answer to "on GPUs".
 """
 
 from __future__ import annotations
@@ -25,6 +33,13 @@ from parallel.report.trace import chrome_trace, draw_timeline, rank_label, timel
 
 log = logging.getLogger("parallel")
 TRACE, TIMELINE = "trace_virtual.json", "timeline_virtual.png"
+NOT_REPLAYED = ("not replayed: the virtual clock models CPU ranks (compute in thread CPU time, links probed on "
+                "this machine's gloo loopback); on a GPU the wall clock, timed with CUDA events, is a device per rank")
+
+
+def replayable(device_type: str, backend: str | None) -> bool:
+    """Whether the virtual clock applies to a run: CPU ranks on gloo, or one CPU process."""
+    return device_type == "cpu" and backend in (None, "gloo")
 
 
 def peak_per_device(summary: dict, events: list[dict]) -> float:
@@ -57,7 +72,10 @@ def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw:
 
 
 def virtual_block(plan, rank_reports: list[dict], summary: dict, run_dir: Path, links) -> dict | None:
-    """The run's own replay (links: the run's link model; None: no replay)."""
+    """The run's own replay (links: the run's link model; None: no replay, and on a GPU or under
+    NCCL the reason)."""
+    if not replayable(summary["device"], plan.backend):
+        return {"skipped": NOT_REPLAYED}
     if links is None or any(r.get("events") is None for r in rank_reports):
         return None
     events = [r["events"] for r in sorted(rank_reports, key=lambda r: r["rank"])]

@@ -22,14 +22,15 @@ from parallel.net.netns import list_namespaces
 from parallel.net.topology import owner_of
 
 
-def _why_not_available() -> str | None:
+def why_not_available(tools: tuple[str, ...] = ("ip", "tc")) -> str | None:
+    """Why this machine cannot make network namespaces with `tools` (None: it can)."""
     if sys.platform != "linux":
         return "network namespaces are Linux-only"
     if os.geteuid() != 0:
-        return "emulated networks need root (network namespaces, veth links, tc)"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+        return "network namespaces need root (namespaces, veth links, tc)"
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing:
-        return f"emulated networks need iproute2: {' and '.join(missing)} not on PATH"
+        return f"network namespaces need iproute2: {' and '.join(missing)} not on PATH"
     probe = f"pnet{os.getpid()}-sw"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:
@@ -38,16 +39,16 @@ def _why_not_available() -> str | None:
     return None
 
 
-WHY_NOT = _why_not_available()
+WHY_NOT = why_not_available()
 
 
-def require_network() -> None:
-    """Skip (or, under PARALLEL_NET_REQUIRED=1, fail) where no network can be emulated."""
-    if WHY_NOT is None:
+def require_network(why_not: str | None = WHY_NOT) -> None:
+    """Skip (or, under PARALLEL_NET_REQUIRED=1, fail) where no network can be emulated (`why_not`)."""
+    if why_not is None:
         return
     if os.environ.get("PARALLEL_NET_REQUIRED") == "1":
-        pytest.fail(f"PARALLEL_NET_REQUIRED=1 but {WHY_NOT}")
-    pytest.skip(WHY_NOT)
+        pytest.fail(f"PARALLEL_NET_REQUIRED=1 but {why_not}")
+    pytest.skip(why_not)
 
 
 def run_command(overrides: list[str]) -> list[str]:

@@ -22,6 +22,10 @@ def pp_run(tmp_path_factory):
     link = run.summary["virtual"]["link_model"]
     assert link["source"].startswith("probed in this run: ranks 0 and 1, each bound to a core"), link
     assert link["intra"]["bytes_per_s"] > 0 and link["intra"]["latency_s"] > 0 and link["intra"]["p2p_latency_s"] > 0
+    # Its calls are logged, outside the steps and as tooling: none in the strategy's figures.
+    comm = run.summary["comm"]
+    assert comm["outside_steps"]["by_tag"]["tooling/probe/payload"]["sent_bytes"] > 0, comm["outside_steps"]
+    assert not any(tag.startswith("tooling/") for tag in comm["by_tag"])
     return run
 
 

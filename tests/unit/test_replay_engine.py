@@ -322,3 +322,23 @@ def test_the_probe_times_a_call_from_the_later_of_the_two_posts():
     second_late_end = torch.tensor([[1.0003, 1.0007], [2.0000, 2.0007]], dtype=torch.float64)
     assert from_last_post([first, second_late_end]) == pytest.approx(300e-6, abs=1e-9)
     assert from_last_post([first, second_late_end], end_of="first") == pytest.approx(200e-6, abs=1e-9)
+
+
+def test_the_probe_stops_its_payload_calls_once_their_mean_is_known_well_enough():
+    """Known answers for `known_well_enough` (PRECISION of the bytes' time, 5%): three payload calls
+    of 5 ms +-0.1 ms beside small calls of 0.2 ms with a 0.1 ms spread are enough (standard error
+    0.06 ms against 5% of 4.8 ms); the same three beside small calls that spread by 1 ms are not
+    (a payload call makes their handoffs, so its spread is taken as at least theirs), nor three
+    that spread by 2 ms themselves, nor calls no longer than the small ones."""
+    import torch
+
+    from parallel.replay.probe import PRECISION, known_well_enough
+
+    assert PRECISION == 0.05
+    payload = torch.tensor([5.0e-3, 5.1e-3, 4.9e-3], dtype=torch.float64)
+    quiet = 0.2e-3 + 0.1e-3 * torch.tensor([-1.0, 1.0] * 60, dtype=torch.float64)
+    busy = 0.2e-3 + 1e-3 * torch.tensor([-1.0, 1.0] * 60, dtype=torch.float64)
+    assert known_well_enough(payload, quiet)
+    assert not known_well_enough(payload, busy)
+    assert not known_well_enough(torch.tensor([3e-3, 5e-3, 7e-3], dtype=torch.float64), quiet)
+    assert not known_well_enough(torch.full((3,), 0.2e-3, dtype=torch.float64), quiet)
