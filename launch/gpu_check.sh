@@ -14,8 +14,8 @@
 #   4. `single` in fp32, and in bf16 with full recomputation;
 #   5. a one-rank launch.compare;
 #   6. with 2 or more GPUs (always in the dry run, as gloo ranks of 4 "GPUs"): dp over every GPU, tp, every pipeline
-#      schedule, zero3 and (with 4) 3d, each run's losses against single's; the network what-if on NVLink
-#      (launch.replay of the dp run on the h200 cluster's links);
+#      schedule, zero3 and (with 4) 3d, each run's losses against single's; a rank that hangs, which must end
+#      the job in one `error:` line; the network what-if on NVLink (the planner's dp layout on the h200's links);
 #   7. figures.txt: one line of figures per run.
 #
 # PYTHON picks the interpreter (default: python); MODEL and STEPS the runs' size.
@@ -55,6 +55,18 @@ check() {  # check NAME TIMEOUT_S COMMAND...: run it, its output in NAME.log, on
     if [ "$rc" -eq 0 ]; then verdict PASS "$name" "$last"
     elif [ "$rc" -eq 124 ]; then verdict FAIL "$name" "timed out after ${limit} s (log: $RESULTS/$name.log)"
     else verdict FAIL "$name" "exit $rc: $last (log: $RESULTS/$name.log)"; fi
+}
+
+expect_error() {  # expect_error NAME TIMEOUT_S COMMAND...: passes when the command fails in time with one `error:` line
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    local rc=$? line
+    line=$(grep -o -m 1 'error: rank [0-9]* stopped: .*' "$RESULTS/$name.log" | cut -c1-110)
+    if [ "$rc" -eq 124 ]; then verdict FAIL "$name" "did not end within ${limit} s (log: $RESULTS/$name.log)"
+    elif [ "$rc" -eq 0 ]; then verdict FAIL "$name" "exited 0: the fault did not stop the job"
+    elif [ -n "$line" ]; then verdict PASS "$name" "exit $rc: $line"
+    else verdict FAIL "$name" "exit $rc without the one-line error (log: $RESULTS/$name.log)"; fi
 }
 
 train() {  # train NAME RANKS OVERRIDES...: launch.train under torchrun, its run dir RESULTS/NAME
@@ -104,7 +116,13 @@ if [ "$NGPU" -ge 2 ]; then
     done
     train zero3 2 parallel=zero3
     if [ "$NGPU" -ge 4 ]; then train 3d 4 parallel=3d; else verdict SKIP 3d "needs 4 GPUs (tp 2 x pp 2), $NGPU visible"; fi
-    check whatif_nvlink 300 "$PY" -m launch.replay "$RESULTS/dp" cluster=h200 out="$RESULTS/whatif_nvlink"
+    # A rank that hangs: the job ends in one `error:` line, not a watchdog abort (NCCL adds about a minute).
+    expect_error fault_hang 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.train \
+        model=tiny train.steps=6 train.warmup_steps=1 parallel=dp parallel.timeout_s=10 "${DEVICE_ARGS[@]}" \
+        train.fail_mode=hang train.fail_at_step=2 train.fail_rank=1 run.dir="$RESULTS/fault_hang"
+    # What NVLink would make of the dp layout: the planner on the h200 cluster's links, beside the dp run above.
+    check whatif_nvlink 300 "$PY" -m launch.plan model="$MODEL" cluster=h200 plan.world="$NGPU" "plan.layouts=[dp]" \
+        run.dir="$RESULTS/whatif_nvlink"
 else
     verdict SKIP multi_gpu "NCCL needs one GPU per rank: 2 or more for dp, tp, pipelines, zero3, 3d; $NGPU visible"
 fi

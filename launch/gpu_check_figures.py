@@ -4,7 +4,8 @@ single run's.
     python -m launch.gpu_check_figures <results dir>
 
 Every summary.json under the results directory gets a line: its device, precision, tokens per
-second, step time, peak memory, MFU, and whether its logged bytes equal the closed form. Then a
+second, step time, peak memory, MFU, whether its logged bytes equal the closed form, and its
+virtual step (`skipped` on a GPU, where the virtual clock does not apply). Then a
 verdict line (`PASS` or `FAIL`, the run's name, the figure) for each multi-rank run trained in
 fp32 on the same data as `single_fp32`: its per-step losses within 1e-5 relative of the single
 run's, the project's rule for every strategy (the same data and initialisation, summed in another
@@ -27,7 +28,16 @@ def figures_line(name: str, summary: dict) -> str:
     mfu_text = "" if mfu is None else f"{100 * mfu:.1f}%"
     return (f"{name:<26} {summary['strategy']:<10} {summary['world_size']:>5} {summary.get('device', '?'):<6} "
             f"{summary.get('precision', '?'):<5} {summary['tokens_per_s']:>10.0f} {summary['step_time_s'] * 1e3:>9.1f} "
-            f"{summary['peak_memory_bytes'] / 2**20:>8.1f} {mfu_text:>6} {str(summary.get('comm_matches_theory')):>6}")
+            f"{summary['peak_memory_bytes'] / 2**20:>8.1f} {mfu_text:>6} {str(summary.get('comm_matches_theory')):>12} "
+            f"{virtual_text(summary.get('virtual')):>10}")
+
+
+def virtual_text(virtual: dict | None) -> str:
+    if not virtual:
+        return "-"
+    if "skipped" in virtual:
+        return "skipped"
+    return f"{virtual['step_time_s'] * 1e3:.1f} ms" if "step_time_s" in virtual else "error"
 
 
 def loss_verdict(name: str, losses: list[float], reference: list[float]) -> str:
@@ -41,7 +51,7 @@ def loss_verdict(name: str, losses: list[float], reference: list[float]) -> str:
 def main(root: Path) -> int:
     summaries = {str(p.parent.relative_to(root)): json.loads(p.read_text()) for p in sorted(root.rglob("summary.json"))}
     print(f"{'run':<26} {'strategy':<10} {'world':>5} {'device':<6} {'prec':<5} {'tokens/s':>10} {'step ms':>9} "
-          f"{'peak MiB':>8} {'MFU':>6} {'bytes=theory':>6}")
+          f"{'peak MiB':>8} {'MFU':>6} {'bytes=theory':>12} {'virtual':>10}")
     for name, summary in summaries.items():
         print(figures_line(name, summary))
     reference = summaries.get(REFERENCE)

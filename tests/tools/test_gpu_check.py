@@ -2,7 +2,8 @@
 
 On a GPU machine the script runs these steps on NCCL and CUDA at model=gpt2; here `--dry-run` runs
 the same steps (one-rank self-check, single in fp32 and bf16 with recomputation, a one-rank compare,
-dp, tp, every pipeline schedule, zero3 and 3d against single, the what-if on the h200's links) on
+dp, tp, every pipeline schedule, zero3 and 3d against single, a rank that hangs, the planner's what-if
+on the h200's links) on
 gloo ranks at model=tiny. What this proves: the script's steps are well formed and pass where they
 can run, so that a GPU machine's first run fails only on what is different there.
 """
@@ -24,7 +25,7 @@ def test_the_gpu_check_dry_run_passes_every_step_on_gloo(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     verdicts = {line.split()[1]: line.split()[0] for line in (tmp_path / "verdicts.txt").read_text().splitlines()}
     runs = ["single_fp32", "single_bf16_recompute", "dp", "tp", *SCHEDULES, "zero3", "3d"]
-    expected = ["pytest_gpu", "selfcheck_gloo", "compare_1rank", "whatif_nvlink", *runs,
+    expected = ["pytest_gpu", "selfcheck_gloo", "compare_1rank", "whatif_nvlink", "fault_hang", *runs,
                 *(f"losses_{name}" for name in ["dp", "tp", *SCHEDULES, "zero3", "3d"])]
     assert {name: verdicts.get(name) for name in expected} == dict.fromkeys(expected, "PASS"), verdicts
     assert "FAIL" not in verdicts.values()
