@@ -37,7 +37,7 @@ and the sends at the step's end. A Post or Wait that stands for the whole step h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from parallel.pp.actions import COMM, RECV_B, RECV_F, SEND_B, SEND_F, Action, message
 from parallel.pp.placement import Placement
@@ -45,8 +45,7 @@ from parallel.pp.placement import Placement
 SENDS, RECEIVES = (SEND_F, SEND_B), (RECV_F, RECV_B)
 
 
-@dataclass(frozen=True, order=True)
-class Link:
+class Link(NamedTuple):
     """The group of two pipeline ranks that carries src's messages to dst, and nothing else."""
 
     src: int
@@ -56,15 +55,15 @@ class Link:
         return f"{self.src}->{self.dst}"
 
 
-@dataclass(frozen=True)
-class Post:
+# Named tuples rather than frozen dataclasses: the run validator builds a plan of every rank for each
+# schedule, size and posting it checks, and these are made by the thousand.
+class Post(NamedTuple):
     channel: Link | None  # None: the pipeline's group
     actions: tuple[Action, ...]
     label: str = ""
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(NamedTuple):
     actions: tuple[Action, ...]
     label: str = ""
 

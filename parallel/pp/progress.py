@@ -27,7 +27,7 @@ Nothing is timed here: the simulator (simulator.py) times the lists.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 from parallel.pp.actions import Action, message
@@ -43,31 +43,32 @@ class PlanInvalid(ValueError):
     for an op never posted."""
 
 
-@dataclass(eq=False)
 class Op:
-    rank: int
-    action: Action
-    line: tuple       # (channel, sender, receiver): where it is matched
-    what: tuple       # the message: (direction, microbatch, receiving virtual stage)
-    group: Group
-    index: int = 0    # its place among the sends (or receives) of its line
-    active: bool = False
-    done: bool = False
+    """One send or receive as posted: where it is matched (`line`: channel, sender, receiver) and
+    its place there, the message it is about, its group, and whether it is active and done."""
 
-    @property
-    def sends(self) -> bool:
-        return self.action.op in SENDS
+    __slots__ = ("rank", "action", "line", "what", "group", "index", "sends", "active", "done")
+
+    def __init__(self, rank: int, action: Action, line: tuple, what: tuple, group: Group):
+        self.rank, self.action, self.line, self.what, self.group = rank, action, line, what, group
+        self.sends = action.op in SENDS
+        self.index, self.active, self.done = 0, False, False
 
     def __str__(self) -> str:
         return f"rank {self.rank} {self.action}"
 
 
-@dataclass(eq=False)
 class Group:
-    rank: int
-    channel: object
-    ops: list[Op] = field(default_factory=list)
-    done: bool = False
+    """One Post: its ops, and how many of them are not complete yet."""
+
+    __slots__ = ("rank", "channel", "ops", "pending")
+
+    def __init__(self, rank: int, channel):
+        self.rank, self.channel, self.ops, self.pending = rank, channel, [], 0
+
+    @property
+    def done(self) -> bool:
+        return self.pending == 0
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ class Play:
         self.steps, self.placement, self.nccl = steps, placement, rules == "nccl"
         self.rules = rules
         self.cursor = [0] * len(steps)
-        self.ops: dict[tuple[int, Action], Op] = {}
+        self.ops: list[dict[Action, Op]] = [{} for _ in steps]  # each rank's posted ops
         self.queues: dict[tuple, deque] = {}   # (rank, channel) -> its groups not complete, oldest first
         self.lines: dict[tuple, list[list[Op]]] = {}  # line -> [sends, receives] in posting order
         self.woken: deque = deque(range(len(steps)))
@@ -105,21 +106,27 @@ class Play:
 
     # -- posting and completing --------------------------------------------------------------------
     def post(self, rank: int, step: Post) -> None:
-        group = Group(rank, step.channel)
+        group, lines = Group(rank, step.channel), self.lines
         for a in step.actions:
             src, dst, what = message(rank, a, self.placement)
-            op = Op(rank, a, (step.channel, src, dst), what, group)
-            sends, receives = self.lines.setdefault(op.line, [[], []])
+            line = (step.channel, src, dst)
+            op = Op(rank, a, line, what, group)
+            if line not in lines:
+                lines[line] = ([], [])
+            sends, receives = lines[line]
             mine, theirs = (sends, receives) if op.sends else (receives, sends)
             op.index = len(mine)
             mine.append(op)
-            match = theirs[op.index] if op.index < len(theirs) else None
-            if match is not None and match.what != what:
-                raise PlanInvalid(f"{op} is matched with {match}, another message: messages between two ranks "
-                                  "are matched in the order they were posted")
+            if op.index < len(theirs) and theirs[op.index].what != what:
+                raise PlanInvalid(f"{op} is matched with {theirs[op.index]}, another message: messages between "
+                                  "two ranks are matched in the order they were posted")
             group.ops.append(op)
-            self.ops[rank, a] = op
-        queue = self.queues.setdefault((rank, step.channel), deque())
+            self.ops[rank][a] = op
+        group.pending = len(group.ops)
+        key = (rank, step.channel)
+        if key not in self.queues:
+            self.queues[key] = deque()
+        queue = self.queues[key]
         queue.append(group)
         if not self.nccl or len(queue) == 1:
             self.starting.append(group)
@@ -152,9 +159,9 @@ class Play:
         op.done = True
         self.woken.append(op.rank)
         group = op.group
-        if group.done or not all(o.done for o in group.ops):
+        group.pending -= 1
+        if group.pending:
             return
-        group.done = True
         queue = self.queues[group.rank, group.channel]
         queue.remove(group)
         if self.nccl and queue:
@@ -163,24 +170,22 @@ class Play:
     # -- the ranks ---------------------------------------------------------------------------------
     def waits_for(self, rank: int, step: Wait) -> list[Op]:
         """The ops of `step` not complete yet (on NCCL: not in a complete group)."""
-        pending = []
+        posted = self.ops[rank]
         for a in step.actions:
-            if (rank, a) not in self.ops:
+            if a not in posted:
                 raise PlanInvalid(f"rank {rank} waits for {a}, which it has not posted")
-            op = self.ops[rank, a]
-            if not (op.group.done if self.nccl else op.done):
-                pending.append(op)
-        return pending
+        ops = [posted[a] for a in step.actions]
+        return [op for op in ops if op.group.pending] if self.nccl else [op for op in ops if not op.done]
 
     def advance(self, rank: int) -> None:
-        steps = self.steps[rank]
-        while self.cursor[rank] < len(steps):
-            step = steps[self.cursor[rank]]
-            if isinstance(step, Wait) and self.waits_for(rank, step):
+        steps, cursor = self.steps[rank], self.cursor
+        while cursor[rank] < len(steps):
+            step = steps[cursor[rank]]
+            if type(step) is Wait and self.waits_for(rank, step):
                 return
-            if isinstance(step, Post):
+            if type(step) is Post:
                 self.post(rank, step)
-            self.cursor[rank] += 1
+            cursor[rank] += 1
 
     def run(self) -> Deadlock | None:
         while self.woken:
