@@ -26,9 +26,11 @@ records under each backend's rules, so what is proven is what runs. Three postin
            link, and NCCL's rules add no wait that gloo's do not have.
     runs   the posting the executor first used on GPUs, kept to show why it was replaced: each run of
            consecutive sends and receives one Post on the pipeline group where it stands, its
-           receives waited for right after. On NCCL one group runs after the previous one on the
-           same communicator, so a rank's send can sit behind its own receive from a peer whose
-           matching group sits behind a receive of its own (progress.py finds the cycle).
+           receives waited for right after (that executor also waited at once for a run of several
+           sends and no receive, which no shipped schedule has). On NCCL one group runs after the
+           previous one on the same communicator, so a rank's receive can sit behind its own send,
+           whose match the peer posts only after a group that needs that very receive (progress.py
+           finds the cycle).
 
 In all three a receive is waited for at its place in the list (before the compute that needs it)
 and the sends at the step's end. A Post or Wait that stands for the whole step has a `label`
