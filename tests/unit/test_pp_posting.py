@@ -81,15 +81,14 @@ def test_every_schedule_finishes_as_the_executor_posts_it_on_each_backend():
     assert cycled_before == {"interleaved_1f1b", "zbv", "dualpipev"}
 
 
-def test_the_grid_holds_every_preset_and_tested_size():
-    """Every pipeline preset's microbatches, and the p and m the run tests use, are in the grid."""
+def test_the_grid_holds_every_preset():
+    """Every pipeline preset's schedule, chunk count and microbatches are in the grid (the run tests
+    use p 2 and 4, m 2 to 8: inside it too)."""
     presets = [yaml.safe_load(path.read_text()) for path in (PROJECT_ROOT / "conf" / "parallel").glob("*.yaml")]
     scheduled = [c for c in presets if c.get("schedule")]
     assert scheduled and all(c["microbatches"] in MICROBATCHES for c in scheduled)
     assert all(c["schedule"] in SCHEDULES and c.get("virtual_stages", 1) in VIRTUAL.get(c["schedule"], (1,))
                for c in scheduled)
-    tested = {(2, 2), (2, 3), (2, 4), (4, 3), (4, 4), (4, 8)}  # tests/runs/test_pp*.py, test_combined.py
-    assert all(p in STAGES and m in MICROBATCHES for p, m in tested)
 
 
 @pytest.mark.parametrize("posting", ["gloo", "nccl", "runs"])
