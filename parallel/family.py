@@ -53,13 +53,14 @@ def option_keys(cls: type, configurable_only: bool = False) -> dict[str, str]:
 class Check:
     """What a family's rules see of a request: the model, the layout with every family's record, the
     entry that runs it and the one asked for (a preset that runs as another may still be refused
-    for what it asked)."""
+    for what it asked), and the backend whose rules its communication will run under."""
 
     model: GPTConfig
     layout: Layout
     spec: StrategySpec
     requested: StrategySpec
     entries: Mapping[str, StrategySpec] = field(default_factory=dict)  # the registry, for naming alternatives
+    backend: str | None = None  # the run's: gloo or nccl (None: one process, or not known)
 
     @property
     def dims(self) -> ParallelDims:

@@ -265,14 +265,14 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
             f"model.vocab_size={model.vocab_size} is below 256, but the data is byte-level (token ids 0..255): "
             "use model.vocab_size=256 (or more)"
         )
-    strategy, layout = _checked_layout(cfg, model, env.world_size)
+    backend = choose_backend(cfg.parallel.backend, cuda_available) if env.world_size > 1 else None
+    strategy, layout = _checked_layout(cfg, model, env.world_size, backend)
     _check_steps(t.steps, t.warmup_steps)
     _check_precision(t.precision)
     check_recompute(layout.recompute, strategy, spec_of(strategy))
     _check_faults(t, env.world_size)
     _check_checkpoints(t, strategy)
     resume_from, start_step = _resume_point(t, model, cfg)
-    backend = choose_backend(cfg.parallel.backend, cuda_available) if env.world_size > 1 else None
     return RunPlan(
         strategy=strategy, model=model, layout=layout, backend=backend,
         device_type=choose_device_type(cfg.parallel.backend, backend, cuda_available),
@@ -283,10 +283,11 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
     )
 
 
-def _checked_layout(cfg, model: GPTConfig, world_size: int) -> tuple[str, Layout]:
+def _checked_layout(cfg, model: GPTConfig, world_size: int, backend: str | None) -> tuple[str, Layout]:
     """The entry that runs the request and its layout, every family's rule passed: the dimensions,
     each family's options (each record checks its values), the route table, the rules every entry
-    shares, the global batch's split, then every family's refusals and those across families."""
+    shares, the global batch's split, then every family's refusals (under `backend`'s rules, where
+    they depend on it: the pipeline's) and those across families."""
     p, t = cfg.parallel, cfg.train
     dims = _resolve_dims(world_size, p)
     requested = spec_of(p.name)
@@ -296,7 +297,7 @@ def _checked_layout(cfg, model: GPTConfig, world_size: int) -> tuple[str, Layout
     dims.check_batch(t.global_batch, p.microbatches)
     layout = Layout(dims=dims, microbatches=p.microbatches, microbatch_size=t.global_batch // dims.dp // p.microbatches,
                     recompute=t.get("recompute", "none"), precision=t.precision, options=options)
-    check_rules(Check(model, layout, spec, requested, REGISTRY))
+    check_rules(Check(model, layout, spec, requested, REGISTRY, backend))
     return strategy, layout
 
 

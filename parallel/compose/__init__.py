@@ -26,7 +26,7 @@ def _build_combined(model, plan, ctx):
     return build_combined(model, plan, ctx)
 
 
-PIPELINE = ("schedule", "virtual_stages", "layers")
+PIPELINE = ("schedule", "virtual_stages", "layers", "posting")  # posting: the executor's own (parallel/pp/posting.py)
 SYNC = ("grad_sync", "bucket_mb", "zero")  # each stage's dp sync: all-reduce or ZeRO-1/2
 
 ENTRIES = (

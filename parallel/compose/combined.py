@@ -42,8 +42,10 @@ import torch.nn as nn
 from parallel.compose.cp_pipeline import ContextParallelPipeline
 from parallel.core.model import GPT, token_loss_sum
 from parallel.cp.transform import parallelize_cp
+from parallel.dist.groups import link_groups
 from parallel.pp.executor import PipelineParallel, global_named_parameters
 from parallel.pp.options import PPOptions
+from parallel.pp.posting import pipeline_links, posting_for
 from parallel.pp.schedules import schedule_placement
 from parallel.pp.split import split_model
 from parallel.strategy import make_optimizer
@@ -73,9 +75,13 @@ def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
         parallelize_cp(model, cp_comm, cut.cp_kind)
     # 2. The pipeline cut: this rank's chunks (virtual stages r, r + p, ... on the loop; r and
     #    2p-1-r on the V of zbv and dualpipev).
+    placement = schedule_placement(pipeline.schedule, pp_comm.size, pipeline.virtual_stages)
     chunks = split_model(model, pp_comm.size, pipeline.virtual_stages, pp_comm.rank,
-                         list(pipeline.layers) if pipeline.layers else None,
-                         schedule_placement(pipeline.schedule, pp_comm.size, pipeline.virtual_stages))
+                         list(pipeline.layers) if pipeline.layers else None, placement)
+    # How the stages post their sends and receives: the backend's own posting unless parallel.pp_posting
+    # says; NCCL's posts each on its link, a 2-rank group of one direction (parallel/pp/posting.py).
+    posting = posting_for(pipeline.posting, plan.backend)  # the posting the validator proved
+    links = link_groups(ctx, pipeline_links(placement)) if posting == "nccl" and pp_comm.size > 1 else {}
     named = global_named_parameters(chunks)
     # 3. The dp dimension over this stage's own parameters: plain all-reduce, or ZeRO-1/2 (the
     #    ZeroOptimizer is then the sync and the optimizer in one, its parts the stage's pieces).
@@ -103,7 +109,7 @@ def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
         chunks, **runner, pp_comm=pp_comm, dp_comm=dp_comm, schedule=pipeline.schedule,
         microbatches=plan.microbatches, virtual=pipeline.virtual_stages, optimizer=optimizer, sync=sync,
         full_parameters=full_parameters, d_model=model.config.d_model,
-        stage_loss=stage_loss, shards=shards, tp_comm=tp_comm,
+        stage_loss=stage_loss, shards=shards, tp_comm=tp_comm, posting=posting, links=links,
         # Under sequence parallelism tp rank i of one stage sends only its piece of the sequence,
         # b·(s/tp)·h, exactly what tp rank i of the next stage needs (Megatron does the same).
         boundary_seq_parts=tp_comm.size if sequence_parallel else 1,

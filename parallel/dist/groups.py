@@ -170,6 +170,24 @@ def add_layout_groups(ctx: DistContext) -> DistContext:
     return ctx
 
 
+def link_groups(ctx: DistContext, links, name: str = "pp") -> dict:
+    """One group of two ranks per link (src, dst), in pipeline ranks, of every pipeline of the
+    layout; this rank's, by link. Each carries one direction of one neighbour pair, so that on NCCL
+    its ops queue behind nothing but that direction's own (parallel/pp/posting.py). Collective:
+    every rank makes every pipeline's groups, in the same order (`links` is computed alike on all).
+    Each gets the run's timeout, and its Communicator logs under `name`, the pipeline group's, so
+    the bytes of every link add up to the pipeline's figures."""
+    timeout = default_group_timeout()
+    mine = {}
+    for pipeline in ctx.dims.group_ranks("pp"):  # global ranks in pipeline-rank order
+        for link in links:
+            members = [pipeline[link.src], pipeline[link.dst]]
+            group = dist.new_group(members, timeout=timeout)
+            if ctx.rank in members:
+                mine[link] = Communicator(name, group, ctx.log)
+    return mine
+
+
 def default_group_timeout() -> datetime.timedelta:
     """The timeout the default process group was made with (parallel.timeout_s)."""
     return group_timeout(dist.group.WORLD)

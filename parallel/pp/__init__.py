@@ -1,16 +1,19 @@
 """Pipeline parallelism: schedules as data, the simulator that checks them, the runner that runs them.
 
   actions.py         the vocabulary: F, B, W and the sends and receives around them
+  posting.py         how the executor posts the sends and receives, per backend, as data
+  progress.py        whether a posting finishes under gloo's or NCCL's rules, else its first cycle
   placement.py       which rank holds which virtual stage (loop or V)
   schedules.py       GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V, DualPipeV as lists of actions
   zero_bubble.py     the zero-bubble schedules: backward split into B and W, W moved into the bubbles
   split_backward.py  one chunk's backward in those two halves
   simulator.py       schedules run on given costs, and checked (deadlock-free, every action once)
   split.py           the one GPT cut into pipeline pieces
-  executor.py        a schedule run for real over the pp communicator
+  executor.py        a schedule run for real over the pp communicator (and, posting as on NCCL, its links)
   timeline.py        what every rank did when: measured bubble beside the simulator's
-  options.py         its options: the schedule, the chunks per rank, the layers of each
-  rules.py           its refusals (schedule, split, the recipe's dp sync; why it refuses MoE)
+  options.py         its options: the schedule, the chunks per rank, the layers of each, the posting
+  rules.py           its refusals (schedule, split, a posting that would hang, the recipe's dp sync;
+                     why it refuses MoE)
   search.py          the options the planner tries on a layout
   theory.py          its closed forms: the p2p bytes per step from the placement alone, the saved
                      activations walked along each rank's list (a schedule's bubble is in its record)
@@ -43,6 +46,7 @@ def _report(plan, rank_reports: list[dict], run_dir) -> dict:
     simulated and closed-form bubble (parallel/pp/timeline.py)."""
     if not plan.spec.uses(PPOptions) or rank_reports[0]["pipeline_spans"] is None:
         return {}
+    from parallel.pp.posting import posting_for
     from parallel.pp.timeline import pipeline_report
 
     options = plan.layout.of(PPOptions)
@@ -50,6 +54,7 @@ def _report(plan, rank_reports: list[dict], run_dir) -> dict:
              if r["coords"]["dp"] == 0 and r["coords"]["tp"] == 0]
     block = pipeline_report(spans, options.schedule, plan.dims.pp, plan.microbatches, options.virtual_stages)
     block["executed_by_rank"] = [r["pipeline_executed"] for r in rank_reports]
+    block["posting"] = posting_for(options.posting, plan.backend)  # how its sends and receives were posted
     return {"pipeline": block}
 
 

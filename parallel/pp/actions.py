@@ -14,9 +14,12 @@
     SEND_B   send the gradient of the chunk's input to the previous virtual stage
     RECV_B   receive the gradient of the chunk's output from the next virtual stage
   A RECV is placed right before the compute that consumes it and a SEND right after the compute
-  that produces it. Sends are posted without waiting (isend); a receive waits until its message
-  has arrived. Under those rules a list of actions deadlocks only if its compute order does, which
-  the simulator rules out. A boundary inside one rank (the V placement's turn) has no send and no
+  that produces it. Under gloo's rules a send is posted without waiting (isend) and a receive waits
+  until its message has arrived: a list of actions then deadlocks only if its compute order does,
+  which the simulator rules out. Under NCCL's a send completes only once its receive is running,
+  and the ops posted on one communicator run in order, so how the executor posts the sends and
+  receives matters too: posting.py writes that down per backend, progress.py proves it finishes.
+  A boundary inside one rank (the V placement's turn) has no send and no
   receive: the rank's next chunk takes the output directly, and that order is the rank's own.
 * Messages between two ranks are matched in the order they were posted (gloo and NCCL alike; no
   tag tells two same-shaped activations apart), so each rank must post its receives from a peer

@@ -2,20 +2,30 @@
 
 Each rank walks its list. Forward and backward run its chunks; in a schedule that splits the
 backward (zero_bubble.py), B computes only the chunk's input gradient and W, later, its weight
-gradients (split_backward.py). Runs of consecutive sends and receives are posted together
-(batch_isend_irecv through the communication log), then the receives are waited on before the
-compute that needs them, and the sends are waited on at the end of the step.
+gradients (split_backward.py). Its sends and receives are made as its posting plan says
+(posting.py), the very records progress.py proves finish under the backend's rules: which ops are
+posted together (one batch_isend_irecv through the communication log), on which group, and where
+the rank waits for them. A receive is waited for right before the compute that needs it and the
+sends at the end of the step, whatever the posting; what changes is where a receive is posted:
 
-On gloo every receive of the step is posted at its start instead, in the list's order (which
-is each peer's send order, actions.py): a send then finds its receive already posted and its
-message moves on gloo's threads while this rank computes, so the wait at the RECV's place in the
-list is for data that has mostly arrived. (bench/pp_action_overhead.py measures the walk's own
-cost per action beside the chunk's compute.) The list itself, what the simulator and the
-timeline read, is unchanged; only where a receive is posted moves. On a GPU (NCCL) a batch may
-become one work whose wait covers every receive in it, so there each run of the list is posted
-where it stands. Activations cross
-stage boundaries as (microbatch, seq, d_model) fp32 tensors (under bf16 autocast too: a chunk
-ends with a block or the embedding, whose residual stream stays fp32).
+* gloo (the default on gloo): every receive of the step at its start, in the list's order (each
+  peer's send order, actions.py), on the pipeline group; each run of sends where it stands. A send
+  finds its receive already posted and its message moves on gloo's threads while this rank computes.
+* nccl (the default on NCCL): every receive at the step's start too, but each on its own link, the
+  2-rank group of one direction of one neighbour pair (made by parallel/dist/groups.py
+  `link_groups`), and each send on its link where it stands. On NCCL the groups posted on one
+  communicator run one after the other and a send waits for its receive to be running, so one
+  group for the whole pipeline deadlocks some schedules (progress.py shows the cycle); with a
+  link per direction nothing queues behind anything but its own direction's messages. It runs on
+  gloo too (parallel.pp_posting=nccl), which is how the CPU tests reach it.
+
+Every link's Communicator logs under "pp", the pipeline group's name, so the bytes per group are
+what they were. (bench/pp_action_overhead.py measures the walk's own cost per action beside the
+chunk's compute.) The list itself, what the simulator and the timeline read, is unchanged: the
+timeline's spans are stamped by the step's clock (CUDA events on a GPU, the wall clock on the
+CPU), and `executed` reaches a send where it is posted and a receive where it is waited for.
+Activations cross stage boundaries as (microbatch, seq, d_model) fp32 tensors (under bf16
+autocast too: a chunk ends with a block or the embedding, whose residual stream stays fp32).
 
 Which rank holds which virtual stage is the schedule's placement (placement.py): the loop, or the
 V, where rank r holds stages r and 2p-1-r. A boundary inside one rank (the V's turn) sends
@@ -42,8 +52,9 @@ import torch.nn as nn
 
 from parallel.core.data import Batch
 from parallel.core.model import token_loss_sum
-from parallel.dist.comm import Communicator
-from parallel.pp.actions import COMM, RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, splits_backward
+from parallel.dist.comm import Communicator, Handle
+from parallel.pp.actions import RECV_F, SEND_B, SEND_F, Action, B, F, W, splits_backward
+from parallel.pp.posting import RECEIVES, SENDS, Link, Post, Wait, channels, posting_plan
 from parallel.pp.schedules import build_schedule, schedule_placement
 from parallel.pp.split import PipelineChunk
 from parallel.pp.split_backward import SplitBackward
@@ -58,7 +69,8 @@ class PipelineParallel(Strategy):
     def __init__(self, chunks: list[PipelineChunk], *, pp_comm: Communicator, dp_comm: Communicator | None,
                  schedule: str, microbatches: int, virtual: int, optimizer, sync: GradSync, full_parameters: int,
                  d_model: int, stage_loss=token_loss_sum, boundary_seq_parts: int = 1, shards: ParameterCut,
-                 tp_comm: Communicator | None = None):
+                 tp_comm: Communicator | None = None, posting: str = "gloo",
+                 links: dict[Link, Communicator] | None = None):
         self._full_parameters = full_parameters
         self.stages = pp_comm.size
         self.pp_rank = pp_comm.rank
@@ -79,10 +91,17 @@ class PipelineParallel(Strategy):
         # Whether B is only the input gradient and W the weights' (then the gradient sync's
         # microbatch moments are around W, the action that accumulates into .grad).
         self.split = splits_backward(plans)
-        # The walk, computed once: each action, or a run of sends and receives as one item.
-        self.walk = _runs(self.actions)
+        # The walk, computed once: the list with its sends and receives as the posting posts them.
+        self.posting, self.plan = posting, posting_plan(posting, self.actions, self.pp_rank, self.placement)
+        self.links = links or {}  # the link groups the nccl posting posts on (parallel/dist/groups.py)
+        missing = channels(self.plan) - set(self.links)
+        if missing:
+            raise ValueError(f"the {posting} posting posts on links {sorted(map(str, missing))}, whose groups "
+                             "were not given")
         self.executed: list[Action] = []  # the order actually run in the last step (tests compare it with the schedule)
-        self.spans: list[dict] = []  # the last step's timeline: one record per action
+        self._spans: list[dict] = []  # the last step's timeline: one record per action (see `spans`)
+        self._origin = None  # on a GPU: the last step's origin event and its wall time
+        self._device_clock = None  # on a GPU: the step's clock, whose events stamp the spans
 
     def full_parameter_count(self) -> int:
         return self._full_parameters
@@ -110,33 +129,53 @@ class PipelineParallel(Strategy):
         rank, chunk = self.placement.location(vstage)
         return chunk if rank == self.pp_rank else None
 
-    def _span(self, a: Action, kind: str, start: float, end: float) -> None:
-        self.spans.append({"name": str(a), "kind": kind, "mb": a.mb, "chunk": a.chunk, "start": start, "end": end})
+    def _span(self, name: str, kind: str, a: Action | None, start, end) -> None:
+        self._spans.append({"name": name, "kind": kind, "mb": a.mb if a else -1, "chunk": a.chunk if a else -1,
+                            "start": start, "end": end})
+
+    def _now(self):
+        """A stamp of the step's clock: on a GPU a CUDA event on the stream that runs the work (so a
+        span lasts as long as the device spent on it); on the CPU the wall clock."""
+        return self._device_clock.now() if self._device_clock is not None else time.time()
+
+    @property
+    def spans(self) -> list[dict]:
+        """The last step's timeline, one record per compute, post and wait, in seconds on the wall
+        axis (pp/timeline.py puts the ranks of a machine side by side on it). On a GPU the stamps are
+        events, read once here: seconds from the step's origin event, plus the origin's wall time."""
+        if self._origin is None:
+            return self._spans
+        origin, wall = self._origin
+
+        def at(event) -> float:
+            event.synchronize()
+            return wall + origin.elapsed_time(event) / 1e3  # elapsed_time is in ms
+
+        return [{**s, "start": at(s["start"]), "end": at(s["end"])} for s in self._spans]
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, microbatches: list[Batch], global_tokens: int) -> torch.Tensor:
         self.phases("other", "zero_grad")
         self.zero_grad()
-        self.executed, self.spans = [], []
+        self._start_clock()
+        self.executed, self._spans = [], []
         device = microbatches[0].inputs.device
         act_shape = self._activation_shape(microbatches[0])
         inputs: dict[tuple[int, int], torch.Tensor] = {}    # received activations (leaves with grad)
         outputs: dict[tuple[int, int], torch.Tensor] = {}   # chunk outputs, or the loss on the last stage
         out_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients of the outputs
         pending: dict[tuple[int, int], SplitBackward] = {}  # B done, W not yet
-        sends = []
-        # On the CPU (gloo: one work per op) receives are posted ahead of their place (see above).
-        prepost = device.type == "cpu"
-        received = self._post_receives(inputs, out_grads, act_shape, device) if prepost else None
+        handles: dict[Action, Handle] = {}                  # each posted send and receive's work
         local_loss = torch.zeros((), device=device)
-        for a in self.walk:
-            if isinstance(a, tuple):  # a run of sends and receives
-                self.phases("p2p", " ".join(str(b) for b in a))
-                sends += self._exchange(a, inputs, outputs, out_grads, act_shape, device, received)
-                self.executed += a
+        for a in self.plan:
+            if isinstance(a, Post):
+                self._post(a, handles, inputs, outputs, out_grads, act_shape, device)
+                continue
+            if isinstance(a, Wait):
+                self._wait(a, handles, inputs)
                 continue
             self.phases(KIND[a.op], str(a))  # forward, backward, or weight (W, a split backward's second half)
-            start = time.time()
+            start = self._now()
             if a.op == F:
                 self._forward(a, microbatches[a.mb], global_tokens, inputs, outputs, local_loss)
             elif a.op == B:
@@ -144,9 +183,8 @@ class PipelineParallel(Strategy):
             else:  # W
                 with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
                     pending.pop((a.mb, a.chunk)).weight_grad()
-            self._span(a, KIND[a.op], start, time.time())
+            self._span(str(a), KIND[a.op], a, start, self._now())
             self.executed.append(a)
-        self._wait_sends(sends)
         self.phases("sync", "gradient sync")
         self.after_backward()
         self.phases("other", "finite check")
@@ -154,6 +192,14 @@ class PipelineParallel(Strategy):
         self.phases("optimizer", "optimizer step")
         self.optimizer.step()
         return local_loss
+
+    def _start_clock(self) -> None:
+        """On a GPU the spans are stamped by the step's clock (the training loop's, parallel/dist/timing.py),
+        read against its origin; without one (a bench, a test) and on the CPU, by the wall clock."""
+        clock = self.pp_comm.log.clock
+        cuda = clock is not None and clock.cuda and clock.origin is not None
+        self._device_clock = clock if cuda else None
+        self._origin = (clock.origin, clock.origin_wall) if cuda else None
 
     def _forward(self, a: Action, microbatch: Batch, global_tokens: int, inputs, outputs,
                  local_loss: torch.Tensor) -> None:
@@ -186,18 +232,14 @@ class PipelineParallel(Strategy):
         if previous is not None:  # the previous stage is this rank's own: hand the gradient back
             out_grads[(a.mb, previous)] = inputs.pop(key).grad
 
-    def _wait_sends(self, sends: list) -> None:
-        self.phases("p2p", "wait sends")
-        start = time.time()
-        for handle in sends:
-            handle.wait()
-        if sends:
-            self.spans.append({"name": "wait sends", "kind": "wait", "mb": -1, "chunk": -1, "start": start,
-                               "end": time.time()})
-
-    def _receive(self, a: Action, inputs, out_grads, act_shape, device) -> tuple:
-        """A receive's buffer, placed where its compute will look for it, and its op."""
+    def _op(self, a: Action, inputs, outputs, out_grads, act_shape, device) -> tuple:
+        """A send's tensor, or a receive's buffer placed where its compute will look for it, as an op
+        for `Communicator.batch_p2p` (peer: a pipeline rank)."""
         key, vs = (a.mb, a.chunk), self._vstage(a)
+        if a.op == SEND_F:
+            return ("send", outputs[key].detach(), self._peer(vs + 1), f"pp/fwd/{vs}->{vs + 1}")
+        if a.op == SEND_B:
+            return ("send", inputs.pop(key).grad, self._peer(vs - 1), f"pp/bwd/{vs}->{vs - 1}")
         buf = torch.empty(act_shape, device=device)
         if a.op == RECV_F:
             inputs[key] = buf
@@ -205,53 +247,34 @@ class PipelineParallel(Strategy):
         out_grads[key] = buf
         return ("recv", buf, self._peer(vs + 1), f"pp/bwd/{vs + 1}->{vs}")
 
-    def _post_receives(self, inputs, out_grads, act_shape, device) -> dict:
-        """Post every receive of the step now, in the list's order; their handles by action."""
-        receives = [a for a in self.actions if a.op in (RECV_F, RECV_B)]
-        if not receives:
-            return {}
-        start = time.time()
-        handles = self.pp_comm.batch_p2p([self._receive(a, inputs, out_grads, act_shape, device) for a in receives])
-        self.spans.append({"name": "post receives", "kind": "p2p", "mb": -1, "chunk": -1, "start": start,
-                           "end": time.time()})
-        return dict(zip(receives, handles))
+    def _post(self, step: Post, handles: dict, *buffers) -> None:
+        """One batch_isend_irecv on the step's group; each action's handle (a coalesced batch's one work
+        stands for all its ops). A send is reached here, in the list's order."""
+        comm = self.pp_comm if step.channel is None else self.links[step.channel]
+        ops = [self._op(a, *buffers) for a in step.actions]
+        ops = [(kind, tensor, comm.global_ranks.index(self.pp_comm.global_ranks[peer]), tag)
+               for kind, tensor, peer, tag in ops]
+        name = f"post {step.label or ' '.join(map(str, step.actions))}"
+        self.phases("p2p", name)
+        start = self._now()
+        posted = comm.batch_p2p(ops)
+        self._span(name, "p2p", None if step.label else step.actions[0], start, self._now())
+        one_each = len(posted) == len(ops)
+        handles.update({a: posted[k if one_each else 0] for k, a in enumerate(step.actions)})
+        self.executed += [a for a in step.actions if a.op in SENDS]
 
-    def _exchange(self, batch: tuple[Action, ...], inputs, outputs, out_grads, act_shape, device,
-                  received: dict | None) -> list:
-        """Post one run's sends (and, unless posted at the step's start, its receives) together;
-        wait for its receives; return the sends."""
-        ops, receives = [], []
-        for a in batch:
-            key, vs = (a.mb, a.chunk), self._vstage(a)
-            if a.op == SEND_F:
-                ops.append(("send", outputs[key].detach(), self._peer(vs + 1), f"pp/fwd/{vs}->{vs + 1}"))
-            elif a.op == SEND_B:
-                ops.append(("send", inputs.pop(key).grad, self._peer(vs - 1), f"pp/bwd/{vs}->{vs - 1}"))
-            elif received is None:
-                receives.append(len(ops))
-                ops.append(self._receive(a, inputs, out_grads, act_shape, device))
-        label = " ".join(str(a) for a in batch)
-        start = time.time()
-        handles = self.pp_comm.batch_p2p(ops) if ops else []
-        posted = time.time()
-        coalesced = len(handles) != len(ops)
-        if received is not None:
-            waited = [received[a] for a in batch if a.op in (RECV_F, RECV_B)]
-        else:
-            waited = handles if coalesced else [handles[k] for k in receives]
-        for handle in waited:
+    def _wait(self, step: Wait, handles: dict, inputs) -> None:
+        """Wait for the step's sends or receives (each work once). A receive is reached here."""
+        name = f"wait {step.label or ' '.join(map(str, step.actions))}"
+        self.phases("p2p", name)
+        start = self._now()
+        for handle in dict.fromkeys(handles[a] for a in step.actions):
             handle.wait()
-        for a in batch:
+        for a in step.actions:
             if a.op == RECV_F:
                 inputs[(a.mb, a.chunk)].requires_grad_(True)
-        # Two spans: posting the sends and receives, then waiting for the receives to arrive.
-        if ops:
-            self._span(batch[0], "p2p", start, posted)
-            self.spans[-1]["name"] = f"post {label}"
-        if waited:
-            self._span(batch[0], "wait", posted, time.time())
-            self.spans[-1]["name"] = f"wait {label}"
-        return [] if coalesced else [h for k, h in enumerate(handles) if k not in receives]
+        self._span(name, "wait", None if step.label else step.actions[0], start, self._now())
+        self.executed += [a for a in step.actions if a.op in RECEIVES]
 
     # -- results ----------------------------------------------------------------------------------
     def global_loss(self, local_loss: torch.Tensor) -> float:
@@ -297,26 +320,9 @@ class PipelineParallel(Strategy):
         return self.sync.memory() or super().memory_report()
 
     def close(self) -> None:
-        for comm in (self.pp_comm, self.dp_comm, self.tp_comm):
+        for comm in (self.pp_comm, self.dp_comm, self.tp_comm, *self.links.values()):
             if comm is not None:
                 comm.wait_all()
-
-
-def _runs(actions: list[Action]) -> list:
-    """The list as the executor walks it: each compute action alone, each run of consecutive
-    sends and receives as one tuple (posted together)."""
-    walk, run = [], []
-    for a in actions:
-        if a.op in COMM:
-            run.append(a)
-            continue
-        if run:
-            walk.append(tuple(run))
-            run = []
-        walk.append(a)
-    if run:
-        walk.append(tuple(run))
-    return walk
 
 
 def global_named_parameters(chunks: list[PipelineChunk]) -> list[tuple[str, nn.Parameter]]:

@@ -1,4 +1,5 @@
-"""Pipeline parallelism's options: the schedule, the chunks per rank, and how the layers split."""
+"""Pipeline parallelism's options: the schedule, the chunks per rank, how the layers split, and how
+the sends and receives are posted."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from parallel.family import option
+from parallel.pp.posting import CHOICES
 from parallel.pp.schedules import SCHEDULES
 from parallel.spec import ConfigError
 
@@ -21,6 +23,9 @@ class PPOptions:
     virtual_stages: int = option(1)
     # parallel.pp_layers: the blocks of each virtual stage, e.g. (3, 5); None: an even split
     layers: tuple[int, ...] | None = option(None, key="pp_layers")
+    # parallel.pp_posting: how the executor hands its sends and receives to the backend (posting.py):
+    # auto, the backend's own; nccl on gloo runs the GPU's posting on the CPU
+    posting: str = option("auto", key="pp_posting")
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -29,5 +34,8 @@ class PPOptions:
         v = self.virtual_stages
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"parallel.virtual_stages={v!r} must be an integer >= 1")
+        if self.posting not in CHOICES:
+            raise ConfigError(f"parallel.pp_posting={self.posting!r}: choose one of {', '.join(CHOICES)} "
+                              "(auto: the backend's own posting; nccl on gloo runs the GPU's posting on the CPU)")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(self.layers))

@@ -2,8 +2,10 @@
 
 For every entry the pipeline cuts (the schedule's name is its options record's own check): the layers' split into
 pp x virtual pieces, the schedule's own rule on (pp, m, v) and the entry's (PyTorch's schedules
-refuse some that ours run); for the pipeline recipe's dp sync, bucketed all-reduce against virtual
-stages. And why a pipeline refuses a mixture of experts (docs/experts.md).
+refuse some that ours run); for the entries this project's executor runs, that the lists finish
+under the run's backend as the executor posts them (a schedule that would hang is refused here,
+naming its first cycle, not met as a hang); for the pipeline recipe's dp sync, bucketed all-reduce
+against virtual stages. And why a pipeline refuses a mixture of experts (docs/experts.md).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.family import Check
 from parallel.pp.options import PPOptions
 from parallel.pp.placement import V
+from parallel.pp.posting import posting_for
+from parallel.pp.progress import RULES, PlanInvalid, schedule_deadlock
 from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.spec import ConfigError
@@ -30,6 +34,33 @@ def pp_rules(check: Check) -> None:
     options = check.layout.of(PPOptions)
     check_pipeline(check.model, check.dims, options.schedule, check.layout.microbatches, options.virtual_stages,
                    options.layers, check.spec.schedule_check)
+    if not check.spec.honours_option(PPOptions, "posting"):
+        if options.posting != "auto":
+            raise ConfigError(f"parallel.pp_posting={options.posting} chooses how this project's pipeline executor "
+                              f"posts its sends and receives, but parallel={check.spec.name} runs PyTorch's own "
+                              "schedules, which post theirs: set parallel.pp_posting=auto")
+        return
+    if check.dims.pp > 1:
+        check_posting(options.schedule, check.dims.pp, check.layout.microbatches, options.virtual_stages,
+                      options.posting, check.backend)
+
+
+def check_posting(schedule: str, stages: int, microbatches: int, virtual: int, choice: str,
+                  backend: str | None) -> None:
+    """The schedule, as the executor will post it, must finish under the backend's rules
+    (progress.py); with no backend known, under both."""
+    for rules in (backend,) if backend is not None else RULES:
+        posting = posting_for(choice, rules)
+        try:
+            deadlock = schedule_deadlock(schedule, stages, microbatches, virtual, posting, rules)
+        except PlanInvalid as e:
+            deadlock = e
+        if deadlock is not None:
+            sizes = f"parallel.pp={stages}, parallel.microbatches={microbatches}" + (
+                f", parallel.virtual_stages={virtual}" if virtual > 1 else "")
+            raise ConfigError(f"parallel.schedule={schedule} at {sizes} cannot run on {rules} as the pipeline "
+                              f"executor posts it ({posting} posting): {deadlock}; fix the schedule's lists "
+                              "or choose another schedule")
 
 
 def check_pipeline(model: GPTConfig, dims: ParallelDims, schedule: str, microbatches: int, virtual_stages: int,

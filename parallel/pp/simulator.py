@@ -1,8 +1,11 @@
 """Run schedules (lists of actions per rank) with given costs, and check them.
 
-The simulator plays every rank's list in order under the executor's rules: a send is posted
-without waiting, a receive waits until its message has been sent, a compute takes its cost. It
-proves, for the lists it is given, that
+The simulator plays every rank's list in order under gloo's rules, the executor's on the CPU: a
+send is posted without waiting, a receive waits until its message has been sent, a compute takes
+its cost. Given a `posting` (posting.py: how the executor hands the sends and receives to a
+backend) it first plays that posting under a backend's `rules` (progress.py; NCCL's: the groups
+posted on one communicator run in order, a send completes only once its receive is running), and
+a cycle there is a deadlock too, named op by op. It proves, for the lists it is given, that
 
 * they finish: no rank waits forever for a message (a deadlock is reported with every rank's
   blocked action);
@@ -27,6 +30,8 @@ from fractions import Fraction
 
 from parallel.pp.actions import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, W, message, splits_backward
 from parallel.pp.placement import Placement
+from parallel.pp.posting import posting_plans
+from parallel.pp.progress import PlanInvalid, play
 from parallel.pp.schedules import build_schedule, schedule_placement
 
 
@@ -264,14 +269,24 @@ class Simulation:
 
 
 def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cost: Costs | StageCosts | None = None,
-             placement: Placement | None = None) -> SimResult:
+             placement: Placement | None = None, posting: str | None = None, rules: str = "gloo") -> SimResult:
     """Play the lists; `placement` says which rank holds which virtual stage (loop by default).
 
     `cost` is one Costs for every rank and chunk (the closed forms' assumption: every stage alike),
     or a mapping (rank, chunk) -> Costs for stages that differ (a measured run's: the first stage
     embeds the tokens and the last computes the head and the loss). A mapping's Costs keep the
     meaning of one: a rank's whole share, of which a chunk costs 1/v; a message's transfer is its
-    sender's."""
+    sender's. With a `posting`, the lists as the executor posts them must first finish under
+    `rules` ("gloo" or "nccl"); the times are the lists' under gloo's rules (the executor's nccl
+    posting adds no wait when messages are free: posting.py)."""
+    placement = placement or Placement(len(plans), virtual)
+    if posting is not None:
+        try:
+            deadlock = play(posting_plans(posting, plans, placement), placement, rules)
+        except PlanInvalid as e:
+            raise ScheduleInvalid(str(e)) from None
+        if deadlock is not None:
+            raise ScheduleInvalid(f"deadlock with the {posting} posting: {deadlock}")
     simulation = Simulation(plans, microbatches, virtual, cost, placement)
     simulation.play()
     simulation.check_complete()
@@ -279,7 +294,8 @@ def simulate(plans: list[list[Action]], microbatches: int, virtual: int = 1, cos
 
 
 def simulate_schedule(name: str, stages: int, microbatches: int, virtual: int = 1,
-                      cost: Costs | StageCosts | None = None) -> SimResult:
-    """Build schedule `name` and play it on its own placement."""
+                      cost: Costs | StageCosts | None = None, posting: str | None = None,
+                      rules: str = "gloo") -> SimResult:
+    """Build schedule `name` and play it on its own placement (and, given a posting, under `rules`)."""
     plans = build_schedule(name, stages, microbatches, virtual)
-    return simulate(plans, microbatches, virtual, cost, schedule_placement(name, stages, virtual))
+    return simulate(plans, microbatches, virtual, cost, schedule_placement(name, stages, virtual), posting, rules)

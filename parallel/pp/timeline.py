@@ -1,7 +1,11 @@
 """What every pipeline rank did when: the measured bubble beside the simulator's and the closed form.
 
-Each rank records one span per action of the last step (wall-clock `time.time()`, so the ranks of
-one machine share a clock). Rank 0 measures the bubble of one pipeline the same way the simulator
+Each rank records one span per action of the last step, stamped by the step's clock: on the CPU
+the wall clock (`time.time()`, so the ranks of one machine share it); on a GPU CUDA events on the
+stream that runs the work, read as seconds from the step's origin event plus the origin's wall
+time (parallel/dist/timing.py's StepClock), so that the bubble and the F, B and W times are the
+device's, and ranks are placed side by side as well as their hosts' clocks agree at each step's
+start. Rank 0 measures the bubble of one pipeline the same way the simulator
 predicts it: the share of p × (step window) in which a rank computed nothing (no F, B or W).
 The measured figure counts every such moment: posting and waiting for sends and receives, and on a
 machine with fewer cores than ranks, the time a rank waited for a core; the simulator runs the

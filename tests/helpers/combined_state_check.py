@@ -87,7 +87,7 @@ def main() -> None:
     ctx = init_distributed(env, dims, "gloo", 60.0, CommLog())
 
     layout = layout_of(dims, microbatches=MICROBATCHES, grad_sync="naive")
-    plan = SimpleNamespace(layout=layout, microbatches=MICROBATCHES, lr=LR, weight_decay=WD)
+    plan = SimpleNamespace(layout=layout, microbatches=MICROBATCHES, lr=LR, weight_decay=WD, backend=ctx.backend)
 
     def build(seed: int) -> PipelineParallel:
         return build_combined(GPT(CFG, seed=seed), plan, ctx)

@@ -218,7 +218,7 @@ CFG = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
 def _strategy(model, pp_rank, tp_rank, p=2, t=2, dp_comm=None, zero=0):
     # Building reads only the ranks and sizes of the groups; dp_comm None: no dp sync is made.
     layout = layout_of(ParallelDims(p * t, 1, tp=t, pp=p), microbatches=2, grad_sync="naive", zero=zero)
-    plan = SimpleNamespace(layout=layout, microbatches=2, lr=1e-3, weight_decay=0.1)
+    plan = SimpleNamespace(layout=layout, microbatches=2, lr=1e-3, weight_decay=0.1, backend="gloo")
     comms = {"tp": SimpleNamespace(rank=tp_rank, size=t), "pp": SimpleNamespace(rank=pp_rank, size=p), "dp": dp_comm}
     return build_combined(model, plan, SimpleNamespace(comm=comms.get))
 
