@@ -34,8 +34,9 @@ rm -rf "$RESULTS" && mkdir -p "$RESULTS"
 if [ "$DRY" -eq 1 ]; then
     BACKEND=gloo; NGPU=4; MODEL=${MODEL:-tiny}; STEPS=${STEPS:-4}; WARMUP=1
     DEVICE_ARGS=(parallel.backend=gloo)  # every rank on the CPU, as NCCL's would be on its GPU
+    POSTING=(parallel.pp_posting=nccl)   # the pipelines post their sends and receives as they will on NCCL
 else
-    BACKEND=nccl; MODEL=${MODEL:-gpt2}; STEPS=${STEPS:-12}; WARMUP=4; DEVICE_ARGS=()
+    BACKEND=nccl; MODEL=${MODEL:-gpt2}; STEPS=${STEPS:-12}; WARMUP=4; DEVICE_ARGS=(); POSTING=()
     NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 fi
 passed=0; failed=0; skipped=0
@@ -112,10 +113,10 @@ if [ "$NGPU" -ge 2 ]; then
     train dp "$NGPU" parallel=dp
     train tp 2 parallel=tp
     for schedule in pp_gpipe pp_1f1b pp_interleaved pp_zbh1 pp_zbv pp_dualpipev; do
-        train "$schedule" 2 parallel="$schedule"
+        train "$schedule" 2 parallel="$schedule" "${POSTING[@]}"
     done
     train zero3 2 parallel=zero3
-    if [ "$NGPU" -ge 4 ]; then train 3d 4 parallel=3d; else verdict SKIP 3d "needs 4 GPUs (tp 2 x pp 2), $NGPU visible"; fi
+    if [ "$NGPU" -ge 4 ]; then train 3d 4 parallel=3d "${POSTING[@]}"; else verdict SKIP 3d "needs 4 GPUs (tp 2 x pp 2), $NGPU visible"; fi
     # A rank that hangs: the job ends in one `error:` line, not a watchdog abort (NCCL adds about a minute).
     expect_error fault_hang 240 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m launch.train \
         model=tiny train.steps=6 train.warmup_steps=1 parallel=dp parallel.timeout_s=10 "${DEVICE_ARGS[@]}" \

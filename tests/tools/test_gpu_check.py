@@ -8,6 +8,7 @@ gloo ranks at model=tiny. What this proves: the script's steps are well formed a
 can run, so that a GPU machine's first run fails only on what is different there.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ def test_the_gpu_check_dry_run_passes_every_step_on_gloo(tmp_path):
                 *(f"losses_{name}" for name in ["dp", "tp", *SCHEDULES, "zero3", "3d"])]
     assert {name: verdicts.get(name) for name in expected} == dict.fromkeys(expected, "PASS"), verdicts
     assert "FAIL" not in verdicts.values()
+    # The pipelines posted their sends and receives as they will on NCCL (parallel.pp_posting=nccl).
+    for name in [*SCHEDULES, "3d"]:
+        assert json.loads((tmp_path / name / "summary.json").read_text())["pipeline"]["posting"] == "nccl", name
     selfcheck = (tmp_path / "selfcheck_gloo.log").read_text()
     # Every strategy but the one that cannot run in one process was built as itself and matched single.
     for preset in ("dp", "zero1", "zero3", "tp_sp", "pp_zbv", "cp_a2a", "ep", "torch_fsdp2", "torch_pp_dualpipev"):
