@@ -57,17 +57,20 @@ def test_one_failing_rank_ends_the_job(preset, mode, extra, own_line, tmp_path):
     assert not (run.run_dir / "summary.json").exists()
 
 
-def test_a_rank_hanging_inside_a_subgroup_ends_the_job_within_the_timeout(tmp_path):
-    """At world 4, dp 2 x tp 2, rank 1 hangs: its tp partner waits in the tp group {0, 1} and the other
-    tp group's ranks in the dp groups {0, 2} and {1, 3}, none of them the default group. Every group
-    carries parallel.timeout_s (tests/layers/test_group_timeouts.py), so the job ends within it plus
-    10 s, its first error line naming the subgroup it timed out in (torch's default would be 30 minutes)."""
+@pytest.mark.parametrize("preset,groups", [("tp", r"(tp|dp) \(ranks \[\d, \d\]\)"),
+                                           ("dp", r"dp \(ranks \[0, 1, 2, 3\]\)")])
+def test_a_rank_hanging_inside_a_subgroup_ends_the_job_within_the_timeout(preset, groups, tmp_path):
+    """At world 4 rank 1 hangs. tp (dp 2 x tp 2): its tp partner waits in the tp group {0, 1} and the
+    other tp group's ranks in the dp groups {0, 2} and {1, 3}. dp (dp 4): every other rank waits in
+    the mesh's dp group, which spans the world but is not the default group. Every group carries
+    parallel.timeout_s (tests/layers/test_group_timeouts.py), so the job ends within it plus 10 s, its
+    first error line naming the subgroup it timed out in (torch's default would be 30 minutes)."""
     timeout_s = 8
-    run, elapsed = _timed_run("tp", ["train.fail_mode=hang", "train.fail_at_step=2", "train.fail_rank=1"],
+    run, elapsed = _timed_run(preset, ["train.fail_mode=hang", "train.fail_at_step=2", "train.fail_rank=1"],
                               tmp_path, [f"parallel.timeout_s={timeout_s}"], world=4)
     assert run.returncode != 0
     assert elapsed < timeout_s + 10, f"a hang inside a subgroup took {elapsed:.0f} s to end the job"
-    assert re.search(r"error: rank \d stopped: .* over group (tp|dp) \(ranks \[\d, \d\]\).*Timed out waiting 8000ms",
+    assert re.search(rf"error: rank \d stopped: .* over group {groups}.*Timed out waiting 8000ms",
                      run.stderr), run.stderr[-3000:]
     assert not (run.run_dir / "summary.json").exists()
 
