@@ -6,15 +6,17 @@
 
 parallel/pp/executor.py walks each rank's action list in Python. Every action leaves a span in
 the step's timeline (`PipelineParallel.spans`): a compute span (F, B, W: the chunk's own work), a
-post span and a wait span (a run of sends and receives). What lies *between* two spans is the
+post span and a wait span (the sends and receives it posts together, per the posting plan of
+parallel/pp/posting.py: under gloo's posting every receive at the step's start, each send where
+it stands). What lies *between* two spans is the
 executor's own Python: finding the action's chunk and tensors, the phase log, the microbatch
 context, the span itself. Per schedule this prints, medians over the timed steps of rank 0:
 
-    actions      compute actions + communication runs per step on rank 0
+    actions      compute actions + communication posts per step on rank 0
     compute ms   the chunk's compute per compute action (forward, backward or weight)
     gap us       the executor's time per action outside every span (the per-action overhead)
     gap/compute  that overhead as a share of one action's compute: what the critical path pays
-    post us      posting one run of sends and receives (batch_isend_irecv through the log)
+    post us      one post of sends and receives (batch_isend_irecv through the log)
     wait ms      per step, waiting for receives and sends (the bubble and the peer's lateness)
 
 Defaults: model=tiny, 8 microbatches of 2 sequences: small chunks, where overhead matters most.
