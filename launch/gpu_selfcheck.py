@@ -55,15 +55,17 @@ def compose_config(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
-def one_rank_plan(preset: str, common: list[str]) -> RunPlan:
+def one_rank_plan(preset: str, common: list[str], ctx: DistContext | None = None) -> RunPlan:
     """The plan of `preset` with every dimension 1, kept as its own entry: the single run's plan
-    (the validator routes a one-rank layout there) given the preset's entry, options and microbatches."""
+    (the validator routes a one-rank layout there) given the preset's entry, options and microbatches,
+    and `ctx`'s backend and device (a one-rank plan has neither: one process makes no group)."""
     wanted = compose_config([*common, f"parallel={preset}", *ONE_RANK])
     single = build_plan(compose_config([*common, "parallel=single"]), LaunchEnv(), cuda_available=False)
     microbatches = wanted.parallel.microbatches
     layout = dataclasses.replace(single.layout, options=parse_options(wanted.parallel), microbatches=microbatches,
                                  microbatch_size=single.global_batch // microbatches)
-    return dataclasses.replace(single, strategy=wanted.parallel.name, layout=layout)
+    on = {} if ctx is None else {"backend": ctx.backend, "device_type": ctx.device.type}
+    return dataclasses.replace(single, strategy=wanted.parallel.name, layout=layout, **on)
 
 
 def one_rank_context(backend: str, device: torch.device, log: CommLog) -> DistContext:
@@ -98,7 +100,7 @@ def train_losses(plan: RunPlan, ctx: DistContext, steps: int) -> tuple[list[floa
 
 def check_strategies(ctx: DistContext, common: list[str], steps: int, only: list[str] | None) -> list[bool]:
     """Each preset's losses on one rank against the single run's, one line each."""
-    reference, _ = train_losses(one_rank_plan("single", common), ctx, steps)
+    reference, _ = train_losses(one_rank_plan("single", common, ctx), ctx, steps)
     presets = sorted(p.stem for p in (Path(CONFIG_DIR) / "parallel").glob("*.yaml"))
     results = []
     for preset in presets if only is None else only:
@@ -107,7 +109,7 @@ def check_strategies(ctx: DistContext, common: list[str], steps: int, only: list
                 print(f"skip strategy {preset}: {NOT_AT_ONE_RANK[preset]}", flush=True)
             continue
         try:
-            losses, calls = train_losses(one_rank_plan(preset, common), ctx, steps)
+            losses, calls = train_losses(one_rank_plan(preset, common, ctx), ctx, steps)
             diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
             ok = diff <= TOLERANCE
             print(f"{'ok  ' if ok else 'FAIL'} strategy {preset}: {steps} steps, {calls} calls through the backend, "
