@@ -222,7 +222,8 @@ MEMORY_ASSUMPTIONS = {
                    "(fp32 master and Adam's moments); ZeRO-k shards them over dp, each part padded to a multiple of dp",
     "activations": "what this GPT's ops save for backward (parallel/activations.py), per microbatch in flight on "
                    "the rank (the schedule's lists); for shapes the GPT lacks (GQA, SwiGLU, RMSNorm) the same ops' "
-                   "analogues, with flash attention (no s x s scores) and the loss in fp32",
+                   "analogues, the loss in fp32; the s x s attention scores where the cluster's attention is "
+                   "materialized (flash_attention: false), none under flash attention",
     "buffers": "the last stage's fp32 logits, a tp region's summed copy, ZeRO-2/3's one gathered or unsharded part",
     "fits": "memory of the rank that holds the most <= (capacity - runtime) x (1 - headroom)",
 }

@@ -99,43 +99,66 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
 
 
 # -- activations as Megatron-style implementations hold them (cluster shapes, bf16) ------------------------
-def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: int,
-                saves_shard: bool = False) -> dict[str, float]:
-    """Bytes one block saves for backward per token of a microbatch (Korthikanti et al. 2022, §4, with
-    flash attention: nothing of size s² is held), each term over t where tp or sequence parallelism cuts it:
+def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: int, saves_shard: bool = False,
+                flash_attention: bool = True) -> dict[str, float]:
+    """Bytes one block saves for backward per token of a microbatch (Korthikanti et al. 2022, §4), each
+    term over t where tp or sequence parallelism cuts it:
 
         norm inputs 2·w·h (over t with sp), the QKV and MLP GEMMs' inputs 2·w·h (over t with sp when the
         column-parallel linears save the sequence piece, `Cut.saves_shard`; whole otherwise: the
         gathered input, parallel/activations.py's `column_input`), Q, K, V w·(h + 2·h_kv)/t, the output
         projection's input w·h/t, the MLP's up output(s) and the activation function's output
-        w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp).
+        w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp);
+        materialized attention (`flash_attention` false) also its s x s `scores` per head: the softmax's
+        output w·a·s/t and, with dropout, the attention dropout's 1-byte mask and output (1 + w)·a·s/t.
+        Flash attention holds nothing of size s² (it recomputes the scores in backward).
 
-    For a GPT (h_kv = h, f = 4h, dropout, w = 2) this is their 34 units: sbh·(10 + 24/t) without sp,
-    sbh·34/t with sp and sharded saving (Megatron's), sbh·(4 + 30/t) with sp saving the gathered
-    inputs. `input` is a block's input alone (what full recomputation keeps)."""
+    For a GPT (h_kv = h, f = 4h, dropout, w = 2, materialized) this is their Table 2: sbh·(10 + 24/t +
+    5as/(ht)) without sp, sbh·(34 + 5as/h)/t with sp and sharded saving (Megatron's); sp saving the
+    gathered inputs holds 4 + 30/t units instead of 34/t. `input` is a block's input alone (what full
+    recomputation keeps); `before_core` what a block still holds when its attention core reruns in
+    backward (ln1's input, the QKV GEMM's input, Q, K, V: the MLP's and the output projection's saved
+    tensors are freed by then)."""
     g = shape.gpt
     h, f, w = g.d_model, shape.ffn, act_bytes
     cut = t if sequence_parallel else 1
     mask = 1 if g.dropout else 0
-    gemm_inputs = 2 * w * h / (t if sequence_parallel and saves_shard else 1)
-    whole = (2 * w * h + 2 * mask * h) / cut + gemm_inputs
-    sharded = (w * (h + 2 * shape.kv_width) + w * h + w * (3 if shape.gated_mlp else 2) * f) / t
-    return {"layer": whole + sharded, "input": w * h / cut}
+    gemm_input = w * h / (t if sequence_parallel and saves_shard else 1)
+    qkv = w * (h + 2 * shape.kv_width) / t
+    whole = (2 * w * h + 2 * mask * h) / cut + 2 * gemm_input
+    sharded = qkv + w * h / t + w * (3 if shape.gated_mlp else 2) * f / t
+    scores = 0 if flash_attention else (w + mask * (1 + w)) * g.n_heads * g.seq_len / t
+    return {"layer": whole + sharded + scores, "input": w * h / cut, "scores": scores,
+            "before_core": w * h / cut + gemm_input + qkv}
 
 
-def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int) -> list[int]:
+def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
+                                    flash_attention: bool = True) -> list[int]:
     """Saved bytes at the step's peak on every rank, as a Megatron-style implementation holds them
     (`block_units` per block and token; the embedding's and head's small saved tensors left out, the
-    logits being a buffer): none and selective keep every block's tensors of every microbatch in flight
-    (selective recomputes only the attention core, which flash attention never saves anyway); full keeps
-    each block's input, plus one block's whole set while it is recomputed. Microbatches in flight per
-    rank: the schedule's own walk (parallel/pp/theory.py), as for the sandbox's formulas."""
+    logits being a buffer). Every block's kept tensors of every microbatch in flight, plus, in backward,
+    the one block being recomputed:
+
+      none       every block's whole set
+      selective  every block's set less the materialized core's scores; while a core reruns in backward,
+                 its scores beside what that block still holds (`before_core`): nothing recomputed under
+                 flash attention, which saves no scores
+      full       each block's input, and one block's whole set while it is recomputed
+
+    Microbatches in flight per rank: the schedule's own walk (parallel/pp/theory.py), as for the
+    sandbox's formulas."""
     dims, cut = layout.dims, layout.cut()
-    units = block_units(shape, dims.tp, cut.sequence_parallel, act_bytes, saves_shard=cut.saves_shard)
+    units = block_units(shape, dims.tp, cut.sequence_parallel, act_bytes, cut.saves_shard, flash_attention)
     tokens = layout.microbatch_size * shape.gpt.seq_len
     mode = layout.recompute or "none"
-    kept = units["input"] if mode == "full" else units["layer"]
-    working = tokens * (units["layer"] - units["input"]) if mode == "full" else 0
+    if mode == "full":
+        kept, working = units["input"], units["layer"] - units["input"]
+    elif mode == "selective":
+        kept = units["layer"] - units["scores"]
+        working = max(0.0, units["before_core"] + units["scores"] - kept)
+    else:
+        kept, working = units["layer"], 0.0
+    working *= tokens
     layers = virtual_stage_layers(shape, layout)
     if dims.pp == 1:
         peaks = [int(tokens * kept * layers[0]) + int(working)]

@@ -33,22 +33,26 @@ from parallel.sync.options import SyncOptions
 ACT_BYTES = {"fp32": 4, "bf16": 2}
 
 
-def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str) -> list[int] | None:
-    """Saved bytes per rank: the registry's formula for a trainable model in fp32 (what every run is
-    checked against), else parallel/planner/memory.py's for this shape and precision, where the
-    strategy has a formula at all (its registry entry gives one for the carrier)."""
+def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str,
+                     flash_attention: bool = True) -> list[int] | None:
+    """Saved bytes per rank: the registry's formula for a trainable model in fp32 with a fused attention
+    core (what every run is checked against: the CPU's kernel saves no s x s scores), else
+    parallel/planner/memory.py's for this shape, precision and attention kernel (the cluster's
+    `flash_attention`), where the strategy has a formula at all (its registry entry gives one for the
+    carrier)."""
     plan, layout = candidate.plan, candidate.layout
-    if shape.trainable and precision == "fp32":
+    if shape.trainable and precision == "fp32" and flash_attention:
         return plan.spec.activations(shape.gpt_config(), layout)
     if not _has_formula(plan.spec, shape, layout):
         return None  # the strategy has no activation formula at all
     if layout.dims.cp > 1:
         return None  # context parallelism's saved bytes: the registry's formula, for the GPT in fp32 only
-    # Elsewhere (cluster shapes, bf16): as a Megatron-style implementation holds them (memory.py), the same
-    # for every ZeRO stage (the search asks for each).
+    # Elsewhere (cluster shapes, bf16, materialized attention): as a Megatron-style implementation holds
+    # them (memory.py), the same for every ZeRO stage (the search asks for each).
     any_stage = replace(layout, options=layout.options.with_record(replace(layout.of(SyncOptions), zero=0)))
-    return _cached(("acts", shape, _layout_key(any_stage), precision),
-                   lambda: memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision]))
+    return _cached(("acts", shape, _layout_key(any_stage), precision, flash_attention),
+                   lambda: memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision],
+                                                                  flash_attention))
 
 
 _CACHE: dict = {}
@@ -132,7 +136,7 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
     }
     notes = []
     layers = memory.rank_layers(shape, layout)
-    activations = activation_bytes(shape, candidate, precision)
+    activations = activation_bytes(shape, candidate, precision, cluster.flash_attention)
     if activations is None:
         notes.append(f"no activation formula for {plan.strategy} on this layout")
     covered = not shape.gpt.moe_experts

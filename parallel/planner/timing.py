@@ -102,12 +102,6 @@ def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster,
     return calls * steps_per_call * cluster.inter_latency_s + bytes_per_rank / rate
 
 
-def _rounded(x: float) -> float:
-    """Simulation inputs to 3 significant digits, so layouts that differ below that share one run
-    (the makespan moves by less than 0.1%)."""
-    return float(f"{x:.3g}")
-
-
 def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
               layers_by_rank: list[int], act_bytes: int) -> StepTime:
     """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank."""
@@ -188,13 +182,13 @@ def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, ac
     send = collective_seconds(boundary, traffic["pp"].span, cluster, boundary, 1, point_to_point=True) \
         if "pp" in traffic else 0.0
     seconds["pp"] = send * traffic["pp"].per_rank(dims.world_size) / boundary if "pp" in traffic else 0.0
-    unit = f_eff
-    base = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit), 0.0)
+    # The schedule is played with the costs themselves, unrounded: the bubble is a small difference of two
+    # makespans, so a ratio rounded to a few digits would move it by many times that share.
+    base = pipeline_makespan(layout, f_eff, b_eff, 0.0)
     bubble = max(0.0, base - m * (f_eff + b_eff))
     if cluster.p2p_overlap:
         return 2 * (v * p - 1) * send, bubble
-    with_sends = unit * pipeline_makespan(layout, 1.0, _rounded(b_eff / unit),
-                                          _rounded(send / unit))
+    with_sends = pipeline_makespan(layout, f_eff, b_eff, send)
     return max(0.0, with_sends - base), bubble
 
 
