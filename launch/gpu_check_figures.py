@@ -18,8 +18,9 @@ import json
 import sys
 from pathlib import Path
 
+from parallel.compare.rows import LOSS_RTOL, max_rel_diff
+
 REFERENCE = "single_fp32"
-TOLERANCE = 1e-5
 
 
 def figures_line(name: str, summary: dict) -> str:
@@ -41,11 +42,11 @@ def virtual_text(virtual: dict | None) -> str:
 
 
 def loss_verdict(name: str, losses: list[float], reference: list[float]) -> str:
-    if len(losses) != len(reference):
+    diff = max_rel_diff(losses, reference)
+    if diff is None:
         return f"FAIL losses_{name} {len(losses)} losses against single's {len(reference)}"
-    diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    word = "PASS" if diff <= TOLERANCE else "FAIL"
-    return f"{word} losses_{name} within {diff:.1e} of single over {len(losses)} steps (tolerance {TOLERANCE:.0e})"
+    word = "PASS" if diff <= LOSS_RTOL else "FAIL"
+    return f"{word} losses_{name} within {diff:.1e} of single over {len(losses)} steps (tolerance {LOSS_RTOL:.0e})"
 
 
 def main(root: Path) -> int:

@@ -33,12 +33,13 @@ from hydra import compose, initialize_config_dir
 
 from launch.config import CONFIG_DIR
 from launch.gpu_selfcheck_calls import check_calls
+from parallel.compare.rows import LOSS_RTOL, max_rel_diff
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT
 from parallel.dist.comm import CommLog, Communicator
 from parallel.dist.dims import DERIVED_DIMS
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process
-from parallel.registry import parse_options
+from parallel.registry import SINGLE, parse_options
 from parallel.run_plan import RunPlan, build_plan
 
 # Every dimension at one rank; a pipeline preset keeps its microbatches (dualpipev needs 2p of them).
@@ -47,7 +48,6 @@ ONE_RANK = ["parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1", 
 NOT_AT_ONE_RANK = {
     "accelerate_ddp": "accelerate wraps the model in DDP only under torchrun with 2 or more processes",
 }
-TOLERANCE = 1e-5
 
 
 def compose_config(overrides: list[str]):
@@ -73,7 +73,7 @@ def one_rank_context(backend: str, device: torch.device, log: CommLog) -> DistCo
     mesh of one-rank dimensions, and the derived groups (ep, edp, dp_cp) every entry may ask for."""
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if backend == "nccl" else None)
-    single = one_rank_plan("single", ["model=tiny"])
+    single = one_rank_plan(SINGLE.name, ["model=tiny"])
     ctx = add_layout_groups(DistContext(env=LaunchEnv(), dims=single.dims, backend=backend, device=device, log=log))
     for name in DERIVED_DIMS:
         if ctx.comm(name) is None:
@@ -100,20 +100,20 @@ def train_losses(plan: RunPlan, ctx: DistContext, steps: int) -> tuple[list[floa
 
 def check_strategies(ctx: DistContext, common: list[str], steps: int, only: list[str] | None) -> list[bool]:
     """Each preset's losses on one rank against the single run's, one line each."""
-    reference, _ = train_losses(one_rank_plan("single", common, ctx), ctx, steps)
+    reference, _ = train_losses(one_rank_plan(SINGLE.name, common, ctx), ctx, steps)
     presets = sorted(p.stem for p in (Path(CONFIG_DIR) / "parallel").glob("*.yaml"))
     results = []
     for preset in presets if only is None else only:
-        if preset == "single" or preset in NOT_AT_ONE_RANK:
+        if preset == SINGLE.name or preset in NOT_AT_ONE_RANK:
             if preset in NOT_AT_ONE_RANK:
                 print(f"skip strategy {preset}: {NOT_AT_ONE_RANK[preset]}", flush=True)
             continue
         try:
             losses, calls = train_losses(one_rank_plan(preset, common, ctx), ctx, steps)
-            diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-            ok = diff <= TOLERANCE
+            diff = max_rel_diff(losses, reference)
+            ok = diff <= LOSS_RTOL
             print(f"{'ok  ' if ok else 'FAIL'} strategy {preset}: {steps} steps, {calls} calls through the backend, "
-                  f"losses within {diff:.1e} of single (tolerance {TOLERANCE:.0e})", flush=True)
+                  f"losses within {diff:.1e} of single (tolerance {LOSS_RTOL:.0e})", flush=True)
         except Exception as e:  # noqa: BLE001 - one line per strategy, then the next
             ok = False
             print(f"FAIL strategy {preset}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")

@@ -21,6 +21,8 @@ Rows with either note are named in report.md's caveats (verdict.py).
 
 from __future__ import annotations
 
+from parallel.registry import SINGLE
+
 WITHHELD, ABOVE_RANKS = "withheld", "above its ranks"
 
 
@@ -56,7 +58,7 @@ def add_speedups(rows: list[dict]) -> None:
     """Set `speedup_vs_single` and `speedup_note` on every row that ran, against the round's
     `single` row (none swept or ran: every row's speed-up stays None)."""
     ran = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
-    single = next((r for r in ran if r["runs_as"] == "single"), None)
+    single = next((r for r in ran if r["runs_as"] == SINGLE.name), None)
     if single is None:
         return
     for row in ran:
