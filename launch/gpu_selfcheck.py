@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -38,7 +39,7 @@ from parallel.core.data import GlobalBatches, load_corpus, local_microbatches
 from parallel.core.model import GPT
 from parallel.dist.comm import CommLog, Communicator
 from parallel.dist.dims import DERIVED_DIMS
-from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process
+from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, nccl_failure_env
 from parallel.registry import SINGLE, parse_options
 from parallel.run_plan import RunPlan, build_plan
 
@@ -71,6 +72,8 @@ def one_rank_plan(preset: str, common: list[str], ctx: DistContext | None = None
 def one_rank_context(backend: str, device: torch.device, log: CommLog) -> DistContext:
     """A one-rank default group on `backend` (an in-process store: nothing to rendezvous with), its
     mesh of one-rank dimensions, and the derived groups (ep, edp, dp_cp) every entry may ask for."""
+    if backend == "nccl":
+        os.environ.update(nccl_failure_env())  # as a run's groups are made (parallel/dist/groups.py)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             device_id=device if backend == "nccl" else None)
     single = one_rank_plan(SINGLE.name, ["model=tiny"])
