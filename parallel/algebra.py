@@ -14,6 +14,7 @@ from __future__ import annotations
 from fractions import Fraction
 
 from parallel.core.model import GPTConfig
+from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
 from parallel.layout import FP32_BYTES as FP32_BYTES  # re-exported: fp32 parameters, gradients, losses
 from parallel.layout import Layout
@@ -38,57 +39,56 @@ def refuse_moe(model: GPTConfig, what: str) -> None:
 
 
 def expert_parameters(model: GPTConfig) -> int:
-    """One expert: an MLP of the dense shape, 2f·h + f + h (fc h->f and proj f->h with their biases)."""
-    h, f = model.d_model, model.d_ff
-    return 2 * f * h + f + h
+    """One expert: an MLP of the dense shape (`ModelShape.mlp_parameters`): 2f·h + f + h for GPT-2's
+    (fc h->f and proj f->h with their biases), 3f·h for Llama's SwiGLU without biases."""
+    return ModelShape(model).mlp_parameters()
 
 
 def moe_extra_parameters(model: GPTConfig) -> int:
-    """What an MoE block holds beyond the dense block: (E-1) more MLPs of 2f·h + f + h (f = mlp_ratio·h)
-    and the router's h·E weights (no bias, as in Switch)."""
+    """What an MoE block holds beyond the dense block: (E-1) more MLPs and the router's h·E weights
+    (no bias, as in Switch)."""
     return (model.moe_experts - 1) * expert_parameters(model) + model.d_model * model.moe_experts
 
 
 def parameter_count(model: GPTConfig) -> int:
-    """Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h (untied head), V the padded vocabulary,
-    plus L_moe·[(E-1)·(8h² + 5h) + h·E] with experts.
+    """Ψ: the embedding, L blocks, the final norm and the head (`ModelShape.parameter_count`), plus
+    L_moe·[(E-1)·MLP + h·E] with experts.
 
-    Per layer: Q, K, V and output projections 4h² + 4h, MLP 8h² + 5h (fc with bias 4h, proj with
-    bias h), two LayerNorms 4h. The final LayerNorm adds 2h; the untied head V·h (no bias).
-    Each of the L_moe MoE blocks holds E MLPs instead of one, and a router of h·E (no bias).
+    For GPT-2's block Ψ = V·h + s·h + L·(12h² + 13h) + 2h + V·h, V the padded vocabulary: per layer
+    Q, K, V and output projections 4h² + 4h, MLP 8h² + 5h (fc with bias 4h, proj with bias h), two
+    LayerNorms 4h; the final LayerNorm 2h, the untied head V·h (no bias). Llama's block (h_kv the
+    K/V width, f the SwiGLU width, no biases, RMSNorm): 2h² + 2h·h_kv + 3h·f + 2h per layer, no
+    position table, a final norm of h, and the head's V·h unless tied.
     """
-    V, h, s, L = model.padded_vocab_size, model.d_model, model.seq_len, model.n_layers
-    # The formula assumes the MLP is 4h wide; a different ratio changes the 12h² + 13h term.
-    mlp = 2 * model.mlp_ratio * h * h + model.mlp_ratio * h + h
-    per_layer = 4 * h * h + 4 * h + mlp + 4 * h
-    return V * h + s * h + L * per_layer + 2 * h + V * h + len(model.moe_blocks) * moe_extra_parameters(model)
+    return ModelShape(model).parameter_count() + len(model.moe_blocks) * moe_extra_parameters(model)
 
 
 def tp_layer_parameter_count(model: GPTConfig, t: int) -> int:
-    """One dense block on one of t tensor-parallel ranks, f = mlp_ratio·h the MLP width:
+    """One dense block on one of t tensor-parallel ranks (`ModelShape.layer_parameters`); for GPT-2's
+    block, f = mlp_ratio·h the MLP width:
 
         4h (two norms) + 3(h² + h)/t (Q, K, V: columns and their bias)
         + h²/t + h (output projection: its input columns, the full bias)
         + (f·h + f)/t (fc: columns and bias) + f·h/t + h (proj: input columns, full bias)
     """
-    h, f = model.d_model, model.d_ff
-    return 4 * h + 3 * (h * h + h) // t + h * h // t + h + (f * h + f) // t + f * h // t + h
+    return ModelShape(model).layer_parameters(t)
 
 
 def embedding_parameter_count(model: GPTConfig, t: int = 1) -> int:
-    """The embedding on one of t tp ranks: token rows V·h/t (vocab-parallel) and positions s·h (replicated)."""
-    return model.padded_vocab_size * model.d_model // t + model.seq_len * model.d_model
+    """The embedding on one of t tp ranks: token rows V·h/t (vocab-parallel) and, for learned
+    positions, the table s·h (replicated)."""
+    return ModelShape(model).embedding_parameters(t)
 
 
 def head_parameter_count(model: GPTConfig, t: int = 1) -> int:
-    """The final LayerNorm 2h and the untied head's V·h/t rows (no bias) on one of t tp ranks."""
-    return 2 * model.d_model + model.padded_vocab_size * model.d_model // t
+    """The final norm and the untied head's V·h/t rows (no bias) on one of t tp ranks."""
+    return ModelShape(model).head_parameters(t)
 
 
 def tp_shard_parameter_count(model: GPTConfig, t: int) -> int:
     """Ψ_t, the parameters one tensor-parallel rank holds (Ψ_1 = Ψ):
 
-        V·h/t (token rows) + s·h (positions, replicated) + 2h (final norm) + V·h/t (head rows)
+        V·h/t (token rows) + s·h (positions, replicated) + final norm + V·h/t (head rows)
         + L·`tp_layer_parameter_count`
     """
     if model.moe_experts:
@@ -108,19 +108,22 @@ def tp_local_parameter_count(model: GPTConfig, layout: Layout) -> int:
 def sequence_sharded_parameter_count(model: GPTConfig, layers: int | None = None, first: bool = True,
                                      last: bool = True) -> int:
     """Replicated parameters whose gradient is partial under sequence parallelism: per layer two
-    LayerNorms (4h) and two row-parallel biases (2h, added after the reduce-scatter), the final
-    LayerNorm (2h, where `last`) and the position table (s·h where `first`, each rank adds only its
-    piece's positions). `layers` (every block where None), `first`, `last`: one pipeline stage's."""
+    norms (4h for LayerNorms, 2h for RMSNorms) and, with biases, the two row-parallel biases (2h,
+    added after the reduce-scatter); the final norm (where `last`) and a learned position table
+    (s·h where `first`, each rank adds only its piece's positions). `layers` (every block where
+    None), `first`, `last`: one pipeline stage's."""
     refuse_moe(model, "sequence-parallel parameter counts")
     h, s = model.d_model, model.seq_len
     layers = model.n_layers if layers is None else layers
-    return layers * 6 * h + 2 * h * last + s * h * first
+    positions = 0 if model.rope else s * h
+    return layers * (2 * model.norm_parameters + 2 * h * model.bias) + model.norm_parameters * last \
+        + positions * first
 
 
 def part_parameter_counts(model: GPTConfig) -> list[int]:
-    """Parameters of each part of the GPT, in forward order: the embedding V·h + s·h, each Block
-    12h² + 13h (for an MLP 4h wide; an MoE block (E-1)·(8h² + 5h) + h·E more), the head 2h + V·h
-    (final LayerNorm and the untied LM head)."""
+    """Parameters of each part of the model, in forward order: the embedding (V·h + s·h for GPT-2),
+    each Block (12h² + 13h for GPT-2's; an MoE block (E-1) MLPs and h·E more), the head (2h + V·h:
+    final LayerNorm and the untied LM head; a tied head holds its norm only)."""
     block = tp_layer_parameter_count(model, 1)
     blocks = [block + (moe_extra_parameters(model) if model.is_moe_block(i) else 0) for i in range(model.n_layers)]
     return [embedding_parameter_count(model), *blocks, head_parameter_count(model)]

@@ -35,8 +35,7 @@ def run_state_bytes(dtype_bytes: int) -> tuple[int, int, int]:
 def mlp_parameters(shape: ModelShape) -> int:
     """One MLP (one expert of an MoE block): gated 2·(h·f + f) + f·h + h, plain (h·f + f) + f·h + h,
     biases only where the shape has them."""
-    h, f, nb = shape.gpt.d_model, shape.ffn, int(shape.bias)
-    return (2 if shape.gated_mlp else 1) * (h * f + nb * f) + f * h + nb * h
+    return shape.mlp_parameters()
 
 
 def block_parameters(shape: ModelShape, index: int, t: int = 1, ep: int = 1) -> int:

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from parallel.core.host_memory import HOST_ALLOCATORS
-from parallel.core.model import MOE_FIELDS, GPTConfig
+from parallel.core.model import GPTConfig
 from parallel.core.precision import PRECISIONS
 from parallel.core.recompute import MODES as RECOMPUTE_MODES
 from parallel.dist.binding import PIN_CHOICES
@@ -101,31 +101,13 @@ class RunPlan:
 
 
 def model_config(section) -> GPTConfig:
-    """The model config from the cfg's `model` section."""
-    # Presets of shapes the GPT does not have (grouped-query attention, a gated MLP: conf/model/llama3_*)
-    # are the planner's; training one would silently build a different model.
-    from parallel.core.shape import ShapeError, untrainable_reason
+    """The model config from the cfg's `model` section: every field a preset sets (GPT-2's block by
+    default; Llama's with the shape fields of parallel/core/config.py), checked by GPTConfig."""
+    from parallel.core.shape import ModelShape, ShapeError
 
     try:
-        reason = untrainable_reason({k: section[k] for k in section})
+        return ModelShape.from_preset({k: section[k] for k in section}).gpt
     except ShapeError as e:
-        raise ConfigError(str(e)) from None
-    if reason:
-        raise ConfigError(reason)
-    try:
-        return GPTConfig(
-            vocab_size=section.vocab_size,
-            seq_len=section.seq_len,
-            n_layers=section.n_layers,
-            d_model=section.d_model,
-            n_heads=section.n_heads,
-            mlp_ratio=section.mlp_ratio,
-            dropout=section.dropout,
-            vocab_pad_multiple=section.vocab_pad_multiple,
-            # Mixture of experts (model/tiny_moe.yaml ...): absent from a dense preset, which keeps the defaults.
-            **{k: section[k] for k in MOE_FIELDS if k in section},
-        )
-    except ValueError as e:
         raise ConfigError(str(e)) from None
 
 

@@ -1,113 +1,33 @@
-"""The one GPT every strategy trains.
+"""The one model every strategy trains.
 
-A decoder-only transformer in the GPT-2 shape: learned token and position embeddings,
+A decoder-only transformer, GPT-2 shaped by default: learned token and position embeddings,
 pre-LayerNorm blocks of causal multi-head self-attention and a GELU MLP, a final LayerNorm and an
-untied LM head. There is no distributed code here: the parallel strategies take this model,
-built identically on every rank from one seed, and transform it (shard, split, wrap).
+untied LM head. The same classes build Llama's block from the fields of parallel/core/config.py:
+grouped-query attention, a SwiGLU MLP, RMSNorm, rotary positions (parallel/core/rotary.py), no
+biases. There is no distributed code here: the parallel strategies take this model, built
+identically on every rank from one seed, and transform it (shard, split, wrap).
 
 The model is split into three parts so that a pipeline can cut it later without rewriting it:
 `embed` (tokens -> hidden), `blocks` (hidden -> hidden) and `head` (hidden -> logits).
 
 With `moe_experts` > 0 some blocks replace their MLP by a mixture of experts (`MoEMLP`: a router
 and `moe_experts` MLPs of the dense shape; routing in parallel/core/routing.py, the theory in
-docs/theory/experts.md). With the default `moe_experts=0` the model is the dense GPT, unchanged.
+docs/theory/experts.md). With the default `moe_experts=0` the model is dense.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from parallel.core.config import MOE_FIELDS as MOE_FIELDS  # re-exported: where the model's fields are read
+from parallel.core.config import GPTConfig
+from parallel.core.positions import sequence_positions
+from parallel.core.rotary import Rotary
 from parallel.core.routing import combine, expert_capacity, route
-
-# The GPTConfig fields of a mixture of experts, spelled as in conf/model/*.yaml.
-MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor", "moe_aux_weight")
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab_size: int = 256  # byte-level text
-    seq_len: int = 32
-    n_layers: int = 4
-    d_model: int = 64
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    dropout: float = 0.0
-    # Megatron pads the vocabulary so that the embedding and head split evenly across TP ranks
-    # and the matmuls get friendly shapes; 256 bytes are already a multiple of 64.
-    vocab_pad_multiple: int = 64
-    # Mixture of experts (0 experts: the dense model; the other moe_* fields are then ignored).
-    moe_experts: int = 0             # E: experts per MoE block
-    moe_top_k: int = 1               # k: experts each token goes to (1 <= k <= E)
-    moe_every: int = 1               # block i is an MoE block iff i % moe_every == 0 (0-based)
-    moe_capacity_factor: float = 1.25  # C = ceil(factor · s·k / E) assignments per expert per sequence
-    moe_aux_weight: float = 0.01     # α: weight of Switch's load-balancing loss (Switch uses 1e-2)
-
-    def __post_init__(self):
-        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio", "vocab_pad_multiple"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"model.{name}={value!r} must be a positive integer")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}: "
-                "pick a head count that divides the width "
-                f"(e.g. model.n_heads={_largest_divisor_at_most(self.d_model, self.n_heads)})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1)")
-        self._check_moe()
-
-    def _check_moe(self) -> None:
-        if not isinstance(self.moe_experts, int) or isinstance(self.moe_experts, bool) or self.moe_experts < 0:
-            raise ValueError(
-                f"model.moe_experts={self.moe_experts!r} must be a non-negative integer (0: a dense model)")
-        if not self.moe_experts:
-            return
-        for name in ("moe_top_k", "moe_every"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"model.{name}={value!r} must be a positive integer")
-        if self.moe_top_k > self.moe_experts:
-            raise ValueError(
-                f"model.moe_top_k={self.moe_top_k} is more than model.moe_experts={self.moe_experts}: a token "
-                f"chooses k distinct experts, so set model.moe_top_k <= {self.moe_experts}"
-            )
-        for name, low in (("moe_capacity_factor", "> 0"), ("moe_aux_weight", ">= 0")):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
-                    or (value <= 0 if low == "> 0" else value < 0):
-                raise ValueError(f"model.{name}={value!r} must be a finite number {low}")
-
-    def is_moe_block(self, index: int) -> bool:
-        """Block `index` (0-based) is an MoE block iff the model has experts and index % moe_every == 0:
-        every block for moe_every=1, blocks 0, 2, 4, ... for 2 (Megatron-Core's moe_layer_freq)."""
-        return self.moe_experts > 0 and index % self.moe_every == 0
-
-    @property
-    def moe_blocks(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.n_layers) if self.is_moe_block(i))
-
-    @property
-    def padded_vocab_size(self) -> int:
-        m = self.vocab_pad_multiple
-        return (self.vocab_size + m - 1) // m * m
-
-    @property
-    def d_ff(self) -> int:
-        return self.mlp_ratio * self.d_model
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-
-def _largest_divisor_at_most(n: int, k: int) -> int:
-    return max(d for d in range(1, k + 1) if n % d == 0)
 
 
 class AttentionCore(nn.Module):
@@ -124,39 +44,57 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        # k and v may have fewer heads than q (grouped-query attention): each serves q's heads / k's
+        # heads consecutive query heads.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 class CausalSelfAttention(nn.Module):
+    """Q, K, V projections, rotary positions where the model has them, the core, the output projection.
+
+    With grouped-query attention K and V have `n_kv_heads` heads of the query's size; the core
+    receives them unexpanded, so nothing stores or sends a copy per query head.
+    """
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_heads = config.n_heads
         self.head_dim = config.head_dim
         # Separate Q, K and V projections (not one fused qkv matrix) so that tensor parallelism can
         # cut each along its heads without reshuffling a fused weight.
-        self.q = nn.Linear(config.d_model, config.d_model)
-        self.k = nn.Linear(config.d_model, config.d_model)
-        self.v = nn.Linear(config.d_model, config.d_model)
+        self.q = nn.Linear(config.d_model, config.d_model, bias=config.bias)
+        self.k = nn.Linear(config.d_model, config.kv_width, bias=config.bias)
+        self.v = nn.Linear(config.d_model, config.kv_width, bias=config.bias)
+        self.rotary = Rotary(config.head_dim, config.rope_base) if config.rope else None
         self.core = AttentionCore(config.dropout)
-        self.proj = nn.Linear(config.d_model, config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # Heads are read off the projection's own output width, so a shard that holds only some
         # heads (tensor parallelism) runs this same code.
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        if self.rotary is not None:
+            q, k = self.rotary(q, k)
         y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
+    """GPT-2's proj(gelu(fc(x))), or with `gated_mlp` SwiGLU's proj(silu(gate(x)) · fc(x)) (Shazeer
+    2020; Llama's w1 is `gate`, w3 `fc`, w2 `proj`)."""
+
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(config.d_model, config.d_ff)
-        self.proj = nn.Linear(config.d_ff, config.d_model)
+        self.fc = nn.Linear(config.d_model, config.d_ff, bias=config.bias)
+        self.gate = nn.Linear(config.d_model, config.d_ff, bias=config.bias) if config.gated_mlp else None
+        self.proj = nn.Linear(config.d_ff, config.d_model, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        if self.gate is None:
+            return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.silu(self.gate(x)) * self.fc(x))
 
 
 class MoEMLP(nn.Module):
@@ -205,9 +143,9 @@ class MoEMLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, moe: bool = False):
         super().__init__()
-        self.ln1 = nn.LayerNorm(config.d_model)
+        self.ln1 = make_norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln2 = nn.LayerNorm(config.d_model)
+        self.ln2 = make_norm(config)
         self.mlp = MoEMLP(config) if moe else MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
@@ -216,13 +154,17 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
-def sequence_positions(length: int, device) -> torch.Tensor:
-    """The positions of a whole sequence of `length` tokens: 0, 1, ..., length - 1."""
-    return torch.arange(length, device=device)
+def make_norm(config: GPTConfig) -> nn.Module:
+    """LayerNorm (x - mean)/std · w + b, or RMSNorm x/rms(x) · w (Zhang & Sennrich 2019: no centring,
+    no bias), both with Llama's and GPT-2's eps of 1e-5."""
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.d_model, eps=1e-5)
+    return nn.LayerNorm(config.d_model)
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embedding.
+    """Token plus learned position embedding (the token embedding alone under rotary positions,
+    which the attention applies).
 
     `positions(length, device)` gives the global positions of the `length` tokens this rank holds:
     the whole sequence here; context parallelism (parallel/cp/transform.py) sets it to its rank's
@@ -232,20 +174,23 @@ class Embedding(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.tok = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.pos = nn.Embedding(config.seq_len, config.d_model)
+        self.pos = nn.Embedding(config.seq_len, config.d_model) if not config.rope else None
         self.drop = nn.Dropout(config.dropout)
         self.positions = sequence_positions
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.pos is None:
+            return self.drop(self.tok(idx))
         return self.drop(self.tok(idx) + self.pos(self.positions(idx.shape[1], idx.device)))
 
 
 class Head(nn.Module):
-    """Final LayerNorm and the untied LM head (no bias, as in GPT-2)."""
+    """Final norm and the LM head (no bias, as in GPT-2 and Llama; tied to the token table where
+    `tied_head`: GPT.__init__ ties it)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.ln_f = nn.LayerNorm(config.d_model)
+        self.ln_f = make_norm(config)
         self.out = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +204,9 @@ class GPT(nn.Module):
         self.embed = Embedding(config)
         self.blocks = nn.ModuleList(Block(config, moe=config.is_moe_block(i)) for i in range(config.n_layers))
         self.head = Head(config)
+        if config.tied_head:
+            # One Parameter in two modules: model.parameters() lists it once, as embed.tok.weight.
+            self.head.out.weight = self.embed.tok.weight
         self.reset_parameters(seed)
 
     @torch.no_grad()
@@ -273,9 +221,12 @@ class GPT(nn.Module):
         # variance does not grow with depth (GPT-2 paper, section 2.3).
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
-            if isinstance(module, nn.LayerNorm):
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.weight.fill_(1.0)
-                module.bias.zero_()
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif name == "head.out" and self.config.tied_head:
+                continue  # the token table, drawn already
             elif isinstance(module, (nn.Linear, nn.Embedding)):
                 std = residual_std if name.endswith(".proj") else 0.02
                 # Draw on the CPU and copy, so a model built on a GPU gets the same numbers.

@@ -1,100 +1,92 @@
-"""The planner's description of a model: the sandbox GPT's fields, and the few shape choices of
-larger models that change memory and FLOPs.
+"""A model's shape in the planner's terms: dimensions, parameter counts per rank and FLOPs.
 
-A `ModelShape` is read from a conf/model/ preset. Its GPT fields (layers, width, heads, vocabulary,
-sequence, MLP ratio) are the sandbox GPT's own (`parallel.core.model.GPTConfig`); the optional
-planner fields describe what the sandbox GPT does not have:
-
-    n_kv_heads            grouped-query attention: K and V have n_kv_heads heads (GPT: n_heads)
-    ffn_hidden            the MLP's width (GPT: mlp_ratio · d_model)
-    gated_mlp             SwiGLU: gate and up projections, silu(gate)·up, then down (GPT: GELU, fc and proj)
-    tied_head             the LM head reuses the token table (GPT: an untied head)
-    position_embedding    "learned" table of seq_len rows (GPT) or "rope" (no parameters)
-    norm                  "layernorm" (weight and bias, GPT) or "rmsnorm" (weight only)
-    bias                  biases on the linears (GPT: yes; Llama: none)
-
-A preset that leaves them all at the GPT's values is a trainable model (`trainable`): its
-`gpt_config()` is exactly what launch.train builds, so every closed form (parallel/algebra.py, the families' theory.py)
-and the registry applies to it unchanged. A preset that sets any of them is a shape the
-planner plans but the sandbox cannot train; `gpt_config()` is then its *carrier*: the GPT with the
-same layers, width, heads, vocabulary and sequence, whose traffic and layout rules the planner
-uses (see parallel/planner/traffic.py for how the parameter-dependent bytes are scaled).
+A `ModelShape` is a view of one `GPTConfig` (parallel/core/config.py), the model launch.train
+builds from the same conf/model/ preset: GPT-2's block, Llama's (grouped-query attention, a SwiGLU
+MLP, RMSNorm, rotary positions, no biases, a tied or untied head) or any mix. Its counts are the
+closed forms every family's theory and the planner share; they are checked against the model's
+own tensors (tests/unit/test_model_shapes.py) and, through the families' theory, against the runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from parallel.core.model import MOE_FIELDS, GPTConfig
+from parallel.core.config import GPTConfig
 
-GPT_FIELDS = ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio", "dropout", "vocab_pad_multiple",
-              *MOE_FIELDS)
-# Planner fields and the value the sandbox GPT has for each.
-PLANNER_DEFAULTS = {"n_kv_heads": None, "ffn_hidden": None, "gated_mlp": False, "tied_head": False,
-                    "position_embedding": "learned", "norm": "layernorm", "bias": True}
+# Every field a conf/model/ preset may set.
+MODEL_FIELDS = tuple(f.name for f in fields(GPTConfig))
 
 
 class ShapeError(ValueError):
-    """A model preset the planner cannot read; the message names the field and the fix."""
+    """A model preset that cannot be read; the message names the field and the fix."""
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    gpt: GPTConfig  # the GPT fields (the carrier, for a planner-only shape)
-    n_kv_heads: int | None = None
-    ffn_hidden: int | None = None
-    gated_mlp: bool = False
-    tied_head: bool = False
-    position_embedding: str = "learned"
-    norm: str = "layernorm"
-    bias: bool = True
-
-    def __post_init__(self):
-        if self.position_embedding not in ("learned", "rope"):
-            raise ShapeError(f"model.position_embedding={self.position_embedding!r}: choose learned or rope")
-        if self.norm not in ("layernorm", "rmsnorm"):
-            raise ShapeError(f"model.norm={self.norm!r}: choose layernorm or rmsnorm")
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.gpt.n_heads % self.n_kv_heads):
-            raise ShapeError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.gpt.n_heads} "
-                             "(each group of n_heads / n_kv_heads query heads shares one K and V head)")
-        if self.ffn_hidden is not None and self.ffn_hidden < 1:
-            raise ShapeError(f"model.ffn_hidden={self.ffn_hidden} must be a positive integer")
+    gpt: GPTConfig
 
     @classmethod
     def from_preset(cls, model: dict) -> ModelShape:
-        """A conf/model/ preset (as a plain dict): GPT fields into the carrier, the rest planner fields."""
-        unknown = set(model) - set(GPT_FIELDS) - set(PLANNER_DEFAULTS)
+        """A conf/model/ preset (as a plain dict)."""
+        unknown = set(model) - set(MODEL_FIELDS)
         if unknown:
             raise ShapeError(f"model preset has fields no one reads: {', '.join(sorted(unknown))} "
-                             f"(GPT fields: {', '.join(GPT_FIELDS)}; planner fields: {', '.join(PLANNER_DEFAULTS)})")
+                             f"(the model's fields: {', '.join(MODEL_FIELDS)})")
         try:
-            gpt = GPTConfig(**{k: model[k] for k in GPT_FIELDS if k in model})
-        except ValueError as e:
+            return cls(gpt=GPTConfig(**model))
+        except (TypeError, ValueError) as e:
             raise ShapeError(str(e)) from None
-        return cls(gpt=gpt, **{k: model[k] for k in PLANNER_DEFAULTS if k in model})
 
-    # -- what the sandbox GPT can train --------------------------------------------------------------
+    # -- the block's shape, read off the config ------------------------------------------------------
+    @property
+    def n_kv_heads(self) -> int | None:
+        return self.gpt.n_kv_heads
+
+    @property
+    def ffn_hidden(self) -> int | None:
+        return self.gpt.ffn_hidden
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.gpt.gated_mlp
+
+    @property
+    def tied_head(self) -> bool:
+        return self.gpt.tied_head
+
+    @property
+    def position_embedding(self) -> str:
+        return self.gpt.position_embedding
+
+    @property
+    def norm(self) -> str:
+        return self.gpt.norm
+
+    @property
+    def bias(self) -> bool:
+        return self.gpt.bias
+
     @property
     def trainable(self) -> bool:
-        """Every planner field at the GPT's value: launch.train builds exactly this model."""
-        return all(_same(getattr(self, k), v, k, self) for k, v in PLANNER_DEFAULTS.items())
+        """GPT-2's block: the shape every family's closed forms were first written for."""
+        return self.gpt.is_gpt2_shape
 
     def differences(self) -> list[str]:
-        """Where this shape differs from the sandbox GPT, in words (empty for a trainable one)."""
-        out = []
-        if self.kv_heads != self.gpt.n_heads:
-            out.append(f"grouped-query attention ({self.kv_heads} K/V heads for {self.gpt.n_heads} query heads)")
-        if self.gated_mlp:
-            out.append(f"gated (SwiGLU) MLP of width {self.ffn}")
-        elif self.ffn != self.gpt.d_ff:
-            out.append(f"MLP width {self.ffn} (not {self.gpt.mlp_ratio} x d_model)")
-        if self.tied_head:
+        """Where this shape differs from GPT-2's block, in words (empty for GPT-2's)."""
+        g, out = self.gpt, []
+        if g.kv_heads != g.n_heads:
+            out.append(f"grouped-query attention ({g.kv_heads} K/V heads for {g.n_heads} query heads)")
+        if g.gated_mlp:
+            out.append(f"gated (SwiGLU) MLP of width {g.d_ff}")
+        elif g.d_ff != g.mlp_ratio * g.d_model:
+            out.append(f"MLP width {g.d_ff} (not {g.mlp_ratio} x d_model)")
+        if g.tied_head:
             out.append("head tied to the token table")
-        if self.position_embedding != "learned":
+        if g.rope:
             out.append("rotary positions (no position table)")
-        if self.norm != "layernorm":
+        if g.norm != "layernorm":
             out.append("RMSNorm")
-        if not self.bias:
+        if not g.bias:
             out.append("no biases on the linears")
         return out
 
@@ -104,35 +96,48 @@ class ModelShape:
     # -- dimensions ---------------------------------------------------------------------------------
     @property
     def kv_heads(self) -> int:
-        return self.n_kv_heads or self.gpt.n_heads
+        return self.gpt.kv_heads
 
     @property
     def kv_width(self) -> int:
         """h_kv: the width of K (and of V), kv heads times the head size."""
-        return self.kv_heads * self.gpt.head_dim
+        return self.gpt.kv_width
 
     @property
     def ffn(self) -> int:
-        return self.ffn_hidden or self.gpt.d_ff
+        return self.gpt.d_ff
 
     @property
     def norm_parameters(self) -> int:
-        return 2 * self.gpt.d_model if self.norm == "layernorm" else self.gpt.d_model
+        return self.gpt.norm_parameters
+
+    def kv_heads_per_rank(self, t: int) -> int:
+        """K/V heads one of t tp ranks holds: kv/t when t divides them; one when t is a multiple of
+        them (each kv head then replicated on t/kv ranks, Megatron's and vLLM's rule)."""
+        kv = self.kv_heads
+        return kv // t if kv % t == 0 else 1
 
     # -- parameters ---------------------------------------------------------------------------------
     def layer_parameters(self, t: int = 1) -> int:
         """One transformer block on one of t tensor-parallel ranks (t = 1: the whole block):
 
-            2 norms (replicated)  +  Q (h·h + h)/t  +  K, V 2·(h·h_kv + h_kv)/t  +  out proj h·h/t + h
+            2 norms (replicated)  +  Q (h·h + h)/t  +  K, V 2·(h·h_kv,t + h_kv,t)  +  out proj h·h/t + h
             + MLP  gated: 2·(h·f + f)/t (gate, up) + f·h/t + h (down)   plain: (h·f + f)/t + f·h/t + h
 
         biases only where `bias` (the row-parallel biases, added after the sum, are whole on every
-        rank). For the GPT's fields this is algebra.tp_shard_parameter_count's per-layer term.
+        rank); h_kv,t = h_kv/t, or one head's width where t exceeds the kv heads (`kv_heads_per_rank`).
         """
-        h, hkv, f, nb = self.gpt.d_model, self.kv_width, self.ffn, int(self.bias)
-        attention = (h * h + nb * h) // t + 2 * (h * hkv + nb * hkv) // t + h * h // t + nb * h
+        h, f, nb = self.gpt.d_model, self.ffn, int(self.bias)
+        hkv = self.kv_heads_per_rank(t) * self.gpt.head_dim  # K's (and V's) width on this rank
+        attention = (h * h + nb * h) // t + 2 * (h * hkv + nb * hkv) + h * h // t + nb * h
         up = (2 if self.gated_mlp else 1) * (h * f + nb * f) // t
         return 2 * self.norm_parameters + attention + up + f * h // t + nb * h
+
+    def mlp_parameters(self) -> int:
+        """One MLP (one expert of an MoE block): gated 2·(h·f + f) + f·h + h, plain (h·f + f) + f·h + h,
+        biases only where the shape has them."""
+        h, f, nb = self.gpt.d_model, self.ffn, int(self.bias)
+        return (2 if self.gated_mlp else 1) * (h * f + nb * f) + f * h + nb * h
 
     def embedding_parameters(self, t: int = 1) -> int:
         """Token rows V·h/t (vocab-parallel) and the learned position table s·h (replicated)."""
@@ -169,22 +174,3 @@ class ModelShape:
         softmax·V are 2·s·h each per token and layer forward whatever the number of K/V heads."""
         g = self.gpt
         return 6 * self.matmul_parameters() + 12 * g.n_layers * g.d_model * g.seq_len
-
-
-def _same(value, default, name: str, shape: ModelShape) -> bool:
-    if name == "n_kv_heads":
-        return value is None or value == shape.gpt.n_heads
-    if name == "ffn_hidden":
-        return value is None or value == shape.gpt.d_ff
-    return value == default
-
-
-def untrainable_reason(model: dict) -> str | None:
-    """Why launch.train cannot build this preset (planner fields the sandbox GPT does not have), or None."""
-    if not any(k in model for k in PLANNER_DEFAULTS):
-        return None
-    shape = ModelShape.from_preset(model)
-    if shape.trainable:
-        return None
-    return (f"this model preset is a planner shape the sandbox GPT cannot train ({'; '.join(shape.differences())}): "
-            "plan it with `python -m launch.plan model=...`, or train a preset without those fields")

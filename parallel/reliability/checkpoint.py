@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from parallel.core.config import SHAPE_FIELDS
 from parallel.core.model import MOE_FIELDS, GPTConfig
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -172,9 +173,9 @@ def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 # What must be equal for a resumed run to be the continuation of the saved one.
 MODEL_KEYS = ("vocab_size", "vocab_pad_multiple", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio",
-              *MOE_FIELDS)
-# A checkpoint written before the model had experts holds a dense model: the defaults.
-_UNRECORDED = {k: getattr(GPTConfig(), k) for k in MOE_FIELDS}
+              *MOE_FIELDS, *SHAPE_FIELDS)
+# A checkpoint written before the model had experts or Llama's block holds a dense GPT-2: the defaults.
+_UNRECORDED = {k: getattr(GPTConfig(), k) for k in (*MOE_FIELDS, *SHAPE_FIELDS)}
 DATA_KEYS = ("seed", "global_batch", "data_path", "data_max_bytes", "seq_len")
 
 

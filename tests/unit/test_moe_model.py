@@ -26,7 +26,6 @@ from parallel.core.model import (
 )
 from parallel.core.optim import AdamW
 from parallel.core.routing import expert_capacity, route
-from parallel.core.shape import PLANNER_DEFAULTS
 from parallel.moe.expert_parallel import shard_experts
 from parallel.moe.theory import ep_shard_parameter_count
 
@@ -284,18 +283,15 @@ def test_ep_shard_holds_its_experts_and_everything_else(ep):
     assert held == {n for n, _ in GPT(TINY_MOE).named_parameters() if ".experts." in n}
 
 
-PLANNER_PRESETS = {"gpt2_124m", "gpt2_1p5b", "llama3_8b", "llama3_70b", "llama3_405b"}
-
-
 def test_presets_load_and_count():
     presets = {path.stem: yaml.safe_load(path.read_text()) for path in CONF.glob("*.yaml")}
     for name, fields in presets.items():
-        # Every key of a training preset is a GPTConfig field; a planner preset (a model launch.train
-        # cannot build: gpt2_*, llama3_*) may add the planner's own fields, and nothing else.
-        allowed = set(GPTConfig.__dataclass_fields__) | (set(PLANNER_DEFAULTS) if name in PLANNER_PRESETS else set())
-        assert set(fields) <= allowed, (name, set(fields) - allowed)
+        # Every key of every preset (GPT-2's block, Llama's, with or without experts) is a GPTConfig field.
+        unknown = set(fields) - set(GPTConfig.__dataclass_fields__)
+        assert not unknown, (name, unknown)
+        GPTConfig(**fields)
         assert bool(set(MOE_FIELDS) & set(fields)) == name.endswith("_moe"), name
-    for name, psi in (("tiny_moe", 433_920), ("small_moe", 21_206_528)):
+    for name, psi in (("tiny_moe", 433_920), ("small_moe", 21_206_528), ("small_llama_moe", 22_688_000)):
         cfg = GPTConfig(**yaml.safe_load((CONF / f"{name}.yaml").read_text()))
         assert cfg.moe_experts and parameter_count(cfg) == psi
     assert count_parameters(GPT(GPTConfig(**yaml.safe_load((CONF / "tiny_moe.yaml").read_text())))) == 433_920
