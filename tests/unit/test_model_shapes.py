@@ -133,3 +133,28 @@ def test_bad_shapes_are_refused_in_one_line(fields, message):
     assert "\n" not in str(caught.value)
     with pytest.raises(ShapeError, match=message):
         ModelShape.from_preset(fields)
+
+
+def _plan(*overrides: str):
+    from hydra import compose, initialize_config_dir
+    from launcher import PROJECT_ROOT
+
+    from parallel.dist.groups import LaunchEnv
+    from parallel.run_plan import build_plan
+
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides))
+    return build_plan(cfg, LaunchEnv(rank=0, world_size=1, local_world_size=1), cuda_available=False)
+
+
+def test_launch_builds_every_llama_preset_and_refuses_bad_fields_before_any_group():
+    from parallel.run_plan import ConfigError
+
+    plan = _plan("model=small_llama")
+    assert plan.model.kv_heads == 2 and plan.model.gated_mlp and plan.model.rope and not plan.model.bias
+    assert _plan("model=llama3_8b").model.kv_heads == 8  # no refusal for the architecture
+    for override, message in (("model.n_kv_heads=3", r"model.n_kv_heads=3 does not divide model.n_heads=4"),
+                              ("model.ffn_hidden=null", r"model.gated_mlp=true needs model.ffn_hidden"),
+                              ("model.rope_base=0.5", r"model.rope_base=0.5 must be a finite number above 1")):
+        with pytest.raises(ConfigError, match=message):
+            _plan("model=tiny_llama", override)
