@@ -66,26 +66,42 @@ def shard_sequence(x: torch.Tensor, rank: int, cp: int, dim: int = SEQ_DIM) -> t
     return torch.cat([x.narrow(dim, i * c, c) for i in rank_chunks(rank, cp)], dim=dim)
 
 
-def validate(kind: str, cp: int, seq_len: int, heads: int, attention_dropout: float = 0.0) -> None:
+def validate(kind: str, cp: int, seq_len: int, heads: int, attention_dropout: float = 0.0,
+             kv_heads: int | None = None) -> None:
     """Refuse, with one line that names the value and the fix, a layout the attention cannot run.
 
-    kind: "ring" or "a2a". heads: the heads this rank's attention holds (n_heads / tp under
-    tensor parallelism). Raises ValueError; the caller turns it into its `error:` line before any
-    process group exists.
+    kind: "ring" or "a2a". heads, kv_heads: the query and K/V heads this rank's attention holds
+    (n_heads / tp and the kv heads per tp rank under tensor parallelism; kv_heads defaults to
+    heads). Raises ValueError; the caller turns it into its `error:` line before any process group exists.
     """
     if kind not in ("ring", "a2a"):
         raise ValueError(f"context-parallel kind {kind!r} is not one of ring, a2a")
     if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
         raise ValueError(f"parallel.cp={cp!r} must be a positive integer")
     check_divisible(seq_len, cp)
-    if kind == "a2a" and heads % cp:
+    if kind == "a2a":
+        check_heads_split(cp, heads, heads if kv_heads is None else kv_heads)
+    if kind == "ring" and attention_dropout > 0:
+        raise ValueError(
+            f"model.dropout={attention_dropout} inside attention: ring attention computes the softmax block by "
+            "block and has no attention dropout; set model.dropout=0"
+        )
+
+
+def check_heads_split(cp: int, heads: int, kv_heads: int) -> None:
+    """The all-to-all hands each rank heads/cp whole query heads and the kv heads they read: cp
+    must divide the heads, and divide the kv heads or be a multiple of them (each kv head then
+    replicated on cp/kv ranks). The ring has no head rule: it cuts the sequence only."""
+    if heads % cp:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ValueError(
             f"parallel.cp={cp} does not divide the {heads} attention heads per rank: the all-to-all gives each "
             f"rank heads/cp whole heads; use cp in {divisors}, or the ring (parallel=cp)"
         )
-    if kind == "ring" and attention_dropout > 0:
+    if kv_heads % cp and cp % kv_heads:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
         raise ValueError(
-            f"model.dropout={attention_dropout} inside attention: ring attention computes the softmax block by "
-            "block and has no attention dropout; set model.dropout=0"
+            f"parallel.cp={cp} neither divides nor is a multiple of the {kv_heads} K/V heads per rank "
+            f"(model.n_kv_heads over tp): the all-to-all gives each rank kv heads/cp whole kv heads, or one "
+            f"replica where cp is a multiple of them; use cp in {fits}, or the ring (parallel=cp)"
         )

@@ -20,8 +20,12 @@ save). The gradient of a K, V block is summed over all cp ranks and must end on 
 the block: the owner keeps its own share, and an fp32 (or wider) accumulator for the block rides the ring
 behind it from the next rank on, gathering each rank's share, and comes home after cp − 1 hops.
 
+With grouped-query attention K and V have fewer heads than Q (a_kv): they travel unexpanded,
+and each kv head meets the a/a_kv query heads it serves inside the block (parallel/cp/blockwise.py),
+so a hop carries a_kv heads, not a: GQA's saving in memory is the ring's saving in bytes.
+
 Bytes each rank sends per layer and microbatch (tags `<tag>/fwd`, `<tag>/bwd`):
-    forward   (cp − 1) sends of K and V      2·b·a·(s/cp)·d elements of the activation dtype
+    forward   (cp − 1) sends of K and V      2·b·a_kv·(s/cp)·d elements of the activation dtype
     backward  (cp − 1) sends of K and V again, and (cp − 1) sends of the dK, dV accumulator, in fp32
               (in float64 for float64 activations: the accumulator is never narrower than fp32)
 (parallel/cp/theory.py; derivation in docs/theory/context.md).
@@ -64,6 +68,11 @@ def _heads_inner(out: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """(b, a, n, d) -> (b, a_kv, a/a_kv, n, d): the query heads each kv head serves, side by side (a view)."""
+    return x.unflatten(1, (kv_heads, -1))
+
+
 def _pairs(rank: int, source: int, cp: int):
     """(local query chunk, source key chunk, causal?) for each pair the causal mask does not empty."""
     for qi, query_chunk in enumerate(rank_chunks(rank, cp)):
@@ -82,7 +91,7 @@ class _RingAttention(torch.autograd.Function):
         # autocast); K and V travel in their own dtype, as they would without context parallelism.
         exact = torch.promote_types(q.dtype, torch.float32)
         with torch.autocast(q.device.type, enabled=False):
-            q_chunks = q.to(exact).chunk(2, dim=SEQ)
+            q_chunks = _grouped(q.to(exact), k.shape[1]).chunk(2, dim=SEQ)
             kv = torch.stack((k, v))
             outs, lses = [None, None], [None, None]
             for step in range(cp):
@@ -96,7 +105,7 @@ class _RingAttention(torch.autograd.Function):
                 if step < cp - 1:
                     _wait(handles)
                     kv = incoming
-            out, lse = _heads_inner(torch.cat(outs, dim=SEQ)), torch.cat(lses, dim=-1)
+            out, lse = _heads_inner(torch.cat(outs, dim=SEQ).flatten(1, 2)), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.tag = comm, tag
         return out.to(q.dtype)
@@ -107,13 +116,13 @@ class _RingAttention(torch.autograd.Function):
         comm, tag = ctx.comm, f"{ctx.tag}/bwd"
         cp, rank = comm.size, comm.rank
         scale = q.shape[-1] ** -0.5
-        exact = out.dtype
+        exact, kv_heads = out.dtype, k.shape[1]
         with torch.autocast(q.device.type, enabled=False):
-            dout = grad_out.to(exact)
-            delta = (dout * out).sum(-1)
-            q_chunks, dout_chunks = q.to(exact).chunk(2, dim=SEQ), dout.chunk(2, dim=SEQ)
+            dout = _grouped(grad_out.to(exact), kv_heads)
+            delta = (dout * _grouped(out, kv_heads)).sum(-1)
+            q_chunks, dout_chunks = _grouped(q.to(exact), kv_heads).chunk(2, dim=SEQ), dout.chunk(2, dim=SEQ)
             lse_chunks, delta_chunks = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
-            dq = torch.zeros_like(q, dtype=exact)
+            dq = torch.zeros_like(dout)
             dq_chunks = dq.chunk(2, dim=SEQ)
             kv = torch.stack((k, v))
             own_dkv = carried = carried_handles = None
@@ -142,14 +151,15 @@ class _RingAttention(torch.autograd.Function):
             if carried_handles is not None:  # the accumulator of this rank's own block, home
                 _wait(carried_handles)
                 own_dkv += carried
-        return dq.to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None
+        return dq.flatten(1, 2).to(q.dtype), own_dkv[0].to(k.dtype), own_dkv[1].to(v.dtype), None, None
 
 
 class RingAttentionCore(nn.Module):
     """Drop-in for the model's AttentionCore on one rank of a cp ring.
 
-    q, k, v: (batch, heads, 2·c, head_dim), this rank's two chunks of the load-balanced layout.
-    `tag` names the layer in the communication log, e.g. "cp/blocks.3.attn".
+    q: (batch, heads, 2·c, head_dim), this rank's two chunks of the load-balanced layout; k, v the
+    same with kv heads (fewer under grouped-query attention, dividing the heads). `tag` names the
+    layer in the communication log, e.g. "cp/blocks.3.attn".
     """
 
     def __init__(self, comm: Communicator, tag: str):

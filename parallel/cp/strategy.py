@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from parallel.core.data import Batch
 from parallel.core.model import GPTConfig, token_loss_sum
+from parallel.core.shape import ModelShape
 from parallel.cp.layout import shard_sequence, validate
 from parallel.cp.transform import parallelize_cp
 from parallel.dist.comm import Communicator
@@ -50,7 +51,8 @@ def check_context_parallel(model: GPTConfig, cp: int, tp: int, kind: str, sequen
             "a cp rank routes only its s/cp tokens of each sequence, so tokens would be dropped differently than in "
             "the unsplit model; use a dense model (model.moe_experts=0) or parallel.cp=1"
         )
-    validate(kind, cp, model.seq_len, model.n_heads // tp, model.dropout)
+    kv_heads = ModelShape(gpt=model).kv_heads_per_rank(tp)
+    validate(kind, cp, model.seq_len, model.n_heads // tp, model.dropout, kv_heads=kv_heads)
     if sequence_parallel and (model.seq_len // cp) % tp:
         raise ValueError(
             f"model.seq_len={model.seq_len} / parallel.cp={cp} = {model.seq_len // cp} tokens per cp rank do not split "

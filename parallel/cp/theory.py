@@ -1,18 +1,20 @@
 """Context parallelism's closed forms: the bytes one cp rank's attention sends, per layer and
 microbatch, then per step with the gradient sum over dp x cp, and the model state each rank holds.
 
-Notation (docs/theory/context.md): b microbatch size, s full sequence length, a the heads this
-rank's attention holds (n_heads, or n_heads / tp under tensor parallelism), d head dim, cp the
-context-parallel degree, B bytes per activation element (4 in fp32, 2 under bf16 autocast).
-A rank holds s/cp tokens, so its K (or V) is b·a·(s/cp)·d elements.
+Notation (docs/theory/context.md): b microbatch size, s full sequence length, a the query heads
+this rank's attention holds (n_heads, or n_heads / tp under tensor parallelism), a_kv its K/V heads
+(n_kv_heads, over tp: split or one replicated; a_kv = a without grouped-query attention), d head
+dim, cp the context-parallel degree, B bytes per activation element (4 in fp32, 2 under bf16
+autocast). A rank holds s/cp tokens, so its Q is b·a·(s/cp)·d elements and its K (or V) b·a_kv·(s/cp)·d.
 
-Ring (parallel/cp/ring.py), `send` calls on the cp group:
-    forward   cp − 1 sends of K and V:                           (cp − 1)·2·b·a·(s/cp)·d·B
-    backward  cp − 1 sends of K and V, cp − 1 of the dK, dV      (cp − 1)·2·b·a·(s/cp)·d·(B + max(B, 4))
+Ring (parallel/cp/ring.py), `send` calls on the cp group (K and V travel unexpanded):
+    forward   cp − 1 sends of K and V:                           (cp − 1)·2·b·a_kv·(s/cp)·d·B
+    backward  cp − 1 sends of K and V, cp − 1 of the dK, dV      (cp − 1)·2·b·a_kv·(s/cp)·d·(B + max(B, 4))
               accumulator (fp32, or wider activations' dtype)
 All-to-all (parallel/cp/ulysses.py), `all_to_all` calls, each sending (cp − 1)/cp of its input:
-    forward   Q, K, V stacked (3 units) and the output (1 unit)  (cp − 1)/cp·4·b·a·(s/cp)·d·B
-    backward  the same two, reversed                              (cp − 1)/cp·4·b·a·(s/cp)·d·B
+    forward   Q, K, V packed (a + 2a' heads), the output (a)      (cp − 1)/cp·b·(2a + 2a')·(s/cp)·d·B
+    backward  the same two, reversed                              (cp − 1)/cp·b·(2a + 2a')·(s/cp)·d·B
+    with a' = a_kv where cp divides a_kv, else cp (each kv head replicated cp/a_kv times)
 Every figure is what the communication log's `sent` column adds up to, to the byte; like every
 theory file, it is derived from the shape alone, independent of the code and the log it checks.
 """
@@ -62,8 +64,10 @@ def local_kv_elements(batch: int, seq_len: int, heads: int, head_dim: int, cp: i
     return batch * heads * (seq_len // cp) * head_dim
 
 
-def ring_layer_traffic(batch: int, seq_len: int, heads: int, head_dim: int, cp: int, dtype_bytes: int) -> LayerTraffic:
-    kv = 2 * local_kv_elements(batch, seq_len, heads, head_dim, cp)  # K and V travel together
+def ring_layer_traffic(batch: int, seq_len: int, kv_heads: int, head_dim: int, cp: int,
+                       dtype_bytes: int) -> LayerTraffic:
+    """The ring sends K and V only, with their own (kv) heads."""
+    kv = 2 * local_kv_elements(batch, seq_len, kv_heads, head_dim, cp)  # K and V travel together
     hops = cp - 1
     return LayerTraffic(
         op="send",
@@ -73,9 +77,21 @@ def ring_layer_traffic(batch: int, seq_len: int, heads: int, head_dim: int, cp: 
     )
 
 
+def kv_heads_in_all_to_all(kv_heads: int, cp: int) -> int:
+    """a': the kv heads the all-to-all scatters, a_kv where cp divides them, else cp (one replica per rank)."""
+    return kv_heads if kv_heads % cp == 0 else cp
+
+
+def ulysses_payload(batch: int, seq_len: int, heads: int, head_dim: int, cp: int, dtype_bytes: int,
+                    kv_heads: int | None = None) -> int:
+    """Bytes into the all-to-alls of one direction: q, k, v (a + 2a' heads) and the output (a)."""
+    kv = kv_heads_in_all_to_all(heads if kv_heads is None else kv_heads, cp)
+    return local_kv_elements(batch, seq_len, 2 * heads + 2 * kv, head_dim, cp) * dtype_bytes
+
+
 def ulysses_layer_traffic(batch: int, seq_len: int, heads: int, head_dim: int, cp: int,
-                          dtype_bytes: int) -> LayerTraffic:
-    units = 4 * local_kv_elements(batch, seq_len, heads, head_dim, cp) * dtype_bytes  # q, k, v and the output
+                          dtype_bytes: int, kv_heads: int | None = None) -> LayerTraffic:
+    units = ulysses_payload(batch, seq_len, heads, head_dim, cp, dtype_bytes, kv_heads)
     per_direction = Fraction(cp - 1, cp) * units  # 0 for a group of one, whose two calls move nothing
     return LayerTraffic(op="all_to_all", fwd_calls=2, fwd_sent=per_direction, bwd_calls=2, bwd_sent=per_direction)
 
@@ -97,11 +113,13 @@ def cp_attention_traffic(model: GPTConfig, layout: Layout, layers: int) -> dict[
     {op: (payload bytes, sent bytes)}, empty without context parallelism.
 
     Per layer and microbatch (the functions above, docs/theory/context.md §2-3), with
-    U = b·(a/t)·(s/cp)·d the elements of one of this rank's Q, K or V (a/t heads under tp):
+    u = b·(s/cp)·d the elements of one head on this rank, a = n_heads/t its query heads and a_kv its
+    K/V heads (ModelShape.kv_heads_per_rank(t)):
 
-      ring   forward (cp−1)·2U·B, backward (cp−1)·2U·(B + max(B, 4)): `send` calls (their `recv`
-             twins carry the same payload and send nothing)
-      a2a    forward and backward (cp−1)/cp·4U·B each: `all_to_all` calls, payload 4U·B each way
+      ring   forward (cp−1)·2·a_kv·u·B, backward (cp−1)·2·a_kv·u·(B + max(B, 4)): `send` calls (their
+             `recv` twins carry the same payload and send nothing)
+      a2a    forward and backward (cp−1)/cp·(2a + 2a')·u·B each: `all_to_all` calls, payload
+             (2a + 2a')·u·B each way (a' = a_kv, or cp where the kv heads are replicated)
 
     Recomputation (selective or full) runs the core's forward once more inside backward, its
     sends with it: the forward's bytes count twice.
@@ -111,12 +129,15 @@ def cp_attention_traffic(model: GPTConfig, layout: Layout, layers: int) -> dict[
         return {}
     b, m, B = layout.microbatch_size, layout.microbatches, activation_dtype_bytes(layout)
     heads, forwards = model.n_heads // dims.tp, 2 if layout.recompute != "none" else 1
-    traffic = (ring_layer_traffic if layout.of(CPOptions).kind == "ring" else ulysses_layer_traffic)(
-        b, model.seq_len, heads, model.head_dim, dims.cp, B)
+    kv_heads = ModelShape(gpt=model).kv_heads_per_rank(dims.tp)
+    if layout.of(CPOptions).kind == "ring":
+        traffic = ring_layer_traffic(b, model.seq_len, kv_heads, model.head_dim, dims.cp, B)
+    else:
+        traffic = ulysses_layer_traffic(b, model.seq_len, heads, model.head_dim, dims.cp, B, kv_heads)
     sent = layers * m * (forwards * traffic.fwd_sent + traffic.bwd_sent)
     if traffic.op == "send":
         return {"send": (int(sent), sent), "recv": (int(sent), Fraction(0))}
-    per_direction = 4 * local_kv_elements(b, model.seq_len, heads, model.head_dim, dims.cp) * B
+    per_direction = ulysses_payload(b, model.seq_len, heads, model.head_dim, dims.cp, B, kv_heads)
     return {"all_to_all": (layers * m * (forwards + 1) * per_direction, sent)}
 
 

@@ -5,6 +5,10 @@ race); each rank runs the ring and the all-to-all attention on its shard of the 
 q, k, v, and the whole GPT with its embedding and cores replaced, and reports back. The reference
 is the model's own AttentionCore (SDPA, causal) on the full sequence, computed on every rank.
 
+Grouped-query attention (K, V with 2 heads for 4 query heads) runs the same checks in float64: the
+ring with K, V unexpanded, the all-to-all at cp 2 with one kv head per rank and at cp 4 with each
+kv head replicated on two ranks; and Llama's whole block (rotary positions of the rank's chunks).
+
 Tolerance, relative to the reference tensor's largest element: max|cp − reference| <= 1e-6·max|reference|
 in fp32 (measured here: up to 5e-7 for the ring, 0 for the all-to-all, whose inner attention is the
 same SDPA call on the same numbers), and <= 1e-12 in float64, where the ring's fp32 rounding
@@ -41,6 +45,9 @@ WORLD = 4
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 B, HEADS, SEQ, HEAD_DIM = 2, 4, 32, 8  # attention inputs (batch, heads, seq, head_dim)
 MODEL = GPTConfig(seq_len=16, n_layers=2, d_model=32, n_heads=4)
+KV_HEADS = 2  # grouped-query attention: each K/V head serves two query heads
+LLAMA = GPTConfig(seq_len=16, n_layers=2, d_model=32, n_heads=4, n_kv_heads=KV_HEADS, ffn_hidden=64, gated_mlp=True,
+                  norm="rmsnorm", position_embedding="rope", bias=False)
 CORES = {"ring": RingAttentionCore, "a2a": UlyssesAttentionCore}
 DTYPES = {torch.float32: 4, torch.float64: 8, torch.bfloat16: 2}  # bytes per element
 
@@ -50,10 +57,11 @@ def _max_diff(a: torch.Tensor, reference: torch.Tensor) -> float:
     return ((a.double() - reference.double()).abs().max() / reference.double().abs().max()).item()
 
 
-def _attention_check(comm: Communicator, kind: str, dtype: torch.dtype) -> dict:
+def _attention_check(comm: Communicator, kind: str, dtype: torch.dtype, kv_heads: int = HEADS) -> dict:
     """One layer's output and input gradients against the unsplit core, and the traffic it logged."""
     gen = torch.Generator().manual_seed(1)
-    q, k, v, dout = (torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=gen).to(dtype) for _ in range(4))
+    q, dout = (torch.randn(B, HEADS, SEQ, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, SEQ, HEAD_DIM, generator=gen).to(dtype) for _ in range(2))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     reference = AttentionCore()(*full)
     reference.backward(dout)
@@ -79,13 +87,13 @@ def _loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
 
 
-def _model_check(comm: Communicator, kind: str, dtype: torch.dtype) -> dict:
+def _model_check(comm: Communicator, kind: str, dtype: torch.dtype, config: GPTConfig = MODEL) -> dict:
     """The whole GPT on this rank's tokens: the loss and the parameter gradients summed over cp
     equal the single model's."""
     gen = torch.Generator().manual_seed(2)
-    idx = torch.randint(0, MODEL.vocab_size, (B, MODEL.seq_len), generator=gen)
-    targets = torch.randint(0, MODEL.vocab_size, (B, MODEL.seq_len), generator=gen)
-    single, model = GPT(MODEL, seed=0).to(dtype), GPT(MODEL, seed=0).to(dtype)
+    idx = torch.randint(0, config.vocab_size, (B, config.seq_len), generator=gen)
+    targets = torch.randint(0, config.vocab_size, (B, config.seq_len), generator=gen)
+    single, model = GPT(config, seed=0).to(dtype), GPT(config, seed=0).to(dtype)
     single_loss = _loss_sum(single(idx), targets)
     single_loss.backward()
     parallelize_cp(model, comm, kind)
@@ -115,6 +123,8 @@ def _worker(rank: int, port: int, results) -> None:
                 report[kind, dtype] = _attention_check(comm, kind, dtype)
             for dtype in TOL:
                 report[kind, dtype, "model"] = _model_check(comm, kind, dtype)
+            report[kind, "gqa"] = _attention_check(comm, kind, torch.float64, kv_heads=KV_HEADS)
+            report[kind, "llama"] = _model_check(comm, kind, torch.float64, LLAMA)
         results[cp, rank] = report
     dist.barrier()
     dist.destroy_process_group()
@@ -175,6 +185,20 @@ def test_logged_bytes_equal_the_closed_form(reports, kind, dtype):
         if kind == "ring":  # every send has its receive, which sends nothing
             assert traffic[("recv", "cp", "cp/layer/fwd")][:3:2] == (closed.fwd_calls, 0)
             assert traffic[("recv", "cp", "cp/layer/bwd")][:3:2] == (closed.bwd_calls, 0)
+
+
+@pytest.mark.parametrize("kind", CORES)
+def test_grouped_query_attention_equals_the_unsplit_attention_and_sends_kv_heads(reports, kind):
+    """K, V with fewer heads: outputs, gradients (dK, dV summed over each kv head's query heads)
+    and the whole Llama-shaped model as unsplit, in float64; the bytes those of the kv heads."""
+    cp, by_rank = reports
+    closed = (ring_layer_traffic(B, SEQ, KV_HEADS, HEAD_DIM, cp, 8) if kind == "ring"
+              else ulysses_layer_traffic(B, SEQ, HEADS, HEAD_DIM, cp, 8, kv_heads=KV_HEADS))
+    for rank, report in enumerate(by_rank):
+        r, model = report[kind, "gqa"], report[kind, "llama"]
+        assert max(r["out"], r["dq"], r["dk"], r["dv"]) <= TOL[torch.float64], (rank, r)
+        assert model["loss"] <= TOL[torch.float64] and model["grads"] <= TOL[torch.float64], (rank, model)
+        assert sum(t[2] for t in r["traffic"].values()) == closed.sent
 
 
 def test_bf16_activations_stay_bf16_and_close(reports):

@@ -1,6 +1,8 @@
 """Context parallelism and activation recomputation, end to end under torchrun, against the single run.
 
-Each case trains the tiny model (s = 32, L = 4, h = 64, 4 heads) for 6 steps on gloo and checks at once:
+Each case trains the tiny model (s = 32, L = 4, h = 64, 4 heads) for 6 steps on gloo, or its Llama
+shape (model=tiny_llama: 2 K/V heads for the 4 query heads, SwiGLU, RMSNorm, rotary positions of the
+load-balanced chunks), and checks at once:
   * per-step losses within 1e-5 relative of the single-process run and the same final parameters;
   * the bytes per step equal parallel/cp/theory.py exactly: in total, op by op (payload and sent) and
     group by group (cp, dp_cp, tp, pp), and the attention's calls per layer (the ring's sends, the
@@ -15,10 +17,11 @@ every mode, in tests/unit/test_recompute.py.
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, run_train
 
-L, S, H, HEADS = 4, 32, 64, 4  # the tiny model
+L, S, H, HEADS = 4, 32, 64, 4  # the tiny model (and tiny_llama's, which has 2 K/V heads)
 GLOBAL_BATCH = 16
+LLAMA = "model=tiny_llama"  # a case's marker: it runs on TINY_LLAMA against its own single run
 
 CASES = [
     # id, world, overrides, (dp, cp, tp, pp), cp kind, recompute, microbatches
@@ -37,7 +40,17 @@ CASES = [
     # Saving the sequence piece under full recomputation: the recomputed forward gathers, then the regathers.
     ("tp_sp2-sharded-full", 2, ["parallel=tp_sp", "parallel.tp_saves=sharded", "train.recompute=full"],
      (1, 1, 2, 1), None, "full", 1),
+    # Llama's block: the ring passes 2 K/V heads (not 4) and rotates q, k by the chunks' global positions.
+    ("llama-cp4-ring-full", 4, [LLAMA, "parallel=cp", "parallel.cp=4", "train.recompute=full"], (1, 4, 1, 1), "ring",
+     "full", 1),
+    ("llama-cp2-a2a-selective", 2, [LLAMA, "parallel=cp_a2a", "train.recompute=selective"], (1, 2, 1, 1), "a2a",
+     "selective", 1),
+    ("llama-dp2xcp2-a2a", 4, [LLAMA, "parallel=cp_a2a", "parallel.microbatches=2"], (2, 2, 1, 1), "a2a", "none", 2),
 ]
+
+
+def kv_heads_of(overrides: list[str]) -> int:
+    return 2 if LLAMA in overrides else HEADS
 
 
 def check_traffic_equals_theory(s: dict) -> None:
@@ -52,25 +65,28 @@ def check_traffic_equals_theory(s: dict) -> None:
         assert Fraction(comm["by_group"][group]["sent_bytes"]) == Fraction(e["sent_bytes_exact"]), group
 
 
-def check_attention_calls(s: dict, world: int, cp: int, tp: int, pp: int, kind: str, recompute: str, m: int) -> None:
+def check_attention_calls(s: dict, world: int, cp: int, tp: int, pp: int, kind: str, recompute: str, m: int,
+                          kv_heads: int = HEADS) -> None:
     """Per layer, per microbatch, on each rank that holds the layer: the ring posts cp − 1 sends of
     K, V forward (and again under recomputation) and 2(cp − 1) backward (K, V and the dK, dV
-    accumulator); the all-to-all 2 calls each way. Each layer lives on world / pp ranks."""
+    accumulator); the all-to-all 2 calls each way. Each layer lives on world / pp ranks. K and V
+    have `kv_heads` heads (cp divides them in these cases): the ring sends them unexpanded."""
     by = s["comm"]["by_tag_op"]
     forwards = 1 if recompute == "none" else 2
     holders = world // pp
     op, fwd, bwd = ("send", cp - 1, 2 * (cp - 1)) if kind == "ring" else ("all_to_all", 2, 2)
     b = GLOBAL_BATCH // (world // (cp * tp * pp)) // m
-    u = b * (HEADS // tp) * (S // cp) * (H // HEADS)  # elements of one of a rank's Q, K, V
+    head = b * (S // cp) * (H // HEADS)  # elements of one head on a rank
+    u, u_kv = head * (HEADS // tp), head * (kv_heads // tp)  # of a rank's Q, and of its K or V
     for i in range(L):
         assert by[f"cp/blocks.{i}.attn/fwd"][op]["calls"] == forwards * fwd * m * holders, i
         assert by[f"cp/blocks.{i}.attn/bwd"][op]["calls"] == bwd * m * holders, i
-    if kind == "ring":  # each forward send is K and V stacked: 2U fp32 elements
+    if kind == "ring":  # each forward send is K and V stacked: 2·U_kv fp32 elements
         sends = by["cp/blocks.0.attn/fwd"]["send"]
-        assert sends["payload_bytes"] == sends["calls"] * 2 * u * 4
-    else:  # q, k, v (3U) in, the output (U) back; (cp − 1)/cp of each leaves the rank
+        assert sends["payload_bytes"] == sends["calls"] * 2 * u_kv * 4
+    else:  # q, k, v (U + 2·U_kv) in, the output (U) back; (cp − 1)/cp of each leaves the rank
         a2a = by["cp/blocks.0.attn/fwd"]["all_to_all"]
-        assert a2a["payload_bytes"] == forwards * m * holders * 4 * u * 4
+        assert a2a["payload_bytes"] == forwards * m * holders * (2 * u + 2 * u_kv) * 4
         assert Fraction(a2a["sent_bytes"]) == Fraction(cp - 1, cp) * a2a["payload_bytes"]
 
 
@@ -95,9 +111,12 @@ def check_tp_recompute(s: dict, world: int, tp: int, recompute: str, m: int) -> 
 
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,kind,recompute,m", CASES, ids=[c[0] for c in CASES])
-def test_cp_and_recompute_match_single_and_theory(case_id, world, overrides, layout, kind, recompute, m, single_run,
+def test_cp_and_recompute_match_single_and_theory(case_id, world, overrides, layout, kind, recompute, m, request,
                                                   tmp_path):
-    run = run_train(world, [*TINY, *overrides, "train.save_final=true"], tmp_path / "run", timeout=400)
+    llama = LLAMA in overrides
+    single_run = request.getfixturevalue("single_run_llama" if llama else "single_run")
+    given = [*(TINY_LLAMA if llama else TINY), *(o for o in overrides if o != LLAMA)]
+    run = run_train(world, [*given, "train.save_final=true"], tmp_path / "run", timeout=400)
     s = assert_ok(run)
     dp, cp, tp, pp = layout
     par = s["parallel"]
@@ -107,7 +126,7 @@ def test_cp_and_recompute_match_single_and_theory(case_id, world, overrides, lay
     check_matches_single(run, single_run)
     check_traffic_equals_theory(s)
     if cp > 1:
-        check_attention_calls(s, world, cp, tp, pp, kind, recompute, m)
+        check_attention_calls(s, world, cp, tp, pp, kind, recompute, m, kv_heads_of(overrides))
         # The gradients are summed over the dp x cp ranks that replicate them, nothing over dp alone.
         assert "dp_cp" in s["comm"]["by_group"] and "dp" not in s["comm"]["by_group"]
     if tp > 1:

@@ -138,6 +138,10 @@ def _plan(world: int, *overrides):
      "parallel.cp=4 does not divide the 2 attention heads per rank"),
     (4, ["parallel=cp_a2a", "parallel.tp=2", "model.n_heads=2", "model.d_model=64"], ConfigError,
      "parallel.cp=2 does not divide the 1 attention heads per rank"),
+    (2, ["parallel=cp_a2a", "model.d_model=96", "model.n_heads=6", "+model.n_kv_heads=3"], ConfigError,
+     "parallel.cp=2 neither divides nor is a multiple of the 3 K/V heads per rank (model.n_kv_heads over tp): "
+     "the all-to-all gives each rank kv heads/cp whole kv heads, or one replica where cp is a multiple of them; "
+     "use cp in [1, 3, 6], or the ring (parallel=cp)"),
     (2, ["parallel=cp", "model.dropout=0.1"], ConfigError, "model.dropout=0.1 inside attention"),
     (2, ["parallel=cp", "model=tiny_moe"], ConfigError,
      "parallel=cp does not train a mixture-of-experts model (model.moe_experts=4)"),
