@@ -24,12 +24,13 @@ TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks 
 def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | None:
     """Why the model does not split evenly over t tp ranks, or None where it does.
 
-    Heads are split whole, so n_heads % tp == 0; then d_model = n_heads·head_dim and the MLP
-    width mlp_ratio·d_model divide by tp as well, and the Q/K/V, output projection, fc and
-    proj shards are all whole. The padded vocabulary is split for the embedding and the head;
-    the sequence, under sequence parallelism, for everything between the regions. (A predicate
-    of its own, apart from the raise, so that the planner's search can leave out the tp sizes it
-    refuses before it builds a request for them.)
+    Heads are split whole, so n_heads % tp == 0, and d_model = n_heads·head_dim divides by tp. K/V
+    heads are split whole where tp divides them, or each held whole by tp/kv ranks where tp is a
+    multiple of them (`kv_heads_cut_refusal`). The MLP width (each of gate and up in a gated MLP)
+    must divide by tp too, so the fc, gate and proj shards are whole. The padded vocabulary is split
+    for the embedding and the head; the sequence, under sequence parallelism, for everything between
+    the regions. (A predicate of its own, apart from the raise, so that the planner's search can
+    leave out the tp sizes it refuses before it builds a request for them.)
     """
     if t == 1:
         return None
@@ -38,6 +39,9 @@ def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | N
         listed = ", ".join(map(str, options[:-1])) + f" or {options[-1]}" if len(options) > 1 else str(options[0])
         return (f"model.n_heads={model.n_heads} is not divisible by parallel.tp={t}: "
                 f"use a tp that divides the head count ({listed})")
+    why = kv_heads_cut_refusal(model, t) or mlp_cut_refusal(model, t)
+    if why:
+        return why
     vocab = model.padded_vocab_size
     if vocab % t:
         multiple = model.vocab_pad_multiple * t // gcd(model.vocab_pad_multiple, t)
@@ -52,6 +56,31 @@ def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | N
                 "activations that must stay identical across the group, and the replicas would drift apart: "
                 "set model.dropout=0")
     return None
+
+
+def kv_heads_cut_refusal(model: GPTConfig, t: int) -> str | None:
+    """K and V are split by whole kv heads where t divides them; where t is a multiple of them each
+    rank holds the one kv head its query heads read, replicated on t/kv ranks. Anything else would
+    cut a head in two."""
+    kv = model.kv_heads
+    if kv % t == 0 or t % kv == 0:
+        return None
+    heads = model.n_heads
+    options = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+    return (f"parallel.tp={t} neither divides nor is a multiple of model.n_kv_heads={kv}: each tp rank holds whole "
+            f"K/V heads (kv/tp of them, or one shared by tp/kv ranks): use parallel.tp in "
+            f"{', '.join(map(str, options))}, or a model.n_kv_heads that tp divides or is a multiple of")
+
+
+def mlp_cut_refusal(model: GPTConfig, t: int) -> str | None:
+    """The MLP's hidden width f (fc, and gate in a gated MLP) is split in t equal column slices."""
+    if model.d_ff % t == 0:
+        return None
+    field = f"model.ffn_hidden={model.ffn_hidden}" if model.ffn_hidden is not None else (
+        f"the MLP width model.mlp_ratio x model.d_model = {model.d_ff}")
+    fix = "model.ffn_hidden" if model.ffn_hidden is not None else "model.mlp_ratio or model.d_model"
+    return (f"{field} is not divisible by parallel.tp={t}: each tp rank holds an equal slice of the MLP's hidden "
+            f"width; use a parallel.tp that divides {model.d_ff}, or set {fix} to a multiple of {t}")
 
 
 def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_parallel: bool) -> None:
