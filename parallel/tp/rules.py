@@ -15,6 +15,7 @@ from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.family import Check
 from parallel.spec import ConfigError, StrategySpec
+from parallel.sync.options import SyncOptions
 from parallel.tp.options import TPOptions
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
@@ -73,14 +74,13 @@ def kv_heads_cut_refusal(model: GPTConfig, t: int) -> str | None:
 
 
 def mlp_cut_refusal(model: GPTConfig, t: int) -> str | None:
-    """The MLP's hidden width f (fc, and gate in a gated MLP) is split in t equal column slices."""
+    """The MLP's hidden width f (fc, and gate in a gated MLP) is split in t equal column slices. Only
+    a width of its own (ffn_hidden) can fail: mlp_ratio·d_model divides by tp once the heads do."""
     if model.d_ff % t == 0:
         return None
-    field = f"model.ffn_hidden={model.ffn_hidden}" if model.ffn_hidden is not None else (
-        f"the MLP width model.mlp_ratio x model.d_model = {model.d_ff}")
-    fix = "model.ffn_hidden" if model.ffn_hidden is not None else "model.mlp_ratio or model.d_model"
-    return (f"{field} is not divisible by parallel.tp={t}: each tp rank holds an equal slice of the MLP's hidden "
-            f"width; use a parallel.tp that divides {model.d_ff}, or set {fix} to a multiple of {t}")
+    return (f"model.ffn_hidden={model.d_ff} is not divisible by parallel.tp={t}: each tp rank holds an equal slice "
+            f"of the MLP's hidden width; use a parallel.tp that divides {model.d_ff}, or set model.ffn_hidden to a "
+            f"multiple of {t}")
 
 
 def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_parallel: bool) -> None:
@@ -88,6 +88,17 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
     why = tp_cut_refusal(model, dims.tp, sequence_parallel)
     if why:
         raise LayoutError(why)
+
+
+def check_kv_replicas_with_zero2(model: GPTConfig, dims: ParallelDims, zero: int) -> None:
+    """Where tp exceeds the kv heads, each K/V replica's gradient is partial until summed over tp after
+    backward; ZeRO-2 reduce-scatters gradients over dp inside backward, before that sum could run."""
+    if zero == 2 and dims.tp > 1 and model.kv_heads % dims.tp:
+        raise ConfigError(
+            f"parallel.zero=2 with parallel.tp={dims.tp} over model.n_kv_heads={model.kv_heads}: each kv head is "
+            f"held by {dims.tp // model.kv_heads} tp ranks whose K/V gradients are partial sums completed over tp "
+            "only after backward, but ZeRO-2 reduce-scatters gradients inside backward; use parallel.zero=1, or a "
+            f"parallel.tp that divides {model.kv_heads}")
 
 
 SAVES_WITH_SPLIT_BACKWARD = (
@@ -109,6 +120,7 @@ def tp_rules(check: Check) -> None:
         )
     if spec.uses(TPOptions):
         check_tensor_parallel(check.model, dims, options.sequence_parallel)
+        check_kv_replicas_with_zero2(check.model, dims, check.layout.of(SyncOptions).zero)
     keepers = [name for name, entry in check.entries.items() if entry.honours_option(TPOptions, "saves")]
     check_tp_saves(options, spec, keepers, dims)
 
