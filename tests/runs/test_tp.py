@@ -60,7 +60,7 @@ CASES = [
 ]
 
 
-def check_grads_match_single(run, single_run, llama, t):
+def check_grads_match_single(run, single_run, llama=False, t=1):
     mine = check_step0_grads_match(run, single_run)
     # Replicated parameters (norms, row-parallel biases, positions) must hold the complete gradient
     # on every tp rank. Bitwise: every rank computes them from identical numbers (all-reduce
