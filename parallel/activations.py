@@ -130,7 +130,8 @@ def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
     n_sp = n // t if cut.sequence_parallel else n
     norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
     column_input = n // cut.column_input_tokens * h * B  # what Q, K, V (or fc) keep of their input
-    qkv = n * (h + 2 * shape.kv_width) // t * B
+    # K and V: kv/t heads per rank, or one (replicated) where t exceeds the kv heads
+    qkv = n * (h // t + 2 * shape.kv_heads_per_rank(t) * g.head_dim) * B
     out, lse = n * h // t * B, cut.b * (g.n_heads // t) * s * STAT_BYTES
     if cut.cp > 1 and cut.cp_kind == "a2a":
         # The inner core holds the gathered q, k, v: K and V with a' heads per rank, a_kv or, where cp

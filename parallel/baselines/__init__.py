@@ -25,6 +25,7 @@ from parallel.baselines.rules import (
     check_torch_pp,
     check_torch_pp_schedule,
     check_torch_tp,
+    check_torch_tp_model,
 )
 from parallel.dp import theory as dp_theory
 from parallel.pp import theory as pp_theory
@@ -124,7 +125,7 @@ ENTRIES = (
         name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
         build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "tp"}), min_world=2, honours={"tp": ()}, check=check_torch_tp, tags=BASELINE,
-        moe_refusal=TORCH_TP_NO_MOE,
+        check_model=check_torch_tp_model, moe_refusal=TORCH_TP_NO_MOE,
     ),
     StrategySpec(
         name="torch_pp",

@@ -1,7 +1,10 @@
 """PyTorch's DTensor tensor parallelism (`parallelize_module`) on the same GPT: the baseline for `tp`.
 
-The plan is torchtitan's for a GPT block: each block's attention q, k, v and MLP fc are
-ColwiseParallel, attention and MLP output projections RowwiseParallel; with vocab="parallel" the
+The plan is torchtitan's for a GPT or Llama block: each block's attention q, k, v and MLP fc (and a
+gated MLP's gate: SwiGLU's w1 and w3) are ColwiseParallel, attention and MLP output projections
+RowwiseParallel. K and V are cut by whole kv heads, so grouped-query attention needs tp to divide
+the kv heads (torchtitan's n_kv_heads % tp == 0; `check_torch_tp_model` refuses the rest, where the
+hand-written `tp` replicates them); with vocab="parallel" the
 token table is RowwiseParallel (vocabulary rows split, output all-reduced) and the head
 ColwiseParallel with output_layouts=Replicate() (logits all-gathered, then the plain full loss;
 torchtitan's loss_parallel is not used). Loss, optimizer and data are the project's.
@@ -12,9 +15,10 @@ bucketing or overlap, so what is compared over tp is DTensor against Megatron.
 
 What it sends that Megatron does not (see registry.expected_comm("torch_tp") for the exact count):
 q, k and v each take the block input as their own Replicate DTensor, so its gradient is
-all-reduced three times per layer, not once; the MLP's fc input is all-reduced too (4 per layer
-backward against Megatron's 2); and the head all-gathers the full logits (b·s·V) where Megatron's
-vocab-parallel loss all-reduces three b·s vectors.
+all-reduced three times per layer, not once; the MLP's fc input is all-reduced too, and a gated
+MLP's gate input once more (4 per layer backward against Megatron's 2; 5 with SwiGLU); and the
+head all-gathers the full logits (b·s·V) where Megatron's vocab-parallel loss all-reduces three b·s
+vectors.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from parallel.dist.comm import CommLog, Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
 
 
-def torch_tp_plan(n_layers: int, vocab: str = "parallel", shared_qkv: bool = False) -> dict:
+def torch_tp_plan(n_layers: int, vocab: str = "parallel", shared_qkv: bool = False, gated: bool = False) -> dict:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
@@ -42,7 +46,7 @@ def torch_tp_plan(n_layers: int, vocab: str = "parallel", shared_qkv: bool = Fal
             # gradients add up as Partial and are all-reduced once (Megatron's f), not three times.
             plan[f"blocks.{i}.attn"] = PrepareModuleInput(input_layouts=(Replicate(),),
                                                           desired_input_layouts=(Replicate(),), use_local_output=False)
-        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc"):
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc", *(("mlp.gate",) if gated else ())):
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         for name in ("attn.proj", "mlp.proj"):
             plan[f"blocks.{i}.{name}"] = RowwiseParallel()
@@ -69,7 +73,8 @@ class TorchTP(Strategy):
                  dp_comm: Communicator | None, log: CommLog | None, vocab: str = "parallel", shared_qkv: bool = False):
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(model, tp_mesh, torch_tp_plan(len(model.blocks), vocab, shared_qkv))
+        plan = torch_tp_plan(len(model.blocks), vocab, shared_qkv, gated=model.config.gated_mlp)
+        parallelize_module(model, tp_mesh, plan)
         self._params = dict(model.named_parameters())
         self.dp_comm = dp_comm if dp_comm is not None and dp_comm.size > 1 else None
         params = [p for p in model.parameters() if p.requires_grad]

@@ -89,19 +89,21 @@ def torch_tp_comm(model: GPTConfig, layout: Layout) -> dict:
 
       embedding   forward: the vocabulary-sharded lookups summed (RowwiseParallel)       1 all-reduce
       each layer  forward: attention and MLP outputs summed (RowwiseParallel)            2 all-reduces
-                  backward: the input gradients of q, k, v and fc, each a ColwiseParallel
-                  whose Replicate input gets its own Partial gradient                      4 all-reduces
+                  backward: the input gradients of q, k, v and fc (and a gated MLP's
+                  gate), each a ColwiseParallel whose Replicate input gets its own
+                  Partial gradient                                                4 (SwiGLU: 5) all-reduces
       head        forward: the full logits all-gathered (output_layouts=Replicate())      b·s·V·B
                   backward: its input gradient summed                                     1 all-reduce
 
-    so (6L + 2)·A all-reduced over tp against Megatron's (4L + 2)·A, and b·s·V·B gathered where
-    Megatron's vocab-parallel loss all-reduces 3·b·s fp32 values. With dp > 1 the local shards
-    (Ψ_t, the same as Megatron's) are summed over dp.
+    so (6L + 2)·A all-reduced over tp ((7L + 2)·A with SwiGLU) against Megatron's (4L + 2)·A, and
+    b·s·V·B gathered where Megatron's vocab-parallel loss all-reduces 3·b·s fp32 values. K/V heads,
+    norms and biases change none of it (each activation is b·s·h whatever the kv heads; tp divides
+    them here). With dp > 1 the local shards (Ψ_t, the same as Megatron's) are summed over dp.
     """
     dims, b, m, B = layout.dims, layout.microbatch_size, layout.microbatches, layout.dtype_bytes
     t, d = dims.tp, dims.dp
     activation = b * model.seq_len * model.d_model * B
-    reduced = (6 * model.n_layers + 2) * m * activation
+    reduced = ((7 if model.gated_mlp else 6) * model.n_layers + 2) * m * activation
     logits = m * b * model.seq_len * model.padded_vocab_size * B
     dp_grads = tp_shard_parameter_count(model, t) * B if d > 1 else 0
     tp_sent = all_reduce_sent_per_rank(t, reduced) + gather_or_scatter_sent_per_rank(t, logits)

@@ -52,10 +52,10 @@ from parallel.strategy import make_optimizer
 from parallel.sync.allreduce import make_grad_sync
 from parallel.sync.options import SyncOptions
 from parallel.sync.zero import ZeroOptimizer
-from parallel.tp.layers import TPShards, parallelize_tp
+from parallel.tp.layers import parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.options import TPOptions
-from parallel.tp.regions import sum_sequence_partial_grads
+from parallel.tp.shards import TPShards, tp_grad_completions
 
 
 def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
@@ -91,12 +91,10 @@ def build_combined(model: GPT, plan, ctx) -> PipelineParallel:
         sync = make_grad_sync(named, dp_comm, dp_options.grad_sync, dp_options.bucket_mb)
         optimizer = make_optimizer(nn.ModuleList(chunks), plan.lr, plan.weight_decay)
     # This stage's share of the sequence-sharded replicated parameters (its blocks' norms and
-    # row-parallel biases; the positions on the first stage, the final norm on the last): their
-    # partial gradients are completed over tp where the dp sync says it is right.
-    mine = dict(named)
-    sequence_partial = [mine[n] for n in shards.sequence_partial if n in mine]
-    if sequence_partial:
-        sync.completions.append(lambda: sum_sequence_partial_grads(sequence_partial, tp_comm))
+    # row-parallel biases; the positions on the first stage, the final norm on the last) and of the
+    # kv replicas (K and V where tp exceeds the kv heads): their partial gradients are completed
+    # over tp where the dp sync says it is right.
+    sync.completions += tp_grad_completions(shards, dict(named))
 
     if tp_comm is not None:
         # The head is vocab-parallel: the last chunk's output is this rank's slice of the logits.

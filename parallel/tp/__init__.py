@@ -3,7 +3,11 @@
   regions.py    the four conjugate regions (copy / all-reduce, and under sequence parallelism
                 all-gather / reduce-scatter) that wrap the cut layers, and the column-parallel
                 linear that keeps its input's sequence piece (parallel.tp_saves=sharded)
-  layers.py     the column- and row-parallel linears, the vocab-parallel embedding, `parallelize_tp`
+  layers.py     the column- and row-parallel linears, the norms that open the regions, the
+                vocab-parallel embedding, `parallelize_tp` (K/V cut by kv heads, or each kv head
+                held by tp/kv ranks where tp exceeds them)
+  shards.py     what was cut how (`TPShards`: pieces to wholes and back, the shared kv heads), and
+                the once-per-step sums over tp that complete partial gradients
   loss.py       the vocab-parallel cross-entropy on the sharded logits
   strategy.py   the strategy `tp` (dp x tp), with or without sequence parallelism
   options.py    its options: sequence parallelism, and what a column-parallel linear saves

@@ -11,8 +11,6 @@ The regions they open and close are in parallel/tp/regions.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,7 +18,8 @@ import torch.nn.functional as F
 from parallel.core.model import GPT
 from parallel.dist.comm import Communicator
 from parallel.tp.options import TPOptions
-from parallel.tp.regions import SequencePiece, all_gather_along, enter_region, exit_region, linear_on_sequence_piece
+from parallel.tp.regions import SequencePiece, enter_region, exit_region, linear_on_sequence_piece
+from parallel.tp.shards import TPShards
 
 
 def _rows(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -44,9 +43,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias) if bias is not None else None
 
     @classmethod
-    def from_full(cls, linear: nn.Linear, comm: Communicator) -> ColumnParallelLinear:
-        bias = _rows(linear.bias, comm.rank, comm.size) if linear.bias is not None else None
-        return cls(_rows(linear.weight, comm.rank, comm.size), bias)
+    def from_full(cls, linear: nn.Linear, comm: Communicator, replicas: int = 1) -> ColumnParallelLinear:
+        """Piece rank // replicas of t / replicas: each piece on `replicas` consecutive ranks (K and V
+        where tp exceeds the kv heads), or one piece per rank."""
+        piece, pieces = comm.rank // replicas, comm.size // replicas
+        bias = _rows(linear.bias, piece, pieces) if linear.bias is not None else None
+        return cls(_rows(linear.weight, piece, pieces), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         source = getattr(x, SEQUENCE_PIECE, None)
@@ -59,22 +61,25 @@ class RowParallelLinear(nn.Module):
     """Y = sum_r X_r W_r^T + b: rank r holds input features [r·in/t, (r+1)·in/t) of the weight.
 
     The partial products leave the region summed (all-reduce, or reduce-scatter along the
-    sequence); the full bias is added once, after the sum, not t times.
+    sequence); the full bias, where the model has one, is added once, after the sum, not t times.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, comm: Communicator, tag: str, sequence_parallel: bool):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, comm: Communicator, tag: str,
+                 sequence_parallel: bool):
         super().__init__()
         self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias)
+        self.bias = nn.Parameter(bias) if bias is not None else None
         self.comm, self.tag, self.sequence_parallel = comm, tag, sequence_parallel
 
     @classmethod
     def from_full(cls, linear: nn.Linear, comm: Communicator, tag: str, sequence_parallel: bool) -> RowParallelLinear:
         weight = _rows(linear.weight.t(), comm.rank, comm.size).t().contiguous()
-        return cls(weight, linear.bias.detach().clone(), comm, tag, sequence_parallel)
+        bias = linear.bias.detach().clone() if linear.bias is not None else None
+        return cls(weight, bias, comm, tag, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exit_region(F.linear(x, self.weight), self.comm, self.tag, self.sequence_parallel) + self.bias
+        y = exit_region(F.linear(x, self.weight), self.comm, self.tag, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
 
 
 # The attribute of a region's gathered input that holds its sequence piece (parallel.tp_saves=sharded):
@@ -82,23 +87,31 @@ class RowParallelLinear(nn.Module):
 SEQUENCE_PIECE = "sequence_piece"
 
 
-class NormIntoTP(nn.LayerNorm):
-    """A LayerNorm whose output enters a tensor-parallel region (attention, MLP or the LM head).
+class NormIntoTP(nn.Module):
+    """The norm (LayerNorm or RMSNorm) whose output enters a tensor-parallel region (attention, MLP or
+    the LM head), with the very same parameters (an RMSNorm has no bias).
 
     Under sequence parallelism the norm runs on this rank's piece of the sequence and the
     all-gather follows it, as in Korthikanti et al. Fig. 5. With `saves_shard` the gathered
     output carries the piece, for the region's column-parallel linears to save instead.
     """
 
-    def __init__(self, norm: nn.LayerNorm, comm: Communicator, tag: str, sequence_parallel: bool,
+    def __init__(self, norm: nn.LayerNorm | nn.RMSNorm, comm: Communicator, tag: str, sequence_parallel: bool,
                  saves_shard: bool = False):
-        super().__init__(norm.normalized_shape, eps=norm.eps, device=norm.weight.device, dtype=norm.weight.dtype)
-        self.weight, self.bias = norm.weight, norm.bias  # the very same parameters
+        super().__init__()
+        self.normalized_shape, self.eps, self.rms = norm.normalized_shape, norm.eps, isinstance(norm, nn.RMSNorm)
+        self.weight, self.bias = norm.weight, getattr(norm, "bias", None)  # the very same parameters
         self.comm, self.tag, self.sequence_parallel = comm, tag, sequence_parallel
         self.saves_shard = saves_shard and sequence_parallel
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """What the norm module computes, by the same functional call (and so saves the same tensors)."""
+        if self.rms:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        piece = super().forward(x)
+        piece = self.normalize(x)
         full = enter_region(piece, self.comm, self.tag, self.sequence_parallel)
         if self.saves_shard:
             setattr(full, SEQUENCE_PIECE, SequencePiece(piece, self.comm, self.tag))
@@ -125,7 +138,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelEmbedding(nn.Module):
-    """Vocab-parallel tokens plus replicated positions; replaces the model's `embed` (same names).
+    """Vocab-parallel tokens plus replicated positions (where the model has a table); replaces the
+    model's `embed` (same names).
 
     Without sequence parallelism the partial token embeddings are all-reduced (`tp/embed/fwd`)
     and every position added. With it they are reduce-scattered to this rank's piece of the
@@ -145,6 +159,8 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = exit_region(self.tok(idx), self.comm, "tp/embed", self.sequence_parallel)
+        if self.pos is None:  # rotary positions: the attention applies them, to the whole sequence
+            return self.drop(x)
         positions = self.positions(idx.shape[1], idx.device)
         if self.sequence_parallel:  # this tp rank's piece of the sequence, in a storage of its own, so that
             # what backward keeps is the piece's s/t positions, not the whole sequence's
@@ -153,64 +169,28 @@ class ParallelEmbedding(nn.Module):
 
 
 # -- the transform ------------------------------------------------------------------------------
-GATHER_TAG = "tooling/gather_params"
+def kv_replicas(model: GPT, t: int) -> int:
+    """Tp ranks that share each K/V head: 1 where t divides the kv heads (each rank holds kv/t of them),
+    t/kv where t is a multiple of them (rank r's query heads r·H/t.. all read kv head r // (t/kv), so
+    it holds that one, as Megatron and vLLM do)."""
+    kv = model.config.kv_heads
+    return 1 if kv % t == 0 else t // kv
 
 
-@dataclass
-class TPShards:
-    """What `parallelize_tp` did, by parameter name, and how to go between pieces and wholes.
-
-    split_dim: sharded parameters and the dim they are cut along (gather along it to get the full
-    tensor). sequence_partial: replicated parameters whose gradient each rank only partly holds
-    under sequence parallelism (summed over the group after backward). With no tp group (`comm`
-    None) nothing is split and every method is the identity, so a strategy that may or may not
-    be tensor parallel (a pipeline stage) uses one code path.
-    """
-
-    comm: Communicator | None = None
-    vocab_start: int = 0
-    split_dim: dict[str, int] = field(default_factory=dict)
-    sequence_partial: list[str] = field(default_factory=list)
-
-    @property
-    def rank_and_size(self) -> tuple[int, int]:
-        return (self.comm.rank, self.comm.size) if self.comm is not None else (0, 1)
-
-    def gather(self, tensors: dict[str, torch.Tensor], param_of=lambda key: key) -> dict[str, torch.Tensor]:
-        """key -> this rank's piece, to key -> the full tensor on the CPU (collective over tp);
-        `param_of(key)`: the parameter whose cut the tensor shares (the key itself, or for an Adam
-        moment `name/exp_avg` -> `name`)."""
-        out = {}
-        for key, t in tensors.items():
-            dim = self.split_dim.get(param_of(key))
-            if dim is not None and self.comm is not None:
-                t = all_gather_along(self.comm, t.detach(), dim, GATHER_TAG)
-            out[key] = t.detach().cpu().clone()
-        return out
-
-    def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of a full tensor: equal consecutive pieces along the split dim."""
-        dim = self.split_dim.get(name)
-        rank, size = self.rank_and_size
-        if dim is None or size == 1:
-            return full
-        n = full.shape[dim] // size
-        return full.narrow(dim, rank * n, n)
-
-    def full_numel(self, name: str, piece: torch.Tensor) -> int:
-        return piece.numel() * (self.rank_and_size[1] if name in self.split_dim else 1)
-
-    def replica_spread(self, grads: dict[str, torch.Tensor]) -> dict[str, float]:
-        """For each replicated parameter, the largest difference of its gradient across tp ranks
-        (collective): zero, or the replicas would drift apart."""
-        spread = {}
-        if self.comm is None:
-            return spread
-        for name, g in grads.items():
-            if name not in self.split_dim:
-                copies = all_gather_along(self.comm, g.detach().unsqueeze(0), 0, GATHER_TAG)
-                spread[name] = float((copies - copies[0]).abs().max())
-        return spread
+def _cut_block(block: nn.Module, i: int, comm: Communicator, sp: bool, keep: bool, replicas: int) -> None:
+    """One block's two regions: the norm opens each, column-parallel linears (rank r holds query heads
+    [r·a/t, (r+1)·a/t), their K/V heads, its slice of the MLP width) and a row-parallel one close it."""
+    attn, mlp = f"blocks.{i}.attn", f"blocks.{i}.mlp"
+    block.ln1 = NormIntoTP(block.ln1, comm, f"tp/{attn}", sp, keep)
+    block.attn.q = ColumnParallelLinear.from_full(block.attn.q, comm)
+    block.attn.k = ColumnParallelLinear.from_full(block.attn.k, comm, replicas)
+    block.attn.v = ColumnParallelLinear.from_full(block.attn.v, comm, replicas)
+    block.attn.proj = RowParallelLinear.from_full(block.attn.proj, comm, f"tp/{attn}", sp)
+    block.ln2 = NormIntoTP(block.ln2, comm, f"tp/{mlp}", sp, keep)
+    block.mlp.fc = ColumnParallelLinear.from_full(block.mlp.fc, comm)
+    if block.mlp.gate is not None:  # SwiGLU: gate and up cut alike, so silu(gate)·up is elementwise per rank
+        block.mlp.gate = ColumnParallelLinear.from_full(block.mlp.gate, comm)
+    block.mlp.proj = RowParallelLinear.from_full(block.mlp.proj, comm, f"tp/{mlp}", sp)
 
 
 def parallelize_tp(model: GPT, comm: Communicator, options: TPOptions = TPOptions()) -> TPShards:
@@ -219,18 +199,14 @@ def parallelize_tp(model: GPT, comm: Communicator, options: TPOptions = TPOption
     input's sequence piece and gather it again in backward."""
     sp = options.sequence_parallel
     keep = sp and options.saves == "sharded"
+    replicas = kv_replicas(model, comm.size)
     for i, block in enumerate(model.blocks):
-        attn, mlp = f"blocks.{i}.attn", f"blocks.{i}.mlp"
-        block.ln1 = NormIntoTP(block.ln1, comm, f"tp/{attn}", sp, keep)
-        for name in ("q", "k", "v"):  # heads split: rank r holds heads [r·a/t, (r+1)·a/t)
-            setattr(block.attn, name, ColumnParallelLinear.from_full(getattr(block.attn, name), comm))
-        block.attn.proj = RowParallelLinear.from_full(block.attn.proj, comm, f"tp/{attn}", sp)
-        block.ln2 = NormIntoTP(block.ln2, comm, f"tp/{mlp}", sp, keep)
-        block.mlp.fc = ColumnParallelLinear.from_full(block.mlp.fc, comm)
-        block.mlp.proj = RowParallelLinear.from_full(block.mlp.proj, comm, f"tp/{mlp}", sp)
+        _cut_block(block, i, comm, sp, keep, replicas)
     model.embed = ParallelEmbedding(model.embed, comm, sp)
     model.head.ln_f = NormIntoTP(model.head.ln_f, comm, "tp/head", sp, keep)
     model.head.out = ColumnParallelLinear.from_full(model.head.out, comm)  # the vocabulary split
+    if model.config.tied_head:  # one parameter again: the same rows of the same padded vocabulary
+        model.head.out.weight = model.embed.tok.weight
 
     shards = TPShards(comm, vocab_start=model.embed.tok.vocab_start)
     for name, module in model.named_modules():
@@ -238,12 +214,15 @@ def parallelize_tp(model: GPT, comm: Communicator, options: TPOptions = TPOption
             shards.split_dim[f"{name}.weight"] = 0
             if getattr(module, "bias", None) is not None:
                 shards.split_dim[f"{name}.bias"] = 0
+            if replicas > 1 and name.endswith((".attn.k", ".attn.v")):
+                shared = (f"{name}.weight", f"{name}.bias")
+                shards.replicas.update({p: replicas for p in shared if p in shards.split_dim})
         elif isinstance(module, RowParallelLinear):
             shards.split_dim[f"{name}.weight"] = 1
-            if sp:
+            if sp and module.bias is not None:
                 shards.sequence_partial.append(f"{name}.bias")  # added to a piece of the sequence
-        elif isinstance(module, nn.LayerNorm) and sp:
-            shards.sequence_partial += [f"{name}.weight", f"{name}.bias"]
-    if sp:
+        elif isinstance(module, NormIntoTP) and sp:
+            shards.sequence_partial += [f"{name}.{p}" for p in ("weight", "bias") if getattr(module, p) is not None]
+    if sp and model.embed.pos is not None:
         shards.sequence_partial.append("embed.pos.weight")
     return shards

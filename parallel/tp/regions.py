@@ -128,6 +128,24 @@ def sum_sequence_partial_grads(params: list[nn.Parameter], comm: Communicator) -
         offset += p.numel()
 
 
+def sum_kv_replica_grads(params: list[tuple[nn.Parameter, int]], comm: Communicator) -> None:
+    """K and V where tp exceeds the kv heads: each kv head's projection is held by r = t/kv consecutive
+    tp ranks, and each of them computed its weight gradient from its own query heads only. Sum
+    them over those r ranks: one all-reduce over tp of a buffer with one slot per kv head, this
+    rank's gradients written into its head's slot and zeros elsewhere (`tp/kv_grads`)."""
+    replicas = {r for _, r in params}
+    assert len(replicas) == 1, "every kv replica is shared by the same number of ranks"
+    r = replicas.pop()
+    mine = torch.cat([p.grad.reshape(-1) for p, _ in params])
+    slots = torch.zeros(comm.size // r, mine.numel(), dtype=mine.dtype, device=mine.device)
+    slots[comm.rank // r] = mine
+    comm.all_reduce(slots, tag="tp/kv_grads")
+    offset, summed = 0, slots[comm.rank // r]
+    for p, _ in params:
+        p.grad.copy_(summed[offset: offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def enter_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:
     return (_GatherFromSP if sequence_parallel else _CopyToTP).apply(x, comm, tag)
 

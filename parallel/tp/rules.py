@@ -15,6 +15,7 @@ from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.family import Check
 from parallel.spec import ConfigError, StrategySpec
+from parallel.sync.options import SyncOptions
 from parallel.tp.options import TPOptions
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
@@ -24,12 +25,13 @@ TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks 
 def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | None:
     """Why the model does not split evenly over t tp ranks, or None where it does.
 
-    Heads are split whole, so n_heads % tp == 0; then d_model = n_heads·head_dim and the MLP
-    width mlp_ratio·d_model divide by tp as well, and the Q/K/V, output projection, fc and
-    proj shards are all whole. The padded vocabulary is split for the embedding and the head;
-    the sequence, under sequence parallelism, for everything between the regions. (A predicate
-    of its own, apart from the raise, so that the planner's search can leave out the tp sizes it
-    refuses before it builds a request for them.)
+    Heads are split whole, so n_heads % tp == 0, and d_model = n_heads·head_dim divides by tp. K/V
+    heads are split whole where tp divides them, or each held whole by tp/kv ranks where tp is a
+    multiple of them (`kv_heads_cut_refusal`). The MLP width (each of gate and up in a gated MLP)
+    must divide by tp too, so the fc, gate and proj shards are whole. The padded vocabulary is split
+    for the embedding and the head; the sequence, under sequence parallelism, for everything between
+    the regions. (A predicate of its own, apart from the raise, so that the planner's search can
+    leave out the tp sizes it refuses before it builds a request for them.)
     """
     if t == 1:
         return None
@@ -38,6 +40,9 @@ def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | N
         listed = ", ".join(map(str, options[:-1])) + f" or {options[-1]}" if len(options) > 1 else str(options[0])
         return (f"model.n_heads={model.n_heads} is not divisible by parallel.tp={t}: "
                 f"use a tp that divides the head count ({listed})")
+    why = kv_heads_cut_refusal(model, t) or mlp_cut_refusal(model, t)
+    if why:
+        return why
     vocab = model.padded_vocab_size
     if vocab % t:
         multiple = model.vocab_pad_multiple * t // gcd(model.vocab_pad_multiple, t)
@@ -54,11 +59,46 @@ def tp_cut_refusal(model: GPTConfig, t: int, sequence_parallel: bool) -> str | N
     return None
 
 
+def kv_heads_cut_refusal(model: GPTConfig, t: int) -> str | None:
+    """K and V are split by whole kv heads where t divides them; where t is a multiple of them each
+    rank holds the one kv head its query heads read, replicated on t/kv ranks. Anything else would
+    cut a head in two."""
+    kv = model.kv_heads
+    if kv % t == 0 or t % kv == 0:
+        return None
+    heads = model.n_heads
+    options = [d for d in range(1, heads + 1) if heads % d == 0 and (kv % d == 0 or d % kv == 0)]
+    return (f"parallel.tp={t} neither divides nor is a multiple of model.n_kv_heads={kv}: each tp rank holds whole "
+            f"K/V heads (kv/tp of them, or one shared by tp/kv ranks): use parallel.tp in "
+            f"{', '.join(map(str, options))}, or a model.n_kv_heads that tp divides or is a multiple of")
+
+
+def mlp_cut_refusal(model: GPTConfig, t: int) -> str | None:
+    """The MLP's hidden width f (fc, and gate in a gated MLP) is split in t equal column slices. Only
+    a width of its own (ffn_hidden) can fail: mlp_ratio·d_model divides by tp once the heads do."""
+    if model.d_ff % t == 0:
+        return None
+    return (f"model.ffn_hidden={model.d_ff} is not divisible by parallel.tp={t}: each tp rank holds an equal slice "
+            f"of the MLP's hidden width; use a parallel.tp that divides {model.d_ff}, or set model.ffn_hidden to a "
+            f"multiple of {t}")
+
+
 def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_parallel: bool) -> None:
     """The model must split evenly over tp ranks (`tp_cut_refusal` says why not)."""
     why = tp_cut_refusal(model, dims.tp, sequence_parallel)
     if why:
         raise LayoutError(why)
+
+
+def check_kv_replicas_with_zero2(model: GPTConfig, dims: ParallelDims, zero: int) -> None:
+    """Where tp exceeds the kv heads, each K/V replica's gradient is partial until summed over tp after
+    backward; ZeRO-2 reduce-scatters gradients over dp inside backward, before that sum could run."""
+    if zero == 2 and dims.tp > 1 and model.kv_heads % dims.tp:
+        raise ConfigError(
+            f"parallel.zero=2 with parallel.tp={dims.tp} over model.n_kv_heads={model.kv_heads}: each kv head is "
+            f"held by {dims.tp // model.kv_heads} tp ranks whose K/V gradients are partial sums completed over tp "
+            "only after backward, but ZeRO-2 reduce-scatters gradients inside backward; use parallel.zero=1, or a "
+            f"parallel.tp that divides {model.kv_heads}")
 
 
 SAVES_WITH_SPLIT_BACKWARD = (
@@ -80,6 +120,7 @@ def tp_rules(check: Check) -> None:
         )
     if spec.uses(TPOptions):
         check_tensor_parallel(check.model, dims, options.sequence_parallel)
+        check_kv_replicas_with_zero2(check.model, dims, check.layout.of(SyncOptions).zero)
     keepers = [name for name, entry in check.entries.items() if entry.honours_option(TPOptions, "saves")]
     check_tp_saves(options, spec, keepers, dims)
 

@@ -6,8 +6,9 @@ naive, over the dp communicator only). What is summed where:
 
 * activations and their gradients: over tp, inside forward and backward (parallel/tp/regions.py;
   with parallel.tp_saves=sharded each region's input is all-gathered once more in backward);
-* sequence-sharded gradients (sequence parallelism only: LayerNorms, row-parallel biases, the
+* sequence-sharded gradients (sequence parallelism only: norms, row-parallel biases, the
   position table): over tp, once per step, as a completion of the dp sync (GradSync.completions);
+  so are the K/V gradients where tp exceeds the kv heads (each replica holds its query heads' part);
 * every local gradient, shards included: over dp, once per step;
 * the loss for the log: over dp only. The vocab-parallel loss is already the full loss of this
   dp slice on every tp rank; summing it over tp too would count it t times (a bug torchtitan
@@ -27,7 +28,7 @@ from parallel.sync.options import SyncOptions
 from parallel.tp.layers import parallelize_tp
 from parallel.tp.loss import vocab_parallel_loss_sum
 from parallel.tp.options import TPOptions
-from parallel.tp.regions import sum_sequence_partial_grads
+from parallel.tp.shards import tp_grad_completions
 
 
 class TensorParallel(Strategy):
@@ -39,10 +40,7 @@ class TensorParallel(Strategy):
         self.sequence_parallel = options.sequence_parallel
         self.shards = parallelize_tp(model, tp_comm, options)
         sync = make_grad_sync(list(model.named_parameters()), dp_comm, dp_sync.grad_sync, dp_sync.bucket_mb)
-        params = dict(model.named_parameters())
-        sequence_partial = [params[n] for n in self.shards.sequence_partial]
-        if sequence_partial:
-            sync.completions.append(lambda: sum_sequence_partial_grads(sequence_partial, tp_comm))
+        sync.completions += tp_grad_completions(self.shards, dict(model.named_parameters()))
         super().__init__(model, optimizer_factory(model), loss_comm=dp_comm, sync=sync)
 
     def forward_loss(self, mb: Batch, global_tokens: int) -> torch.Tensor:

@@ -55,6 +55,16 @@ class StagePayloads:
             t, self.all_gather + self.reduce_scatter)
 
 
+def kv_replica_grad_count(model: GPTConfig, t: int, layers: int) -> int:
+    """Elements of the once-per-step kv-replica gradient all-reduce (`tp/kv_grads`) of a stage holding
+    `layers` blocks, over t tp ranks: zero where t divides the kv heads (each rank holds its own);
+    where t is a multiple of them, one slot per kv head of K's and V's weights (and biases), the
+    whole K and V of every block, 2·(h·h_kv + h_kv) per block (h·h_kv without biases)."""
+    if model.kv_heads % t == 0:
+        return 0
+    return layers * 2 * (model.d_model + model.bias) * model.kv_width
+
+
 def tp_stage_payloads(model: GPTConfig, layout: Layout, layers: int, first: bool, last: bool) -> StagePayloads:
     """The tp collectives of one rank of a stage holding `layers` blocks, the embedding where `first`
     and the head and loss where `last` (the whole model: L, True, True), per step: see `tp_comm`.
@@ -64,11 +74,13 @@ def tp_stage_payloads(model: GPTConfig, layout: Layout, layers: int, first: bool
     activation = layout.microbatch_size * s * h * B
     activations = (tp_tensors_per_layer(layout.recompute) * layers + first + last) * m * activation
     loss = 3 * m * layout.microbatch_size * s * FP32_BYTES if last else 0
+    kv_grads = kv_replica_grad_count(model, dims.tp, layers) * B  # once per step
     if not cut.sequence_parallel:
-        return StagePayloads(all_reduce=activations + loss)
+        return StagePayloads(all_reduce=activations + loss + kv_grads)
     regathered = tp_regathers_per_microbatch(layout, layers, last) * m * activation
     sharded = sequence_sharded_parameter_count(model, layers, first, last) * B  # their grads, once per step
-    return StagePayloads(all_reduce=loss + sharded, all_gather=activations + regathered, reduce_scatter=activations)
+    return StagePayloads(all_reduce=loss + sharded + kv_grads, all_gather=activations + regathered,
+                         reduce_scatter=activations)
 
 
 def tp_comm(model: GPTConfig, layout: Layout) -> dict:
@@ -94,7 +106,10 @@ def tp_comm(model: GPTConfig, layout: Layout) -> dict:
     microbatch against the reduce-scatters' 4L + 2. The vocab-parallel cross-entropy adds three
     all-reduces of b·s fp32 values (row max, sum of exponentials, target logit). Once per step,
     sequence parallelism all-reduces the gradients of the sequence-sharded replicated parameters
-    over tp, and data parallelism all-reduces every local gradient (Ψ_t of them) over dp.
+    over tp (the norms' weights, and biases where the model has them; the position table where it
+    is learned: `sequence_sharded_parameter_count`); where tp exceeds the kv heads, the K and V
+    gradients of every block are all-reduced over tp (`kv_replica_grad_count`); and data
+    parallelism all-reduces every local gradient (Ψ_t of them) over dp.
 
     Under full recomputation (train.recompute=full) each block's forward runs again in backward,
     its two forward collectives with it: 6 tensors per layer instead of 4, 12·b·s·h·(t-1)/t
