@@ -84,8 +84,8 @@ def _cluster(cfg: DictConfig, world: int):
 
 def _space(p, shape: ModelShape, cluster) -> Space:
     space = Space(**OmegaConf.to_container(p.search, resolve=True))
-    if not (shape.trainable and cluster.precision == "fp32"):
-        # The saved bytes under context parallelism have a formula for the sandbox GPT in fp32 only
+    if cluster.precision != "fp32":
+        # The saved bytes under context parallelism have a formula in fp32 only
         # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
         # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
         # Megatron-style implementation saves under each mode.
@@ -205,7 +205,7 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
     return {
         "model": {"preset": model_name, **OmegaConf.to_container(cfg.model, resolve=True),
                   "parameters": shape.parameter_count(), "flops_per_token": shape.flops_per_token(),
-                  "trainable": shape.trainable, "seq_len": g.seq_len,
+                  "seq_len": g.seq_len,
                   "description": "; ".join(differences) if differences else "the sandbox GPT",
                   "differs_from_sandbox_gpt": differences},
         "cluster": {**{k: v for k, v in cluster.__dict__.items()}, "usable_gib": cluster.usable_bytes / GIB},

@@ -1,0 +1,97 @@
+"""What Llama's pieces save for backward, and that saving less changes no number.
+
+* parallel/core/norm.py's RMSNorm equals torch's nn.RMSNorm (forward bit for bit, gradients within
+  rounding) in fp32 and with bf16 inputs, and saves only its input and the fp32 1/rms per token.
+* parallel/core/rotary.py's rotation saves nothing (its angles are computed again in backward from the
+  positions), and its gradients equal autograd's through the textbook rotation, context-parallel
+  positions included.
+* parallel/activations.py's terms for these pieces, measured by the ActivationMeter on one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from parallel import activations
+from parallel.core.config import GPTConfig
+from parallel.core.model import Block
+from parallel.core.norm import RMSNorm
+from parallel.core.rotary import Rotary, rotate_half
+from parallel.layout import Cut
+from parallel.report.activations import ActivationMeter
+
+TINY_LLAMA = GPTConfig(**yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/model/tiny_llama.yaml")
+                                        .read_text()))
+
+
+def _measured(run, *inputs) -> int:
+    """Bytes saved for backward by `run(*inputs)` (the meter's peak, the inputs' own storages included
+    where an op saves them)."""
+    meter = ActivationMeter()
+    with meter.step():
+        out = run(*inputs)
+        held = meter.current
+    del out
+    return held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_equals_torch_and_saves_its_input_and_one_over_rms(dtype):
+    h = 24
+    ours, theirs = RMSNorm(h, eps=1e-5), torch.nn.RMSNorm(h, eps=1e-5)
+    with torch.no_grad():
+        weight = torch.randn(h, generator=torch.Generator().manual_seed(1))
+        ours.weight.copy_(weight)
+        theirs.weight.copy_(weight)
+    x = torch.randn(3, 5, h, generator=torch.Generator().manual_seed(2)).to(dtype)
+    grad = torch.randn(3, 5, h, generator=torch.Generator().manual_seed(3))
+    outputs, grads = [], []
+    for norm in (ours, theirs):
+        xi = x.clone().requires_grad_(True)
+        y = norm(xi)
+        (y.float() * grad).sum().backward()
+        outputs.append(y)
+        grads.append((xi.grad, norm.weight.grad))
+    assert outputs[0].dtype == outputs[1].dtype and torch.equal(outputs[0], outputs[1])
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
+    saved = _measured(ours, x.clone().requires_grad_(True))
+    assert saved == x.numel() * x.element_size() + 3 * 5 * 4  # the input, and 1/rms in fp32 per token
+    assert _measured(theirs, x.clone().requires_grad_(True)) > saved  # torch's composite keeps x/rms too
+
+
+def test_rotary_saves_nothing_and_its_gradient_is_the_textbook_rotation():
+    rotary = Rotary(8, 10000.0)
+    rotary.positions = lambda length, device: torch.arange(length, device=device) * 3 + 5  # a cp rank's positions
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 6, 8, dtype=torch.float64, requires_grad=True)
+    assert _measured(rotary, q, k) == 0
+    rq, rk = rotary(q, k)
+    wq, wk = torch.randn_like(rq), torch.randn_like(rk)
+    ((rq * wq).sum() + (rk * wk).sum()).backward()
+    cos, sin = rotary.tables(q)
+    q2, k2 = (t.detach().clone().requires_grad_(True) for t in (q, k))
+    (((q2 * cos + rotate_half(q2) * sin) * wq).sum() + ((k2 * cos + rotate_half(k2) * sin) * wk).sum()).backward()
+    torch.testing.assert_close(q.grad, q2.grad)
+    torch.testing.assert_close(k.grad, k2.grad)
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, replace(TINY_LLAMA, n_kv_heads=1, gated_mlp=False, ffn_hidden=96)],
+                         ids=["tiny_llama", "mqa_gelu"])
+def test_one_llama_block_saves_its_formula(cfg):
+    b = 2
+    block = Block(cfg)
+    x = torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True)
+    meter = ActivationMeter(block.parameters())
+    with meter.step():
+        y = block(x)
+        held = meter.current
+    del y
+    # The block's input is ln1's input: counted once, as the formula's `ln1` term.
+    assert held == activations.block_saved_bytes(cfg, Cut(b=b, t=1, cp=1, act_bytes=4))
