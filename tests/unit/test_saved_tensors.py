@@ -5,7 +5,9 @@
 * parallel/core/rotary.py's rotation saves nothing (its angles are computed again in backward from the
   positions), and its gradients equal autograd's through the textbook rotation, context-parallel
   positions included.
-* parallel/activations.py's terms for these pieces, measured by the ActivationMeter on one block.
+* parallel/activations.py's terms for these pieces, measured by the ActivationMeter on one block, and on
+  one tensor-parallel rank's shard of it (built by hand: K and V of the rank's kv heads, split or
+  replicated).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 import yaml
 
 from parallel import activations
@@ -22,6 +25,7 @@ from parallel.core.config import GPTConfig
 from parallel.core.model import Block
 from parallel.core.norm import RMSNorm
 from parallel.core.rotary import Rotary, rotate_half
+from parallel.core.shape import ModelShape
 from parallel.layout import Cut
 from parallel.report.activations import ActivationMeter
 
@@ -95,3 +99,33 @@ def test_one_llama_block_saves_its_formula(cfg):
     del y
     # The block's input is ln1's input: counted once, as the formula's `ln1` term.
     assert held == activations.block_saved_bytes(cfg, Cut(b=b, t=1, cp=1, act_bytes=4))
+
+
+def _tp_rank_block(cfg: GPTConfig, t: int) -> Block:
+    """What one of t tensor-parallel ranks computes of a Llama block, without sequence parallelism, built
+    by hand: Q of h/t columns, K and V of this rank's kv heads (`kv_width_per_rank`: split, or one head
+    replicated), the output projection's h/t input rows, gate and up of f/t columns, down's f/t rows. The
+    all-reduces after the row-parallel linears save nothing, so they are left out."""
+    shape, h, f = ModelShape(gpt=cfg), cfg.d_model, cfg.d_ff
+    block = Block(cfg)
+    attn, mlp = block.attn, block.mlp
+    attn.q, attn.proj = nn.Linear(h, h // t, bias=False), nn.Linear(h // t, h, bias=False)
+    attn.k, attn.v = (nn.Linear(h, shape.kv_width_per_rank(t), bias=False) for _ in range(2))
+    mlp.fc, mlp.gate, mlp.proj = nn.Linear(h, f // t, bias=False), nn.Linear(h, f // t, bias=False), \
+        nn.Linear(f // t, h, bias=False)
+    return block
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_a_tensor_parallel_ranks_block_saves_its_formula(t):
+    """tiny_llama's 2 kv heads split at t = 2 and replicated at t = 4: the rank's K and V are its kv heads.
+    (With sequence parallelism the rank also saves its all-gathers' outputs: measured by the tp runs.)"""
+    b = 2
+    block = _tp_rank_block(TINY_LLAMA, t)
+    x = torch.randn(b, TINY_LLAMA.seq_len, TINY_LLAMA.d_model, requires_grad=True)
+    meter = ActivationMeter(block.parameters())
+    with meter.step():
+        y = block(x)
+        held = meter.current
+    del y
+    assert held == activations.block_saved_bytes(TINY_LLAMA, Cut(b=b, t=t, act_bytes=4))
