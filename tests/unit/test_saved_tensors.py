@@ -86,19 +86,22 @@ def test_rotary_saves_nothing_and_its_gradient_is_the_textbook_rotation():
     torch.testing.assert_close(k.grad, k2.grad)
 
 
-@pytest.mark.parametrize("cfg", [TINY_LLAMA, replace(TINY_LLAMA, n_kv_heads=1, gated_mlp=False, ffn_hidden=96)],
-                         ids=["tiny_llama", "mqa_gelu"])
-def test_one_llama_block_saves_its_formula(cfg):
-    b = 2
-    block = Block(cfg)
+def _block_saves(block: Block, cfg: GPTConfig, b: int) -> int:
+    """Bytes one forward of `block` on b sequences saves for backward (its parameters left out)."""
     x = torch.randn(b, cfg.seq_len, cfg.d_model, requires_grad=True)
     meter = ActivationMeter(block.parameters())
     with meter.step():
         y = block(x)
         held = meter.current
     del y
+    return held
+
+
+@pytest.mark.parametrize("cfg", [TINY_LLAMA, replace(TINY_LLAMA, n_kv_heads=1, gated_mlp=False, ffn_hidden=96)],
+                         ids=["tiny_llama", "mqa_gelu"])
+def test_one_llama_block_saves_its_formula(cfg):
     # The block's input is ln1's input: counted once, as the formula's `ln1` term.
-    assert held == activations.block_saved_bytes(cfg, Cut(b=b, t=1, cp=1, act_bytes=4))
+    assert _block_saves(Block(cfg), cfg, 2) == activations.block_saved_bytes(cfg, Cut(b=2, t=1, cp=1, act_bytes=4))
 
 
 def _tp_rank_block(cfg: GPTConfig, t: int) -> Block:
@@ -120,12 +123,5 @@ def _tp_rank_block(cfg: GPTConfig, t: int) -> Block:
 def test_a_tensor_parallel_ranks_block_saves_its_formula(t):
     """tiny_llama's 2 kv heads split at t = 2 and replicated at t = 4: the rank's K and V are its kv heads.
     (With sequence parallelism the rank also saves its all-gathers' outputs: measured by the tp runs.)"""
-    b = 2
-    block = _tp_rank_block(TINY_LLAMA, t)
-    x = torch.randn(b, TINY_LLAMA.seq_len, TINY_LLAMA.d_model, requires_grad=True)
-    meter = ActivationMeter(block.parameters())
-    with meter.step():
-        y = block(x)
-        held = meter.current
-    del y
-    assert held == activations.block_saved_bytes(TINY_LLAMA, Cut(b=b, t=t, act_bytes=4))
+    assert _block_saves(_tp_rank_block(TINY_LLAMA, t), TINY_LLAMA, 2) == \
+        activations.block_saved_bytes(TINY_LLAMA, Cut(b=2, t=t, act_bytes=4))
