@@ -96,8 +96,7 @@ def shape_factor(shape: ModelShape, layout: Layout, stage_layers: list[int]) -> 
         return Fraction(1)
     t, p = layout.dims.tp, layout.dims.pp
     mine = sum(shape.stage_parameters(t, n, r == 0, r == p - 1, p) for r, n in enumerate(stage_layers))
-    carrier = tp_shard_parameter_count(shape.gpt_config(), t)
-    return Fraction(mine, carrier)
+    return Fraction(mine, tp_shard_parameter_count(shape.gpt_config(), t))
 
 
 def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: int, gpus_per_node: int,
