@@ -27,6 +27,8 @@ block still holds), derived here from the same paper's terms.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
@@ -214,7 +216,8 @@ LLAMA_LAYOUTS = [
 def test_the_planners_llama_figures_are_the_registrys(model, world, overrides, recompute):
     """On an fp32 cluster the planner's saved bytes and model state of every stage, for Llama's block, are
     the registry's formulas (parallel/activations.py, parallel/model_state.py), the ones every run's
-    meter and tensors are held to (summary memory.activations_match_theory and matches_formula)."""
+    meter and tensors are held to (summary memory.activations_match_theory and matches_formula); its
+    bytes per step are the registry's closed form, unscaled (an untied head)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"model={model}", *overrides, f"train.recompute={recompute}"])
     plan = build_plan(cfg, LaunchEnv(world_size=world, local_world_size=world), cuda_available=False)
@@ -235,6 +238,7 @@ def test_the_planners_llama_figures_are_the_registrys(model, world, overrides, r
             schedule=pipeline.schedule)
         assert (stage["params"], stage["grads"], stage["optimizer"]) == \
             (state["param_bytes"], state["grad_bytes"], state["optimizer_bytes"]), r
+    assert Fraction(row["bytes_exact"] or 0) == Fraction(plan.spec.comm(gpt, layout)["sent_bytes_per_step_exact"])
 
 
 def test_k_and_v_per_rank_are_the_ranks_kv_heads():
