@@ -310,7 +310,11 @@ def registry_activations(model: GPTConfig, layout: Layout, global_batch: int | N
                          walk: Sequence[Sequence[tuple[bool, int]]] | None = None) -> list[int] | None:
     """The registry's `activations` formula (summary memory.theory.activation_bytes) for this GPT,
     `activation_bytes_by_rank` with the layout's bytes per element. The global batch is
-    dp x microbatches x microbatch size."""
+    dp x microbatches x microbatch size. None for a bf16 run: autocast runs the linears in bf16 and
+    leaves the residual stream, the norms and the loss in fp32, a mix no formula here derives (the
+    planner's bf16 figures are parallel/planner/memory.py's)."""
+    if layout.precision != "fp32":
+        return None
     if global_batch is None:
         global_batch = layout.dims.dp * layout.microbatches * layout.microbatch_size
     return activation_bytes_by_rank(model, layout, global_batch, layout.dtype_bytes, layers, walk)

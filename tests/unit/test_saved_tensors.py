@@ -26,7 +26,9 @@ from parallel.core.model import Block
 from parallel.core.norm import RMSNorm
 from parallel.core.rotary import Rotary, rotate_half
 from parallel.core.shape import ModelShape
+from parallel.dist.dims import ParallelDims
 from parallel.layout import Cut
+from parallel.registry import layout_of
 from parallel.report.activations import ActivationMeter
 
 TINY_LLAMA = GPTConfig(**yaml.safe_load((Path(__file__).resolve().parents[2] / "conf/model/tiny_llama.yaml")
@@ -125,3 +127,9 @@ def test_a_tensor_parallel_ranks_block_saves_its_formula(t):
     (With sequence parallelism the rank also saves its all-gathers' outputs: measured by the tp runs.)"""
     assert _block_saves(_tp_rank_block(TINY_LLAMA, t), TINY_LLAMA, 2) == \
         activations.block_saved_bytes(TINY_LLAMA, Cut(b=2, t=t, act_bytes=4))
+
+
+def test_a_bf16_run_has_no_activation_formula_rather_than_a_wrong_one():
+    layout = layout_of(ParallelDims.resolve(1), microbatch_size=16, precision="bf16")
+    assert activations.registry_activations(TINY_LLAMA, layout) is None
+    assert activations.registry_activations(TINY_LLAMA, replace(layout, precision="fp32")) is not None
