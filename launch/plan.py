@@ -84,8 +84,8 @@ def _cluster(cfg: DictConfig, world: int):
 
 def _space(p, shape: ModelShape, cluster) -> Space:
     space = Space(**OmegaConf.to_container(p.search, resolve=True))
-    if not (shape.trainable and cluster.precision == "fp32"):
-        # The saved bytes under context parallelism have a formula for the sandbox GPT in fp32 only
+    if cluster.precision != "fp32":
+        # The saved bytes under context parallelism have a formula in fp32 only
         # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
         # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
         # Megatron-style implementation saves under each mode.
@@ -205,7 +205,7 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
     return {
         "model": {"preset": model_name, **OmegaConf.to_container(cfg.model, resolve=True),
                   "parameters": shape.parameter_count(), "flops_per_token": shape.flops_per_token(),
-                  "trainable": shape.trainable, "seq_len": g.seq_len,
+                  "seq_len": g.seq_len,
                   "description": "; ".join(differences) if differences else "the sandbox GPT",
                   "differs_from_sandbox_gpt": differences},
         "cluster": {**{k: v for k, v in cluster.__dict__.items()}, "usable_gib": cluster.usable_bytes / GIB},
@@ -220,16 +220,17 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
 MEMORY_ASSUMPTIONS = {
     "model state": "per parameter fp32: 4 + 4 + 8 bytes; bf16 mixed precision: 2 (weights) + 2 (gradients) + 12 "
                    "(fp32 master and Adam's moments); ZeRO-k shards them over dp, each part padded to a multiple of dp",
-    "activations": "what this GPT's ops save for backward (parallel/activations.py), per microbatch in flight on "
-                   "the rank (the schedule's lists); for shapes the GPT lacks (GQA, SwiGLU, RMSNorm) the same ops' "
-                   "analogues, the loss in fp32; the s x s attention scores where the cluster's attention is "
-                   "materialized (flash_attention: false), none under flash attention",
+    "activations": "in fp32 with flash attention, what the model's ops save for backward (parallel/activations.py: "
+                   "GPT-2's block or Llama's, the formula every run's meter is held to), per microbatch in flight on "
+                   "the rank (the schedule's lists); in bf16 or with materialized attention (flash_attention: false) "
+                   "as a Megatron-style implementation holds them, the loss in fp32, with the s x s attention scores "
+                   "where they are materialized",
     "buffers": "the last stage's fp32 logits, a tp region's summed copy, ZeRO-2/3's one gathered or unsharded part",
     "fits": "memory of the rank that holds the most <= (capacity - runtime) x (1 - headroom)",
 }
 BYTES_ASSUMPTION = ("the closed forms per group (the registry's comm), split between links by how each group's "
-                    "ranks sit on nodes (tp innermost); a planner shape's dp bytes scaled by its parameters over its "
-                    "carrier GPT's")
+                    "ranks sit on nodes (tp innermost); a tied head over several stages adds its copy's gradient to "
+                    "the dp bytes and its all-reduce to the pipeline's")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="plan", version_base="1.3")

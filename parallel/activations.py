@@ -17,12 +17,16 @@ For one microbatch of b sequences of s_r = s/cp tokens on a rank (n = b·s_r), a
 tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
 
     ln1, ln2           their input (n_sp·h·B each, n_sp = n/t under sequence parallelism, else n)
-                       and per token mean and 1/std in fp32 (2·n_sp·4; RMSNorm only 1/std)
+                       and per token mean and 1/std in fp32 (2·n_sp·4; RMSNorm only 1/rms, n_sp·4:
+                       parallel/core/norm.py's, which keeps no normalized copy)
     attention input    the norm's output, or its all-gather under SP: n·h·B, read by Q, K and V
                        (under SP with the sequence piece saved, `Cut.saves_shard`, this rank's piece of it, n/t·h·B,
                        gathered again in backward; the MLP's and the head's inputs likewise)
-    Q, K, V outputs    n·(h + 2·h_kv)/t·B (grouped-query attention: h_kv = kv heads x head size;
-                       under the all-to-all the gathered q, k, v instead, of the same size)
+    Q, K, V outputs    n·(h/t + 2·h_kv,t)·B (grouped-query attention: h_kv,t = this rank's kv heads x
+                       head size, h_kv/t, or one head's where t exceeds the kv heads and each is
+                       replicated: `ModelShape.kv_width_per_rank`; under the all-to-all the gathered
+                       q, k, v instead, of the same size; rotary positions save nothing more: the
+                       rotated q and k are what the core keeps, the angles are recomputed in backward)
     attention core     its output n·h/t·B (also the output projection's input: one storage; the
                        all-to-all's is a copy) and the log-sum-exp per head and token, b·(a/t)·s_r·4;
                        the all-to-all's inner core also its own output and lse and two int64 index
@@ -130,8 +134,7 @@ def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
     n_sp = n // t if cut.sequence_parallel else n
     norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
     column_input = n // cut.column_input_tokens * h * B  # what Q, K, V (or fc) keep of their input
-    # K and V: kv/t heads per rank, or one (replicated) where t exceeds the kv heads
-    qkv = n * (h // t + 2 * shape.kv_heads_per_rank(t) * g.head_dim) * B
+    qkv = n * (h // t + 2 * shape.kv_width_per_rank(t)) * B
     out, lse = n * h // t * B, cut.b * (g.n_heads // t) * s * STAT_BYTES
     if cut.cp > 1 and cut.cp_kind == "a2a":
         # The inner core holds the gathered q, k, v: K and V with a' heads per rank, a_kv or, where cp
@@ -157,13 +160,14 @@ def block_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
 
 
 def embedding_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
-    """Per microbatch: the positions (s_r·8, or s_r/t·8 under SP), with tp the vocab-parallel lookup's
-    masked ids (n·8) and mask (n·1), under cp the rank's own copy of its ids (n·8). Without either the
-    ids are a view of the global batch's storage, counted once per rank by `global_batch_bytes`."""
+    """Per microbatch: the learned table's positions (s_r·8, or s_r/t·8 under SP; none under rotary
+    positions, which save nothing), with tp the vocab-parallel lookup's masked ids (n·8) and mask (n·1),
+    under cp the rank's own copy of its ids (n·8). Without either the ids are a view of the global
+    batch's storage, counted once per rank by `global_batch_bytes`."""
     g = _shape(model).gpt
     s = g.seq_len // cut.cp
     n = cut.b * s
-    positions = (s // cut.t if cut.sequence_parallel else s) * ID_BYTES
+    positions = 0 if g.rope else (s // cut.t if cut.sequence_parallel else s) * ID_BYTES
     return positions + (n * ID_BYTES + n if cut.t > 1 else n * ID_BYTES if cut.cp > 1 else 0)
 
 
@@ -310,7 +314,11 @@ def registry_activations(model: GPTConfig, layout: Layout, global_batch: int | N
                          walk: Sequence[Sequence[tuple[bool, int]]] | None = None) -> list[int] | None:
     """The registry's `activations` formula (summary memory.theory.activation_bytes) for this GPT,
     `activation_bytes_by_rank` with the layout's bytes per element. The global batch is
-    dp x microbatches x microbatch size."""
+    dp x microbatches x microbatch size. None for a bf16 run: autocast runs the linears in bf16 and
+    leaves the residual stream, the norms and the loss in fp32, a mix no formula here derives (the
+    planner's bf16 figures are parallel/planner/memory.py's)."""
+    if layout.precision != "fp32":
+        return None
     if global_batch is None:
         global_batch = layout.dims.dp * layout.microbatches * layout.microbatch_size
     return activation_bytes_by_rank(model, layout, global_batch, layout.dtype_bytes, layers, walk)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from parallel.core.config import MOE_FIELDS as MOE_FIELDS  # re-exported: where the model's fields are read
 from parallel.core.config import GPTConfig
+from parallel.core.norm import RMSNorm
 from parallel.core.positions import sequence_positions
 from parallel.core.rotary import Rotary
 from parallel.core.routing import combine, expert_capacity, route
@@ -156,9 +157,10 @@ class Block(nn.Module):
 
 def make_norm(config: GPTConfig) -> nn.Module:
     """LayerNorm (x - mean)/std · w + b, or RMSNorm x/rms(x) · w (Zhang & Sennrich 2019: no centring,
-    no bias), both with Llama's and GPT-2's eps of 1e-5."""
+    no bias), both with Llama's and GPT-2's eps of 1e-5. The RMSNorm is parallel/core/norm.py's: torch's
+    numbers, saving for backward only its input and 1/rms, as fused kernels do."""
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.d_model, eps=1e-5)
+        return RMSNorm(config.d_model, eps=1e-5)
     return nn.LayerNorm(config.d_model)
 
 

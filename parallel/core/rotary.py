@@ -9,9 +9,11 @@ Two things follow for the strategies:
   - the rotation is per token, so it reads the token's *global* position: context parallelism,
     whose rank holds two chunks of the sequence, gives `Rotary.positions` its rank's positions
     (parallel/cp/transform.py), as it does the learned table's;
-  - a rotation is orthogonal, so its backward is the rotation by the opposite angle: `_Rotate`
-    saves only the angles' cosines and sines (one (s, d) table each, shared by Q and K) and no
-    copy of Q or K, which is what parallel/activations.py counts.
+  - a rotation is orthogonal, so its backward is the rotation by the opposite angle, and the angles
+    are a function of the positions alone: `_Rotate` saves nothing for backward (no copy of Q or
+    K, not even the (s, d) cosine and sine tables) and computes the angles again in backward from
+    the same `positions`, as fused RoPE kernels do from their frequency table. What attention
+    saves of q and k is the rotated pair the core reads (parallel/activations.py counts those).
 """
 
 from __future__ import annotations
@@ -29,18 +31,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Rotate(torch.autograd.Function):
-    """y = x·cos + rotate_half(x)·sin; backward rotates the gradient back: g·cos - rotate_half(g·sin)."""
+    """(q, k) -> (q·cos + rotate_half(q)·sin, the same for k); backward rotates each gradient back,
+    g·cos - rotate_half(g·sin), with cos and sin computed again (`rotary.tables`), not saved."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(cos, sin)
-        return x * cos + rotate_half(x) * sin
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, rotary: Rotary):
+        cos, sin = rotary.tables(q)
+        ctx.rotary = rotary  # the module, not a tensor: its angles are recomputed from the positions
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
+    def backward(ctx, grad_q: torch.Tensor, grad_k: torch.Tensor):
+        cos, sin = ctx.rotary.tables(grad_q)
         # The transpose of x -> rotate_half(x) is x -> -rotate_half(x).
-        return grad * cos - rotate_half(grad * sin), None, None
+        return grad_q * cos - rotate_half(grad_q * sin), grad_k * cos - rotate_half(grad_k * sin), None
 
 
 class Rotary(nn.Module):
@@ -64,8 +68,11 @@ class Rotary(nn.Module):
         angle = torch.cat((angle, angle), dim=-1)
         return angle.cos().float(), angle.sin().float()
 
+    def tables(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a (..., length, d) tensor, in its dtype: under bf16 autocast q and k are
+        bf16, rotated in their dtype as the projections left them."""
+        cos, sin = self.angles(like.shape[-2], like.device)
+        return cos.to(like.dtype), sin.to(like.dtype)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.angles(q.shape[-2], q.device)
-        # Under bf16 autocast q and k are bf16: rotate in their dtype, as the projections left them.
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        return _Rotate.apply(q, cos, sin), _Rotate.apply(k, cos, sin)
+        return _Rotate.apply(q, k, self)

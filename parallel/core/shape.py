@@ -66,11 +66,6 @@ class ModelShape:
     def bias(self) -> bool:
         return self.gpt.bias
 
-    @property
-    def trainable(self) -> bool:
-        """GPT-2's block: the shape every family's closed forms were first written for."""
-        return self.gpt.is_gpt2_shape
-
     def differences(self) -> list[str]:
         """Where this shape differs from GPT-2's block, in words (empty for GPT-2's)."""
         g, out = self.gpt, []
@@ -117,6 +112,11 @@ class ModelShape:
         kv = self.kv_heads
         return kv // t if kv % t == 0 else 1
 
+    def kv_width_per_rank(self, t: int) -> int:
+        """The width of K (and of V) on one of t tp ranks: its kv heads times the head size, h_kv/t
+        where t divides the kv heads, one head's where the heads are replicated."""
+        return self.kv_heads_per_rank(t) * self.gpt.head_dim
+
     # -- parameters ---------------------------------------------------------------------------------
     def layer_parameters(self, t: int = 1) -> int:
         """One transformer block on one of t tensor-parallel ranks (t = 1: the whole block):
@@ -128,7 +128,7 @@ class ModelShape:
         rank); h_kv,t = h_kv/t, or one head's width where t exceeds the kv heads (`kv_heads_per_rank`).
         """
         h, f, nb = self.gpt.d_model, self.ffn, int(self.bias)
-        hkv = self.kv_heads_per_rank(t) * self.gpt.head_dim  # K's (and V's) width on this rank
+        hkv = self.kv_width_per_rank(t)  # K's (and V's) width on this rank
         attention = (h * h + nb * h) // t + 2 * (h * hkv + nb * hkv) + h * h // t + nb * h
         up = (2 if self.gated_mlp else 1) * (h * f + nb * f) // t
         return 2 * self.norm_parameters + attention + up + f * h // t + nb * h
@@ -152,7 +152,7 @@ class ModelShape:
         return self.norm_parameters + (rows if (not self.tied_head or copy_of_tied) else 0)
 
     def parameter_count(self) -> int:
-        """Ψ: equal to algebra.parameter_count for a trainable (dense) shape."""
+        """Ψ: equal to algebra.parameter_count for a dense shape."""
         return self.embedding_parameters() + self.gpt.n_layers * self.layer_parameters() + self.head_parameters()
 
     def stage_parameters(self, t: int, layers: int, first: bool, last: bool, stages: int = 1) -> int:

@@ -184,11 +184,13 @@ def _config(base: dict, name: str, request: dict) -> Config:
 
 
 def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
-    """The planner's one rule beyond run_plan.py: tp must divide the K/V heads (grouped-query attention)."""
-    t = plan.dims.tp
-    if t > 1 and shape.kv_heads % t:
-        return (f"model.n_kv_heads={shape.kv_heads} is not divisible by parallel.tp={t}: grouped-query attention "
-                "splits K and V heads whole over tp")
+    """The planner's one rule beyond run_plan.py: tp splits the K/V heads whole (tp divides them) or
+    replicates each on tp / kv ranks (tp a multiple of them, as Megatron does); nothing in between."""
+    t, kv = plan.dims.tp, shape.kv_heads
+    if t > 1 and kv % t and t % kv:
+        return (f"model.n_kv_heads={kv} and parallel.tp={t}: grouped-query attention splits K and V heads whole "
+                f"over tp (tp dividing them) or replicates each (tp a multiple of them), so choose a tp that "
+                f"divides {kv} or is a multiple of it")
     return None
 
 

@@ -106,7 +106,8 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
 
         norm inputs 2·w·h (over t with sp), the QKV and MLP GEMMs' inputs 2·w·h (over t with sp when the
         column-parallel linears save the sequence piece, `Cut.saves_shard`; whole otherwise: the
-        gathered input, parallel/activations.py's `column_input`), Q, K, V w·(h + 2·h_kv)/t, the output
+        gathered input, parallel/activations.py's `column_input`), Q, K, V w·(h/t + 2·h_kv,t) (h_kv,t: this
+        rank's K/V heads' width, `ModelShape.kv_width_per_rank`), the output
         projection's input w·h/t, the MLP's up output(s) and the activation function's output
         w·(2 or 3)·f/t, and with dropout two masks of h bytes (over t with sp);
         materialized attention (`flash_attention` false) also its s x s `scores` per head: the softmax's
@@ -124,7 +125,10 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
     cut = t if sequence_parallel else 1
     mask = 1 if g.dropout else 0
     gemm_input = w * h / (t if sequence_parallel and saves_shard else 1)
-    qkv = w * (h + 2 * shape.kv_width) / t
+    # K and V: h_kv/t per rank, or one head's width where t exceeds grouped-query attention's kv heads
+    # (each replicated); multi-head attention's cut as Q's is, whatever t (a planner shape's algebra).
+    kv = shape.kv_width_per_rank(t) if shape.kv_heads < min(t, g.n_heads) else shape.kv_width / t
+    qkv = w * (h / t + 2 * kv)
     whole = (2 * w * h + 2 * mask * h) / cut + 2 * gemm_input
     sharded = qkv + w * h / t + w * (3 if shape.gated_mlp else 2) * f / t
     scores = 0 if flash_attention else (w + mask * (1 + w)) * g.n_heads * g.seq_len / t

@@ -35,19 +35,18 @@ ACT_BYTES = {"fp32": 4, "bf16": 2}
 
 def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str,
                      flash_attention: bool = True) -> list[int] | None:
-    """Saved bytes per rank: the registry's formula for a trainable model in fp32 with a fused attention
-    core (what every run is checked against: the CPU's kernel saves no s x s scores), else
-    parallel/planner/memory.py's for this shape, precision and attention kernel (the cluster's
-    `flash_attention`), where the strategy has a formula at all (its registry entry gives one for the
-    carrier)."""
+    """Saved bytes per rank: the registry's formula in fp32 with a fused attention core, for GPT-2's
+    block and Llama's alike (what every run is checked against: the CPU's kernel saves no s x s
+    scores), else parallel/planner/memory.py's for this shape, precision and attention kernel (the
+    cluster's `flash_attention`), where the strategy has a formula at all."""
     plan, layout = candidate.plan, candidate.layout
-    if shape.trainable and precision == "fp32" and flash_attention:
+    if precision == "fp32" and flash_attention:
         return plan.spec.activations(shape.gpt_config(), layout)
     if not _has_formula(plan.spec, shape, layout):
         return None  # the strategy has no activation formula at all
     if layout.dims.cp > 1:
-        return None  # context parallelism's saved bytes: the registry's formula, for the GPT in fp32 only
-    # Elsewhere (cluster shapes, bf16, materialized attention): as a Megatron-style implementation holds
+        return None  # context parallelism's saved bytes: the registry's formula, in fp32 only
+    # Elsewhere (bf16, materialized attention): as a Megatron-style implementation holds
     # them (memory.py), the same for every ZeRO stage (the search asks for each).
     any_stage = replace(layout, options=layout.options.with_record(replace(layout.of(SyncOptions), zero=0)))
     return _cached(("acts", shape, _layout_key(any_stage), precision, flash_attention),
@@ -107,7 +106,7 @@ def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> 
     rank; dp, ZeRO: theory's count of every expert), the figure every run's memory is checked
     against, for the sandbox GPT in fp32 and one stage (MoE runs no pipeline); else unknown."""
     plan = candidate.plan
-    if not (shape.trainable and precision == "fp32") or candidate.layout.dims.pp != 1:
+    if precision != "fp32" or candidate.layout.dims.pp != 1:
         return None
     figures = plan.spec.model_state(shape.gpt_config(), candidate.layout)
     if figures is None:

@@ -11,14 +11,13 @@ all-gathers and reduce-scatters while the tp group (sequence parallelism) all-ga
 reduce-scatters equal amounts, so the dp group's all-gathers less its reduce-scatters are all of
 the step's all-gathers less all of its reduce-scatters, which with their sum (by_group) fixes both.
 
-Model shapes the sandbox GPT does not have (grouped-query attention, a gated MLP, a tied head:
-parallel/core/shape.py) run the closed forms on their carrier GPT (same layers, width, heads,
-vocabulary, sequence). Tensor-parallel and pipeline bytes depend only on those (b·s·h per
-activation); the dp group's bytes are proportional to the parameters each rank syncs, so they are
-scaled by Ψ_t(shape) / Ψ_t(carrier), Ψ_t the parameters on one tp rank summed over stages. For a
-trainable preset the factor is exactly 1 and every byte is theory's. A tied head split over
-several stages adds the embedding copy's gradient all-reduce between the first and last stage
-(Megatron's embedding group), counted with the pipeline's bytes.
+The closed forms take the model's shape (grouped-query attention, a gated MLP, no biases, a tied
+head: parallel/core/shape.py), GPT-2's block and Llama's alike, and the planner reads them as they
+are. One thing they do not count: a tied head split over several stages, whose last stage keeps a
+copy of the token table (Megatron's embedding group). There the dp group's bytes, proportional to
+the parameters each rank syncs, are scaled by Ψ_t(with the copy) / Ψ_t, Ψ_t the parameters on one
+tp rank summed over stages, and the copy's gradient all-reduce between the first and last stage is
+added to the pipeline's bytes.
 """
 
 from __future__ import annotations
@@ -91,13 +90,13 @@ def dp_gathers(figure: dict, totals: dict[str, Fraction], zero: int) -> Fraction
 
 
 def shape_factor(shape: ModelShape, layout: Layout, stage_layers: list[int]) -> Fraction:
-    """Ψ_t(shape) / Ψ_t(carrier): what scales the dp group's bytes for a planner-only shape."""
-    if shape.trainable:
+    """Ψ_t(with a tied head's copy on the last stage) / Ψ_t: what scales the dp group's bytes; 1 where
+    no stage holds a copy (the closed forms then count every parameter synced)."""
+    if not (shape.tied_head and layout.dims.pp > 1):
         return Fraction(1)
     t, p = layout.dims.tp, layout.dims.pp
     mine = sum(shape.stage_parameters(t, n, r == 0, r == p - 1, p) for r, n in enumerate(stage_layers))
-    carrier = tp_shard_parameter_count(shape.gpt_config(), t)
-    return Fraction(mine, carrier)
+    return Fraction(mine, tp_shard_parameter_count(shape.gpt_config(), t))
 
 
 def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: int, gpus_per_node: int,

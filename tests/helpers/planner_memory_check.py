@@ -8,6 +8,7 @@ every rank with the registry's `activations` (parallel/activations.py) and the m
 each rank holds with the planner's `model_state_bytes` for its stage (for what the planner plans:
 PyTorch's own baselines keep their model state their own way). Rank 0 prints one line per
 layout: `<label> measured=[...] formula=[...] state=[...] state_formula=[...]`, then `done`.
+Arguments: the model preset (tiny by default) and the labels of the layouts to run (all by default).
 """
 
 from __future__ import annotations
@@ -55,13 +56,22 @@ LAYOUTS = [
     ("accelerate_ddp", "accelerate_ddp", []),
     ("torch_fsdp2", "torch_fsdp2", []),
 ]
-COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=8", "data.max_bytes=100000", "train.steps=2",
-          "train.warmup_steps=0"]
+COMMON = ["model.n_layers=8", "train.global_batch=8", "data.max_bytes=100000", "train.steps=2", "train.warmup_steps=0"]
 
 
-def plan_for(preset: str, extra: list[str], world: int):
+def requested(argv: list[str]) -> tuple[str, list[tuple[str, str, list[str]]]]:
+    """`planner_memory_check.py [model [label ...]]`: the conf/model/ preset (tiny by default) and the
+    layouts of LAYOUTS to run, by label (every one by default)."""
+    model, labels = (argv[0] if argv else "tiny"), argv[1:]
+    unknown = set(labels) - {label for label, _, _ in LAYOUTS}
+    if unknown:
+        raise SystemExit(f"no layout labelled {sorted(unknown)} in LAYOUTS")
+    return model, [layout for layout in LAYOUTS if not labels or layout[0] in labels]
+
+
+def plan_for(model: str, preset: str, extra: list[str], world: int):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*COMMON, f"parallel={preset}", *extra])
+        cfg = compose(config_name="config", overrides=[f"model={model}", *COMMON, f"parallel={preset}", *extra])
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
     return build_plan(cfg, env, cuda_available=False)
 
@@ -69,12 +79,13 @@ def plan_for(preset: str, extra: list[str], world: int):
 def main() -> None:
     env = LaunchEnv.from_environ()
     torch.set_num_threads(1)
-    plans = [(label, plan_for(preset, extra, 1 if preset == "single" else env.world_size))
-             for label, preset, extra in LAYOUTS]
+    model, layouts = requested(sys.argv[1:])
+    plans = [(label, plan_for(model, preset, extra, 1 if preset == "single" else env.world_size))
+             for label, preset, extra in layouts]
     first = plans[0][1]
     corpus = load_corpus(None, first.data_max_bytes, first.model.seq_len + 1)
     batches = GlobalBatches(corpus, first.model.seq_len, first.global_batch, first.seed)
-    base = init_distributed(env, plans[1][1].dims, "gloo", 60.0, CommLog())
+    base = init_distributed(env, next(p.dims for _, p in plans if p.dims.world_size > 1), "gloo", 60.0, CommLog())
     contexts = {base.dims: base}
     world = base.comm("world")
     for label, plan in plans:

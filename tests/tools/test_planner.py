@@ -9,6 +9,7 @@ test_planner_validate.py.
 from __future__ import annotations
 
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -27,14 +28,14 @@ from parallel.dp.theory import dp_comm
 from parallel.layout import Layout
 from parallel.planner import memory
 from parallel.planner.cluster import Cluster, ClusterError, cluster_from_config
-from parallel.planner.enumerate import Space, _key, _requests, candidate_of, enumerate_layouts, zero_stage
+from parallel.planner.enumerate import Space, _key, _requests, candidate_of, enumerate_layouts, shape_rule, zero_stage
 from parallel.planner.links import group_span
 from parallel.planner.predict import predict_row
 from parallel.planner.timing import forward_flops_per_token, step_time
 from parallel.planner.traffic import bytes_by_link, layout_traffic
 from parallel.registry import REGISTRY, StrategySpec, layout_of, register
 from parallel.report.mfu import flops_per_token
-from parallel.run_plan import ConfigError, build_plan, model_config
+from parallel.run_plan import build_plan, model_config
 from parallel.sync import all_reduce_sync
 from parallel.zero.theory import zero_model_state_bytes
 
@@ -51,10 +52,10 @@ def base() -> dict:
 
 # -- the model description -------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["tiny", "small", "gpt2"])
-def test_trainable_shapes_count_what_theory_counts(name):
+def test_gpt2_shapes_count_what_theory_counts(name):
     shape = ModelShape.from_preset(preset(name))
     cfg = shape.gpt_config()
-    assert shape.trainable and shape.differences() == []
+    assert shape.differences() == []
     assert shape.parameter_count() == algebra.parameter_count(cfg)
     assert shape.flops_per_token() == flops_per_token(cfg)
     for t in (1, 2, 4):
@@ -69,13 +70,14 @@ def test_planner_shapes_count_their_published_sizes():
              "gpt2_1p5b": 1.558e9}
     for name, size in sizes.items():
         shape = ModelShape.from_preset(preset(name))
-        assert not shape.trainable and shape.differences()
+        assert shape.differences()
         assert abs(shape.parameter_count() - size) < 0.002 * size, (name, shape.parameter_count())
 
 
-def test_launch_train_refuses_a_planner_shape():
-    with pytest.raises(ConfigError, match="planner shape the sandbox GPT cannot train.*grouped-query"):
-        model_config(OmegaConf.create(preset("llama3_8b")))
+def test_launch_train_builds_a_llama_shape_as_the_planner_reads_it():
+    llama = model_config(OmegaConf.create(preset("llama3_8b")))
+    assert ModelShape(gpt=llama) == ModelShape.from_preset(preset("llama3_8b"))
+    assert (llama.kv_heads, llama.gated_mlp, llama.norm, llama.rope) == (8, True, "rmsnorm", True)
     assert model_config(OmegaConf.create(preset("small"))).n_layers == 8
 
 
@@ -140,12 +142,17 @@ def test_enumeration_refuses_exactly_what_plan_py_refuses(base):
 
 
 def test_enumeration_adds_the_kv_heads_rule_and_routes_through_the_registry(base):
-    """A grouped-query shape refuses tp above its kv heads; pure-dp ZeRO-k runs as zero<k>; tp with
-    pipeline stages as 3d; every candidate has one of the registry's strategies."""
-    model = {**preset("tiny"), "n_kv_heads": 2, "gated_mlp": True}
+    """A grouped-query shape splits its kv heads over tp or replicates them (tp 4 over 2 kv heads), and
+    refuses a tp that does neither; pure-dp ZeRO-k runs as zero<k>; tp with pipeline stages as 3d; every
+    candidate has one of the registry's strategies."""
+    model = {**preset("tiny"), "n_kv_heads": 2, "gated_mlp": True, "ffn_hidden": 192}
     found = enumerate_layouts(ModelShape.from_preset(model), base, 4, 8, SMALL_SPACE)
-    assert any("n_kv_heads=N is not divisible by parallel.tp" in r for r in found.refused)
-    assert all(c.layout.dims.tp <= 2 for c in found.candidates)
+    assert not any("n_kv_heads" in r for r in found.refused)
+    assert any(c.layout.dims.tp == 4 for c in found.candidates)
+    twelve = ModelShape.from_preset({**model, "d_model": 96, "n_heads": 12, "n_kv_heads": 4})
+    refusal = shape_rule(twelve, SimpleNamespace(dims=ParallelDims.resolve(6, tp=6)))
+    assert "model.n_kv_heads=4 and parallel.tp=6" in refusal and "\n" not in refusal
+    assert shape_rule(twelve, SimpleNamespace(dims=ParallelDims.resolve(8, tp=8))) is None
     strategies = {(c.plan.strategy, c.layout.dims.tp > 1, c.layout.dims.pp > 1, c.zero) for c in found.candidates}
     assert ("zero3", False, False, 3) in strategies and ("3d", True, True, 0) in strategies
     assert all(c.plan.strategy in REGISTRY for c in found.candidates)

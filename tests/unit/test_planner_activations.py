@@ -27,6 +27,8 @@ block still holds), derived here from the same paper's terms.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
@@ -35,14 +37,19 @@ from omegaconf import OmegaConf
 
 from launch.config import CONFIG_DIR
 from parallel import activations
+from parallel.compose import theory as compose_theory
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
+from parallel.dist.groups import LaunchEnv
 from parallel.planner import memory
 from parallel.planner.cluster import cluster_from_config
 from parallel.planner.one import evaluate_layout
 from parallel.planner.timing import _pipeline_exposed
+from parallel.pp.options import PPOptions
 from parallel.registry import layout_of
+from parallel.run_plan import build_plan
+from parallel.sync.options import SyncOptions
 
 S, B, H, A, L, T = 2048, 4, 6144, 64, 48, 8  # GPT 22B at tp 8, Korthikanti et al.'s Table 3
 SBH = S * B * H
@@ -138,20 +145,29 @@ def test_flash_attention_holds_no_scores(sp):
             assert row["memory_bytes_per_device"]["activations"] == pytest.approx(expected, rel=0.02), cluster
 
 
-def test_the_units_are_the_sandboxs_formula_less_its_small_terms():
+TINY_LLAMA = GPTConfig(**yaml.safe_load((PROJECT_ROOT / "conf" / "model" / "tiny_llama.yaml").read_text()))
+
+
+@pytest.mark.parametrize("cfg", [GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4), TINY_LLAMA],
+                         ids=["gpt2_block", "tiny_llama"])
+def test_the_units_are_the_sandboxs_formula_less_its_small_terms(cfg):
     """The sandbox GPT's own formula (parallel/activations.py, what every run's saved-tensor meter equals
-    on the CPU, whose attention kernel is fused) and the planner's units with flash attention count the
-    same tensors: they differ by the norms' fp32 statistics and the kernel's log-sum-exp alone."""
-    cfg = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4)
+    on the CPU, whose attention kernel is fused: on tiny_llama too, tests/unit/test_recompute.py) and the
+    planner's units with flash attention count the same tensors: they differ by the norms' fp32 statistics
+    (LayerNorm's mean and 1/std, RMSNorm's 1/rms) and the kernel's log-sum-exp alone, and for SwiGLU by
+    silu(gate), which the sandbox keeps for its product's backward and Megatron's fused bias-SwiGLU
+    recomputes (3 units of f, not 4)."""
     shape = ModelShape(gpt=cfg)
+    per_norm = 2 if cfg.norm == "layernorm" else 1
     for t, sp, saves in ((1, False, "gathered"), (2, False, "gathered"), (2, True, "gathered"), (4, True, "sharded")):
         b = 2
         cut = layout_of(ParallelDims.resolve(t, tp=t), microbatch_size=b, sequence_parallel=sp, tp_saves=saves).cut()
         n = b * cfg.seq_len
         n_sp = n // t if sp else n
-        statistics = 2 * 2 * n_sp * activations.STAT_BYTES + b * (cfg.n_heads // t) * cfg.seq_len * 4
+        statistics = 2 * per_norm * n_sp * activations.STAT_BYTES + b * (cfg.n_heads // t) * cfg.seq_len * 4
+        silu = n * cfg.d_ff // t * 4 if cfg.gated_mlp else 0
         units = memory.block_units(shape, t, sp, 4, saves_shard=cut.saves_shard)
-        assert activations.block_saved_bytes(cfg, cut) == n * units["layer"] + statistics
+        assert activations.block_saved_bytes(cfg, cut) == n * units["layer"] + statistics + silu
         assert units["scores"] == 0
 
 
@@ -177,3 +193,58 @@ def test_the_bubble_is_the_schedules_with_the_unrounded_costs():
     backward = forward * 2.00449
     _, bubble = _pipeline_exposed(layout, cluster, {}, {}, 1, forward, backward)
     assert bubble == pytest.approx((p - 1) * (forward + backward), rel=1e-9)
+
+
+# -- Llama's block: the planner's figures are the registry's, which the runs equal -----------------------------
+LLAMA_LAYOUTS = [
+    # world, parallel overrides, recompute
+    (1, ["parallel=single"], "none"),
+    (1, ["parallel=single"], "selective"),
+    (1, ["parallel=single"], "full"),
+    (2, ["parallel=dp"], "selective"),
+    (2, ["parallel=zero3"], "none"),
+    (4, ["parallel=zero2"], "full"),
+    (2, ["parallel=pp_1f1b", "parallel.microbatches=4"], "none"),
+    (4, ["parallel=pp_gpipe", "parallel.dp=2", "parallel.microbatches=2"], "none"),
+    (2, ["parallel=tp"], "none"),
+    (4, ["parallel=tp_sp", "parallel.tp=4", "parallel.tp_saves=sharded"], "none"),  # tp 4 > 2 kv heads
+]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "small_llama"])
+@pytest.mark.parametrize("world,overrides,recompute", LLAMA_LAYOUTS)
+def test_the_planners_llama_figures_are_the_registrys(model, world, overrides, recompute):
+    """On an fp32 cluster the planner's saved bytes and model state of every stage, for Llama's block, are
+    the registry's formulas (parallel/activations.py, parallel/model_state.py), the ones every run's
+    meter and tensors are held to (summary memory.activations_match_theory and matches_formula); its
+    bytes per step are the registry's closed form, unscaled (an untied head)."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"model={model}", *overrides, f"train.recompute={recompute}"])
+    plan = build_plan(cfg, LaunchEnv(world_size=world, local_world_size=world), cuda_available=False)
+    gpt = GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
+    preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
+              "peak_tflops": 1.0, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 10.0}  # nothing measured
+    row = evaluate_layout(ModelShape(gpt=gpt), OmegaConf.to_container(cfg, resolve=True), [],
+                          cluster_from_config(preset, None, world), world, cfg.train.global_batch,
+                          OmegaConf.to_container(cfg.parallel, resolve=True), recompute)
+    layout, dims = plan.layout, plan.dims
+    expected = plan.spec.activations(gpt, layout)
+    assert expected is not None and len(set(expected)) <= dims.pp
+    pipeline = layout.of(PPOptions)
+    for r, stage in enumerate(row["memory_by_stage"]):
+        assert stage["activations"] == expected[dims.rank_of(r, 0, 0)], r
+        state = plan.spec.model_state(gpt, layout) or compose_theory.combined_model_state_bytes(
+            gpt, dims, r, layout.of(SyncOptions).zero, pipeline.virtual_stages, pipeline.layers,
+            schedule=pipeline.schedule)
+        assert (stage["params"], stage["grads"], stage["optimizer"]) == \
+            (state["param_bytes"], state["grad_bytes"], state["optimizer_bytes"]), r
+    assert Fraction(row["bytes_exact"] or 0) == Fraction(plan.spec.comm(gpt, layout)["sent_bytes_per_step_exact"])
+
+
+def test_k_and_v_per_rank_are_the_ranks_kv_heads():
+    """tiny_llama's 2 kv heads: split at t = 2, each replicated on two ranks at t = 4 (one head's width)."""
+    gpt = TINY_LLAMA
+    for t, kv_heads in ((1, 2), (2, 1), (4, 1)):
+        cut = layout_of(ParallelDims.resolve(t, tp=t), microbatch_size=2).cut()
+        n = 2 * gpt.seq_len
+        assert activations.block_terms(gpt, cut)["qkv"] == n * (gpt.d_model // t + 2 * kv_heads * gpt.head_dim) * 4

@@ -3,7 +3,7 @@
 * The recompute transform (parallel/core/recompute.py) leaves the loss and every gradient as they were
   (measured: bit-identical; asserted within 1e-6), with dropout too (the random state is replayed),
   and the bytes the ActivationMeter measures equal activations.activation_terms exactly for
-  none / selective / full, on two shapes.
+  none / selective / full, on three shapes (GPT-2's block twice, Llama's).
 * The closed forms recomputation changes: tensor parallelism's 8 -> 12 units of b·s·h·(t−1)/t per
   layer under `full` (nothing more under `selective`), the ring's and the all-to-all's forward
   bytes counted twice; written out by hand here against parallel/cp/theory.py.
@@ -52,6 +52,9 @@ def _step(cfg: GPTConfig, mode: str, b: int, global_batch: int, seed: int = 0):
 @pytest.mark.parametrize("cfg,b,global_batch", [
     (GPTConfig(seq_len=32, n_layers=2, d_model=64, n_heads=4), 2, 16),
     (GPTConfig(seq_len=48, n_layers=3, d_model=32, n_heads=2, mlp_ratio=2, vocab_size=300), 3, 6),
+    # Llama's block (conf/model/tiny_llama.yaml): GQA, SwiGLU, RMSNorm, RoPE, no biases.
+    (GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=192, gated_mlp=True,
+               norm="rmsnorm", position_embedding="rope", bias=False), 4, 16),
 ])
 def test_recomputation_keeps_the_numbers_and_saves_what_the_formula_says(cfg, b, global_batch):
     results = {mode: _step(cfg, mode, b, global_batch) for mode in MODES}
