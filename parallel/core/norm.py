@@ -60,11 +60,17 @@ class _RMSNorm(torch.autograd.Function):
         return grad_x.to(x.dtype), grad_weight, None, None
 
 
+def rms_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
+    """F.rms_norm's signature and numbers, saving only x and the fp32 1/rms: what every module that
+    normalizes with an RMSNorm's parameters calls (this one's forward, tensor parallelism's norm)."""
+    if weight is None:
+        raise ValueError("RMSNorm here always has a weight (elementwise_affine=True), as Llama's does")
+    eps = eps if eps is not None else torch.finfo(x.dtype).eps
+    return _RMSNorm.apply(x, weight, len(normalized_shape), eps)
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (with a weight) whose saved tensors are its input and the fp32 1/rms per token."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight is None:
-            raise ValueError("RMSNorm here always has a weight (elementwise_affine=True), as Llama's does")
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return _RMSNorm.apply(x, self.weight, len(self.normalized_shape), eps)
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel.core.model import GPT
+from parallel.core.norm import rms_norm
 from parallel.dist.comm import Communicator
 from parallel.tp.options import TPOptions
 from parallel.tp.regions import SequencePiece, enter_region, exit_region, linear_on_sequence_piece
@@ -105,9 +106,10 @@ class NormIntoTP(nn.Module):
         self.saves_shard = saves_shard and sequence_parallel
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """What the norm module computes, by the same functional call (and so saves the same tensors)."""
+        """What the norm module computes, by the same functional call (and so saves the same tensors:
+        parallel/core/norm.py's for an RMSNorm)."""
         if self.rms:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+            return rms_norm(x, self.normalized_shape, self.weight, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
