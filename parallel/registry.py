@@ -162,10 +162,9 @@ def check_model(name: str, model: GPTConfig, dims: ParallelDims) -> None:
     `moe=True` (the refusal gives the entry's reason), then the entry's own model rules."""
     spec = spec_of(name)
     if model.moe_experts and not spec.moe:
-        trains = ", ".join(n for n, s in REGISTRY.items() if s.moe)
-        why = spec.moe_refusal or "its registry entry does not say it trains MoE blocks (moe=True)"
-        raise ConfigError(f"parallel={name} does not train a mixture-of-experts model (model.moe_experts="
-                          f"{model.moe_experts}): {why}; use one of {trains}, or a dense model (model.moe_experts=0)")
+        raise _not_trained(name, f"a mixture-of-experts model (model.moe_experts={model.moe_experts})",
+                           spec.moe_refusal or "its registry entry does not say it trains MoE blocks (moe=True)",
+                           "moe", "a dense model (model.moe_experts=0)")
     if spec.check_model is not None:
         spec.check_model(model, dims)
 
@@ -177,10 +176,17 @@ def check_tied_head(name: str, model: GPTConfig) -> None:
     gradients), which the planner counts (parallel/planner/traffic.py) and this code does not."""
     spec = spec_of(name)
     if model.tied_head and not spec.tied_head:
-        trains = ", ".join(n for n, s in REGISTRY.items() if s.tied_head)
-        why = spec.tied_head_refusal or "its registry entry does not say it trains a tied head (tied_head=True)"
-        raise ConfigError(f"parallel={name} does not train a head tied to the token table (model.tied_head=true): "
-                          f"{why}; use one of {trains}, or an untied head (model.tied_head=false)")
+        raise _not_trained(name, "a head tied to the token table (model.tied_head=true)",
+                           spec.tied_head_refusal or "its registry entry does not say it trains a tied head "
+                                                     "(tied_head=True)",
+                           "tied_head", "an untied head (model.tied_head=false)")
+
+
+def _not_trained(name: str, what: str, why: str, flag: str, instead: str) -> ConfigError:
+    """The one line a model's refusal reads: the strategy, what of the model, the entry's reason, and
+    the fix (the entries whose `flag` says they train it, or the model without it)."""
+    trains = ", ".join(n for n, s in REGISTRY.items() if getattr(s, flag))
+    return ConfigError(f"parallel={name} does not train {what}: {why}; use one of {trains}, or {instead}")
 
 
 # -- the families' options ------------------------------------------------------------------------------
