@@ -8,7 +8,7 @@ on sys.path.
 """
 
 import pytest
-from launcher import TINY, assert_ok, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, run_train
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +17,15 @@ def single_run(tmp_path_factory):
     parameters and step 0's gradients saved)."""
     run = run_train(1, [*TINY, "parallel=single", "train.save_final=true", "train.save_grads=true"],
                     tmp_path_factory.mktemp("single") / "run")
+    assert_ok(run)
+    return run
+
+
+@pytest.fixture(scope="session")
+def single_llama_run(tmp_path_factory):
+    """The same reference on the tiny model in Llama's shape (model=tiny_llama)."""
+    run = run_train(1, [*TINY_LLAMA, "parallel=single", "train.save_final=true", "train.save_grads=true"],
+                    tmp_path_factory.mktemp("single_llama") / "run")
     assert_ok(run)
     return run
 

@@ -38,6 +38,15 @@ GIVEN_LOOPBACK = ["virtual.loopback_gbytes_per_s=1.62", "virtual.loopback_latenc
 # run; timeline.png (a second of matplotlib) is drawn only where a test looks at it (run.timeline=true).
 TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
         "train.peak_flops=1e11", "run.timeline=false", *GIVEN_LOOPBACK]
+# The same settings on the tiny model in Llama's shape (GQA, SwiGLU, RMSNorm, RoPE, no biases).
+TINY_LLAMA = ["model=tiny_llama", *TINY[1:]]
+
+
+def tiny_settings(overrides: list[str]) -> list[str]:
+    """TINY's settings, then `overrides`; a `model=` preset among them takes the place of TINY's
+    (Hydra refuses a config group chosen twice)."""
+    models = [o for o in overrides if o.startswith("model=")]
+    return [*models, *TINY[1:], *(o for o in overrides if o not in models)] if models else [*TINY, *overrides]
 
 
 @dataclass
