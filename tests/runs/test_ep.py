@@ -160,7 +160,7 @@ def test_ep_holds_its_experts_only(ep_run):
     s = run.summary
     ep = s["parallel"]["ep"]
     assert s["memory"]["matches_formula"]
-    model = TINY_LLAMA_MOE if s["config"]["model"]["gated_mlp"] else TINY_MOE
+    model = TINY_LLAMA_MOE if s["config"]["model"].get("gated_mlp") else TINY_MOE  # a GPT-2 preset omits it
     local = ep_shard_parameter_count(model, ep)
     assert s["model"]["local_parameters"] == s["model"]["local_params_formula"] == local
     assert s["model"]["parameters"] == parameter_count(model)
