@@ -6,7 +6,7 @@ records (parallel/spec.py): parallel/dp, zero, tp, cp and moe; the recipe's `pp`
 parallel/compose's, PyTorch's own parallel/baselines'. `REGISTRY` is built here once from them, in
 that order (the order error messages list names in), and nothing rewrites an entry afterwards.
 Which entry runs a requested layout is parallel/compose/route.py's table; the rules every entry
-shares are `check_layout` and `check_model` below, each entry's own are its `check`,
+shares are `check_layout`, `check_model` and `check_tied_head` below, each entry's own are its `check`,
 `check_model` and `schedule_check` (in its family's rules.py).
 
 The families are gathered here too (`FAMILIES`: each folder's `Family` record, parallel/family.py),
@@ -44,6 +44,7 @@ from parallel.layout import FamilyOptions, Layout
 from parallel.spec import ConfigError, StrategySpec
 
 __all__ = ["FAMILIES", "REGISTRY", "ConfigError", "StrategySpec", "check_layout", "check_model", "check_rules",
+           "check_tied_head",
            "describe", "expected_comm", "layout_of", "model_state_bytes", "parse_options", "register", "spec_of"]
 
 
@@ -59,7 +60,7 @@ SINGLE = StrategySpec(
     name="single", description="one process, no communication: the reference every strategy is compared with",
     build=_build_single, comm=algebra.no_comm, model_state=dp_theory.replicated_model_state_bytes,
     local_parameters=algebra.tp_local_parameter_count, max_world=1, dims=frozenset(), moe=True,
-    activations=registry_activations, recompute=True,
+    activations=registry_activations, recompute=True, tied_head=True,
 )
 
 
@@ -161,12 +162,31 @@ def check_model(name: str, model: GPTConfig, dims: ParallelDims) -> None:
     `moe=True` (the refusal gives the entry's reason), then the entry's own model rules."""
     spec = spec_of(name)
     if model.moe_experts and not spec.moe:
-        trains = ", ".join(n for n, s in REGISTRY.items() if s.moe)
-        why = spec.moe_refusal or "its registry entry does not say it trains MoE blocks (moe=True)"
-        raise ConfigError(f"parallel={name} does not train a mixture-of-experts model (model.moe_experts="
-                          f"{model.moe_experts}): {why}; use one of {trains}, or a dense model (model.moe_experts=0)")
+        raise _not_trained(name, f"a mixture-of-experts model (model.moe_experts={model.moe_experts})",
+                           spec.moe_refusal or "its registry entry does not say it trains MoE blocks (moe=True)",
+                           "moe", "a dense model (model.moe_experts=0)")
     if spec.check_model is not None:
         spec.check_model(model, dims)
+
+
+def check_tied_head(name: str, model: GPTConfig) -> None:
+    """Whether strategy `name`'s code here trains a head tied to the token table: only where its
+    entry says `tied_head=True` (the refusal gives the entry's reason). A run's rule, not a
+    planner's: Megatron trains a tied head across pipeline stages (it all-reduces the two copies'
+    gradients), which the planner counts (parallel/planner/traffic.py) and this code does not."""
+    spec = spec_of(name)
+    if model.tied_head and not spec.tied_head:
+        raise _not_trained(name, "a head tied to the token table (model.tied_head=true)",
+                           spec.tied_head_refusal or "its registry entry does not say it trains a tied head "
+                                                     "(tied_head=True)",
+                           "tied_head", "an untied head (model.tied_head=false)")
+
+
+def _not_trained(name: str, what: str, why: str, flag: str, instead: str) -> ConfigError:
+    """The one line a model's refusal reads: the strategy, what of the model, the entry's reason, and
+    the fix (the entries whose `flag` says they train it, or the model without it)."""
+    trains = ", ".join(n for n, s in REGISTRY.items() if getattr(s, flag))
+    return ConfigError(f"parallel={name} does not train {what}: {why}; use one of {trains}, or {instead}")
 
 
 # -- the families' options ------------------------------------------------------------------------------

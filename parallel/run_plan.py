@@ -7,10 +7,10 @@ breaks and a fix, and a non-zero exit: never a hang inside a collective.
 This file is the order the rules run in, and it names no family: each family's options are parsed
 and checked by the family itself (parallel/family.py, through the registry), its refusals are its
 rules.py's, and those that span two families are parallel/compose/rules.py's. Besides them run the
-registry's rules every entry shares (world size, dimensions, mixtures of experts), the entries' own
-(`check`, `check_model`), and the configuration's that belong to no strategy (numbers, precision,
-recomputation, faults, checkpoints), here. Which entry runs the layout is parallel/compose/route.py's
-table.
+registry's rules every entry shares (world size, dimensions, mixtures of experts, a tied head: a
+run's rule the planner skips), the entries' own (`check`, `check_model`), and the configuration's
+that belong to no strategy (numbers, precision, recomputation, faults, checkpoints), here. Which
+entry runs the layout is parallel/compose/route.py's table.
 """
 
 from __future__ import annotations
@@ -29,7 +29,16 @@ from parallel.dist.groups import LaunchEnv, choose_backend, choose_device_type
 from parallel.dist.timing import default_warmup_steps
 from parallel.family import Check
 from parallel.layout import Layout
-from parallel.registry import REGISTRY, check_layout, check_model, check_rules, parse_options, resolve, spec_of
+from parallel.registry import (
+    REGISTRY,
+    check_layout,
+    check_model,
+    check_rules,
+    check_tied_head,
+    parse_options,
+    resolve,
+    spec_of,
+)
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error
@@ -237,8 +246,10 @@ def check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
         )
 
 
-def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
-    """Validate the whole configuration against the launch environment, in the order the rules run."""
+def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False) -> RunPlan:
+    """Validate the whole configuration against the launch environment, in the order the rules run.
+    `planning`: the planner's question (would this layout run on a cluster's implementation of the
+    strategies?), which skips the refusals of what only this sandbox's code cannot train (a tied head)."""
     t = cfg.train
     _check_numbers(cfg)
     model = model_config(cfg.model)
@@ -249,6 +260,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool) -> RunPlan:
         )
     backend = choose_backend(cfg.parallel.backend, cuda_available) if env.world_size > 1 else None
     strategy, layout = _checked_layout(cfg, model, env.world_size, backend)
+    if not planning:
+        check_tied_head(strategy, model)
     _check_steps(t.steps, t.warmup_steps)
     _check_precision(t.precision)
     check_recompute(layout.recompute, strategy, spec_of(strategy))

@@ -54,6 +54,9 @@ class StrategySpec:
     # -- mixture of experts (model.moe_experts > 0) --
     moe: bool = False  # trains MoE models: the balancing loss in its loss, every expert's gradient summed right
     moe_refusal: str = ""  # where moe is False: why, for the error line
+    # -- a head tied to the token table (model.tied_head: one Parameter in embed.tok and head.out) --
+    tied_head: bool = False  # trains it: keeps the shared Parameter whole, in one place, its gradient summed
+    tied_head_refusal: str = ""  # where tied_head is False: why, for the error line
     # -- what it supports --
     recompute: bool = False  # train.recompute (selective | full) applies: parallel/core/recompute.py's transform
     checkpoints: bool = True  # train.checkpoint_every / train.resume

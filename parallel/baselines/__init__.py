@@ -21,6 +21,7 @@ from parallel.activations import registry_activations
 from parallel.baselines import theory
 from parallel.baselines.rules import (
     TORCH_PP_NO_MOE,
+    TORCH_PP_NO_TIED_HEAD,
     TORCH_TP_NO_MOE,
     check_torch_pp,
     check_torch_pp_schedule,
@@ -96,30 +97,32 @@ ENTRIES = (
         name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp)",
         build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
-        tags=BASELINE, moe=True, activations=registry_activations,
+        tags=BASELINE, moe=True, activations=registry_activations, tied_head=True,
     ),
     StrategySpec(
         name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
         build=_build_accelerate_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
-        tags=BASELINE, moe=True, activations=registry_activations,
+        tags=BASELINE, moe=True, activations=registry_activations, tied_head=True,
     ),
     StrategySpec(
         name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
         build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=algebra.tp_local_parameter_count,
         min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
+        tied_head=True,
     ),
     StrategySpec(
         name="torch_zero1", description="PyTorch's ZeRO-1: DDP + ZeroRedundancyOptimizer (the baseline for zero1)",
         build=_build_torch_zero1, comm=theory.torch_zero1_comm, local_parameters=algebra.tp_local_parameter_count,
         min_world=2, honours=BUCKETS, exposed_comm_measured=False, tags=frozenset({"baseline", "sharded"}), moe=True,
-        activations=registry_activations,
+        activations=registry_activations, tied_head=True,
     ),
     StrategySpec(
         name="torch_zero2", description="PyTorch's ZeRO-2: FSDP2 with reshard_after_forward=False (the baseline for "
                                         "zero2)",
         build=_build_torch_zero2, comm=theory.torch_zero2_comm, local_parameters=algebra.tp_local_parameter_count,
         min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
+        tied_head=True,
     ),
     StrategySpec(
         name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
@@ -133,5 +136,6 @@ ENTRIES = (
         build=_build_torch_pp, comm=pp_theory.pipeline_comm, dims=frozenset({"pp"}), min_world=2,
         honours={"pp": PIPELINE},
         check=check_torch_pp, schedule_check=check_torch_pp_schedule, tags=BASELINE, moe_refusal=TORCH_PP_NO_MOE,
+        tied_head_refusal=TORCH_PP_NO_TIED_HEAD,
     ),
 )

@@ -112,6 +112,18 @@ def fsdp2_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [*((name, model.get_submodule(name)) for name in blocks), ("root", model)]
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """The state-dict names under which a parameter appears a second time, each with the name it is
+    listed under (a tied head: head.out.weight -> embed.tok.weight). model.state_dict() holds both,
+    named_parameters() the first only."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            out[name] = first[id(p)]
+    return out
+
+
 class TorchFSDP2(Strategy):
     """`torch.distributed.fsdp.fully_shard` on every Block and on the whole GPT (the root holds
     the embedding and the head), fp32, over the dp mesh. The optimizer is our AdamW on each
@@ -128,6 +140,7 @@ class TorchFSDP2(Strategy):
         if next(model.parameters()).is_cuda:
             self.exposed_comm_measured, self.breakdown_note = False, FSDP2_CUDA_NOTE
         self.full_shapes = {n: p.shape for n, p in model.named_parameters()}
+        self.aliases = tied_aliases(model)  # the gathered state names a shared parameter as the model's state_dict does
         # Left unset (None) for zero3's baseline: FSDP2 then reshards every Block after its forward
         # but keeps the root, used again at once by backward, whole; an explicit True would
         # reshard the root too and gather it twice per microbatch.
@@ -195,7 +208,8 @@ class TorchFSDP2(Strategy):
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self._gather(self.locals, "tooling/full_state")
+        full = self._gather(self.locals, "tooling/full_state")
+        return {**full, **{alias: full[name] for alias, name in self.aliases.items()}}
 
     def full_grads(self) -> dict:
         return {"grads": self._gather({n: p.grad.to_local() for n, p in self.dtensors.items()}, "tooling/full_grads"),

@@ -27,19 +27,38 @@ def fsdp2_group_padded_counts(model: GPTConfig, n: int) -> dict[str, int]:
     _fully_shard/_fsdp_param.py): every parameter is cut along dim 0 into n chunks of ceil(d0/n)
     rows, each padded to that size, so a parameter of shape (d0, ...) moves n·ceil(d0/n)·(rest)
     elements. Groups: each Block, and the root (embedding and head). An MoE block holds E MLPs
-    and its router (E, h) instead of one MLP."""
-    V, h, s, f = model.padded_vocab_size, model.d_model, model.seq_len, model.mlp_ratio * model.d_model
+    and its router (E, h) instead of one MLP. The shapes are the block's own (`_block_shapes`):
+    GPT-2's or Llama's (K and V of width h_kv, SwiGLU's gate, RMSNorm, no biases)."""
+    V, h, s = model.padded_vocab_size, model.d_model, model.seq_len
 
-    def rows(d0: int, rest: int = 1) -> int:
-        return padded(d0, n) * rest
+    def moved(shapes: list[tuple[int, int]]) -> int:
+        return sum(padded(d0, n) * rest for d0, rest in shapes)
 
-    attention = (4 * rows(h)                    # ln1, ln2 weight and bias
-                 + 4 * (rows(h, h) + rows(h)))  # q, k, v, attention proj
-    mlp = rows(f, h) + rows(f) + rows(h, f) + rows(h)  # fc, proj
-    moe_mlp = rows(model.moe_experts, h) + model.moe_experts * mlp  # router, experts
+    attention, mlp = (moved(shapes) for shapes in _block_shapes(model))
+    moe_mlp = moved([(model.moe_experts, h)]) + model.moe_experts * mlp  # router, experts
     blocks = {f"blocks.{i}": attention + (moe_mlp if model.is_moe_block(i) else mlp) for i in range(model.n_layers)}
-    root = rows(V, h) + rows(s, h) + 2 * rows(h) + rows(V, h)
+    positions = [] if model.rope else [(s, h)]
+    head = [] if model.tied_head else [(V, h)]
+    root = moved([(V, h), *positions, *_norm_shapes(model), *head])
     return {**blocks, "root": root}
+
+
+def _norm_shapes(model: GPTConfig) -> list[tuple[int, int]]:
+    """One norm's parameters as (rows, columns): a weight of h, and LayerNorm's bias of h."""
+    return [(model.d_model, 1)] * (model.norm_parameters // model.d_model)
+
+
+def _linear_shapes(rows: int, columns: int, bias: bool) -> list[tuple[int, int]]:
+    return [(rows, columns)] + ([(rows, 1)] if bias else [])
+
+
+def _block_shapes(model: GPTConfig) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A block's parameters as (rows, columns), dim 0 first: (its two norms and attention, one MLP)."""
+    h, h_kv, f, bias = model.d_model, model.kv_width, model.d_ff, model.bias
+    attention = (2 * _norm_shapes(model) + _linear_shapes(h, h, bias) + 2 * _linear_shapes(h_kv, h, bias)
+                 + _linear_shapes(h, h, bias))  # ln1, ln2, q, k, v, the output projection
+    up = _linear_shapes(f, h, bias) * (2 if model.gated_mlp else 1)  # fc (and SwiGLU's gate)
+    return attention, up + _linear_shapes(h, f, bias)
 
 
 def fsdp2_comm(model: GPTConfig, layout: Layout) -> dict:

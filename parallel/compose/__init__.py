@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from parallel.compose import theory
 from parallel.pp import theory as pp_theory
-from parallel.pp.rules import PP_NO_MOE
+from parallel.pp.rules import PP_NO_MOE, PP_NO_TIED_HEAD
 from parallel.spec import StrategySpec
 from parallel.tp.rules import TP_NO_MOE
 
@@ -35,7 +35,7 @@ ENTRIES = (
         description="pipeline parallel: GPipe, 1F1B, interleaved, ZB-H1, ZB-V or DualPipeV, schedules as data",
         build=_build_combined, comm=pp_theory.pipeline_comm, dims=frozenset({"dp", "pp"}),
         honours={"pp": PIPELINE, "sync": SYNC}, counterpart="torch_pp", moe_refusal=PP_NO_MOE, recompute=True,
-        activations=pp_theory.pipeline_activations,
+        activations=pp_theory.pipeline_activations, tied_head_refusal=PP_NO_TIED_HEAD,
     ),
     StrategySpec(
         name="3d", description="dp x cp x tp x pp on one mesh: tensor-parallel pipeline stages, context-parallel "

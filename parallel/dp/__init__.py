@@ -32,6 +32,6 @@ ENTRIES = (
         build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, honours={"sync": ("grad_sync", "bucket_mb", "zero")},
         counterpart="torch_ddp",
-        moe=True, activations=registry_activations, recompute=True,
+        moe=True, activations=registry_activations, recompute=True, tied_head=True,
     ),
 )

@@ -37,7 +37,7 @@ ENTRIES = (
         build=_build_ep, comm=theory.ep_comm, model_state=theory.ep_model_state_bytes,
         local_parameters=theory.ep_local_parameter_count, dims=frozenset({"dp", "ep"}), min_world=2,
         honours={"sync": ("grad_sync", "bucket_mb")},
-        check=check_ep_layout, check_model=check_ep_model, moe=True,
+        check=check_ep_layout, check_model=check_ep_model, moe=True, tied_head=True,
     ),
 )
 

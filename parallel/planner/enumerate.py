@@ -279,7 +279,7 @@ def _memo_key(request: dict) -> tuple:
 
 def _try(base: dict, name: str, request: dict, env: LaunchEnv) -> tuple[RunPlan | None, str]:
     try:
-        return build_plan(_config(base, name, request), env, cuda_available=False), ""
+        return build_plan(_config(base, name, request), env, cuda_available=False, planning=True), ""
     except (ConfigError, LayoutError) as e:
         return None, _reason(str(e))
 

@@ -38,7 +38,7 @@ def evaluate_layout(shape: ModelShape, base: dict, presets: list[Preset], cluste
     train = {**base["train"], "global_batch": global_batch, **({"recompute": recompute} if recompute else {})}
     config = Config({**base, "model": model, "train": train, "parallel": {**base["parallel"], **parallel}})
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
-    plan = build_plan(config, env, cuda_available=False)
+    plan = build_plan(config, env, cuda_available=False, planning=True)
     why = shape_rule(shape, plan)
     if why:
         raise ConfigError(why)

@@ -25,6 +25,8 @@ from parallel.spec import ConfigError
 
 PP_NO_MOE = ("a pipeline stage that holds MoE blocks must back-propagate their balancing loss beside the gradient it "
              "receives, and the pipeline runner back-propagates the last stage's loss only")
+PP_NO_TIED_HEAD = ("the embedding and the head sit on different stages, each of which would train its own copy of "
+                   "the table (Megatron all-reduces the two copies' gradients; this runner does not)")
 
 
 def pp_rules(check: Check) -> None:

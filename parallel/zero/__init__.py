@@ -47,6 +47,7 @@ from parallel import algebra
 from parallel.activations import registry_activations
 from parallel.spec import StrategySpec
 from parallel.zero import theory
+from parallel.zero.rules import ZERO3_NO_TIED_HEAD
 
 
 def _build_zero(stage):
@@ -75,6 +76,8 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
         # forward as dp does and take it; zero3's hooks gather each part's parameters around one
         # forward per backward, and it does not.
         activations=registry_activations, recompute=stage < 3,
+        # ZeRO-1/2 keep whole parameters in the model: the shared table is one parameter of the embedding's part.
+        tied_head=stage < 3, tied_head_refusal=ZERO3_NO_TIED_HEAD if stage == 3 else "",
     )
 
 

@@ -13,6 +13,8 @@ from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.spec import ConfigError
 
 ZERO_STAGES = (0, 1, 2, 3)
+ZERO3_NO_TIED_HEAD = ("zero3 gathers each part's flat buffer around the part's forward and frees it after, and the "
+                      "shared table is the embedding's part: the head would compute with a freed weight")
 
 
 def check_stage(zero) -> None:

@@ -11,7 +11,9 @@ right, Adam's moments included (a dropped moment changes the next steps' updates
 The same again for a mixture of experts (model=tiny_moe) over the strategies that train one
 (MOE_PRESETS: expert parallelism at ep = dp and inside dp, and every dense strategy whose
 registry entry says moe=True): the experts gathered from their ep ranks and cut again by the
-next layout, the routing and dropping of the resumed steps the single run's.
+next layout, the routing and dropping of the resumed steps the single run's. Then for Llama's
+block (model=tiny_llama) over the strategies that cut it into parts, stages or groups, and with
+its head tied to the token table over those that train a tied head.
 
 Prints one line per preset; exits non-zero on the first difference.
 """
@@ -63,6 +65,16 @@ MOE_PRESETS = [
     ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []), ("torch_zero1", []), ("torch_zero2", []),
 ]
 MOE_COMMON = ["model=tiny_moe", *COMMON[2:]]
+# Llama's block (GQA, SwiGLU, RMSNorm, RoPE, no biases): the strategies that cut it in other places
+# than a dense GPT-2's (ZeRO's parts, FSDP2's groups, pipeline stages; tp and cp where they train it).
+LLAMA_PRESETS = [("single", []), ("zero3", []), ("pp_1f1b", ["parallel.dp=2"]), ("torch_fsdp2", []),
+                 ("pp_zbv", ["parallel.dp=2"]), ("torch_pp_1f1b", []), ("dp", [])]
+LLAMA_COMMON = ["model=tiny_llama", *COMMON[2:]]
+# A head tied to the token table, over the strategies that train one: the checkpoint names the shared
+# table twice (embed.tok.weight and head.out.weight), as the single model's state_dict does.
+TIED_PRESETS = [("single", []), ("zero1", []), ("zero2", []), ("torch_fsdp2", []), ("torch_zero1", []),
+                ("torch_zero2", []), ("dp", [])]
+TIED_COMMON = [*LLAMA_COMMON, "model.tied_head=true"]
 SAVE_AT, STEPS = 3, 6
 
 
@@ -105,13 +117,13 @@ def train(strategy, plan, ctx, batches, steps) -> list[float]:
 def main() -> None:
     env = LaunchEnv.from_environ()
     torch.set_num_threads(1)
-    chains = [(COMMON, PRESETS), (MOE_COMMON, MOE_PRESETS)]
+    chains = [(COMMON, PRESETS), (MOE_COMMON, MOE_PRESETS), (LLAMA_COMMON, LLAMA_PRESETS), (TIED_COMMON, TIED_PRESETS)]
     plans = [[(name, plan_for(name, extra, 1 if name == "single" else env.world_size, common))
               for name, extra in presets] for common, presets in chains]
     base = init_distributed(env, plans[0][1][1].dims, "gloo", 60.0, CommLog())
     layouts = Layouts(env, base)
     root = Path(sys.argv[1])
-    for chain, chain_plans in zip(("dense", "moe"), plans):
+    for chain, chain_plans in zip(("dense", "moe", "llama", "tied"), plans):
         check_chain(chain_plans, layouts, env, root / chain)
     if env.rank == 0:
         print("every strategy checkpoints: ok", flush=True)
@@ -174,9 +186,11 @@ def check_chain(plans, layouts: Layouts, env: LaunchEnv, root: Path) -> None:
 
 
 def _label(name: str, plan) -> str:
-    """`ep(ep=2)` where a preset runs twice with another layout; the model's kind for MoE."""
+    """`ep(ep=2)` where a preset runs twice with another layout; the model's kind where not GPT-2's dense one."""
     label = f"{name}(ep={plan.dims.ep})" if plan.dims.ep > 1 else name
-    return f"{label} [moe]" if plan.model.moe_experts else label
+    kind = "moe" if plan.model.moe_experts else "tied" if plan.model.tied_head else "llama" \
+        if not plan.model.is_gpt2_shape else ""
+    return f"{label} [{kind}]" if kind else label
 
 
 if __name__ == "__main__":

@@ -42,6 +42,13 @@ TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1", "train.global_bat
 TINY_LLAMA = ["model=tiny_llama" if arg == "model=tiny" else arg for arg in TINY]
 
 
+def tiny_settings(overrides: list[str]) -> list[str]:
+    """TINY's settings, then `overrides`; a `model=` preset among them takes the place of TINY's
+    (Hydra refuses a config group chosen twice)."""
+    models = [o for o in overrides if o.startswith("model=")]
+    return [*models, *TINY[1:], *(o for o in overrides if o not in models)] if models else [*TINY, *overrides]
+
+
 @dataclass
 class Run:
     returncode: int

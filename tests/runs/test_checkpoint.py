@@ -97,7 +97,8 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
     the list loads that checkpoint from disk and trains steps 3..5: losses and final parameters
     equal an uninterrupted single-process run (tests/helpers/checkpoint_every_strategy.py, one job of 4
     processes, each layout on its own mesh). Then the same for a mixture of experts over every
-    strategy that trains one, expert parallelism at ep 4 and at dp 4 x ep 2 included."""
+    strategy that trains one, expert parallelism at ep 4 and at dp 4 x ep 2 included, for Llama's
+    block over the strategies that cut it, and for its tied head over those that train one."""
     import os
     import subprocess
     import sys
@@ -110,6 +111,8 @@ def test_every_strategy_checkpoints_and_resumes_under_another(tmp_path):
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     resumed = [line for line in proc.stdout.splitlines() if " resumed: losses within " in line]
-    # 29 strategies on the dense model, 12 layouts on the mixture of experts (tiny_moe).
-    assert len(resumed) == 29 + 12 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout
-    assert sum("[moe] resumed" in line for line in resumed) == 12, proc.stdout
+    # 29 strategies on the dense model, 12 layouts on the mixture of experts (tiny_moe), 7 on Llama's
+    # block (tiny_llama) and 7 with its head tied.
+    assert len(resumed) == 29 + 12 + 7 + 7 and "every strategy checkpoints: ok" in proc.stdout, proc.stdout
+    for kind, count in (("moe", 12), ("llama", 7), ("tied", 7)):
+        assert sum(f"[{kind}] resumed" in line for line in resumed) == count, proc.stdout

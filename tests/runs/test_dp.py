@@ -11,7 +11,7 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
 
 # 0.1 MiB buckets cut the tiny model (0.94 MB of gradients) into several buckets, so the
@@ -88,6 +88,23 @@ def test_torch_ddp_baseline_matches_single_and_theory(single_run, tmp_path):
     assert parts["compute"] > 0 and "all_reduce dp" not in s["time_breakdown"]["exposed_comm_s"]
     assert any("DDP waits" in note for note in s["time_breakdown"]["notes"])
     check_trace(run.run_dir, s)
+
+
+def test_dp_trains_a_head_tied_to_the_token_table(tmp_path):
+    """model.tied_head=true on Llama's block: one Parameter in embed.tok and head.out, whose gradient
+    sums both uses before dp all-reduces it once. dp 2 with 2 microbatches trains the single run's
+    model, its Ψ counts the table once, and the two names stay one tensor."""
+    tied = [*TINY_LLAMA, "model.tied_head=true", "train.save_final=true"]
+    single = run_train(1, [*tied, "parallel=single"], tmp_path / "single")
+    assert_ok(single)
+    run = run_train(2, [*tied, "parallel=dp", "parallel.microbatches=2", SMALL_BUCKETS], tmp_path / "dp")
+    s = assert_ok(run)
+    check_matches_single(run, single)
+    check_dp_traffic(s, 2)
+    untied = 2 * 256 * 64 + 4 * (2 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192) + 64  # tiny_llama's Ψ
+    assert s["model"]["parameters"] == untied - 256 * 64
+    params = run.final_params
+    assert params["head.out.weight"].equal(params["embed.tok.weight"])
 
 
 def test_same_config_twice_gives_identical_numbers(tmp_path):

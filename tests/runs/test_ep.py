@@ -1,6 +1,6 @@
 """Expert parallelism end to end (parallel=ep, model=tiny_moe, gloo): ep 2, ep 4 and dp 2 x ep 2 (4 dp
-ranks, two expert-parallel groups of 2) with top-1 and top-2 routing, each against the single-process
-run of the same model. Each run proves at once:
+ranks, two expert-parallel groups of 2) with top-1 and top-2 routing, and ep 2 on Llama's block with
+SwiGLU experts (model=tiny_llama_moe), each against the single-process run of the same model. Each run proves at once:
 
 * the same training: per-step losses within 1e-5, the same final parameters, the same data;
 * the same routing: tokens per expert, before and after dropping, at every step equal the single
@@ -41,36 +41,45 @@ MOE = ["model=tiny_moe", "train.steps=5", "train.warmup_steps=1", "train.global_
 LR = 1e-3  # conf/train/default.yaml
 TINY_MOE = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4, moe_experts=4, moe_top_k=2, moe_every=2)
 SMALL_MOE = GPTConfig(seq_len=128, n_layers=8, d_model=256, n_heads=8, moe_experts=8, moe_top_k=2, moe_every=2)
+TINY_LLAMA_MOE = GPTConfig(seq_len=32, n_layers=4, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=192,
+                           gated_mlp=True, norm="rmsnorm", position_embedding="rope", bias=False,
+                           moe_experts=4, moe_top_k=2, moe_every=2)
 
-# (id, world, top-k, overrides). dp2xep2: 4 dp ranks in two ep groups of 2, the naive dp sync.
+# (id, world, model, top-k, overrides). dp2xep2: 4 dp ranks in two ep groups of 2, the naive dp sync.
+# tiny_llama_moe: the same mixture of SwiGLU experts (gate, up, down; no biases) on Llama's block.
 RUNS = [
-    ("ep2_top2", 2, 2, []),
-    ("ep4_top1", 4, 1, []),
-    ("dp2xep2_top1", 4, 1, ["parallel.ep=2"]),
-    ("dp2xep2_top2", 4, 2, ["parallel.ep=2", "parallel.grad_sync=naive"]),
+    ("ep2_top2", 2, "tiny_moe", 2, []),
+    ("ep4_top1", 4, "tiny_moe", 1, []),
+    ("dp2xep2_top1", 4, "tiny_moe", 1, ["parallel.ep=2"]),
+    ("dp2xep2_top2", 4, "tiny_moe", 2, ["parallel.ep=2", "parallel.grad_sync=naive"]),
+    ("llama_ep2_top2", 2, "tiny_llama_moe", 2, []),
 ]
 
 
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory):
-    """The single-process references, one per top-k, run once for the module."""
-    out = {}
-    for k in (1, 2):
-        run = run_train(1, [*MOE, f"model.moe_top_k={k}", "parallel=single"],
-                        tmp_path_factory.mktemp(f"single{k}") / "run")
-        summary = assert_ok(run)
-        # The reference itself routes unevenly and drops: what the ep runs must reproduce is not trivial.
-        assert min(summary["moe"]["skew_by_step"]) > 1.2 and min(summary["moe"]["dropped_by_step"]) > 0
-        out[k] = run
-    return out
+    """The single-process references, one per (model, top-k), each run once for the module on first use."""
+    made = {}
+
+    def get(model: str, k: int):
+        if (model, k) not in made:
+            run = run_train(1, [f"model={model}", *MOE[1:], f"model.moe_top_k={k}", "parallel=single"],
+                            tmp_path_factory.mktemp(f"single-{model}-{k}") / "run")
+            summary = assert_ok(run)
+            # The reference itself routes unevenly and drops: what the ep runs must reproduce is not trivial.
+            assert min(summary["moe"]["skew_by_step"]) > 1.2 and min(summary["moe"]["dropped_by_step"]) > 0
+            made[model, k] = run
+        return made[model, k]
+    return get
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=[r[0] for r in RUNS])
 def ep_run(request, tmp_path_factory, singles):
-    name, world, k, extra = request.param
-    run = run_train(world, [*MOE, f"model.moe_top_k={k}", "parallel=ep", *extra], tmp_path_factory.mktemp(name) / "run")
+    name, world, model, k, extra = request.param
+    run = run_train(world, [f"model={model}", *MOE[1:], f"model.moe_top_k={k}", "parallel=ep", *extra],
+                    tmp_path_factory.mktemp(name) / "run")
     assert_ok(run)
-    return run, singles[k]
+    return run, singles(model, k)
 
 
 def test_ep_trains_the_single_process_model(ep_run):
@@ -151,9 +160,10 @@ def test_ep_holds_its_experts_only(ep_run):
     s = run.summary
     ep = s["parallel"]["ep"]
     assert s["memory"]["matches_formula"]
-    local = ep_shard_parameter_count(TINY_MOE, ep)
+    model = TINY_LLAMA_MOE if s["config"]["model"].get("gated_mlp") else TINY_MOE  # a GPT-2 preset omits it
+    local = ep_shard_parameter_count(model, ep)
     assert s["model"]["local_parameters"] == s["model"]["local_params_formula"] == local
-    assert s["model"]["parameters"] == parameter_count(TINY_MOE)
+    assert s["model"]["parameters"] == parameter_count(model)
 
 
 # -- theory alone -------------------------------------------------------------------------------------
@@ -205,6 +215,14 @@ def test_fsdp2_groups_hold_the_experts():
     mlp = 3 * 86 + 3 * 86 * 64 + 3 * 22 * 256 + 3 * 22  # fc (256 rows) and proj (64 rows), padded to 3 parts
     assert groups["blocks.1"] == dense["blocks.1"]
     assert groups["blocks.0"] == dense["blocks.0"] - mlp + 3 * 2 * 64 + 4 * mlp  # + router (4 rows -> 6), 4 MLPs
+    # Llama's block at dp 3: RMSNorm weights (64 rows -> 66), Q and the output projection (66 x 64), K and
+    # V of 2 heads (32 rows -> 33), SwiGLU experts' gate and up (192 rows) and down (64 -> 66); no biases.
+    assert sum(fsdp2_group_padded_counts(TINY_LLAMA_MOE, 1).values()) == parameter_count(TINY_LLAMA_MOE)
+    llama = fsdp2_group_padded_counts(TINY_LLAMA_MOE, 3)
+    attention = 2 * 66 + 2 * 66 * 64 + 2 * 33 * 64
+    swiglu = 2 * 192 * 64 + 66 * 192
+    assert llama["blocks.1"] == attention + swiglu and llama["blocks.0"] == attention + 6 * 64 + 4 * swiglu
+    assert llama["root"] == 258 * 64 + 66 + 258 * 64  # token table, final norm, head: no position table
 
 
 # -- layout rules -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ traffic, counted around DTensor's and pipelining's communication calls or throug
 equal to its closed form's figure."""
 
 import pytest
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import assert_ok, check_matches_single, run_train, tiny_settings
 from omegaconf import OmegaConf
 
 from parallel.dist.dims import ParallelDims
@@ -23,14 +23,18 @@ BASELINES = {
     "torch_pp_zbv": ["parallel.microbatches=4"],
     "torch_pp_dualpipev": ["parallel.microbatches=4"],
     "torch_pp_interleaved_zb": [],
+    # Llama's block: FSDP2's groups of other shapes (K, V of the kv heads' width, SwiGLU's gate, no biases).
+    "torch_fsdp2-llama": ["model=tiny_llama"],
 }
 
 
-@pytest.mark.parametrize("preset", list(BASELINES))
-def test_baseline_matches_single_and_theory(preset, single_run, tmp_path):
-    run = run_train(2, [*TINY, f"parallel={preset}", "train.save_final=true", *BASELINES[preset]], tmp_path / "run")
+@pytest.mark.parametrize("case", list(BASELINES))
+def test_baseline_matches_single_and_theory(case, request, tmp_path):
+    preset, llama = case.removesuffix("-llama"), case.endswith("-llama")
+    run = run_train(2, tiny_settings([f"parallel={preset}", "train.save_final=true", *BASELINES[case]]),
+                    tmp_path / "run")
     s = assert_ok(run)
-    check_matches_single(run, single_run)
+    check_matches_single(run, request.getfixturevalue("single_run_llama" if llama else "single_run"))
     # torch_tp: DTensor's own count (6L+2 all-reduces and a logits all-gather per microbatch),
     # more than Megatron's; torch_pp: exactly our pipeline's sends; accelerate_ddp: dp's all-reduce.
     assert s["comm_matches_theory"], (s["comm"]["sent_bytes_per_step"], s["expected_comm"]["sent_bytes_per_step"])

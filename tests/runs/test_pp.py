@@ -1,6 +1,7 @@
 """Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B; and dp x pp) against the single run.
 
-Each case trains the tiny model (4 layers) for 6 steps under torchrun on gloo and checks:
+Each case trains the tiny model (4 layers; one case its Llama-shaped twin, model=tiny_llama) for 6
+steps under torchrun on gloo and checks:
   * per-step losses within 1e-5 relative of the single-process run, the same final parameters
     (gathered from the stages) and the same data;
   * step 0's full-model gradients equal the single run's (the microbatch losses are scaled by the
@@ -14,7 +15,7 @@ Each case trains the tiny model (4 layers) for 6 steps under torchrun on gloo an
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, check_step0_grads_match, run_train
 from observability import check_time_breakdown, check_trace
 
 from parallel.pp.schedules import build_schedule
@@ -33,6 +34,8 @@ CASES = [
     ("interleaved-p2-v2-m2", 2, "pp_interleaved", 1, 2, 2, 2, 16),
     ("interleaved-p2-v2-m4", 2, "pp_interleaved", 1, 2, 4, 2, 16),
     ("dp2xpp2-1f1b-m2", 4, "pp_1f1b", 2, 2, 2, 1, 16),
+    # Llama's block (GQA, SwiGLU, RMSNorm, RoPE, no biases): the same boundary activations, other stages.
+    ("llama-interleaved-p2-v2-m4", 2, "pp_interleaved", 1, 2, 4, 2, 16),
 ]
 SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved": "interleaved_1f1b"}
 
@@ -48,10 +51,12 @@ def single_run_gb12(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_pipeline_matches_single_and_theory(case, single_run, single_run_gb12, tmp_path):
-    _, world, preset, dp, pp, m, v, gb = case
-    ref = single_run if gb == 16 else single_run_gb12
-    run = run_train(world, [*TINY, f"train.global_batch={gb}", f"parallel={preset}", f"parallel.dp={dp}",
+def test_pipeline_matches_single_and_theory(case, request, tmp_path):
+    name, world, preset, dp, pp, m, v, gb = case
+    llama = name.startswith("llama-")
+    ref = request.getfixturevalue("single_run_llama" if llama else "single_run" if gb == 16 else "single_run_gb12")
+    base = TINY_LLAMA if llama else TINY
+    run = run_train(world, [*base, f"train.global_batch={gb}", f"parallel={preset}", f"parallel.dp={dp}",
                             f"parallel.microbatches={m}", f"parallel.virtual_stages={v}",
                             "train.save_final=true", "train.save_grads=true"], tmp_path / "run")
     s = assert_ok(run)

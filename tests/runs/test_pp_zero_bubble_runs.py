@@ -13,7 +13,8 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks in
     activations per rank as the schedule states, and the activations measured on every rank.
 
 Covered by runs: zbh1 at (p, m) = (2, 3), (4, 8); zbv at (2, 3), (4, 4); dualpipev at (2, 4), (4, 8);
-dp 2 x pp 2 with zbh1 (bucketed dp sync, m 2) and with zbv (naive, m 4). Every other (p <= 8,
+dp 2 x pp 2 with zbh1 (bucketed dp sync, m 2) and with zbv (naive, m 4); zbv at (2, 4) on the
+Llama-shaped model (model=tiny_llama). Every other (p <= 8,
 m <= 16) is proven by the simulator alone (test_pp_zero_bubble.py). PyTorch's own zero-bubble
 schedules are in test_native.py.
 """
@@ -22,7 +23,7 @@ import json
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
+from launcher import assert_ok, check_matches_single, check_step0_grads_match, run_train, tiny_settings
 from test_pp_zero_bubble import expected_peaks
 
 from parallel.pp.schedules import build_schedule, closed_form_bubble, has_closed_form
@@ -48,20 +49,24 @@ CASES = [
     ("dualpipev-p4-m8", 4, "pp_dualpipev", 1, 4, 8, 16, L8),
     ("dp2xpp2-zbh1-m2-bucketed", 4, "pp_zbh1", 2, 2, 2, 16, []),
     ("dp2xpp2-zbv-m4", 4, "pp_zbv", 2, 2, 4, 16, []),
+    # Llama's block (GQA, SwiGLU, RMSNorm, RoPE, no biases) on the V: the same crossings, other stages.
+    ("llama-zbv-p2-m4", 2, "pp_zbv", 1, 2, 4, 16, ["model=tiny_llama"]),
 ]
 RUN_ONLY = {"dp2xpp2-zbh1-m2-bucketed": ["parallel.grad_sync=bucketed"]}  # overrides of the run, not the reference
 
 
 @pytest.fixture(scope="module")
 def references(single_run, tmp_path_factory):
-    """The single-process runs these cases compare with, by (global batch, model overrides), made on first use."""
+    """The single-process runs these cases compare with, by (global batch, model overrides), made on
+    first use (the Llama-shaped model's at the usual batch is the session's: the test asks for it)."""
     made = {(16, ()): single_run}
 
     def get(gb: int, extra: list[str]):
         key = (gb, tuple(extra))
         if key not in made:
-            run = run_train(1, [*TINY, f"train.global_batch={gb}", *extra, "parallel=single", "train.save_final=true",
-                                "train.save_grads=true"], tmp_path_factory.mktemp(f"single-gb{gb}") / "run")
+            run = run_train(1, tiny_settings([f"train.global_batch={gb}", *extra, "parallel=single",
+                                              "train.save_final=true", "train.save_grads=true"]),
+                            tmp_path_factory.mktemp(f"single-gb{gb}") / "run")
             assert_ok(run)
             made[key] = run
         return made[key]
@@ -69,13 +74,15 @@ def references(single_run, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_zero_bubble_pipeline_matches_single_and_theory(case, references, tmp_path):
+def test_zero_bubble_pipeline_matches_single_and_theory(case, references, request, tmp_path):
     name, world, preset, dp, pp, m, gb, extra = case
     schedule, v = SCHEDULE[preset], 2 if preset in V_SHAPED else 1
-    ref = references(gb, extra)
-    run = run_train(world, [*TINY, f"train.global_batch={gb}", *extra, f"parallel={preset}", f"parallel.dp={dp}",
-                            f"parallel.microbatches={m}", "train.save_final=true", "train.save_grads=true",
-                            "run.timeline=true", *RUN_ONLY.get(name, [])], tmp_path / "run")
+    llama = (gb, extra) == (16, ["model=tiny_llama"])
+    ref = request.getfixturevalue("single_run_llama") if llama else references(gb, extra)
+    run = run_train(world, tiny_settings([f"train.global_batch={gb}", *extra, f"parallel={preset}", f"parallel.dp={dp}",
+                                          f"parallel.microbatches={m}", "train.save_final=true",
+                                          "train.save_grads=true", "run.timeline=true", *RUN_ONLY.get(name, [])]),
+                    tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "pp"
     assert (s["parallel"]["dp"], s["parallel"]["pp"], s["parallel"]["schedule"]) == (dp, pp, schedule)

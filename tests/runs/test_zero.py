@@ -10,14 +10,15 @@ Each multi-process case trains the tiny model for 6 steps under torchrun on gloo
     holds) equal the formula: 4Ψ_pad + 4Ψ_pad + 8Ψ_pad/N (stage 1), 4Ψ_pad + (4 + 8)Ψ_pad/N
     (stage 2), 16Ψ_pad/N (stage 3).
 The tiny model's parts are multiples of 64 elements, so dp 2 and 4 need no padding; the dp 3 run
-does (each Block's 49,984 parameters pad to 49,986).
+does (each Block's 49,984 parameters pad to 49,986). One zero3 case trains the Llama-shaped twin
+(model=tiny_llama: K and V of 2 heads' width, a SwiGLU MLP of 192, RMSNorm, no biases, no position table).
 """
 
 from fractions import Fraction
 
 import pytest
 import torch
-from launcher import TINY, assert_ok, check_matches_single, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, run_train
 from observability import check_time_breakdown, check_trace
 
 from parallel.core.model import GPT, GPTConfig
@@ -25,16 +26,23 @@ from parallel.strategy import make_optimizer
 from parallel.sync.shards import ShardAdamW, group_into_parts
 
 V, H, S, L = 256, 64, 32, 4  # the tiny model
+H_KV, F = 32, 192  # tiny_llama: 2 of its 4 heads of 16 for K and V, the SwiGLU width
+# Each part's parameters: the embedding, a Block, the head (final norm and the untied head).
+PARTS = {
+    "tiny": (V * H + S * H, 12 * H * H + 13 * H, 2 * H + V * H),
+    # RMSNorm's weight only, Q and the output projection h·h, K and V h·h_kv, gate, up and down h·f.
+    "tiny_llama": (V * H, 2 * H + 2 * H * H + 2 * H * H_KV + 3 * H * F, H + V * H),
+}
 
 
-def padded_psi(n: int) -> int:
-    parts = [V * H + S * H, *[12 * H * H + 13 * H] * L, 2 * H + V * H]
-    return sum(-(-p // n) * n for p in parts)
+def padded_psi(n: int, model: str = "tiny") -> int:
+    embed, block, head = PARTS[model]
+    return sum(-(-p // n) * n for p in (embed, *[block] * L, head))
 
 
-def check_zero_traffic(s, stage: int, n: int, m: int):
+def check_zero_traffic(s, stage: int, n: int, m: int, model: str = "tiny"):
     comm = s["comm"]
-    P = G = 4 * padded_psi(n)
+    P = G = 4 * padded_psi(n, model)
     per_rank = {1: Fraction(n - 1, n) * (G + P), 2: Fraction(n - 1, n) * (m * G + P),
                 3: m * Fraction(n - 1, n) * (2 * P + G)}[stage]
     assert Fraction(comm["sent_bytes_per_step_exact"]) == per_rank * n
@@ -51,8 +59,8 @@ def check_zero_traffic(s, stage: int, n: int, m: int):
             assert comm["by_tag"][tag]["calls"] == calls * n
 
 
-def check_zero_memory(s, stage: int, n: int):
-    psi = padded_psi(n)
+def check_zero_memory(s, stage: int, n: int, model: str = "tiny"):
+    psi = padded_psi(n, model)
     expected = {"param_bytes": 4 * psi if stage < 3 else 4 * psi // n,
                 "grad_bytes": 4 * psi if stage < 2 else 4 * psi // n,
                 "optimizer_bytes": 8 * psi // n}
@@ -65,17 +73,19 @@ def check_zero_memory(s, stage: int, n: int):
         if stage == 3:
             # Gathered parameters and full gradients come and go during the step: the peak holds
             # at least one whole part's parameters beyond the shards.
-            assert row["peak_model_state_bytes"] >= row["total_bytes"] + 4 * (12 * H * H + 13 * H)
+            assert row["peak_model_state_bytes"] >= row["total_bytes"] + 4 * PARTS[model][1]
         else:
             assert row["peak_model_state_bytes"] >= row["total_bytes"]
 
 
-@pytest.mark.parametrize("stage,world,microbatches", [
-    (1, 2, 2), (1, 4, 1), (2, 2, 1), (2, 4, 2), (3, 2, 2), (3, 4, 1), (3, 3, 1),
+@pytest.mark.parametrize("stage,world,microbatches,model", [
+    (1, 2, 2, "tiny"), (1, 4, 1, "tiny"), (2, 2, 1, "tiny"), (2, 4, 2, "tiny"), (3, 2, 2, "tiny"), (3, 4, 1, "tiny"),
+    (3, 3, 1, "tiny"), (3, 2, 2, "tiny_llama"),
 ])
-def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatches, single_run, tmp_path):
+def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatches, model, request, tmp_path):
     global_batch = ["train.global_batch=12"] if world == 3 else []
-    run = run_train(world, [*TINY, *global_batch, f"parallel=zero{stage}", f"parallel.microbatches={microbatches}",
+    base = TINY_LLAMA if model == "tiny_llama" else TINY
+    run = run_train(world, [*base, *global_batch, f"parallel=zero{stage}", f"parallel.microbatches={microbatches}",
                             "train.save_final=true"], tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == f"zero{stage}" and s["parallel"]["dp"] == world
@@ -83,9 +93,11 @@ def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatche
         # A different global batch: compare with theory and the formula only (and padding is real).
         assert padded_psi(3) > s["model"]["parameters"]
     else:
-        check_matches_single(run, single_run)
-    check_zero_traffic(s, stage, world, microbatches)
-    check_zero_memory(s, stage, world)
+        reference = "single_run_llama" if model == "tiny_llama" else "single_run"
+        check_matches_single(run, request.getfixturevalue(reference))
+    assert s["model"]["parameters"] == padded_psi(1, model)
+    check_zero_traffic(s, stage, world, microbatches, model)
+    check_zero_memory(s, stage, world, model)
     if stage == 2:
         # The parameter all-gather after the optimizer step is communication, not optimizer time.
         parts = check_time_breakdown(s)

@@ -1,5 +1,6 @@
 """launch.compare as a user runs it: a small sweep on the tiny model, with one PyTorch baseline
-and two strategies that cannot run (a layout that does not divide, a name with no preset); a sweep
+and two strategies that cannot run (a layout that does not divide, a name with no preset); the
+default sweep on the tiny Llama-shaped model, every row equal to single and to theory; a sweep
 ranked in virtual time, whose runs compute on one thread per rank."""
 
 import csv
@@ -61,6 +62,24 @@ def test_compare_sweep_reports_every_strategy(tmp_path):
     report = (out / "report.md").read_text()
     assert "| strategy |" in report and "no_such" in report and "tokens_per_s.png" in report
     assert "5/5" in proc.stdout and "3/5 strategies ran" in proc.stdout
+
+
+def test_every_strategy_trains_llamas_block_as_single_with_theorys_bytes(tmp_path):
+    """`launch.compare model=tiny_llama`, the default sweep (every strategy and PyTorch's own that
+    runs at world 2; 3d at 4): each row ran, trained the single-process model (=single) and moved
+    its closed form's bytes (=theory) on Llama's block (GQA, SwiGLU, RMSNorm, RoPE, no biases)."""
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "launch.compare", "model=tiny_llama", "compare.world=2",
+           "compare.worlds={single:1,3d:4}", "compare.peak_flops=1e11", "train.steps=4", "train.warmup_steps=1",
+           "data.max_bytes=1000000", *GIVEN_LOOPBACK, f"run.dir={out}"]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert len(rows) == 21, [r["strategy"] for r in rows]
+    wrong = {r["strategy"]: r.get("error") or {k: r[k] for k in ("same_losses_as_single", "matches_theory")}
+             for r in rows
+             if r["status"] != "ok" or r["same_losses_as_single"] is not True or r["matches_theory"] is not True}
+    assert not wrong, wrong
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 def test_compare_with_nothing_to_run_fails(tmp_path):
