@@ -162,8 +162,13 @@ def _runnable(command: Command) -> list[str]:
         argv = [sys.executable, "-m", "torch.distributed.run", *argv[1:]]
     if command.tool == "launch.plan":
         return argv  # the planner predicts; it trains nothing unless plan.validate=true
+    # A documented model keeps its block's shape at the tiny size (small_llama -> tiny_llama), given once:
+    # Hydra refuses a config group chosen twice.
+    documented = next((a.split("=", 1)[1] for a in argv if a.startswith("model=")), "small")
+    model = f"model={documented.replace('small', 'tiny') if documented.startswith('small') else 'tiny'}"
+    argv = [a for a in argv if not a.startswith("model=")]
     if command.tool == "launch.compare":
-        tiny = ["model=tiny", "train.steps=3", "compare.strategies=[single,dp]", "compare.peak_flops=1e11"]
+        tiny = [model, "train.steps=3", "compare.strategies=[single,dp]", "compare.peak_flops=1e11"]
         nets = next((o for o in command.overrides if o.startswith("compare.nets=")), None)
         if nets is not None:
             # The sweep's world follows each network: networks of world 2 instead of the documented ones.
@@ -175,7 +180,7 @@ def _runnable(command: Command) -> list[str]:
         # Every sweep here is given the loopback's figures: test_compare.py's sweep is the one that
         # probes (about 12 s of three probes), and asserts that it did.
         return [*argv, *tiny, *GIVEN_LOOPBACK, "compare.world=2"]
-    return [*argv, *TINY_TRAIN]
+    return [*argv, model, *TINY_TRAIN[1:]]
 
 
 def _on_a_network(command: Command) -> bool:
