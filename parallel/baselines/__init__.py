@@ -23,6 +23,7 @@ from parallel.baselines.rules import (
     TORCH_PP_NO_MOE,
     TORCH_PP_NO_TIED_HEAD,
     TORCH_TP_NO_MOE,
+    TORCH_TP_NO_TIED_HEAD,
     check_torch_pp,
     check_torch_pp_schedule,
     check_torch_tp,
@@ -128,7 +129,7 @@ ENTRIES = (
         name="torch_tp", description="PyTorch DTensor tensor parallelism, torchtitan's plan (the baseline for tp)",
         build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "tp"}), min_world=2, honours={"tp": ()}, check=check_torch_tp, tags=BASELINE,
-        check_model=check_torch_tp_model, moe_refusal=TORCH_TP_NO_MOE,
+        check_model=check_torch_tp_model, moe_refusal=TORCH_TP_NO_MOE, tied_head_refusal=TORCH_TP_NO_TIED_HEAD,
     ),
     StrategySpec(
         name="torch_pp",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parallel.core.model import part_names
+from parallel.core.model import part_names, tied_aliases
 from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
@@ -110,18 +110,6 @@ def fsdp2_groups(model: nn.Module) -> list[tuple[str, nn.Module]]:
     embedding and the head."""
     blocks = [name for name in part_names(len(model.blocks)) if name.startswith("blocks.")]
     return [*((name, model.get_submodule(name)) for name in blocks), ("root", model)]
-
-
-def tied_aliases(model: nn.Module) -> dict[str, str]:
-    """The state-dict names under which a parameter appears a second time, each with the name it is
-    listed under (a tied head: head.out.weight -> embed.tok.weight). model.state_dict() holds both,
-    named_parameters() the first only."""
-    first: dict[int, str] = {}
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(p), name) != name:
-            out[name] = first[id(p)]
-    return out
 
 
 class TorchFSDP2(Strategy):

@@ -14,6 +14,8 @@ from parallel.dist.dims import LayoutError, ParallelDims
 TORCH_TP_NO_MOE = "DTensor's plan here (torchtitan's) shards the dense MLP and has no plan for an MoE block's experts"
 TORCH_PP_NO_MOE = ("torch.distributed.pipelining back-propagates the last stage's loss only, not a stage's balancing "
                    "loss")
+TORCH_TP_NO_TIED_HEAD = ("its plan distributes the token table and the head as two modules, and the one Parameter they "
+                         "share then trains apart from the single run (its losses leave single's)")
 TORCH_PP_NO_TIED_HEAD = ("torch.distributed.pipelining puts the embedding and the head on different stages, each of "
                          "which would train its own copy of the table")
 

@@ -45,5 +45,6 @@ ENTRIES = (
         # the same parallelize_tp cuts its stages, saved sequence pieces included
         honours={"tp": ("sequence_parallel", "saves"), "pp": PIPELINE, "cp": (), "sync": SYNC}, recompute=True,
         moe_refusal=f"{TP_NO_MOE}, and {PP_NO_MOE}", activations=pp_theory.pipeline_activations,
+        tied_head_refusal=f"the recipe's pipeline stages hold one part each: {PP_NO_TIED_HEAD}",
     ),
 )

@@ -292,5 +292,17 @@ def training_loss_sum(model: nn.Module, logits: torch.Tensor, targets: torch.Ten
     return loss if aux is None else loss + aux
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """The state-dict names under which a parameter appears a second time, each with the name it is
+    listed under (a tied head: head.out.weight -> embed.tok.weight). model.state_dict() holds both,
+    named_parameters() the first only."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            out[name] = first[id(p)]
+    return out
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -49,6 +49,7 @@ def _entry(name: str, kind: str, what: str) -> StrategySpec:
         local_parameters=algebra.tp_local_parameter_count,
         activations=registry_activations, dims=frozenset({"dp", "cp"}), min_world=2,
         honours={"cp": (), "sync": ("grad_sync", "bucket_mb", "zero")}, sets={"cp": {"kind": kind}}, recompute=True,
+        tied_head=True,
     )
 
 

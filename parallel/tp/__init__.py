@@ -62,6 +62,6 @@ ENTRIES = (
         name="tp", description="tensor parallel (Megatron), optionally with sequence parallelism; dp across tp groups",
         build=_build_tp, comm=theory.tp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "tp"}), honours={"tp": ("sequence_parallel", "saves"), "sync": SYNC_OPTIONS},
-        counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True, activations=registry_activations,
+        counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True, tied_head=True, activations=registry_activations,
     ),
 )

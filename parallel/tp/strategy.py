@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from parallel.core.data import Batch
+from parallel.core.model import tied_aliases
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy, flat_moments, moment_param, nest_moments
 from parallel.sync.allreduce import make_grad_sync
@@ -52,7 +53,9 @@ class TensorParallel(Strategy):
         return sum(self.shards.full_numel(n, p) for n, p in self.model.named_parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.shards.gather(dict(self.model.named_parameters()))
+        state = self.shards.gather(dict(self.model.named_parameters()))
+        # A tied head under both names, as the single-process model's state_dict has it.
+        return {**state, **{alias: state[name] for alias, name in tied_aliases(self.model).items()}}
 
     def full_optimizer_state(self) -> dict:
         """Adam's moments are shaped like the parameters: gather them along the same dims."""

@@ -90,10 +90,12 @@ def test_torch_ddp_baseline_matches_single_and_theory(single_run, tmp_path):
     check_trace(run.run_dir, s)
 
 
-def test_dp_trains_a_head_tied_to_the_token_table(tmp_path):
+def test_a_head_tied_to_the_token_table_trains_as_single(tmp_path):
     """model.tied_head=true on Llama's block: one Parameter in embed.tok and head.out, whose gradient
     sums both uses before dp all-reduces it once. dp 2 with 2 microbatches trains the single run's
-    model, its Ψ counts the table once, and the two names stay one tensor."""
+    model, its Ψ counts the table once, and the two names stay one tensor. So do tp_sp at tp 4 (the
+    vocab-parallel table and head hold the same rows of the one shard; kv heads replicated) and the
+    cp ring at cp 2, each with its bytes and saved activations equal to theory."""
     tied = [*TINY_LLAMA, "model.tied_head=true", "train.save_final=true"]
     single = run_train(1, [*tied, "parallel=single"], tmp_path / "single")
     assert_ok(single)
@@ -105,6 +107,11 @@ def test_dp_trains_a_head_tied_to_the_token_table(tmp_path):
     assert s["model"]["parameters"] == untied - 256 * 64
     params = run.final_params
     assert params["head.out.weight"].equal(params["embed.tok.weight"])
+    for name, world, overrides in (("tp_sp4", 4, ["parallel=tp_sp", "parallel.tp=4"]), ("cp2", 2, ["parallel=cp"])):
+        run = run_train(world, [*tied, *overrides], tmp_path / name)
+        s = assert_ok(run)
+        check_matches_single(run, single)
+        assert s["comm_matches_theory"] is True and s["memory"]["activations_match_theory"] is True, name
 
 
 def test_same_config_twice_gives_identical_numbers(tmp_path):

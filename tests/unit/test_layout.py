@@ -294,7 +294,9 @@ TIED = ["model=tiny_llama", "model.tied_head=true"]
     (2, ["parallel=dp", "parallel.zero=1"], "zero1"), (2, ["parallel=zero2"], "zero2"),
     (2, ["parallel=torch_ddp"], "torch_ddp"), (2, ["parallel=accelerate_ddp"], "accelerate_ddp"),
     (2, ["parallel=torch_zero1"], "torch_zero1"), (2, ["parallel=torch_zero2"], "torch_zero2"),
-    (2, ["parallel=torch_fsdp2"], "torch_fsdp2"),
+    (2, ["parallel=torch_fsdp2"], "torch_fsdp2"), (2, ["parallel=tp"], "tp"),
+    (4, ["parallel=tp_sp", "parallel.tp=4"], "tp"),
+    (2, ["parallel=cp"], "cp"), (2, ["parallel=cp_a2a"], "cp_a2a"),
     # A pipeline preset in one process is the single run: nothing is cut.
     (1, ["parallel=pp_1f1b"], "single"),
 ])
@@ -307,15 +309,13 @@ def test_a_tied_head_runs_where_parameters_stay_whole(world, overrides, strategy
     (2, ["parallel=pp_1f1b"], "pp", r"the embedding and the head sit on different stages"),
     (2, ["parallel=pp_zbv", "parallel.microbatches=4"], "pp", r"different stages"),
     (2, ["parallel=torch_pp_gpipe"], "torch_pp", r"torch.distributed.pipelining puts the embedding and the head"),
-    (8, ["parallel=3d"], "3d", r"does not say it trains a tied head"),
-    (2, ["parallel=tp"], "tp", r"tied_head"),
-    (2, ["parallel=torch_tp"], "torch_tp", r"tied_head"),
-    (4, ["parallel=cp"], "cp", r"tied_head"),
+    (8, ["parallel=3d"], "3d", r"the recipe's pipeline stages hold one part each: the embedding and the head"),
+    (2, ["parallel=torch_tp"], "torch_tp", r"its plan distributes the token table and the head as two modules"),
 ])
 def test_a_tied_head_is_refused_in_one_line_where_the_model_is_cut(world, overrides, strategy, why):
     """Before any process group, in one line: the strategy, the field, the entry's reason, the fix."""
     message = (rf"^parallel={strategy} does not train a head tied to the token table \(model.tied_head=true\): .*"
-               rf"{why}.*; use one of single, dp, zero1, zero2, torch_ddp, accelerate_ddp, torch_fsdp2, torch_zero1, "
-               rf"torch_zero2, ep, or an untied head \(model.tied_head=false\)$")
+               rf"{why}.*; use one of single, dp, zero1, zero2, tp, torch_ddp, accelerate_ddp, torch_fsdp2, "
+               rf"torch_zero1, torch_zero2, ep, cp, cp_a2a, or an untied head \(model.tied_head=false\)$")
     with pytest.raises(ConfigError, match=message):
         plan_for(world, *TIED, *overrides)
