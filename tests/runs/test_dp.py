@@ -121,9 +121,10 @@ def test_same_config_twice_gives_identical_numbers(tmp_path):
     assert first["losses"] == second["losses"]
 
 
-def test_single_run_is_deterministic(single_run, tmp_path):
-    again = run_train(1, [*TINY, "parallel=single"], tmp_path / "run")
-    assert assert_ok(again)["losses"] == single_run.summary["losses"]
+def test_single_run_is_deterministic(single_run, single_run_llama, tmp_path):
+    for settings, reference in ((TINY, single_run), (TINY_LLAMA, single_run_llama)):
+        again = run_train(1, [*settings, "parallel=single"], tmp_path / settings[0].split("=")[1])
+        assert assert_ok(again)["losses"] == reference.summary["losses"], settings[0]
 
 
 def test_single_summary_schema(single_run):
