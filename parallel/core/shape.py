@@ -39,24 +39,12 @@ class ModelShape:
 
     # -- the block's shape, read off the config ------------------------------------------------------
     @property
-    def n_kv_heads(self) -> int | None:
-        return self.gpt.n_kv_heads
-
-    @property
-    def ffn_hidden(self) -> int | None:
-        return self.gpt.ffn_hidden
-
-    @property
     def gated_mlp(self) -> bool:
         return self.gpt.gated_mlp
 
     @property
     def tied_head(self) -> bool:
         return self.gpt.tied_head
-
-    @property
-    def position_embedding(self) -> str:
-        return self.gpt.position_embedding
 
     @property
     def norm(self) -> str:
@@ -85,9 +73,6 @@ class ModelShape:
             out.append("no biases on the linears")
         return out
 
-    def gpt_config(self) -> GPTConfig:
-        return self.gpt
-
     # -- dimensions ---------------------------------------------------------------------------------
     @property
     def kv_heads(self) -> int:
@@ -106,11 +91,16 @@ class ModelShape:
     def norm_parameters(self) -> int:
         return self.gpt.norm_parameters
 
-    def kv_heads_per_rank(self, t: int) -> int:
-        """K/V heads one of t tp ranks holds: kv/t when t divides them; one when t is a multiple of
-        them (each kv head then replicated on t/kv ranks, Megatron's and vLLM's rule)."""
+    def kv_replicas(self, t: int) -> int:
+        """Tp ranks that hold each K/V head, of t: one where t divides the kv heads (each rank holds
+        kv/t of them), t/kv where t is a multiple of them (rank r's query heads all read kv head
+        r // (t/kv), so it holds that one: Megatron's and vLLM's rule)."""
         kv = self.kv_heads
-        return kv // t if kv % t == 0 else 1
+        return 1 if kv % t == 0 else t // kv
+
+    def kv_heads_per_rank(self, t: int) -> int:
+        """K/V heads one of t tp ranks holds: kv/t, or one replicated (`kv_replicas`)."""
+        return self.kv_heads * self.kv_replicas(t) // t
 
     def kv_width_per_rank(self, t: int) -> int:
         """The width of K (and of V) on one of t tp ranks: its kv heads times the head size, h_kv/t
@@ -142,7 +132,7 @@ class ModelShape:
     def embedding_parameters(self, t: int = 1) -> int:
         """Token rows V·h/t (vocab-parallel) and the learned position table s·h (replicated)."""
         g = self.gpt
-        positions = g.seq_len * g.d_model if self.position_embedding == "learned" else 0
+        positions = 0 if g.rope else g.seq_len * g.d_model
         return g.padded_vocab_size * g.d_model // t + positions
 
     def head_parameters(self, t: int = 1, copy_of_tied: bool = False) -> int:

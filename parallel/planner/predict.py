@@ -41,7 +41,7 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str,
     cluster's `flash_attention`), where the strategy has a formula at all."""
     plan, layout = candidate.plan, candidate.layout
     if precision == "fp32" and flash_attention:
-        return plan.spec.activations(shape.gpt_config(), layout)
+        return plan.spec.activations(shape.gpt, layout)
     if not _has_formula(plan.spec, shape, layout):
         return None  # the strategy has no activation formula at all
     if layout.dims.cp > 1:
@@ -97,7 +97,7 @@ def _has_formula(spec, shape: ModelShape, layout) -> bool:
     not the schedule, the microbatches or the options, which the search varies most."""
     key = (spec.name, shape.gpt, layout.dims, layout.precision, layout.cut().cp_kind)
     if key not in _FORMULA:
-        _FORMULA[key] = spec.activations(shape.gpt_config(), replace(layout, recompute="none")) is not None
+        _FORMULA[key] = spec.activations(shape.gpt, replace(layout, recompute="none")) is not None
     return _FORMULA[key]
 
 
@@ -108,7 +108,7 @@ def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> 
     plan = candidate.plan
     if precision != "fp32" or candidate.layout.dims.pp != 1:
         return None
-    figures = plan.spec.model_state(shape.gpt_config(), candidate.layout)
+    figures = plan.spec.model_state(shape.gpt, candidate.layout)
     if figures is None:
         return None
     return {"params": figures["param_bytes"], "grads": figures["grad_bytes"], "optimizer": figures["optimizer_bytes"],

@@ -96,14 +96,14 @@ def shape_factor(shape: ModelShape, layout: Layout, stage_layers: list[int]) -> 
         return Fraction(1)
     t, p = layout.dims.tp, layout.dims.pp
     mine = sum(shape.stage_parameters(t, n, r == 0, r == p - 1, p) for r, n in enumerate(stage_layers))
-    return Fraction(mine, tp_shard_parameter_count(shape.gpt_config(), t))
+    return Fraction(mine, tp_shard_parameter_count(shape.gpt, t))
 
 
 def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: int, gpus_per_node: int,
                    algorithm: str, stage_layers: list[int]) -> dict[str, GroupTraffic]:
     """Every group's bytes per step (all ranks), with how its groups sit on nodes."""
     try:
-        figure = spec.comm(shape.gpt_config(), layout)
+        figure = spec.comm(shape.gpt, layout)
     except ValueError as e:  # theory refuses what it has no formula for (e.g. tp of an MoE model)
         raise NoTrafficFormula(str(e)) from None
     totals = group_totals(figure, layout)

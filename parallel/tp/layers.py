@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from parallel.core.model import GPT
 from parallel.core.norm import rms_norm
+from parallel.core.shape import ModelShape
 from parallel.dist.comm import Communicator
 from parallel.tp.options import TPOptions
 from parallel.tp.regions import SequencePiece, enter_region, exit_region, linear_on_sequence_piece
@@ -171,14 +172,6 @@ class ParallelEmbedding(nn.Module):
 
 
 # -- the transform ------------------------------------------------------------------------------
-def kv_replicas(model: GPT, t: int) -> int:
-    """Tp ranks that share each K/V head: 1 where t divides the kv heads (each rank holds kv/t of them),
-    t/kv where t is a multiple of them (rank r's query heads r·H/t.. all read kv head r // (t/kv), so
-    it holds that one, as Megatron and vLLM do)."""
-    kv = model.config.kv_heads
-    return 1 if kv % t == 0 else t // kv
-
-
 def _cut_block(block: nn.Module, i: int, comm: Communicator, sp: bool, keep: bool, replicas: int) -> None:
     """One block's two regions: the norm opens each, column-parallel linears (rank r holds query heads
     [r·a/t, (r+1)·a/t), their K/V heads, its slice of the MLP width) and a row-parallel one close it."""
@@ -201,7 +194,7 @@ def parallelize_tp(model: GPT, comm: Communicator, options: TPOptions = TPOption
     input's sequence piece and gather it again in backward."""
     sp = options.sequence_parallel
     keep = sp and options.saves == "sharded"
-    replicas = kv_replicas(model, comm.size)
+    replicas = ModelShape(model.config).kv_replicas(comm.size)  # ranks that hold each K/V head
     for i, block in enumerate(model.blocks):
         _cut_block(block, i, comm, sp, keep, replicas)
     model.embed = ParallelEmbedding(model.embed, comm, sp)

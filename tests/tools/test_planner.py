@@ -54,7 +54,7 @@ def base() -> dict:
 @pytest.mark.parametrize("name", ["tiny", "small", "gpt2"])
 def test_gpt2_shapes_count_what_theory_counts(name):
     shape = ModelShape.from_preset(preset(name))
-    cfg = shape.gpt_config()
+    cfg = shape.gpt
     assert shape.differences() == []
     assert shape.parameter_count() == algebra.parameter_count(cfg)
     assert shape.flops_per_token() == flops_per_token(cfg)
@@ -83,7 +83,7 @@ def test_launch_train_builds_a_llama_shape_as_the_planner_reads_it():
 
 def test_model_state_equals_theory_for_every_stage_and_zero_stage():
     shape = ModelShape.from_preset(preset("tiny"))
-    cfg = shape.gpt_config()
+    cfg = shape.gpt
     for dp, tp, pp in ((8, 1, 1), (4, 2, 1), (2, 2, 2), (2, 1, 4), (1, 4, 2)):
         dims = ParallelDims(world_size=8, dp=dp, tp=tp, pp=pp)
         for zero in ((0, 1, 2) if dp > 1 else (0,)):
@@ -196,7 +196,7 @@ def test_a_mixture_of_experts_gets_the_registrys_model_state_per_rank():
     assert {("dp", 1), ("ep", 2), ("ep", 4)} <= set(rows)
     for (name, ep), row in rows.items():
         c = next(c for c in found.candidates if (c.plan.strategy, c.layout.dims.ep) == (name, ep))
-        figures = c.plan.spec.model_state(shape.gpt_config(), c.layout)
+        figures = c.plan.spec.model_state(shape.gpt, c.layout)
         memory = row["memory_bytes_per_device"]
         assert (memory["params"], memory["grads"], memory["optimizer"]) == (
             figures["param_bytes"], figures["grad_bytes"], figures["optimizer_bytes"])

@@ -13,7 +13,8 @@ from launcher import PROJECT_ROOT
 from parallel.algebra import tp_shard_parameter_count
 from parallel.core.config import GPTConfig
 from parallel.core.model import GPT, count_parameters
-from parallel.tp.layers import NormIntoTP, kv_replicas, parallelize_tp
+from parallel.core.shape import ModelShape
+from parallel.tp.layers import NormIntoTP, parallelize_tp
 from parallel.tp.options import TPOptions
 from parallel.tp.theory import kv_replica_grad_count
 
@@ -43,6 +44,7 @@ def test_each_rank_holds_the_piece_local_part_names(t):
 
 
 def test_kv_heads_split_or_replicated():
-    assert [kv_replicas(GPT(LLAMA), t) for t in (1, 2, 4)] == [1, 1, 2]
+    assert [ModelShape(LLAMA).kv_replicas(t) for t in (1, 2, 4)] == [1, 1, 2]
+    assert [ModelShape(LLAMA).kv_heads_per_rank(t) for t in (1, 2, 4)] == [2, 1, 1]
     h, h_kv = LLAMA.d_model, LLAMA.kv_width
     assert [kv_replica_grad_count(LLAMA, t, 4) for t in (1, 2, 4)] == [0, 0, 4 * 2 * h * h_kv]
