@@ -66,7 +66,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from parallel.algebra import FP32_BYTES, ID_BYTES
+from parallel.algebra import FP32_BYTES, ID_BYTES, kv_heads_in_all_to_all
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.layout import Cut, Layout
@@ -138,9 +138,9 @@ def block_terms(model: GPTConfig | ModelShape, cut: Cut) -> dict[str, int]:
     out, lse = n * h // t * B, cut.b * (g.n_heads // t) * s * STAT_BYTES
     if cut.cp > 1 and cut.cp_kind == "a2a":
         # The inner core holds the gathered q, k, v: K and V with a' heads per rank, a_kv or, where cp
-        # exceeds them, cp replicas (parallel/cp/theory.py `kv_heads_in_all_to_all`).
-        kv = shape.kv_heads_per_rank(t)
-        qkv = n * (g.n_heads // t + 2 * (kv if kv % cut.cp == 0 else cut.cp)) * g.head_dim * B
+        # exceeds them, cp replicas.
+        kv = kv_heads_in_all_to_all(shape.kv_heads_per_rank(t), cut.cp)
+        qkv = n * (g.n_heads // t + 2 * kv) * g.head_dim * B
         core_only = out + lse + 2 * g.seq_len * ID_BYTES  # the inner core's output and lse, the two index maps
         recomputed = core_only + qkv  # and the gathered q, k, v again
     else:

@@ -150,6 +150,13 @@ def replica_group_size(dims: ParallelDims) -> int:
     return dims.dp * dims.cp
 
 
+def kv_heads_in_all_to_all(kv_heads: int, cp: int) -> int:
+    """a': the K/V heads context parallelism's all-to-all scatters over cp ranks, a_kv where cp divides
+    them, else cp (each kv head replicated cp/a_kv times, one copy per rank): what its bytes
+    (cp/theory.py) and the gathered K and V its inner core saves (activations.py) are counted on."""
+    return kv_heads if kv_heads % cp == 0 else cp
+
+
 # -- ring factors -----------------------------------------------------------------------------------
 def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
     """A ring all-reduce of S bytes over n ranks: each rank sends 2(n-1)/n·S (nothing alone)."""

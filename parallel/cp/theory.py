@@ -30,6 +30,7 @@ from parallel.algebra import (
     all_reduce_sent_per_rank,
     figure,
     gather_or_scatter_sent_per_rank,
+    kv_heads_in_all_to_all,
     parameter_count,
     replica_group_size,
     zero_padded_parameter_count,
@@ -75,11 +76,6 @@ def ring_layer_traffic(batch: int, seq_len: int, kv_heads: int, head_dim: int, c
         bwd_calls=2 * hops, # the ring's gradient accumulator is never narrower than fp32
         bwd_sent=Fraction(hops * kv * (dtype_bytes + max(dtype_bytes, FP32_BYTES))),
     )
-
-
-def kv_heads_in_all_to_all(kv_heads: int, cp: int) -> int:
-    """a': the kv heads the all-to-all scatters, a_kv where cp divides them, else cp (one replica per rank)."""
-    return kv_heads if kv_heads % cp == 0 else cp
 
 
 def ulysses_payload(batch: int, seq_len: int, heads: int, head_dim: int, cp: int, dtype_bytes: int,
