@@ -99,7 +99,7 @@ class GPTConfig:
                 "model.gated_mlp=true needs model.ffn_hidden, the gate's and up projection's width: set it "
                 f"(Llama's rule, about 8/3 · d_model rounded up to a multiple of 64: model.ffn_hidden="
                 f"{-(-8 * self.d_model // 3 // 64) * 64})")
-        if self.position_embedding == "rope":
+        if self.rope:
             if self.head_dim % 2:
                 raise ValueError(
                     f"model.position_embedding=rope rotates pairs of a head's dimensions, and the head dimension "
