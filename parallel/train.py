@@ -29,6 +29,7 @@ from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
+from parallel.reliability.hangs import report_hang, watch_for_hangs
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
 from parallel.report.activations import ActivationMeter
@@ -97,6 +98,7 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
         # RuntimeErrors): if a peer on this machine is gone, the message will name it.
         if len(ctx.peers) > 1 and (isinstance(e, CommFailure) or "Connection" in str(e)):
             e.gone_peers = gone_peers(ctx.peers, ctx.rank)
+        report_hang(ctx, e)  # a timeout: every rank's flight recorder dumped, and the verdict (reliability/hangs.py)
         raise
     finally:
         close_logging()
@@ -111,6 +113,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     """The run directory and logs, the strategy the registry builds, and the resumed state if any."""
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
+    watch_for_hangs(ctx, run_dir)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).
