@@ -37,11 +37,11 @@ class Wait:
     waiters: list[int] = field(default_factory=list)
     missing: list[int] = field(default_factory=list)
 
-    def named(self) -> str:
-        """The call as the missing side would have posted it: a send for a blocked receive."""
+    def named(self, missing_side: bool = False) -> str:
+        """The call as the waiters posted it, or as the missing side would have: a send for a receive."""
         if self.src is None:
             return f"{self.op} #{self.seq} of group {self.group} (ranks {self.ranks})"
-        op = {"recv": "send", "send": "recv"}.get(self.op, self.op)
+        op = {"recv": "send", "send": "recv"}.get(self.op, self.op) if missing_side else self.op
         return f"{op} {self.src}->{self.dst} #{self.seq} of group {self.group} (ranks {self.ranks})"
 
 
@@ -109,7 +109,7 @@ def hang_verdict(dumps: dict[int, dict], world_size: int) -> Verdict:
     culprits = sorted(set().union(*[_causes(r, edges, blocked, set()) for r in sorted(blocked)]))
     direct = [w for w in waits if set(w.missing) - blocked]
     chained = [w for w in waits if w.missing and not set(w.missing) - blocked]
-    parts = [f"{_ranks(set(w.missing) - blocked)} never posted {w.named()}; {_waiters(w)} wait in it"
+    parts = [f"{_ranks(set(w.missing) - blocked)} never posted {w.named(missing_side=True)}; {_waiters(w)} wait in it"
              for w in sorted(direct, key=lambda w: (w.group, w.seq))]
     for wait in sorted(chained, key=lambda w: (w.group, w.seq)):
         behind = sorted(set().union(*[_causes(m, edges, blocked, set()) for m in wait.missing]))

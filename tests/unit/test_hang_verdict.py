@@ -96,6 +96,18 @@ def test_a_blocked_receive_names_the_send_its_peer_never_posted():
     assert verdict.line == "rank 1 never posted send 1->0 #4 of group pp (ranks [0, 1]); ranks [0] wait in it"
 
 
+def test_a_pipeline_chain_names_each_waiter_by_its_own_receive():
+    """Rank 0 hangs: rank 1 waits for its activations, rank 2 for rank 1's."""
+    recs = {r: FlightRecorder() for r in range(3)}
+    _block(recs[1], "recv", "pp", [0, 1], 0, 1)
+    _block(recs[2], "recv", "pp", [1, 2], 1, 2)
+    verdict = hang_verdict(_dumps(recs), 3)
+    assert verdict.culprits == [0]
+    assert verdict.line == (
+        "rank 0 never posted send 0->1 #1 of group pp (ranks [0, 1]); ranks [1] wait in it; "
+        "ranks [2] wait in recv 1->2 #1 of group pp (ranks [1, 2]) for rank 1, itself waiting on rank 0")
+
+
 def test_a_rank_without_a_dump_counts_as_missing():
     recs = {r: FlightRecorder() for r in (0, 1)}
     for rec in recs.values():
