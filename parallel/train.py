@@ -183,7 +183,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     # The emulated network's link counters around the timed steps (launch.run only; inert otherwise).
     run.wire = WireProbe.from_environ(ctx, plan.start_step + plan.warmup_steps)
     run.stragglers = StragglerMeter(ctx.comm("world"), plan.dims, ctx.rank, plan.straggler_window,
-                                    plan.straggler_threshold)
+                                    plan.straggler_threshold, ctx.device)
     for step in run.wire.steps(range(plan.start_step, plan.steps)):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in

@@ -14,7 +14,10 @@ ranks: a rank waiting for a core looks slow, and a rank that waits in a collecti
 takes the peer's time into its own step. The thread's CPU time advances only while it computes.
 
 The times are exchanged in one all-reduce of a vector of world-size floats over the world per step,
-tooling traffic (TOOLING_PREFIX), after the step's clock has stopped.
+tooling traffic (TOOLING_PREFIX), after the step's clock has stopped. On a GPU the thread's CPU time
+is the host's launching, not the device's compute: the score is meant for the CPU runs, where the
+replay's clock is this one (on a GPU it would take the step's CUDA time less its exposed
+communication, which is not done).
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ def straggler_scores(window: list[list[float]], peers: list[list[int]]) -> list[
 class StragglerMeter:
     """Every rank calls `step` once a step (a collective); rank 0 keeps the scores and flags."""
 
-    def __init__(self, world, dims, rank: int, window: int, threshold: float):
+    def __init__(self, world, dims, rank: int, window: int, threshold: float, device: torch.device | None = None):
         self.world, self.rank, self.window_steps, self.threshold = world, rank, window, threshold
+        self.device = device or torch.device("cpu")  # an NCCL group takes the rank's GPU's tensors only
         world_size = dims.world_size
         stage = [dims.coordinates(r)["pp"] for r in range(world_size)]
         self.peers = [[p for p in range(world_size) if p != r and stage[p] == stage[r]] for r in range(world_size)]
@@ -58,7 +62,7 @@ class StragglerMeter:
         """Exchange this step's compute; on rank 0 the metrics fields, with a warning if a rank is flagged."""
         if self.world is None:
             return {}
-        times = torch.zeros(self.world.size, dtype=torch.float64)
+        times = torch.zeros(self.world.size, dtype=torch.float64, device=self.device)
         times[self.rank] = compute_s
         self.world.all_reduce(times, tag=TAG)
         self.window.append(times.tolist())
