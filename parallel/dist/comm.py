@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from parallel.dist.commlog import CommLog, DeviceInterval
 from parallel.dist.failures import failure_kind, failure_line, watchdog_verdict
+from parallel.dist.flight import channel
 from parallel.dist.timing import cpu_stamp
 from parallel.dist.traffic import (
     TOOLING_PREFIX,
@@ -117,13 +118,17 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.global_ranks = dist.get_process_group_ranks(group)  # for error messages
         self._pending: set[Handle] = set()
+        self._channels: dict[tuple, str] = {}  # the flight recorder's channel keys, formatted once
 
     def _flight(self, op: str, tag: str, payload_bytes: int, peer: int | None = None):
         """Post the call's flight record; a send's or receive's names its direction in global ranks."""
         me = self.global_ranks[self.rank]
         src, dst = (None, None) if peer is None else (
             (me, self.global_ranks[peer]) if op == "send" else (self.global_ranks[peer], me))
-        return self.log.flight.post(op, self.name, self.global_ranks, tag, payload_bytes, src, dst)
+        key = self._channels.get((src, dst))
+        if key is None:
+            key = self._channels[(src, dst)] = channel(self.name, self.global_ranks, src, dst)
+        return self.log.flight.post(op, self.name, self.global_ranks, tag, payload_bytes, src, dst, key)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool, cuda: bool = False,

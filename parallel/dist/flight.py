@@ -66,9 +66,10 @@ class FlightRecorder:
         self.directory: Path | None = None  # where dumps go, once the run directory exists
 
     def post(self, op: str, group: str, ranks, tag: str, nbytes: int, src: int | None = None,
-             dst: int | None = None) -> FlightRecord:
-        """A call made; `src`, `dst` (global ranks) for a send or receive."""
-        key = channel(group, ranks, src, dst)
+             dst: int | None = None, key: str | None = None) -> FlightRecord:
+        """A call made; `src`, `dst` (global ranks) for a send or receive; `key`: its `channel`, if
+        the caller keeps it (formatting it anew is most of a record's cost)."""
+        key = key or channel(group, ranks, src, dst)
         seq = self.counters.get(key, 0) + 1
         self.counters[key] = seq
         record = FlightRecord(op, group, ranks, seq, tag, nbytes, src, dst)
