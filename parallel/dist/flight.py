@@ -101,6 +101,7 @@ class FlightRecorder:
     def dump(self, directory: Path, rank: int, reason: str) -> Path:
         """Write the ring to directory/rank_NNNNN.json, whole or not at all (a rename)."""
         path = dump_path(directory, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(self.snapshot(rank, reason), indent=1))
         tmp.replace(path)
@@ -118,6 +119,7 @@ def request_path(directory: Path) -> Path:
 def request_dumps(directory: Path, rank: int) -> None:
     """Ask every rank's watcher for its ring (the first rank to time out does)."""
     path = request_path(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         path.write_text(f"rank {rank} at unix time {time.time():.3f}\n")
 

@@ -31,12 +31,14 @@ STAGGER_S = 0.25  # how much longer each rank above 0 waits before writing a ver
 
 
 def watch_for_hangs(ctx, run_dir: Path) -> None:
-    """Start this rank's watcher; rank 0 clears a previous attempt's dumps first. Nothing for one process."""
+    """Start this rank's watcher; rank 0 clears a previous attempt's dumps first. Nothing for one process.
+    The directory is the run's: ranks on several machines need it on a shared filesystem to see each
+    other's request and dumps (else each machine's ranks answer their own, and the verdict names the
+    others as ranks without a dump)."""
     if ctx.backend is None:
         return
-    directory = Path(run_dir) / "flight"
-    directory.mkdir(parents=True, exist_ok=True)
-    if ctx.is_rank0:
+    directory = Path(run_dir) / "flight"  # made by the first dump: a run that never hangs has none
+    if ctx.is_rank0 and directory.is_dir():
         for stale in directory.iterdir():
             stale.unlink(missing_ok=True)
     ctx.log.flight.directory = directory

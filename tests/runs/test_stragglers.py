@@ -30,3 +30,4 @@ def test_a_slowed_rank_is_flagged_with_its_factor_and_clean_steps_flag_none(tmp_
     stragglers = summary["stragglers"]
     assert stragglers["first_flagged_step"] == {"1": flagged[0]} and stragglers["window"] == 5
     assert "thread CPU time" in stragglers["clock"]
+    assert not (run.run_dir / "flight").exists()  # no hang, no flight-recorder dumps
