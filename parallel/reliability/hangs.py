@@ -47,19 +47,21 @@ def watch_for_hangs(ctx, run_dir: Path) -> None:
     DumpWatcher(ctx.log.flight, directory, ctx.rank, after).start()
 
 
-def report_hang(ctx, error: BaseException) -> None:
-    """On this rank's timeout: dump, ask every rank for its dump, and wait for (or write) the verdict."""
+def report_hang(ctx, error: BaseException, wait_s: float = DUMP_WAIT_S) -> None:
+    """On this rank's timeout: dump, ask every rank for its dump, and wait for (or write) the verdict:
+    rank 0's watcher waits `wait_s` for the dumps, so this rank waits half as long again, and a
+    little longer the higher its rank, before it writes the verdict itself."""
     directory = getattr(ctx.log.flight, "directory", None)
     if directory is None or failure_kind(failure_line(error)) != TIMEOUT:
         return
     ctx.log.flight.dump(directory, ctx.rank, "timeout")
     request_dumps(directory, ctx.rank)
-    deadline = time.monotonic() + DUMP_WAIT_S + 1.0 + STAGGER_S * ctx.rank
+    deadline = time.monotonic() + 1.5 * wait_s + STAGGER_S * ctx.rank
     while time.monotonic() < deadline:
         if (directory / "verdict.txt").exists():
             return
         time.sleep(0.05)
-    write_verdict(directory, ctx.env.world_size, ctx.rank)
+    write_verdict(directory, ctx.env.world_size, ctx.rank, wait_s)
 
 
 def collect_dumps(directory: Path, world_size: int, wait_s: float = DUMP_WAIT_S) -> dict[int, dict]:
@@ -76,13 +78,13 @@ def collect_dumps(directory: Path, world_size: int, wait_s: float = DUMP_WAIT_S)
     return dumps
 
 
-def write_verdict(directory: Path, world_size: int, rank: int) -> str | None:
+def write_verdict(directory: Path, world_size: int, rank: int, wait_s: float = DUMP_WAIT_S) -> str | None:
     """Read the dumps and say the verdict, unless another rank has claimed it: the line, or None."""
     try:
         os.close(os.open(directory / "verdict.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return None
-    verdict = hang_verdict(collect_dumps(directory, world_size), world_size)
+    verdict = hang_verdict(collect_dumps(directory, world_size, wait_s), world_size)
     (directory / "verdict.json").write_text(json.dumps({**verdict.as_dict(), "written_by": rank}, indent=1))
     line = f"hang verdict (rank {rank}, from the flight recorders in {directory}): {verdict.line}"
     # Said before the file appears: the rank that timed out exits once it sees the file.

@@ -12,14 +12,14 @@ import subprocess
 import time
 
 import pytest
-from launcher import PROJECT_ROOT, TINY, run_train, train_command
+from launcher import PROJECT_ROOT, TINY, TINY_LLAMA, run_train, train_command
 
 LIMIT_S = 60
 
 
-def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = (), world: int = 2):
+def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = (), world: int = 2, model=TINY):
     """The run, and the seconds from the injected fault to the end of the whole job."""
-    run = run_train(world, [*TINY, f"parallel={preset}", *fault, *extra], tmp_path / "run", timeout=120)
+    run = run_train(world, [*model, f"parallel={preset}", *fault, *extra], tmp_path / "run", timeout=120)
     ended = time.time()
     injected = re.search(r"injecting train.fail_mode=\S+ at step \d+ \(unix time ([\d.]+)\)", run.stderr)
     assert injected, run.stderr[-3000:]
@@ -62,16 +62,17 @@ def test_one_failing_rank_ends_the_job(preset, mode, extra, own_line, tmp_path):
 _NEVER_POSTED = r"rank {hung} never posted (\w+) #(\d+) of group {group} \(ranks {ranks}\); ranks {waiters} wait in it"
 
 
-@pytest.mark.parametrize("preset,hung,groups,group,ranks,waiters", [
+@pytest.mark.parametrize("preset,hung,groups,group,ranks,waiters,model", [
     # tp (dp 2 x tp 2), rank 2 hangs: rank 3 waits for it in the tp group {2, 3}, rank 0 in the dp
     # group {0, 2}, rank 1 in the dp group {1, 3} behind rank 3, itself blocked: a chain.
-    ("tp", 2, r"(tp|dp) \(ranks \[\d, \d\]\)", "tp", "[2, 3]", "[3]"),
+    ("tp", 2, r"(tp|dp) \(ranks \[\d, \d\]\)", "tp", "[2, 3]", "[3]", TINY),
     # dp (dp 4), rank 0 hangs: every other rank waits in the mesh's dp group, which spans the world
-    # but is not the default group; rank 0's watcher thread still dumps and writes the verdict.
-    ("dp", 0, r"dp \(ranks \[0, 1, 2, 3\]\)", "dp", "[0, 1, 2, 3]", "[1, 2, 3]"),
+    # but is not the default group; rank 0's watcher thread still dumps and writes the verdict. On
+    # Llama's block (tiny_llama), so that the mechanism is shown on both model shapes.
+    ("dp", 0, r"dp \(ranks \[0, 1, 2, 3\]\)", "dp", "[0, 1, 2, 3]", "[1, 2, 3]", TINY_LLAMA),
 ])
 def test_a_rank_hanging_inside_a_subgroup_is_named_within_the_timeout(preset, hung, groups, group, ranks, waiters,
-                                                                       tmp_path):
+                                                                       model, tmp_path):
     """At world 4 one rank hangs. Every group carries parallel.timeout_s (tests/layers/test_group_timeouts.py),
     so the job ends within it plus 10 s (torch's default would be 30 minutes), its first error line
     naming the subgroup it timed out in. Every rank, the hung one included, dumps its flight recorder
@@ -80,7 +81,7 @@ def test_a_rank_hanging_inside_a_subgroup_is_named_within_the_timeout(preset, hu
     hung rank's last call on the group is the one before, the same call on both ranks."""
     timeout_s = 8
     run, elapsed = _timed_run(preset, ["train.fail_mode=hang", "train.fail_at_step=2", f"train.fail_rank={hung}"],
-                              tmp_path, [f"parallel.timeout_s={timeout_s}"], world=4)
+                              tmp_path, [f"parallel.timeout_s={timeout_s}"], world=4, model=model)
     assert run.returncode != 0
     assert elapsed < timeout_s + 10, f"a hang inside a subgroup took {elapsed:.0f} s to end the job"
     assert re.search(rf"error: rank \d stopped: .* over group {groups}.*Timed out waiting 8000ms",

@@ -5,9 +5,11 @@ import json
 import os
 import time
 
+from parallel.dist.comm import CommLog
 from parallel.dist.flight import CAPACITY, DumpWatcher, FlightRecorder, dump_path, request_dumps
+from parallel.dist.groups import LaunchEnv
 from parallel.reliability.hang_verdict import hang_verdict
-from parallel.reliability.hangs import write_verdict
+from parallel.reliability.hangs import report_hang, write_verdict
 
 TP = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
 DP = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
@@ -162,3 +164,32 @@ def test_a_watcher_ignores_a_request_older_than_itself(tmp_path):
     watcher.start()
     watcher.join(timeout=0.5)
     assert watcher.is_alive() and not dump_path(tmp_path, 0).exists()
+
+
+class _Rank:
+    """What report_hang reads of a rank's DistContext: its rank, world size and communication log."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.env, self.log = rank, LaunchEnv(rank=rank, world_size=world_size), CommLog()
+
+
+def test_a_rank_that_timed_out_writes_the_verdict_when_rank_0_cannot(tmp_path):
+    """Rank 0 is gone (no watcher, no dump): rank 1, whose receive from it timed out, waits for rank
+    0's verdict, then writes its own, naming rank 0 as the rank without a dump."""
+    me = _Rank(1, 2)
+    me.log.flight.directory = tmp_path
+    me.log.flight.fail(_block(me.log.flight, "recv", "pp", [0, 1], 0, 1))
+    report_hang(me, RuntimeError("Timed out waiting 8000ms for recv operation to complete"), wait_s=0.2)
+    verdict = (tmp_path / "verdict.txt").read_text()
+    assert verdict.startswith("hang verdict (rank 1, ")
+    assert verdict.rstrip().endswith(
+        "rank 0 never posted send 0->1 #1 of group pp (ranks [0, 1]); ranks [1] wait in it; "
+        "no dump from rank 0 (exited, or stuck where its watcher cannot run)")
+    assert json.loads(dump_path(tmp_path, 1).read_text())["reason"] == "timeout"
+
+
+def test_a_failure_that_is_no_timeout_dumps_nothing(tmp_path):
+    me = _Rank(1, 2)
+    me.log.flight.directory = tmp_path
+    report_hang(me, RuntimeError("Connection closed by peer [127.0.0.1]:5678"))
+    assert list(tmp_path.iterdir()) == []
