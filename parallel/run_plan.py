@@ -84,6 +84,9 @@ class RunPlan:
     tensorboard_dir: str | None = None  # null: <run dir>/tensorboard
     fail_at_step: int | None = None
     fail_rank: int = 0
+    slow_factor: float = 2.0  # train.fail_mode=slow: the slowed rank's compute, times
+    straggler_window: int = 5  # steps the straggler score looks back over (parallel/reliability/straggler.py)
+    straggler_threshold: float = 1.5  # a score from which a rank is flagged
     warmup_default: bool = False  # train.warmup_steps was null: default_warmup_steps of the steps run
     timeline: bool = True  # run.timeline: draw timeline.png beside trace.json
 
@@ -182,9 +185,18 @@ def _check_numbers(cfg) -> None:
 
 def _check_faults(t, world_size: int) -> None:
     """The fault-injection testing aid (parallel/reliability/faults.py): a mode, a step the run
-    reaches, a rank that exists."""
+    reaches, a rank that exists; and the straggler score's window and threshold."""
+    window, threshold = t.get("straggler_window", 5), t.get("straggler_threshold", 1.5)
+    if not _is_int(window) or window < 1:
+        raise ConfigError(f"train.straggler_window={window!r} must be a number of steps, 1 or more (e.g. 5)")
+    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not threshold > 1:
+        raise ConfigError(f"train.straggler_threshold={threshold!r} must be a score above 1 (e.g. 1.5)")
     if t.fail_mode is None:
         return
+    factor = t.get("slow_factor", 2.0)
+    if t.fail_mode == "slow" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1):
+        raise ConfigError(f"train.slow_factor={factor!r} must be a number above 1 (e.g. 2.0): "
+                          "the slowed rank's compute, times")
     if t.fail_mode not in FAIL_MODES:
         raise ConfigError(f"train.fail_mode={t.fail_mode!r}: choose one of {', '.join(FAIL_MODES)}, or null (no fault)")
     last = t.steps if t.fail_mode == "kill_during_save" else t.steps - 1
@@ -316,6 +328,8 @@ def _run_fields(cfg) -> dict:
         save_final=bool(t.save_final), save_grads=bool(t.save_grads),
         checkpoint_every=t.checkpoint_every, checkpoint_dir=t.checkpoint_dir, check_finite=t.check_finite,
         fail_mode=t.fail_mode, fail_at_step=t.fail_at_step, fail_rank=t.fail_rank,
+        slow_factor=float(t.get("slow_factor", 2.0)), straggler_window=int(t.get("straggler_window", 5)),
+        straggler_threshold=float(t.get("straggler_threshold", 1.5)),
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
     )
 

@@ -28,7 +28,9 @@ from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
-from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
+from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table, slow_down
+from parallel.reliability.hangs import report_hang, watch_for_hangs
+from parallel.reliability.straggler import StragglerMeter
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
 from parallel.report.activations import ActivationMeter
@@ -74,6 +76,7 @@ class Run:
     events: list[dict] = field(default_factory=list)  # timed steps' phases and calls, both clocks (parallel/replay/)
     links: object = None  # the replay's link model (parallel/replay/links.py), set after the steps
     cores: list[int] = field(default_factory=list)  # the cores this rank may run on, once bound (dist/binding.py)
+    stragglers: StragglerMeter | None = None  # each rank's compute against its peers' (reliability/straggler.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -97,6 +100,7 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
         # RuntimeErrors): if a peer on this machine is gone, the message will name it.
         if len(ctx.peers) > 1 and (isinstance(e, CommFailure) or "Connection" in str(e)):
             e.gone_peers = gone_peers(ctx.peers, ctx.rank)
+        report_hang(ctx, e)  # a timeout: every rank's flight recorder dumped, and the verdict (reliability/hangs.py)
         raise
     finally:
         close_logging()
@@ -111,6 +115,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     """The run directory and logs, the strategy the registry builds, and the resumed state if any."""
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
+    watch_for_hangs(ctx, run_dir)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).
@@ -177,6 +182,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     run.routing = routing.steps
     # The emulated network's link counters around the timed steps (launch.run only; inert otherwise).
     run.wire = WireProbe.from_environ(ctx, plan.start_step + plan.warmup_steps)
+    run.stragglers = StragglerMeter(ctx.comm("world"), plan.dims, ctx.rank, plan.straggler_window,
+                                    plan.straggler_threshold, ctx.device)
     for step in run.wire.steps(range(plan.start_step, plan.steps)):
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in
@@ -199,6 +206,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         if step == plan.start_step:
             _check_forward_context(plan, strategy)
         loss = strategy.global_loss(local_loss)  # tooling traffic, outside the timed region
+        straggling = run.stragglers.step(step, clock.end_cpu - clock.origin_cpu)  # tooling too
         traffic = ctx.log.end_step()
         phases = strategy.phases.resolve()
         run.breakdowns.append(rank_step_breakdown(phases, ctx.log.last_spans, seconds))
@@ -213,7 +221,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         run.losses.append(loss)
         run.step_times.append(seconds)
         if metrics is not None:
-            _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum())
+            _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum(), straggling)
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
             _save_checkpoint(run, checkpoint_root, step + 1)
     strategy.close()
@@ -224,7 +232,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
 
 
 def _record_step(run: Run, metrics: MetricsWriter, board, step: int, loss: float, seconds: float, traffic,
-                 checksum) -> None:
+                 checksum, straggling: dict) -> None:
     """Rank 0's line of metrics.jsonl for the step (and TensorBoard's, and the log's)."""
     plan = run.plan
     warmup = step - plan.start_step < plan.warmup_steps
@@ -232,7 +240,7 @@ def _record_step(run: Run, metrics: MetricsWriter, board, step: int, loss: float
     record = {
         "step": step, "loss": loss, "step_time_s": seconds, "warmup": warmup,
         "tokens_per_s": plan.tokens_per_step / seconds, "rank0_sent_bytes": sent,
-        "data_checksum": checksum, "rank0_calls": calls_by_tag_op(traffic),
+        "data_checksum": checksum, "rank0_calls": calls_by_tag_op(traffic), **straggling,
     }
     metrics.write(record)
     if board is not None:
@@ -256,6 +264,9 @@ def _guarded_step(run: Run, step: int, microbatches, global_tokens: int) -> torc
     if strategy.finite_checks != guarded + 1:
         raise AssertionError(f"strategy {run.plan.strategy} ran its optimizer step without guard_finite(local_loss) "
                              "(parallel/strategy.py): call it once per step, before optimizer.step()")
+    plan = run.plan  # train.fail_mode=slow stretches the step's compute so far, on the clock (reliability/faults.py)
+    slow_down(plan.fail_mode, plan.fail_at_step, plan.fail_rank, plan.slow_factor, step, run.ctx.rank,
+              run.ctx.log.clock.origin_cpu)
     return local_loss
 
 
@@ -348,6 +359,7 @@ def report(run: Run, resolved_config: dict) -> None:
     net = run.wire.summary(reports, plan.warmup_steps) if run.wire is not None else None
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
                             device=ctx.device, run_dir=run.run_dir, net=net, links=run.links)
+    summary["stragglers"] = run.stragglers.summary() if run.stragglers is not None else None
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)
     log.info("wrote %s", run.run_dir / "summary.json")

@@ -3,7 +3,9 @@
 A `Communicator` is one process group under a stable name; every call it makes is recorded in the
 run's `CommLog` (commlog.py) with its bytes, from shapes and dtypes, so counting never synchronises
 a device (traffic.py: the ring formulas and the sums), and, inside a step with a clock, as a span.
-A call that fails names its op, tag, group and peer (`CommFailure`).
+A call that fails names its op, tag, group and peer (`CommFailure`). Every call also leaves a
+record in the rank's flight recorder (flight.py: the last calls, numbered per group, and the one the
+rank is blocked in), which a hang dumps to the run directory.
 
 The log and the traffic's records and summaries are importable from here too, so that a caller
 needs one module for everything about communication.
@@ -20,6 +22,7 @@ import torch.distributed as dist
 
 from parallel.dist.commlog import CommLog, DeviceInterval
 from parallel.dist.failures import failure_kind, failure_line, watchdog_verdict
+from parallel.dist.flight import channel
 from parallel.dist.timing import cpu_stamp
 from parallel.dist.traffic import (
     TOOLING_PREFIX,
@@ -59,8 +62,9 @@ class Handle:
     """An async call's work object; `wait()` charges the time blocked to the call's record."""
 
     def __init__(self, work, comm: Communicator, op: str, tag: str, cuda: bool = False, peer: int | None = None,
-                 span_id: int | None = None):
+                 span_id: int | None = None, flights: tuple = ()):
         self._work = work
+        self._flights = flights  # its flight records (several where NCCL coalesced a batch into one work)
         self._comm = comm
         self._op = op
         self._tag = tag
@@ -76,10 +80,17 @@ class Handle:
         start = time.perf_counter() if log.timed and not self._cuda else 0.0
         cpu_start = cpu_stamp() if log.spanning else None
         waits = () if self._span_id is None else (self._span_id,)
+        flight = self._comm.log.flight
+        if self._flights:
+            flight.block(self._flights[0])
         try:
             self._work.wait()
         except RuntimeError as e:
+            for record in self._flights:
+                flight.fail(record)
             raise _failed(self._comm, self._op, self._tag, e, self._peer) from e
+        for record in self._flights:
+            flight.complete(record)
         if interval is not None:
             log.add_device_interval(self._op, self._comm.name, self._tag, interval.stop())
             log.span("wait", self._op, self._comm.name, self._tag, *interval.stamps(), cpu_start=cpu_start, waits=waits)
@@ -107,6 +118,17 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.global_ranks = dist.get_process_group_ranks(group)  # for error messages
         self._pending: set[Handle] = set()
+        self._channels: dict[tuple, str] = {}  # the flight recorder's channel keys, formatted once
+
+    def _flight(self, op: str, tag: str, payload_bytes: int, peer: int | None = None):
+        """Post the call's flight record; a send's or receive's names its direction in global ranks."""
+        me = self.global_ranks[self.rank]
+        src, dst = (None, None) if peer is None else (
+            (me, self.global_ranks[peer]) if op == "send" else (self.global_ranks[peer], me))
+        key = self._channels.get((src, dst))
+        if key is None:
+            key = self._channels[(src, dst)] = channel(self.name, self.global_ranks, src, dst)
+        return self.log.flight.post(op, self.name, self.global_ranks, tag, payload_bytes, src, dst, key)
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _run(self, op: str, tag: str, payload_bytes: int, fn, async_op: bool, cuda: bool = False,
@@ -120,10 +142,16 @@ class Communicator:
         interval = DeviceInterval() if clocked and cuda else None
         start = time.perf_counter() if clocked and not cuda else 0.0
         cpu_start = cpu_stamp() if spanning else None
+        flight = self._flight(op, tag, payload_bytes, peer)
+        if not async_op:
+            self.log.flight.block(flight)
         try:
             work = fn()
         except RuntimeError as e:
+            self.log.flight.fail(flight)
             raise _failed(self, op, tag, e, peer) from e
+        if not async_op:
+            self.log.flight.complete(flight)
         end = time.perf_counter() if clocked and not cuda else 0.0
         entry = self.log.record(op, self.name, tag, payload_bytes, self.size, end - start if timed else 0.0, sent_bytes)
         if interval is not None:
@@ -136,7 +164,7 @@ class Communicator:
             span_id = self.log.span("post" if async_op else "call", op, self.name, tag, *stamps, entry,
                                     cpu_start=cpu_start, peer=None if peer is None else self.global_ranks[peer])
         if async_op:
-            handle = Handle(work, self, op, tag, cuda, peer, span_id)
+            handle = Handle(work, self, op, tag, cuda, peer, span_id, (flight,))
             self._pending.add(handle)
             return handle
         return None
@@ -191,12 +219,13 @@ class Communicator:
     def all_reduce_future(self, tensor: torch.Tensor, tag: str) -> torch.futures.Future:
         """An async sum whose result is a Future of the tensor (what DDP communication hooks return)."""
         start, cpu_start = time.perf_counter(), cpu_stamp()
+        flight = self._flight("all_reduce", tag, tensor_bytes(tensor))
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         entry = self.log.record("all_reduce", self.name, tag, tensor_bytes(tensor), self.size)
         # Host time even on a GPU: DDP calls this hook from its reducer, and waits for it there, out
         # of the log's sight (the post has no wait span: the replay's rule for it is in parallel/replay/graph.py).
         self.log.span("post", "all_reduce", self.name, tag, start, time.perf_counter(), entry, cpu_start=cpu_start)
-        return work.get_future().then(lambda fut: fut.value()[0])
+        return work.get_future().then(lambda fut: (self.log.flight.complete(flight), fut.value()[0])[1])
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, tag: str, async_op: bool = False):
         """Concatenate every rank's `shard` along dim 0 into `output` (payload: the full output)."""
@@ -249,9 +278,12 @@ class Communicator:
         clock = self.log.clock if self.log.spanning else None
         start = clock.now() if clock is not None else None
         cpu_start = cpu_stamp() if clock is not None else None
+        flights = [self._flight(kind, tag, tensor_bytes(tensor), peer) for kind, tensor, peer, tag in ops]
         try:
             works = dist.batch_isend_irecv(p2p)
         except RuntimeError as e:
+            for record in flights:
+                self.log.flight.fail(record)
             raise _failed(self, "batch_p2p", ops[0][3], e, ops[0][2]) from e
         end = clock.now() if clock is not None else None
         span_ids = []
@@ -266,8 +298,9 @@ class Communicator:
         labels = [(kind, tag, peer) for kind, _, peer, tag in ops] if one_each else [first] * len(works)
         cuda = any(tensor.is_cuda for _, tensor, _, _ in ops)
         ids = span_ids if one_each else [span_ids[0]] * len(works)
-        handles = [Handle(work, self, kind, tag, cuda, peer, span_id)
-                   for work, (kind, tag, peer), span_id in zip(works, labels, ids)]
+        records = [(f,) for f in flights] if one_each else [tuple(flights)] + [()] * (len(works) - 1)
+        handles = [Handle(work, self, kind, tag, cuda, peer, span_id, flight)
+                   for work, (kind, tag, peer), span_id, flight in zip(works, labels, ids, records)]
         self._pending.update(handles)
         return handles
 

@@ -37,6 +37,7 @@ from fractions import Fraction
 
 import torch
 
+from parallel.dist.flight import FlightRecorder
 from parallel.dist.timing import cpu_stamp
 from parallel.dist.traffic import StepTraffic, Totals, ring_bytes_sent
 
@@ -66,6 +67,8 @@ class CommLog:
         self._span_base = 0
         self._in_step = False
         self.last_spans: list[dict] = []  # the last finished step's, resolved (seconds from its origin)
+        # The rank's last calls, always kept, whatever `enabled` says (flight.py): what a hang dumps.
+        self.flight = FlightRecorder()
 
     @property
     def spanning(self) -> bool:

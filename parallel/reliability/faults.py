@@ -13,6 +13,10 @@ within seconds, with a sentence that says which rank and what:
                       every rank before the optimizer step
     kill_during_save  rank 0 is SIGKILLed while the checkpoint taken after K steps is written,
                       after its files are on disk but before the rename that publishes it
+    slow              from step K on, the rank's compute takes train.slow_factor times as long (a
+                      straggler: a slower or throttled device): it spins, so that its wall clock
+                      and its thread's CPU time both see the extra work (a sleep would show in the
+                      first only); parallel/reliability/straggler.py must flag it
 
 Off by default (`fail_mode: null`); nothing here runs unless asked.
 """
@@ -30,7 +34,7 @@ import torch
 from parallel.dist.binding import machine_id
 from parallel.dist.failures import PEER, TIMEOUT, failure_kind, failure_line
 
-FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill_during_save")
+FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill_during_save", "slow")
 STEP_MODES = ("raise", "exit", "hang", "nan_weights")
 
 
@@ -56,6 +60,19 @@ def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, st
         with torch.no_grad():
             for p in params:
                 p.fill_(float("nan"))
+
+
+def slow_down(mode: str | None, at_step: int | None, fail_rank: int, factor: float, step: int, rank: int,
+              step_cpu_start: float) -> None:
+    """Stretch this step's compute so far (the thread's CPU time since `step_cpu_start`) to `factor` times."""
+    if mode != "slow" or rank != fail_rank or step < at_step:
+        return
+    if step == at_step:
+        print(f"rank {rank}: injecting train.fail_mode=slow at step {step} (unix time {time.time():.3f}): "
+              f"compute x{factor:g} from here on", file=sys.stderr, flush=True)
+    until = step_cpu_start + factor * (time.thread_time() - step_cpu_start)
+    while time.thread_time() < until:
+        pass
 
 
 def kill_during_save(mode: str | None, at_step: int | None, step: int):

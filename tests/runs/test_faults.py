@@ -4,6 +4,7 @@ Each test makes one rank of a 2-rank run misbehave mid-run (parallel/reliability
 from here) and requires the torchrun job to end non-zero within 60 s with a line naming the rank.
 """
 
+import json
 import os
 import re
 import signal
@@ -11,14 +12,14 @@ import subprocess
 import time
 
 import pytest
-from launcher import PROJECT_ROOT, TINY, run_train, train_command
+from launcher import PROJECT_ROOT, TINY, TINY_LLAMA, run_train, train_command
 
 LIMIT_S = 60
 
 
-def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = (), world: int = 2):
+def _timed_run(preset: str, fault: list[str], tmp_path, extra: list[str] = (), world: int = 2, model=TINY):
     """The run, and the seconds from the injected fault to the end of the whole job."""
-    run = run_train(world, [*TINY, f"parallel={preset}", *fault, *extra], tmp_path / "run", timeout=120)
+    run = run_train(world, [*model, f"parallel={preset}", *fault, *extra], tmp_path / "run", timeout=120)
     ended = time.time()
     injected = re.search(r"injecting train.fail_mode=\S+ at step \d+ \(unix time ([\d.]+)\)", run.stderr)
     assert injected, run.stderr[-3000:]
@@ -57,22 +58,50 @@ def test_one_failing_rank_ends_the_job(preset, mode, extra, own_line, tmp_path):
     assert not (run.run_dir / "summary.json").exists()
 
 
-@pytest.mark.parametrize("preset,groups", [("tp", r"(tp|dp) \(ranks \[\d, \d\]\)"),
-                                           ("dp", r"dp \(ranks \[0, 1, 2, 3\]\)")])
-def test_a_rank_hanging_inside_a_subgroup_ends_the_job_within_the_timeout(preset, groups, tmp_path):
-    """At world 4 rank 1 hangs. tp (dp 2 x tp 2): its tp partner waits in the tp group {0, 1} and the
-    other tp group's ranks in the dp groups {0, 2} and {1, 3}. dp (dp 4): every other rank waits in
-    the mesh's dp group, which spans the world but is not the default group. Every group carries
-    parallel.timeout_s (tests/layers/test_group_timeouts.py), so the job ends within it plus 10 s, its
-    first error line naming the subgroup it timed out in (torch's default would be 30 minutes)."""
+# The verdict's words for the call the hung rank never posted: its op, number, group and waiters.
+_NEVER_POSTED = r"rank {hung} never posted (\w+) #(\d+) of group {group} \(ranks {ranks}\); ranks {waiters} wait in it"
+
+
+@pytest.mark.parametrize("preset,hung,groups,group,ranks,waiters,model", [
+    # tp (dp 2 x tp 2), rank 2 hangs: rank 3 waits for it in the tp group {2, 3}, rank 0 in the dp
+    # group {0, 2}, rank 1 in the dp group {1, 3} behind rank 3, itself blocked: a chain.
+    ("tp", 2, r"(tp|dp) \(ranks \[\d, \d\]\)", "tp", "[2, 3]", "[3]", TINY),
+    # dp (dp 4), rank 0 hangs: every other rank waits in the mesh's dp group, which spans the world
+    # but is not the default group; rank 0's watcher thread still dumps and writes the verdict. On
+    # Llama's block (tiny_llama), so that the mechanism is shown on both model shapes.
+    ("dp", 0, r"dp \(ranks \[0, 1, 2, 3\]\)", "dp", "[0, 1, 2, 3]", "[1, 2, 3]", TINY_LLAMA),
+])
+def test_a_rank_hanging_inside_a_subgroup_is_named_within_the_timeout(preset, hung, groups, group, ranks, waiters,
+                                                                       model, tmp_path):
+    """At world 4 one rank hangs. Every group carries parallel.timeout_s (tests/layers/test_group_timeouts.py),
+    so the job ends within it plus 10 s (torch's default would be 30 minutes), its first error line
+    naming the subgroup it timed out in. Every rank, the hung one included, dumps its flight recorder
+    (parallel/dist/flight.py) and rank 0's verdict names the hung rank, the group and the number of
+    the call it never posted, which the dumps bear out: the waiter is blocked in that call, and the
+    hung rank's last call on the group is the one before, the same call on both ranks."""
     timeout_s = 8
-    run, elapsed = _timed_run(preset, ["train.fail_mode=hang", "train.fail_at_step=2", "train.fail_rank=1"],
-                              tmp_path, [f"parallel.timeout_s={timeout_s}"], world=4)
+    run, elapsed = _timed_run(preset, ["train.fail_mode=hang", "train.fail_at_step=2", f"train.fail_rank={hung}"],
+                              tmp_path, [f"parallel.timeout_s={timeout_s}"], world=4, model=model)
     assert run.returncode != 0
     assert elapsed < timeout_s + 10, f"a hang inside a subgroup took {elapsed:.0f} s to end the job"
     assert re.search(rf"error: rank \d stopped: .* over group {groups}.*Timed out waiting 8000ms",
                      run.stderr), run.stderr[-3000:]
     assert not (run.run_dir / "summary.json").exists()
+    flight = run.run_dir / "flight"
+    verdict = (flight / "verdict.txt").read_text()
+    assert verdict in run.stderr + "\n" and verdict.startswith("hang verdict (rank 0, "), verdict
+    named = re.search(_NEVER_POSTED.format(hung=hung, group=group, ranks=re.escape(ranks), waiters=re.escape(waiters)),
+                      verdict)
+    assert named, verdict
+    assert json.loads((flight / "verdict.json").read_text())["culprits"] == [hung]
+    dumps = {r: json.loads((flight / f"rank_{r:05d}.json").read_text()) for r in range(4)}
+    op, seq, key = named.group(1), int(named.group(2)), f"{group} {ranks}"
+    waiter = dumps[int(waiters.strip("[]").split(",")[0])]
+    assert (waiter["blocked"]["op"], waiter["blocked"]["seq"], waiter["counters"][key]) == (op, seq, seq)
+    assert dumps[hung]["blocked"] is None and dumps[hung]["counters"][key] == seq - 1
+    before = [[(r["op"], r["tag"]) for r in dump["records"] if r["group"] == group and r["seq"] == seq - 1]
+              for dump in (waiter, dumps[hung])]
+    assert before[0] == before[1] and len(before[0]) == 1, before
 
 
 def test_sigkill_of_a_worker_ends_the_job(tmp_path):
