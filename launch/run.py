@@ -30,12 +30,13 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Only torch-free modules here: a bad net setting is refused before torch is even imported.
 from launch.config import CODE_ROOT, CONFIG_DIR, unknown_preset
@@ -111,6 +112,10 @@ def check_plan(cfg: DictConfig, spec: NetSpec):
     from parallel.run_plan import ConfigError, build_plan
 
     env = LaunchEnv(rank=0, world_size=spec.world_size, local_rank=0, local_world_size=spec.procs_per_node)
+    if cfg.train.resume == "auto" and cfg.run.dir is None:
+        # launch.run names a new run directory itself (train_overrides), the same for every agent and
+        # attempt: checked here as an empty one, which it is.
+        cfg = OmegaConf.merge(cfg, {"run": {"dir": str(Path(tempfile.gettempdir()) / f"launch-run-{os.getpid()}")}})
     try:
         plan = build_plan(cfg, env, cuda_available=False if spec.emulated else _cuda_available())
     except (ConfigError, LayoutError, DataError, CheckpointError) as e:
