@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from launch.config import CODE_ROOT, CONFIG_DIR, unknown_preset
 from parallel.dist.binding import threads_per_rank
 from parallel.net.agents import (
+    ENV_AGENT,
     FRESH_AGENT_ENV,
     RDZV_KEEP_ALIVE,
     AgentFault,
@@ -245,7 +246,7 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
 
         def start_agent(k: int) -> subprocess.Popen:
             command = agent_command(spec, k, addresses, rdzv_id, overrides, max_restarts)
-            env = _env(spec, GLOO_SOCKET_IFNAME=NODE_IF, **{ENV_IFNAME: NODE_IF, ENV_NODE: str(k)},
+            env = _env(spec, GLOO_SOCKET_IFNAME=NODE_IF, **{ENV_IFNAME: NODE_IF, ENV_NODE: str(k), ENV_AGENT: str(k)},
                        **{ENV_NAMESPACES: json.dumps(net.names.namespaces[1:])}, CUDA_VISIBLE_DEVICES="",
                        **(FRESH_AGENT_ENV if max_restarts else {}))
             return subprocess.Popen(net.node_command(k, command), env=env, start_new_session=True)

@@ -35,8 +35,9 @@ from pathlib import Path
 
 from parallel.net.faults import AtStep
 from parallel.net.netns import EmulatedNetwork, pids_in
-from parallel.net.probe import ENV_NODE
 from parallel.net.topology import NetConfigError
+
+ENV_AGENT = "PARALLEL_NET_AGENT"  # the node whose agent started a process (placement may move it elsewhere)
 
 # torchrun's defaults (5 s x 3) drop a dead agent 10-15 s after its last heartbeat; with restarts on,
 # 1 s x 5 drops it within about 5 s, long enough that an agent merely slowed by a busy machine
@@ -102,8 +103,9 @@ class AgentKiller(AtStep):
 
 def node_processes(net: EmulatedNetwork, node: int) -> list[int]:
     """Every process of node `node`'s agent (its workers, wherever net.placement put them): they
-    carry the node number launch.run gave the agent in their environment."""
-    marker = f"{ENV_NODE}={node}".encode()
+    carry the agent's node number (ENV_AGENT, which launch.run sets and, unlike ENV_NODE, nothing
+    rewrites) in their environment."""
+    marker = f"{ENV_AGENT}={node}".encode()
     found = []
     for pid in (p for ns in net.names.namespaces for p in pids_in(ns)):
         try:
