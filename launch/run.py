@@ -4,10 +4,14 @@
     python -m launch.run net=cluster parallel=tp                                   # 2 x 2, fast intra, slow inter
     python -m launch.run net=ethernet_1g net.inter_mbit=200 link_fault.kind=down link_fault.at_step=3
     python -m launch.run parallel=dp                                              # net=none: plain torchrun
+    python -m launch.run net=cluster agent.max_restarts=1 agent_fault.node=1 agent_fault.at_step=5 \
+        train.resume=auto train.checkpoint_every=2 train.steps=10                # node 1's agent lost, the job goes on
 
-Every override but `net.*` and `link_fault.*` goes to launch.train unchanged. net=none (the default)
-is `torchrun --standalone --nproc-per-node <net.procs_per_node>` on this machine: no privileges
-needed. Any other preset builds the network of parallel/net/ (one Linux network namespace per
+Every override but `net.*`, `agent.*`, `link_fault.*` and `agent_fault.*` goes to launch.train
+unchanged. agent.max_restarts is torchrun's --max-restarts, given to every node's agent; on
+emulated nodes launch.run also starts a fresh agent in place of one that dies (parallel/net/agents.py).
+net=none (the default) is `torchrun --standalone --nproc-per-node <net.procs_per_node>` on this
+machine: no privileges needed. Any other preset builds the network of parallel/net/ (one Linux network namespace per
 node, a bridge in a namespace of its own, shaped veth links: docs/network.md) and starts one
 torchrun agent inside each node's namespace, with c10d rendezvous on the emulated addresses.
 Whatever the tool creates is removed when it ends, however it ends.
@@ -26,16 +30,26 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 # Only torch-free modules here: a bad net setting is refused before torch is even imported.
 from launch.config import CODE_ROOT, CONFIG_DIR, unknown_preset
 from parallel.dist.binding import threads_per_rank
+from parallel.net.agents import (
+    ENV_AGENT,
+    FRESH_AGENT_ENV,
+    RDZV_KEEP_ALIVE,
+    AgentFault,
+    AgentKiller,
+    AgentReplacer,
+    max_restarts_from_config,
+)
 from parallel.net.faults import FaultInjector, LinkFault, unreachable_nodes
 from parallel.net.netns import EmulatedNetwork, NetSetupError, stop_processes
 from parallel.net.placement import ENV_NAMESPACES
@@ -45,7 +59,7 @@ from parallel.net.topology import NODE_IF, NetConfigError, NetSpec
 
 RDZV_PORT = 29400          # inside node 0's own namespace: no other process can hold it
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21
-OWN_GROUPS = ("net", "link_fault")
+OWN_GROUPS = ("net", "agent", "link_fault", "agent_fault")
 
 
 class Refused(Exception):
@@ -99,6 +113,10 @@ def check_plan(cfg: DictConfig, spec: NetSpec):
     from parallel.run_plan import ConfigError, build_plan
 
     env = LaunchEnv(rank=0, world_size=spec.world_size, local_rank=0, local_world_size=spec.procs_per_node)
+    if cfg.train.resume == "auto" and cfg.run.dir is None:
+        # launch.run names a new run directory itself (train_overrides), the same for every agent and
+        # attempt: checked here as an empty one, which it is.
+        cfg = OmegaConf.merge(cfg, {"run": {"dir": str(Path(tempfile.gettempdir()) / f"launch-run-{os.getpid()}")}})
     try:
         plan = build_plan(cfg, env, cuda_available=False if spec.emulated else _cuda_available())
     except (ConfigError, LayoutError, DataError, CheckpointError) as e:
@@ -138,16 +156,19 @@ def _env(spec: NetSpec, **extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": pythonpath, ENV_SETTINGS: json.dumps(spec.as_dict()), **extra}
 
 
-def agent_command(spec: NetSpec, node: int, addresses: list[str], rdzv_id: str, overrides: list[str]) -> list[str]:
+def agent_command(spec: NetSpec, node: int, addresses: list[str], rdzv_id: str, overrides: list[str],
+                  max_restarts: int = 0) -> list[str]:
     """Node `node`'s torchrun agent: c10d rendezvous hosted by node 0's agent on its emulated address.
     With net.placement=cyclic its workers start through parallel/net/placement.py, which moves each
-    to the node its rank belongs on."""
+    to the node its rank belongs on. With restarts, a dead agent's heartbeat expires sooner, so a
+    fresh one can join (RDZV_KEEP_ALIVE)."""
     placed = ["parallel.net.placement"] if spec.placement != "block" else []
+    rdzv_conf = f"is_host={1 if node == 0 else 0}" + (f",{RDZV_KEEP_ALIVE}" if max_restarts else "")
     return [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs_per_node}",
+        f"--nnodes={spec.nodes}", f"--nproc-per-node={spec.procs_per_node}", f"--max-restarts={max_restarts}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={addresses[0]}:{RDZV_PORT}", f"--rdzv-id={rdzv_id}",
-        f"--local-addr={addresses[node]}", f"--rdzv-conf=is_host={1 if node == 0 else 0}",
+        f"--local-addr={addresses[node]}", f"--rdzv-conf={rdzv_conf}",
         # The agent polls the rendezvous every monitor interval, across the emulated link: once a
         # second keeps that off the byte counters (0.1 s is torchrun's default).
         "--monitor-interval=1",
@@ -155,14 +176,19 @@ def agent_command(spec: NetSpec, node: int, addresses: list[str], rdzv_id: str, 
     ]
 
 
-def wait_for(procs: list[subprocess.Popen], deadline: float,
-             grace_s: float = 5.0) -> tuple[list[int | None], bool, float | None]:
+def wait_for(procs: list[subprocess.Popen], deadline: float, grace_s: float = 5.0,
+             replace=None) -> tuple[list[int | None], bool, float | None]:
     """Wait for every process, or until one fails (then `grace_s` more for the others to end on
     their own), or the deadline. Returns the exit codes (None: still running), whether the
-    deadline passed, and when the first process failed (time.monotonic(); None: none did)."""
+    deadline passed, and when the first process failed (time.monotonic(); None: none did).
+    `replace(k, code)` may return a process to take the place of procs[k], which just ended
+    (None: it stays ended)."""
     failed_at = None
     while True:
         codes = [p.poll() for p in procs]
+        for k, code in enumerate(codes):
+            if code not in (None, 0) and failed_at is None and replace and (fresh := replace(k, code)):
+                procs[k], codes[k] = fresh, None
         now = time.monotonic()
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = now
@@ -175,10 +201,10 @@ def wait_for(procs: list[subprocess.Popen], deadline: float,
         time.sleep(0.1)
 
 
-def run_standalone(spec: NetSpec, overrides: list[str]) -> int:
+def run_standalone(spec: NetSpec, overrides: list[str], max_restarts: int = 0) -> int:
     """net=none: exactly the plain torchrun command, on this machine, with no emulated network."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.procs_per_node}",
-           "-m", "launch.train", *overrides]
+           f"--max-restarts={max_restarts}", "-m", "launch.train", *overrides]
     proc = subprocess.Popen(cmd, env=_env(spec), start_new_session=True)
     try:
         codes, timed_out, _ = wait_for([proc], time.monotonic() + spec.timeout_s)
@@ -207,7 +233,8 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: LinkFault | None) -> int:
+def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: LinkFault | None,
+                 max_restarts: int = 0, agent_fault: AgentFault | None = None) -> int:
     with EmulatedNetwork(spec) as net:
         if net.removed_leftovers:
             print(f"launch.run: removed {len(net.removed_leftovers)} namespace(s) left by a crashed run: "
@@ -216,36 +243,48 @@ def run_emulated(spec: NetSpec, overrides: list[str], run_dir: Path, fault: Link
               f"{spec.procs_per_node} ranks), launcher pid {os.getpid()}", file=sys.stderr, flush=True)
         addresses = [net.names.address(k) for k in range(spec.nodes)]
         rdzv_id = f"net{os.getpid()}"
+
+        def start_agent(k: int) -> subprocess.Popen:
+            command = agent_command(spec, k, addresses, rdzv_id, overrides, max_restarts)
+            env = _env(spec, GLOO_SOCKET_IFNAME=NODE_IF, **{ENV_IFNAME: NODE_IF, ENV_NODE: str(k), ENV_AGENT: str(k)},
+                       **{ENV_NAMESPACES: json.dumps(net.names.namespaces[1:])}, CUDA_VISIBLE_DEVICES="",
+                       **(FRESH_AGENT_ENV if max_restarts else {}))
+            return subprocess.Popen(net.node_command(k, command), env=env, start_new_session=True)
+
         started = time.monotonic()
-        procs = [subprocess.Popen(net.node_command(k, agent_command(spec, k, addresses, rdzv_id, overrides)),
-                                  env=_env(spec, GLOO_SOCKET_IFNAME=NODE_IF, **{ENV_IFNAME: NODE_IF, ENV_NODE: str(k)},
-                                           **{ENV_NAMESPACES: json.dumps(net.names.namespaces[1:])},
-                                           CUDA_VISIBLE_DEVICES=""),
-                                  start_new_session=True)
-                 for k in range(spec.nodes)]
-        injector = FaultInjector(fault, net, run_dir / "metrics.jsonl") if fault else None
-        if injector:
-            injector.start()
-        codes, timed_out, failed_at = wait_for(procs, started + spec.timeout_s)
-        if injector:
-            injector.stop()
+        procs = [start_agent(k) for k in range(spec.nodes)]
+        metrics = run_dir / "metrics.jsonl"
+        injectors = [FaultInjector(fault, net, metrics) if fault else None,
+                     AgentKiller(agent_fault, procs, metrics) if agent_fault else None]
+        for thread in filter(None, injectors):
+            thread.start()
+        codes, timed_out, failed_at = wait_for(procs, started + spec.timeout_s,
+                                               replace=AgentReplacer(net, start_agent, max_restarts))
+        for thread in filter(None, injectors):
+            thread.stop()
         report_losses(net, fault)
         # Stop what still runs (an agent whose peer is unreachable can wait minutes in torchrun's
         # rendezvous shutdown), with the network still up, so the verdict can probe it.
         stop_processes(net.names.namespaces)
         ended_at = time.monotonic()  # the job's end: nothing of it runs any more
-        if injector and injector.error:
-            print(f"error: link_fault could not be applied: {injector.error}", file=sys.stderr, flush=True)
-            return 1
-        if timed_out:
-            print(f"error: the job ran past net.timeout_s={spec.timeout_s:g} s and was stopped", file=sys.stderr,
-                  flush=True)
-            return 124
-        failed = [(k, c) for k, c in enumerate(codes) if c not in (0, None)]
-        if not failed and all(c == 0 for c in codes):
-            return 0
-        print(f"error: {verdict(net, spec, failed, injector, failed_at, ended_at)}", file=sys.stderr, flush=True)
-        return failed[0][1] if failed else 1
+        return _outcome(net, spec, codes, timed_out, injectors[0], failed_at, ended_at)
+
+
+def _outcome(net: EmulatedNetwork, spec: NetSpec, codes: list[int | None], timed_out: bool, injector,
+             failed_at: float | None, ended_at: float) -> int:
+    """The job's exit code, and its one line when it failed."""
+    if injector and injector.error:
+        print(f"error: link_fault could not be applied: {injector.error}", file=sys.stderr, flush=True)
+        return 1
+    if timed_out:
+        print(f"error: the job ran past net.timeout_s={spec.timeout_s:g} s and was stopped", file=sys.stderr,
+              flush=True)
+        return 124
+    failed = [(k, c) for k, c in enumerate(codes) if c not in (0, None)]
+    if not failed and all(c == 0 for c in codes):
+        return 0
+    print(f"error: {verdict(net, spec, failed, injector, failed_at, ended_at)}", file=sys.stderr, flush=True)
+    return failed[0][1] if failed else 1
 
 
 def report_losses(net: EmulatedNetwork, fault: LinkFault | None) -> None:
@@ -291,6 +330,8 @@ def main(cfg: DictConfig) -> None:
         fault = LinkFault.from_config(cfg.link_fault, spec.nodes, cfg.train.steps)
         if fault and not spec.emulated:
             raise Refused("link_fault needs an emulated network (net=none has no links to break): e.g. net=ethernet_1g")
+        max_restarts = max_restarts_from_config(cfg.agent)
+        agent_fault = AgentFault.from_config(cfg.agent_fault, spec.nodes, cfg.train.steps)
         if spec.emulated:
             check_privileges(spec)
         plan = check_plan(cfg, spec)
@@ -299,7 +340,8 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     try:
-        code = run_emulated(spec, overrides, run_dir, fault) if spec.emulated else run_standalone(spec, overrides)
+        code = (run_emulated(spec, overrides, run_dir, fault, max_restarts, agent_fault) if spec.emulated
+                else run_standalone(spec, overrides, max_restarts))
     except NetSetupError as e:
         print(f"error: the emulated network could not be built (nothing is left behind): {e}",
               file=sys.stderr, flush=True)

@@ -158,10 +158,16 @@ def attempt_store(env: LaunchEnv, timeout: datetime.timedelta):
     address, by group and rank) are still there, so a new rank can read a dead peer's address
     before the new peer overwrites it, and gloo's connectFullMesh then waits out its timeout on a
     port nobody listens on. A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts
-    apart, as the agent's own rendezvous keys are kept apart by round."""
+    apart, as the agent's own rendezvous keys are kept apart by round. Where the agents do not share
+    their store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: launch.run with restarts, parallel/net/agents.py),
+    every attempt gets a new store from its rank 0, and no prefix is needed; there an agent that
+    replaced a dead one counts its restarts from 0 while the others do not, so a prefix by count
+    would split the world."""
     from torch.distributed.rendezvous import rendezvous
 
     store, _, _ = next(rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return store
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -63,7 +63,7 @@ class LinkFault:
         return cls(kind, node, at_step, float(loss_pct or 0), float(spike_ms or 0))
 
 
-def _logged_step(metrics: Path) -> int:
+def logged_step(metrics: Path) -> int:
     """The last step rank 0 has written to metrics.jsonl (-1: none yet)."""
     try:
         lines = metrics.read_text().splitlines()
@@ -77,24 +77,38 @@ def _logged_step(metrics: Path) -> int:
     return -1
 
 
-class FaultInjector(threading.Thread):
-    """Waits for step `fault.at_step` in `metrics`, applies the fault, and records when."""
+class AtStep(threading.Thread):
+    """A thread that waits until rank 0 has logged step `at_step` in `metrics`, then calls `fire()`
+    once (unless stopped first: the job ended before that step)."""
 
-    def __init__(self, fault: LinkFault, net: EmulatedNetwork, metrics: Path):
+    def __init__(self, at_step: int, metrics: Path):
         super().__init__(daemon=True)
-        self.fault, self.net, self.metrics = fault, net, metrics
-        self.applied_at: float | None = None  # time.monotonic() when the fault took effect
-        self.error: str | None = None
+        self.at_step, self.metrics = at_step, metrics
         self._stop = threading.Event()
 
     def stop(self) -> None:
         self._stop.set()
 
     def run(self) -> None:
-        while not self._stop.is_set() and _logged_step(self.metrics) < self.fault.at_step:
+        while not self._stop.is_set() and logged_step(self.metrics) < self.at_step:
             time.sleep(0.02)
-        if self._stop.is_set():
-            return
+        if not self._stop.is_set():
+            self.fire()
+
+    def fire(self) -> None:
+        raise NotImplementedError
+
+
+class FaultInjector(AtStep):
+    """Waits for step `fault.at_step` in `metrics`, applies the fault, and records when."""
+
+    def __init__(self, fault: LinkFault, net: EmulatedNetwork, metrics: Path):
+        super().__init__(fault.at_step, metrics)
+        self.fault, self.net = fault, net
+        self.applied_at: float | None = None  # time.monotonic() when the fault took effect
+        self.error: str | None = None
+
+    def fire(self) -> None:
         try:
             self._apply()
         except shaping.ShapingError as e:

@@ -56,7 +56,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _pids_in(ns: str) -> list[int]:
+def pids_in(ns: str) -> list[int]:
     out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
     return [int(p) for p in out.split() if p.isdigit()]
 
@@ -64,7 +64,7 @@ def _pids_in(ns: str) -> list[int]:
 def stop_processes(namespaces: list[str], grace_s: float = 5.0) -> None:
     """SIGTERM every process inside `namespaces`, SIGKILL what is left after `grace_s`."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        pids = [p for ns in namespaces for p in _pids_in(ns)]
+        pids = [p for ns in namespaces for p in pids_in(ns)]
         for pid in pids:
             try:
                 os.kill(pid, sig)

@@ -35,6 +35,7 @@ def test_sbatch_is_valid_bash_with_directives_before_the_first_command():
     # Slurm stops reading #SBATCH lines at the first command.
     assert directives and max(directives) < first_command
     assert "#SBATCH --ntasks-per-node=1" in lines  # one torchrun agent per node
+    assert "#SBATCH --requeue" in lines  # a requeued job runs the script again, same job id
 
 
 def _sbatch_with_stand_ins(tmp_path, slurm_env: dict[str, str], overrides: list[str]):
@@ -63,7 +64,8 @@ def _sbatch_with_stand_ins(tmp_path, slurm_env: dict[str, str], overrides: list[
 
 def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
     overrides = ["parallel=tp", "model=tiny", "train.steps=6"]
-    done, args, cpus_per_gpu = _sbatch_with_stand_ins(tmp_path, {"SLURM_CPUS_PER_GPU": "4"}, overrides)
+    done, args, cpus_per_gpu = _sbatch_with_stand_ins(tmp_path, {"SLURM_CPUS_PER_GPU": "4", "MAX_RESTARTS": "2"},
+                                                      overrides)
     assert done.returncode == 0, done.stderr
     split = args.index(sys.executable)
     # The node's task gets its CPUs: 2 GPUs x --cpus-per-gpu=4; srun is not handed SLURM_CPUS_PER_GPU,
@@ -73,7 +75,10 @@ def test_sbatch_starts_the_multinode_torchrun_on_the_first_node(tmp_path):
     endpoint = next(a for a in args if a.startswith("--rdzv-endpoint=")).split("=", 1)[1]
     host, port = endpoint.rsplit(":", 1)
     assert host == "gpu01" and 1024 <= int(port) <= 65535
-    assert args[split:] == multinode_command(2, 2, endpoint, "4242", overrides, python=sys.executable)
+    # MAX_RESTARTS is each agent's --max-restarts; train.resume=auto is added (a requeued job resumes).
+    expected = multinode_command(2, 2, endpoint, "4242", [*overrides, "train.resume=auto"], python=sys.executable)
+    nproc = expected.index("--nproc-per-node=2")
+    assert args[split:] == [*expected[:nproc + 1], "--max-restarts=2", *expected[nproc + 1:]]
 
 
 @pytest.mark.parametrize("slurm_env,cpus", [

@@ -2,9 +2,9 @@
 
 Without the privileges (root's CAP_NET_ADMIN and CAP_SYS_ADMIN) or without iproute2, every net but
 none is refused with what is missing and that net=none works; a zero or negative rate, fewer than
-one node, and a layout whose world is not net.nodes x net.procs_per_node, one line each. These run
-anywhere (no namespace is made); each is one launch.run process (~1-4 s: a bad net setting is
-refused before torch is imported).
+one node, an agent_fault on node 0 (the rendezvous host), and a layout whose world is not
+net.nodes x net.procs_per_node, one line each. These run anywhere (no namespace is made); each is
+one launch.run process (~1-4 s: a bad net setting is refused before torch is imported).
 """
 
 import ctypes
@@ -58,6 +58,8 @@ def test_without_iproute2_emulated_networks_are_refused():
     ("net.inter_mbit=0", "error: net.inter_mbit=0 must be a positive number of Mbit/s (or null: unshaped)"),
     ("net.intra_mbit=-100", "error: net.intra_mbit=-100 must be a positive number of Mbit/s (or null: unshaped)"),
     ("net.nodes=0", "error: net.nodes=0 must be an integer in 1..100"),
+    ("agent_fault.node=0", "error: agent_fault.node=0 must be a node 1..1: node 0's agent hosts the rendezvous "
+                           "store, and the job cannot outlive it"),
 ])
 def test_bad_network_settings_are_refused(override, expected):
     assert _refused(["net=cluster", override]) == expected

@@ -11,9 +11,11 @@ installs slurm-wlm and sets PARALLEL_SLURM_REQUIRED=1 (.ci/run), which turns tha
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,9 +24,11 @@ from pathlib import Path
 
 import pytest
 from launcher import PROJECT_ROOT, TINY, Run, check_matches_single
+from restart_job import KILL_RANK_1_AT_5, RESTART_JOB, check_repeats_reference
 
 SCRIPT = PROJECT_ROOT / "launch" / "slurm" / "local_cluster.sh"
 SBATCH = PROJECT_ROOT / "launch" / "slurm" / "train.sbatch"
+NOT_ENDED = ("PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "COMPLETING")
 TOOLS = ("slurmctld", "slurmd", "sbatch", "scancel", "squeue", "sinfo", "scontrol")
 
 
@@ -47,21 +51,22 @@ class Cluster:
             env["PYTHON"] = sys.executable  # the batch script's default is the project's .venv
         return env
 
-    def submit(self, sbatch_args: list[str], overrides: list[str], out: Path) -> int:
+    def submit(self, sbatch_args: list[str], overrides: list[str], out: Path, env: dict | None = None) -> int:
         proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", *sbatch_args, str(SBATCH), *overrides],
-                              cwd=PROJECT_ROOT, env=self.env, capture_output=True, text=True, timeout=30)
+                              cwd=PROJECT_ROOT, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                              timeout=30)
         assert proc.returncode == 0, f"sbatch failed: {proc.stderr}"
         return int(proc.stdout.strip().split(";")[0])
 
     def record(self, job: int) -> dict[str, str] | None:
-        """The job's line in the job completion file (JobState, ExitCode, ...), once it has ended."""
+        """The job's line in the job completion file (JobState, ExitCode, ...), once it has ended
+        (a requeue writes a line too, in a state that is not an end: its last line counts)."""
         comp = self.dir / "jobcomp.txt"
         if not comp.exists():
             return None
-        for line in comp.read_text().splitlines():
-            if line.startswith(f"JobId={job} "):
-                return dict(field.split("=", 1) for field in line.split() if "=" in field)
-        return None
+        lines = [line for line in comp.read_text().splitlines() if line.startswith(f"JobId={job} ")]
+        rec = dict(field.split("=", 1) for field in lines[-1].split() if "=" in field) if lines else None
+        return rec if rec and rec["JobState"] not in NOT_ENDED else None
 
     def wait(self, job: int, timeout: float) -> dict[str, str]:
         deadline = time.monotonic() + timeout
@@ -180,6 +185,48 @@ def test_scancel_mid_run_leaves_no_process(cluster, tmp_path):
         time.sleep(0.3)
     assert not left, {p: seen.get(p, "?") for p in left}
     assert len(metrics.read_text().splitlines()) < 500
+
+
+def _last_step(metrics: Path) -> int:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else -1
+
+
+def _freeze_workers(job: int) -> None:
+    """SIGSTOP the job's ranks, so that it is caught mid-run however fast its steps go."""
+    for pid, argv in _job_pids(job).items():
+        if "python" in Path(argv[0]).name and "launch.train" in argv and "torch.distributed.run" not in argv:
+            os.kill(pid, signal.SIGSTOP)
+
+
+def test_a_killed_rank_restarts_in_the_step_and_a_requeued_job_resumes(cluster, restart_reference, tmp_path):
+    """MAX_RESTARTS=1: rank 1 SIGKILLs itself before step 5 and torchrun restarts every rank inside
+    the job step; once the restarted ranks have logged step 6 they are frozen and the job is
+    requeued (`scontrol requeue`, its start made due at once): the batch script runs again under
+    the same job id and resumes from the job's newest checkpoint. Losses and final parameters
+    equal the uninterrupted run's bitwise."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    job = cluster.submit(["--cpus-per-task=2"], [*RESTART_JOB, *KILL_RANK_1_AT_5, f"run.dir={run_dir}"], out,
+                         env={"MAX_RESTARTS": "1"})
+    deadline = time.monotonic() + 150
+    while _last_step(run_dir / "metrics.jsonl") < 6:
+        assert cluster.record(job) is None, f"job ended early: {cluster.record(job)}\n{out.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "the restarted job did not reach step 6 within 150 s"
+        time.sleep(0.05)
+    _freeze_workers(job)
+    assert _last_step(run_dir / "metrics.jsonl") < 9, "the job ended before it could be requeued"
+    subprocess.run(["scontrol", "requeue", str(job)], env=cluster.env, check=True, timeout=30)
+    # A requeued job waits about two minutes before it may start again; make it due now.
+    while subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], env=cluster.env, capture_output=True,
+                         text=True, timeout=10).stdout.strip() != "PENDING":
+        assert time.monotonic() < deadline + 60, "the requeued job did not become pending"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=cluster.env, check=True, timeout=30)
+    rec = cluster.wait(job, 150)
+    text = out.read_text()
+    assert rec["JobState"] == "COMPLETED", f"{rec}\n{text[-3000:]}"
+    assert "rank 1: injecting train.fail_mode=kill at step 5" in text and f"job {job} (start 1)" in text, text[-3000:]
+    check_repeats_reference(Run(0, text, "", run_dir).summary, restart_reference.summary)
 
 
 @pytest.mark.parametrize("sbatch_args,overrides,error", [
