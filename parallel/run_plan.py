@@ -76,6 +76,8 @@ class RunPlan:
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    checkpoint_async: bool = False  # a host snapshot written by a background thread (reliability/saving.py)
+    checkpoint_sharded: bool = False  # each rank writes the pieces it holds (reliability/sharded.py)
     resume_from: str | None = None  # one complete checkpoint directory, resolved
     start_step: int = 0
     check_finite: bool = True
@@ -172,6 +174,8 @@ def _check_numbers(cfg) -> None:
                           "off: the kernel places the threads)")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
                         ("train.save_grads", t.save_grads), ("comm.log", cfg.comm.log),
+                        ("train.checkpoint_async", t.get("checkpoint_async", False)),
+                        ("train.checkpoint_sharded", t.get("checkpoint_sharded", False)),
                         ("comm.time", cfg.comm.time), ("run.timeline", cfg.run.get("timeline", True))]:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")
@@ -315,6 +319,7 @@ def _run_fields(cfg) -> dict:
         comm_log=bool(cfg.comm.log), comm_time=bool(cfg.comm.time), timeline=bool(cfg.run.get("timeline", True)),
         save_final=bool(t.save_final), save_grads=bool(t.save_grads),
         checkpoint_every=t.checkpoint_every, checkpoint_dir=t.checkpoint_dir, check_finite=t.check_finite,
+        checkpoint_async=t.get("checkpoint_async", False), checkpoint_sharded=t.get("checkpoint_sharded", False),
         fail_mode=t.fail_mode, fail_at_step=t.fail_at_step, fail_rank=t.fail_rank,
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
     )

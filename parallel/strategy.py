@@ -128,6 +128,12 @@ class ParameterCut(Protocol):
     def gather(self, tensors: dict[str, torch.Tensor], param_of=...) -> dict[str, torch.Tensor]:
         """key -> this rank's piece, to key -> the full tensor on the CPU (a collective over the cut)."""
 
+    def checkpoint_pieces(self):
+        """The state this rank alone holds, as pieces of single-process tensors (a RankState of
+        parallel/reliability/sharded.py), for a sharded save; None where the strategy holds no
+        shards of its own (replicas or model-parallel cuts: a sharded save gathers to rank 0)."""
+        return None
+
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor."""
 
@@ -266,6 +272,12 @@ class Strategy:
         Replicated strategies hold the whole state on every rank: rank 0 just copies its own.
         """
         return self.optimizer.named_state(self.named_full_parameters())
+
+    def checkpoint_pieces(self):
+        """The state this rank alone holds, as pieces of single-process tensors (a RankState of
+        parallel/reliability/sharded.py), for a sharded save; None where the strategy holds no
+        shards of its own (replicas or model-parallel cuts: a sharded save gathers to rank 0)."""
+        return None
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor named `name` (the whole of it, unless sharded)."""

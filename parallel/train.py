@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +26,10 @@ from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutd
 from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
-from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
+from parallel.reliability.checkpoint import checkpoint_meta
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
+from parallel.reliability.saving import CheckpointSaver
+from parallel.reliability.sharded import load_state
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
 from parallel.report.activations import ActivationMeter
@@ -74,6 +75,7 @@ class Run:
     events: list[dict] = field(default_factory=list)  # timed steps' phases and calls, both clocks (parallel/replay/)
     links: object = None  # the replay's link model (parallel/replay/links.py), set after the steps
     cores: list[int] = field(default_factory=list)  # the cores this rank may run on, once bound (dist/binding.py)
+    checkpoints: list[dict] = field(default_factory=list)  # each save's cost on this rank (reliability/saving.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -138,7 +140,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     strategy.forward_context = ForwardContext(plan.layout.precision, ctx.device)
     strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
     if plan.resume_from:
-        model_state, optim_state = load_checkpoint(Path(plan.resume_from))
+        model_state, optim_state = load_state(Path(plan.resume_from))  # either format
         strategy.load_full_state(model_state, optim_state)
         del model_state, optim_state
         log.info("resumed from %s: continuing at step %d", plan.resume_from, plan.start_step)
@@ -170,6 +172,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
     board = TensorBoardWriter.open(plan.tensorboard, plan.tensorboard_dir, run.run_dir) if ctx.is_rank0 else None
     checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
+    saver = CheckpointSaver(plan, ctx, strategy, checkpoint_root)
+    run.checkpoints = saver.records
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
     clock = ctx.log.clock = timer.clock  # it stamps the step's phases and calls too, on the step's own axis
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
@@ -215,7 +219,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         if metrics is not None:
             _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum())
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
-            _save_checkpoint(run, checkpoint_root, step + 1)
+            _save_checkpoint(run, saver, step + 1)
+    saver.wait()  # the last asynchronous save is written before the run reports
     strategy.close()
     if metrics is not None:
         metrics.close()
@@ -269,16 +274,11 @@ def _check_forward_context(plan: RunPlan, strategy: Strategy) -> None:
         )
 
 
-def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
-    """Gather the whole state to rank 0 (collective, every rank) and let rank 0 write it."""
+def _save_checkpoint(run: Run, saver: CheckpointSaver, steps_done: int) -> None:
+    """Every rank takes part (a gathered save is collective; a sharded one writes each rank's part)."""
     plan = run.plan
-    start = time.perf_counter()
-    model_state = run.strategy.full_state_dict()
-    optim_state = run.strategy.full_optimizer_state()
-    if run.ctx.is_rank0:
-        path = save_checkpoint(root, steps_done, model_state, optim_state, checkpoint_meta(plan, steps_done),
-                               before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done))
-        log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
+    saver.save(steps_done, checkpoint_meta(plan, steps_done),
+               before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done))
 
 
 def _link_model(run: Run, resolved_config: dict):
@@ -330,6 +330,7 @@ def rank_report(run: Run) -> dict:
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),
+        "checkpoints": run.checkpoints,
     }
 
 

@@ -212,6 +212,19 @@ class TorchFSDP2(Strategy):
                 state.setdefault(n, {})[key] = full
         return {"step": self.optimizer.step_count, "state": state}
 
+    def checkpoint_pieces(self):
+        """This rank's dim-0 chunk of every parameter and of both moments (no gather)."""
+        from parallel.sync.pieces import RankState, model_key, moment_key, row_chunk_piece
+
+        pieces, (rank, world) = [], (self.comm.rank, self.comm.size)
+        for n, local in self.locals.items():
+            state = self.optimizer.state.get(local, {})
+            pieces += row_chunk_piece(model_key(n), self.full_shapes[n], local.detach(), rank, world)
+            for key in ("exp_avg", "exp_avg_sq"):
+                pieces += row_chunk_piece(moment_key(n, key), self.full_shapes[n],
+                                          state.get(key, torch.zeros_like(local)), rank, world)
+        return RankState(pieces, int(self.optimizer.step_count), dict(self.aliases))
+
     def _my_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's dim-0 chunk of a full tensor, as FSDP2 cuts it (possibly empty)."""
         rows = -(-self.full_shapes[name][0] // self.comm.size)

@@ -161,6 +161,11 @@ class Zero3(Strategy):
     def full_optimizer_state(self) -> dict:
         return gather_optimizer_state(self.parts, self.optimizer, self.comm)
 
+    def checkpoint_pieces(self):
+        from parallel.sync.pieces import zero_pieces
+
+        return zero_pieces(self.parts, self.shards, self.optimizer)
+
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         with torch.no_grad():
             for i, part in enumerate(self.parts):
