@@ -74,6 +74,9 @@ class CheckpointSaver:
         self.records: list[dict] = []
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
+        if plan.checkpoint_every and not self.sharded:
+            # DCP's import takes about a second: paid at set-up, not inside the first save.
+            import torch.distributed.checkpoint  # noqa: F401
 
     # -- the loop's two calls ------------------------------------------------------------------------
     def save(self, steps_done: int, meta: dict, before_rename=None) -> None:

@@ -118,7 +118,8 @@ def test_an_async_snapshot_is_a_copy(trained):
 
 
 def _saver(strategy, root, asynchronous: bool, sharded: bool) -> CheckpointSaver:
-    plan = SimpleNamespace(checkpoint_async=asynchronous, checkpoint_sharded=sharded, timeout_s=5)
+    plan = SimpleNamespace(checkpoint_every=2, checkpoint_async=asynchronous, checkpoint_sharded=sharded,
+                           timeout_s=5)
     ctx = SimpleNamespace(rank=0, is_rank0=True, peers=[], env=SimpleNamespace(world_size=1))
     return CheckpointSaver(plan, ctx, strategy, root)
 
