@@ -113,10 +113,11 @@ class CheckpointSaver:
         """The state as it is now (collective in gathered mode), and the function that writes it."""
         if self.sharded:
             state = self.strategy.checkpoint_pieces()
-            if state is None:  # this strategy holds no per-rank shards: gather to rank 0
-                full = self.strategy.full_state_dict(), self.strategy.full_optimizer_state()
-                state = gathered_pieces(*full) if self.ctx.is_rank0 else None
-            if state is not None and self.asynchronous:
+            if state is None:  # this strategy holds no per-rank shards: gather to rank 0; the others' parts are empty
+                model_state, optim_state = self.strategy.full_state_dict(), self.strategy.full_optimizer_state()
+                state = gathered_pieces(model_state, optim_state) if self.ctx.is_rank0 else \
+                    RankState([], int(optim_state["step"]))
+            if self.asynchronous:
                 state = state.host_copy()
             return lambda record: self._write_sharded(record, steps_done, state, meta, before_rename)
         model_state, optim_state = self.strategy.full_state_dict(), self.strategy.full_optimizer_state()
@@ -136,12 +137,11 @@ class CheckpointSaver:
         path = publish(self.root, tmp, steps_done, before_rename)
         self._finish(record, start, written, path)
 
-    def _write_sharded(self, record, steps_done, state: RankState | None, meta, before_rename) -> None:
+    def _write_sharded(self, record, steps_done, state: RankState, meta, before_rename) -> None:
         start = time.perf_counter()
         tmp = self.root / f"{step_dir_name(steps_done)}.tmp-{self.token}"
-        if state is not None:
-            record["bytes"] = write_rank_part(tmp, self.ctx.rank, state)
-            record["tensor_bytes"] = state.nbytes()
+        record["bytes"] = write_rank_part(tmp, self.ctx.rank, state)  # every rank: rank 0 waits for each part
+        record["tensor_bytes"] = state.nbytes()
         written = time.perf_counter()
         path = None
         if self.ctx.is_rank0:

@@ -29,6 +29,8 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
                       `formula` (the strategy's model_state formula, ZeRO paper) and `matches_formula`
   first_step          losses[i] is step first_step + i (non-zero when resumed)
+  checkpoints         each save, each rank's record: wait, snapshot, write, publish and blocked seconds,
+                      bytes written; each rank's timed steps plus its saves' blocking (reliability/saving.py)
   pipeline            pipelined strategies: schedule, measured / simulated / closed-form bubble
                       (null where none is claimed, and bubble_closed_form_note says "no closed
                       form" and why), executed order by rank (parallel/pp/timeline.py)

@@ -117,11 +117,23 @@ def test_an_async_snapshot_is_a_copy(trained):
     assert copied["step"] == 2 and torch.equal(copy, original) and copy.data_ptr() != original.data_ptr()
 
 
-def _saver(strategy, root, asynchronous: bool, sharded: bool) -> CheckpointSaver:
+def _saver(strategy, root, asynchronous: bool, sharded: bool, rank: int = 0, world: int = 1) -> CheckpointSaver:
     plan = SimpleNamespace(checkpoint_every=2, checkpoint_async=asynchronous, checkpoint_sharded=sharded,
                            timeout_s=5)
-    ctx = SimpleNamespace(rank=0, is_rank0=True, peers=[], env=SimpleNamespace(world_size=1))
+    peers = [("host", 1000 + r, "machine") for r in range(world)]  # rank 0's pid names the shared tmp directory
+    ctx = SimpleNamespace(rank=rank, is_rank0=rank == 0, peers=peers, env=SimpleNamespace(world_size=world))
     return CheckpointSaver(plan, ctx, strategy, root)
+
+
+def test_a_sharded_save_of_replicas_is_rank_0s_and_the_others_parts_are_empty(trained, tmp_path):
+    """A strategy without shards of its own (here one process standing for both replicas of dp 2):
+    rank 1 writes an empty part, so that rank 0, which writes everything, can publish."""
+    other, first = (_saver(trained, tmp_path, False, True, rank, world=2) for rank in (1, 0))
+    other.save(2, checkpoint_meta(plan_for(1, *TINY), 2))
+    assert not (tmp_path / "step_000002").exists()  # unpublished until rank 0's part is there too
+    first.save(2, checkpoint_meta(plan_for(1, *TINY), 2))
+    assert other.records[0]["tensor_bytes"] == 0 and first.records[0]["tensor_bytes"] > 0
+    _assert_same_state(load_state(resolve_checkpoint(str(tmp_path))), trained)
 
 
 @pytest.mark.parametrize("asynchronous,sharded", [(False, False), (True, False), (True, True)])
