@@ -128,12 +128,6 @@ class ParameterCut(Protocol):
     def gather(self, tensors: dict[str, torch.Tensor], param_of=...) -> dict[str, torch.Tensor]:
         """key -> this rank's piece, to key -> the full tensor on the CPU (a collective over the cut)."""
 
-    def checkpoint_pieces(self):
-        """The state this rank alone holds, as pieces of single-process tensors (a RankState of
-        parallel/reliability/sharded.py), for a sharded save; None where the strategy holds no
-        shards of its own (replicas or model-parallel cuts: a sharded save gathers to rank 0)."""
-        return None
-
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor."""
 
@@ -275,8 +269,9 @@ class Strategy:
 
     def checkpoint_pieces(self):
         """The state this rank alone holds, as pieces of single-process tensors (a RankState of
-        parallel/reliability/sharded.py), for a sharded save; None where the strategy holds no
-        shards of its own (replicas or model-parallel cuts: a sharded save gathers to rank 0)."""
+        parallel/sync/pieces.py), for a sharded save (parallel/reliability/sharded.py); None where
+        the strategy holds no shards of its own (replicas, model-parallel cuts: a sharded save then
+        gathers to rank 0)."""
         return None
 
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from parallel.core.model import part_names, tied_aliases
 from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
+from parallel.sync.pieces import RankState, model_key, moment_key, row_chunk_piece
 from parallel.sync.shards import BETAS, EPS
 
 # A checkpoint's full tensors are gathered this many bytes at a time (TorchFSDP2._gather): few
@@ -214,8 +215,6 @@ class TorchFSDP2(Strategy):
 
     def checkpoint_pieces(self):
         """This rank's dim-0 chunk of every parameter and of both moments (no gather)."""
-        from parallel.sync.pieces import RankState, model_key, moment_key, row_chunk_piece
-
         pieces, (rank, world) = [], (self.comm.rank, self.comm.size)
         for n, local in self.locals.items():
             state = self.optimizer.state.get(local, {})

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
+from parallel.sync.pieces import zero_pieces
 from parallel.sync.zero import ZeroOptimizer
 
 
@@ -28,8 +29,6 @@ class ZeroDataParallel(Strategy):
 
     def checkpoint_pieces(self):
         """Parameters are whole on every rank; each still writes only its shard's range of them."""
-        from parallel.sync.pieces import zero_pieces
-
         zero = self.zero
         return zero_pieces(zero.parts, [flat[part.lo: part.hi] for part, flat in zip(zero.parts, zero.flat_params)],
                            zero.optimizer)
