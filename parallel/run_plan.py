@@ -77,6 +77,8 @@ class RunPlan:
     # Reliability (parallel/reliability/checkpoint.py, parallel/reliability/faults.py)
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
+    checkpoint_async: bool = False  # a host snapshot written by a background thread (reliability/saving.py)
+    checkpoint_sharded: bool = False  # each rank writes the pieces it holds (reliability/sharded.py)
     resume_from: str | None = None  # one complete checkpoint directory, resolved
     resume_auto: bool = False  # train.resume=auto: the job's newest checkpoint, if any (reliability/resume.py)
     attempt: int = 0  # this attempt of the job: torchrun's restart count
@@ -178,6 +180,8 @@ def _check_numbers(cfg) -> None:
                           "off: the kernel places the threads)")
     for name, value in [("train.check_finite", t.check_finite), ("train.save_final", t.save_final),
                         ("train.save_grads", t.save_grads), ("comm.log", cfg.comm.log),
+                        ("train.checkpoint_async", t.get("checkpoint_async", False)),
+                        ("train.checkpoint_sharded", t.get("checkpoint_sharded", False)),
                         ("comm.time", cfg.comm.time), ("run.timeline", cfg.run.get("timeline", True))]:
         if not isinstance(value, bool):
             raise ConfigError(f"{name}={value!r} must be true or false")
@@ -355,6 +359,7 @@ def _run_fields(cfg) -> dict:
         comm_log=bool(cfg.comm.log), comm_time=bool(cfg.comm.time), timeline=bool(cfg.run.get("timeline", True)),
         save_final=bool(t.save_final), save_grads=bool(t.save_grads),
         checkpoint_every=t.checkpoint_every, checkpoint_dir=t.checkpoint_dir, check_finite=t.check_finite,
+        checkpoint_async=t.get("checkpoint_async", False), checkpoint_sharded=t.get("checkpoint_sharded", False),
         slow_factor=float(t.get("slow_factor", 2.0)), straggler_window=int(t.get("straggler_window", 5)),
         straggler_threshold=float(t.get("straggler_threshold", 1.5)),
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),

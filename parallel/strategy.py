@@ -267,6 +267,13 @@ class Strategy:
         """
         return self.optimizer.named_state(self.named_full_parameters())
 
+    def checkpoint_pieces(self):
+        """The state this rank alone holds, as pieces of single-process tensors (a RankState of
+        parallel/sync/pieces.py), for a sharded save (parallel/reliability/sharded.py); None where
+        the strategy holds no shards of its own (replicas, model-parallel cuts: a sharded save then
+        gathers to rank 0)."""
+        return None
+
     def local_part(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full tensor named `name` (the whole of it, unless sharded)."""
         return full

@@ -27,11 +27,12 @@ from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutd
 from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
-from parallel.reliability.checkpoint import checkpoint_meta, save_checkpoint
+from parallel.reliability.checkpoint import checkpoint_meta
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table, slow_down
 from parallel.reliability.hangs import report_hang, watch_for_hangs
 from parallel.reliability.recovery import Attempt, Journal, note_stopped
 from parallel.reliability.resume import checkpoint_root, job_fields, load_resumed, losses_meta
+from parallel.reliability.saving import CheckpointSaver
 from parallel.reliability.straggler import StragglerMeter
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
@@ -81,6 +82,7 @@ class Run:
     stragglers: StragglerMeter | None = None  # each rank's compute against its peers' (reliability/straggler.py)
     attempt: Attempt | None = None  # this attempt's start, and the failure before it (reliability/recovery.py)
     history: tuple[int, list[float]] = (0, [])  # the job's first step and losses before this attempt (a checkpoint's)
+    checkpoints: list[dict] = field(default_factory=list)  # each save's cost on this rank (reliability/saving.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -179,7 +181,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
     metrics = MetricsWriter(run.run_dir / "metrics.jsonl", append=plan.attempt > 0) if ctx.is_rank0 else None
     board = TensorBoardWriter.open(plan.tensorboard, plan.tensorboard_dir, run.run_dir) if ctx.is_rank0 else None
-    checkpoints = checkpoint_root(plan.checkpoint_dir, run.run_dir)
+    saver = CheckpointSaver(plan, ctx, strategy, checkpoint_root(plan.checkpoint_dir, run.run_dir))
+    run.checkpoints = saver.records
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
     clock = ctx.log.clock = timer.clock  # it stamps the step's phases and calls too, on the step's own axis
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
@@ -222,7 +225,8 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         if metrics is not None:
             _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum(), straggling)
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
-            _save_checkpoint(run, checkpoints, step + 1)
+            _save_checkpoint(run, saver, step + 1)
+    saver.wait()  # the last asynchronous save is written before the run reports
     strategy.close()
     if metrics is not None:
         metrics.close()
@@ -297,18 +301,13 @@ def _check_forward_context(plan: RunPlan, strategy: Strategy) -> None:
         )
 
 
-def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
-    """Gather the whole state to rank 0 (collective, every rank) and let rank 0 write it."""
+def _save_checkpoint(run: Run, saver: CheckpointSaver, steps_done: int) -> None:
+    """Every rank takes part (a gathered save is collective; a sharded one writes each rank's part)."""
     plan = run.plan
-    start = time.perf_counter()
-    model_state = run.strategy.full_state_dict()
-    optim_state = run.strategy.full_optimizer_state()
-    if run.ctx.is_rank0:
-        first, before = run.history
-        meta = checkpoint_meta(plan, steps_done) | losses_meta(first, [*before, *run.losses])
-        path = save_checkpoint(root, steps_done, model_state, optim_state, meta, before_rename=kill_during_save(
-            plan.fail_mode, plan.fail_at_step, steps_done, run.attempt.journal))
-        log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
+    first, before = run.history
+    meta = checkpoint_meta(plan, steps_done) | losses_meta(first, [*before, *run.losses])
+    saver.save(steps_done, meta, before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done,
+                                                                run.attempt.journal))
 
 
 def _link_model(run: Run, resolved_config: dict):
@@ -360,6 +359,7 @@ def rank_report(run: Run) -> dict:
         # Parameters, gradients and optimizer state this rank holds after the last step, and its
         # peak during that step, from tensor sizes.
         "model_state": strategy.memory_report(),
+        "checkpoints": run.checkpoints,
     }
 
 

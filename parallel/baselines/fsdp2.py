@@ -25,6 +25,7 @@ from parallel.core.model import part_names, tied_aliases
 from parallel.core.optim import AdamW
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
+from parallel.sync.pieces import RankState, model_key, moment_key, row_chunk_piece
 from parallel.sync.shards import BETAS, EPS
 
 # A checkpoint's full tensors are gathered this many bytes at a time (TorchFSDP2._gather): few
@@ -211,6 +212,17 @@ class TorchFSDP2(Strategy):
             for n, full in self._gather(values, f"tooling/checkpoint/{key}").items():
                 state.setdefault(n, {})[key] = full
         return {"step": self.optimizer.step_count, "state": state}
+
+    def checkpoint_pieces(self):
+        """This rank's dim-0 chunk of every parameter and of both moments (no gather)."""
+        pieces, (rank, world) = [], (self.comm.rank, self.comm.size)
+        for n, local in self.locals.items():
+            state = self.optimizer.state.get(local, {})
+            pieces += row_chunk_piece(model_key(n), self.full_shapes[n], local.detach(), rank, world)
+            for key in ("exp_avg", "exp_avg_sq"):
+                pieces += row_chunk_piece(moment_key(n, key), self.full_shapes[n],
+                                          state.get(key, torch.zeros_like(local)), rank, world)
+        return RankState(pieces, int(self.optimizer.step_count), dict(self.aliases))
 
     def _my_rows(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's dim-0 chunk of a full tensor, as FSDP2 cuts it (possibly empty)."""

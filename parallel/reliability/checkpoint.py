@@ -43,6 +43,7 @@ from parallel.core.model import MOE_FIELDS, GPTConfig
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 META = "meta.json"
+MANIFEST = "manifest.json"  # a sharded save's (parallel/reliability/sharded.py)
 LATEST = "latest"
 FORMAT_VERSION = 1
 
@@ -85,19 +86,39 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict,
     `before_rename` is called once every file is on disk but before the rename: the hook the
     fault injection uses to kill the process mid-save.
     """
-    import torch.distributed.checkpoint as dcp  # imported only by runs that checkpoint (~1 s)
+    tmp = fresh_tmp_dir(root, step, os.getpid())
+    write_checkpoint(tmp, model_state, optim_state, meta)
+    return publish(root, tmp, step, before_rename)
 
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+
+def fresh_tmp_dir(root: Path, step: int, token: int) -> Path:
+    """`step_NNNNNN.tmp-<token>/`, empty: where a checkpoint is written before it is published."""
+    tmp = root / f"{step_dir_name(step)}.tmp-{token}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def write_checkpoint(tmp: Path, model_state: dict, optim_state: dict, meta: dict) -> None:
+    """The whole state with DCP, in one process, and meta.json, synced, into `tmp`."""
+    import torch.distributed.checkpoint as dcp  # imported only by runs that checkpoint (~1 s)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
         dcp.save(_flat_state(model_state, optim_state), checkpoint_id=tmp, no_dist=True)
-    _write_synced(tmp / META, json.dumps({"format": FORMAT_VERSION, **meta, "optimizer_step": int(optim_state["step"])},
+    write_meta(tmp, meta, int(optim_state["step"]))
+
+
+def write_meta(tmp: Path, meta: dict, optimizer_step: int) -> None:
+    _write_synced(tmp / META, json.dumps({"format": FORMAT_VERSION, **meta, "optimizer_step": optimizer_step},
                                          indent=2) + "\n")
     _fsync_dir(tmp)
+
+
+def publish(root: Path, tmp: Path, step: int, before_rename=None) -> Path:
+    """Make a fully written `tmp` the checkpoint of `step` (one rename), then point `latest` at it."""
+    final = root / step_dir_name(step)
     if before_rename is not None:
         before_rename(tmp)
     if final.exists():
@@ -112,7 +133,8 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict,
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / META).is_file() and (path / ".metadata").is_file() and ".tmp" not in path.name
+    written = (path / ".metadata").is_file() or (path / MANIFEST).is_file()  # DCP's, or a sharded save's
+    return path.is_dir() and (path / META).is_file() and written and ".tmp" not in path.name
 
 
 def resolve_checkpoint(path: str) -> Path:
@@ -160,6 +182,11 @@ def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(flat, checkpoint_id=checkpoint, no_dist=True)
+    return split_flat_state(flat, read_meta(checkpoint)["optimizer_step"])
+
+
+def split_flat_state(flat: dict[str, torch.Tensor], optimizer_step: int) -> tuple[dict, dict]:
+    """`model/<name>` and `optim/<name>/<moment>` keys back into (model state, optimizer state)."""
     model_state, moments = {}, {}
     for key, t in flat.items():
         kind, rest = key.split("/", 1)
@@ -168,7 +195,7 @@ def load_checkpoint(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict]:
         else:
             name, moment = rest.rsplit("/", 1)
             moments.setdefault(name, {})[moment] = t
-    return model_state, {"step": read_meta(checkpoint)["optimizer_step"], "state": moments}
+    return model_state, {"step": int(optimizer_step), "state": moments}
 
 
 # What must be equal for a resumed run to be the continuation of the saved one.

@@ -26,7 +26,8 @@ import os
 import time
 from pathlib import Path
 
-from parallel.reliability.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
+from parallel.reliability.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from parallel.reliability.sharded import load_state
 from parallel.spec import ConfigError
 
 AUTO = "auto"
@@ -81,7 +82,7 @@ def load_resumed(strategy, plan, log) -> tuple[int, list[float], float]:
                      checkpoint_root(plan.checkpoint_dir, plan.run_dir))
         return 0, [], 0.0
     start = time.perf_counter()
-    model_state, optim_state = load_checkpoint(Path(plan.resume_from))
+    model_state, optim_state = load_state(Path(plan.resume_from))  # gathered or sharded
     strategy.load_full_state(model_state, optim_state)
     del model_state, optim_state
     seconds = time.perf_counter() - start

@@ -29,6 +29,8 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       and peak_model_state_bytes during it (tensor sizes), peak_allocator_bytes;
                       `formula` (the strategy's model_state formula, ZeRO paper) and `matches_formula`
   first_step          losses[i] is step first_step + i (non-zero when resumed)
+  checkpoints         each save, each rank's record: wait, snapshot, write, publish and blocked seconds,
+                      bytes written; each rank's timed steps plus its saves' blocking (reliability/saving.py)
   pipeline            pipelined strategies: schedule, measured / simulated / closed-form bubble
                       (null where none is claimed, and bubble_closed_form_note says "no closed
                       form" and why), executed order by rank (parallel/pp/timeline.py)
@@ -62,6 +64,7 @@ from parallel.activations import activation_check_note
 from parallel.algebra import parameter_count
 from parallel.dist.comm import StepTraffic, Totals, summarize_traffic, traffic_by_tag_op
 from parallel.registry import FAMILIES, describe
+from parallel.reliability.saving import checkpoints_block
 from parallel.report.breakdown import breakdown_notes, summarize_breakdown
 from parallel.report.metrics import peak_memory_scope
 from parallel.report.mfu import PEAK_DTYPES, devices_for_peak, flops_per_token, measure_peak_flops, mfu
@@ -99,6 +102,8 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
         "tokens_per_s": plan.tokens_per_step / step_time,
     }
     summary["mfu"] = mfu_block(plan, device, summary["tokens_per_s"])
+    # What each checkpoint cost each rank (parallel/reliability/saving.py).
+    summary["checkpoints"] = checkpoints_block(rank_reports, plan.start_step, plan.warmup_steps)
     for family in FAMILIES:  # the blocks of their own (moe's routing, the pipeline's bubble)
         if family.report is not None:
             summary.update(family.report(plan, rank_reports, run_dir))

@@ -6,6 +6,7 @@ import torch.nn as nn
 
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
+from parallel.sync.pieces import zero_pieces
 from parallel.sync.zero import ZeroOptimizer
 
 
@@ -25,6 +26,12 @@ class ZeroDataParallel(Strategy):
 
     def full_optimizer_state(self) -> dict:
         return self.zero.full_optimizer_state()
+
+    def checkpoint_pieces(self):
+        """Parameters are whole on every rank; each still writes only its shard's range of them."""
+        zero = self.zero
+        return zero_pieces(zero.parts, [flat[part.lo: part.hi] for part, flat in zip(zero.parts, zero.flat_params)],
+                           zero.optimizer)
 
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         self.zero.load_full_state(model_state, optim_state)

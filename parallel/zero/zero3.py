@@ -36,6 +36,7 @@ import torch.nn as nn
 from parallel.core.model import part_names
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
+from parallel.sync.pieces import zero_pieces
 from parallel.sync.shards import (
     GradReduceScatter,
     MemoryMeter,
@@ -160,6 +161,9 @@ class Zero3(Strategy):
 
     def full_optimizer_state(self) -> dict:
         return gather_optimizer_state(self.parts, self.optimizer, self.comm)
+
+    def checkpoint_pieces(self):
+        return zero_pieces(self.parts, self.shards, self.optimizer)
 
     def load_full_state(self, model_state: dict, optim_state: dict | None) -> None:
         with torch.no_grad():

@@ -38,6 +38,8 @@ TINY = ["model=tiny", "train.steps=6", "train.warmup_steps=1"]
     (2, ["parallel=pp_1f1b", "parallel.virtual_stages=x"], r"parallel.virtual_stages='x' must be an integer >= 1"),
     (1, ["train.checkpoint_every=-1"], r"train.checkpoint_every=-1 must be an integer >= 0"),
     (1, ["train.check_finite=maybe"], r"train.check_finite='maybe' must be true or false"),
+    (1, ["train.checkpoint_async=1"], r"train.checkpoint_async=1 must be true or false"),
+    (1, ["train.checkpoint_sharded=yes"], r"train.checkpoint_sharded='yes' must be true or false"),
     (2, ["parallel=tp", "parallel.sequence_parallel=yes"], r"parallel.sequence_parallel='yes' must be true or false"),
     (1, ["model.vocab_size=100"], r"model.vocab_size=100 is below 256, but the data is byte-level"),
     (1, ["model.n_layers=0"], r"model.n_layers=0 must be a positive integer"),
