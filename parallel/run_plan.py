@@ -306,10 +306,10 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
     _check_steps(t.steps, t.warmup_steps)
     _check_precision(t.precision)
     check_recompute(layout.recompute, strategy, spec_of(strategy))
-    attempt = attempt_number()
+    run_dir = job_run_dir(cfg.run.dir, strategy, env.world_size) if t.resume == AUTO else cfg.run.dir
+    attempt = attempt_number(run_dir if t.resume == AUTO else None)
     fault = _attempt_fault(t, env.world_size, attempt)
     _check_checkpoints(t, strategy)
-    run_dir = job_run_dir(cfg.run.dir, strategy, env.world_size) if t.resume == AUTO else cfg.run.dir
     resume_from, start_step = _resume_point(t, model, cfg, run_dir)
     return RunPlan(
         strategy=strategy, model=model, layout=layout, backend=backend,

@@ -30,7 +30,7 @@ from parallel.net.probe import WireProbe
 from parallel.reliability.checkpoint import checkpoint_meta
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table, slow_down
 from parallel.reliability.hangs import report_hang, watch_for_hangs
-from parallel.reliability.recovery import Attempt, Journal, note_stopped
+from parallel.reliability.recovery import STARTED, Attempt, Journal, note_stopped
 from parallel.reliability.resume import checkpoint_root, job_fields, load_resumed, losses_meta
 from parallel.reliability.saving import CheckpointSaver
 from parallel.reliability.straggler import StragglerMeter
@@ -126,6 +126,8 @@ def setup(plan: RunPlan, ctx: DistContext, groups_ready: float) -> Run:
     setup_logging(run_dir, ctx.rank, append=plan.attempt > 0)  # an earlier attempt's log stays
     watch_for_hangs(ctx, run_dir)
     attempt = Attempt.start(Journal(run_dir, ctx.rank, plan.attempt), groups_ready)
+    if plan.resume_auto and ctx.is_rank0:
+        attempt.journal.append(STARTED)  # every rank has counted the attempts before this one (resume.py)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).

@@ -4,6 +4,8 @@ Every process of a job that may be restarted writes a few stamps to one small fi
 directory, `recovery.jsonl` (appended, fsynced, one JSON line each), so that the attempt after a
 failure can tell what happened to the one before:
 
+    started    rank 0 of each attempt, once its process groups are up: the attempts are counted by
+               these (resume.py: attempt_number)
     fault      the failing rank, just before it dies (faults.py): time, rank, step, attempt, mode
     detected   each survivor, as the failure reaches it (train()'s except path, else launch/train.py's)
     exited     each survivor, just before it leaves (best effort: torchrun may stop it first)
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 JOURNAL = "recovery.jsonl"
+STARTED = "started"
 PARTS = ("detection_s", "teardown_s", "restart_s", "rendezvous_s", "setup_s", "load_s", "recompute_s")
 
 

@@ -16,8 +16,14 @@ The checkpoints are then train.checkpoint_dir, else <run dir>/checkpoints; the n
 one is resumed (resolve_checkpoint: unfinished `*.tmp-*` directories are ignored) and, where
 there is none, the job starts from step 0. Which of the two happened is logged.
 
-An attempt knows its number from torchrun's TORCHELASTIC_RESTART_COUNT (0 without torchrun): the
-fault injection uses it to fire each fault in one attempt only (faults.py).
+An attempt's number is how many attempts of the job came up before it: rank 0 of each attempt of
+a `resume=auto` job appends a `started` record to the run's recovery journal (recovery.py) once
+its process groups are up, and every rank of the next attempt counts those records while it builds
+its plan, before any group exists (so before this attempt's own record). torchrun's
+TORCHELASTIC_RESTART_COUNT alone would not do: a Slurm requeue and a node agent that launch.run
+replaces count from 0 again, while the job has had attempts before. Without `resume=auto` the
+number is torchrun's count (0 without torchrun). The fault injection uses it to fire each fault in
+one attempt only (faults.py).
 """
 
 from __future__ import annotations
@@ -27,15 +33,19 @@ import time
 from pathlib import Path
 
 from parallel.reliability.checkpoint import CheckpointError, read_meta, resolve_checkpoint
+from parallel.reliability.recovery import STARTED, Journal
 from parallel.reliability.sharded import load_state
 from parallel.spec import ConfigError
 
 AUTO = "auto"
 
 
-def attempt_number(environ=os.environ) -> int:
-    """0 for the first attempt of a job, 1 after torchrun's first restart, and so on."""
-    return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+def attempt_number(run_dir: str | None = None, environ=os.environ) -> int:
+    """0 for the first attempt of a job, 1 after its first restart, and so on: the `started`
+    records in the job's journal where `run_dir` (a resume=auto job's) is given, else torchrun's count."""
+    if run_dir is None:
+        return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return sum(r["event"] == STARTED for r in Journal(run_dir, rank=0, attempt=0).records())
 
 
 def job_identity(environ=os.environ) -> str | None:

@@ -74,6 +74,22 @@ def test_each_fault_fires_in_its_own_attempt(attempt, expected, monkeypatch):
     assert (plan.fail_mode, plan.fail_at_step, plan.fail_rank, plan.attempt) == (*expected, attempt)
 
 
+def test_a_resume_auto_job_counts_its_attempts_in_its_journal(tmp_path, monkeypatch):
+    """A Slurm requeue or a replaced node agent starts torchrun's count at 0 again: the journal's
+    `started` records (one per attempt that came up) still number the attempt, so the second
+    fault of the list fires and not the first again."""
+    run_dir = tmp_path / "run"
+    faults = ["train.fail_mode=kill", "train.fail_at_step=[5,8]", "train.fail_rank=1", "train.resume=auto",
+              f"run.dir={run_dir}"]
+    assert plan_for(2, *TINY, *faults).attempt == 0
+    run_dir.mkdir()
+    Journal(run_dir, rank=0, attempt=0).append("started")
+    Journal(run_dir, rank=1, attempt=0).fault(5, "kill")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    plan = plan_for(2, *TINY, *faults)
+    assert (plan.attempt, plan.fail_at_step) == (1, 8)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["train.fail_mode=[kill,raise,exit]", "train.fail_at_step=[5,8]"],
      r"train.fail_mode=\['kill', 'raise', 'exit'\] has 3 entries but train.fail_at_step has 2"),
