@@ -39,6 +39,7 @@ from parallel.registry import (
     resolve,
     spec_of,
 )
+from parallel.reliability.chaos import chaos_error
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES
 from parallel.report.tensorboard import option_error
@@ -84,6 +85,8 @@ class RunPlan:
     tensorboard_dir: str | None = None  # null: <run dir>/tensorboard
     fail_at_step: int | None = None
     fail_rank: int = 0
+    chaos_mtbf_s: float | None = None  # train.chaos: a seeded random kill of a random rank (reliability/chaos.py)
+    chaos_seed: int = 0
     warmup_default: bool = False  # train.warmup_steps was null: default_warmup_steps of the steps run
     timeline: bool = True  # run.timeline: draw timeline.png beside trace.json
 
@@ -266,6 +269,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
     _check_precision(t.precision)
     check_recompute(layout.recompute, strategy, spec_of(strategy))
     _check_faults(t, env.world_size)
+    if chaos_error(t.get("chaos") or {}):
+        raise ConfigError(chaos_error(t.get("chaos") or {}))
     _check_checkpoints(t, strategy)
     resume_from, start_step = _resume_point(t, model, cfg)
     return RunPlan(
@@ -316,6 +321,7 @@ def _run_fields(cfg) -> dict:
         save_final=bool(t.save_final), save_grads=bool(t.save_grads),
         checkpoint_every=t.checkpoint_every, checkpoint_dir=t.checkpoint_dir, check_finite=t.check_finite,
         fail_mode=t.fail_mode, fail_at_step=t.fail_at_step, fail_rank=t.fail_rank,
+        chaos_mtbf_s=(t.get("chaos") or {}).get("mtbf_s"), chaos_seed=int((t.get("chaos") or {}).get("seed", 0)),
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
     )
 

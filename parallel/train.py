@@ -27,8 +27,10 @@ from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutd
 from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
+from parallel.reliability.chaos import open_job
 from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
+from parallel.reliability.goodput_report import add_goodput
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
 from parallel.report.activations import ActivationMeter
@@ -74,6 +76,7 @@ class Run:
     events: list[dict] = field(default_factory=list)  # timed steps' phases and calls, both clocks (parallel/replay/)
     links: object = None  # the replay's link model (parallel/replay/links.py), set after the steps
     cores: list[int] = field(default_factory=list)  # the cores this rank may run on, once bound (dist/binding.py)
+    job: object = None  # the job's timeline across restarts, and chaos's timer (reliability/job_log.py, chaos.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -111,6 +114,7 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     """The run directory and logs, the strategy the registry builds, and the resumed state if any."""
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
+    job = open_job(plan, ctx, run_dir)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).
@@ -149,7 +153,8 @@ def setup(plan: RunPlan, ctx: DistContext) -> Run:
     log.info("timing: %d warm-up step(s) not timed%s, %d timed", plan.warmup_steps,
              f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
              steps_run - plan.warmup_steps)
-    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores())
+    job.setup_done()  # the job log's set-up span ends here; steps follow
+    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores(), job=job)
 
 
 def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
@@ -214,9 +219,11 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         run.step_times.append(seconds)
         if metrics is not None:
             _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum())
+        run.job.step_done(step)
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
             _save_checkpoint(run, checkpoint_root, step + 1)
     strategy.close()
+    run.job.job_done()
     if metrics is not None:
         metrics.close()
     if board is not None:
@@ -279,6 +286,7 @@ def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
         path = save_checkpoint(root, steps_done, model_state, optim_state, checkpoint_meta(plan, steps_done),
                                before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done))
         log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
+    run.job.save_done(steps_done)
 
 
 def _link_model(run: Run, resolved_config: dict):
@@ -348,6 +356,7 @@ def report(run: Run, resolved_config: dict) -> None:
     net = run.wire.summary(reports, plan.warmup_steps) if run.wire is not None else None
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
                             device=ctx.device, run_dir=run.run_dir, net=net, links=run.links)
+    add_goodput(summary, run.run_dir, plan)
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)
     log.info("wrote %s", run.run_dir / "summary.json")
