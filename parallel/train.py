@@ -85,9 +85,10 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     host_allocator = apply_host_allocator(plan.host_allocator)  # before the run allocates (core/host_memory.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
+    job = open_job(plan, env.rank)  # chaos's timer runs from here, through the set-up (reliability/chaos.py)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
     try:
-        run = setup(plan, ctx)
+        run = setup(plan, ctx, job)
         log.info("host allocator: %s", host_allocator)
         # Once the groups exist (each has its own gloo device and event-loop thread); again after
         # each warm-up step below, for the groups PyTorch's own strategies make lazily.
@@ -110,11 +111,11 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
 
 
 # -- set up -----------------------------------------------------------------------------------------
-def setup(plan: RunPlan, ctx: DistContext) -> Run:
+def setup(plan: RunPlan, ctx: DistContext, job) -> Run:
     """The run directory and logs, the strategy the registry builds, and the resumed state if any."""
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank)
-    job = open_job(plan, ctx, run_dir)
+    job.bind(run_dir)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).

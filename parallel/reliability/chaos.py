@@ -56,11 +56,11 @@ def arm(mtbf_s: float | None, seed: int, rank: int, world_size: int, job: JobLog
     return chosen
 
 
-def open_job(plan, ctx, run_dir) -> JobLog:
-    """The job log of this attempt (its start written by rank 0), and chaos's timer armed."""
-    job = JobLog(run_dir, ctx.rank)
-    job.attempt_started()
-    arm(plan.chaos_mtbf_s, plan.chaos_seed, ctx.rank, plan.dims.world_size, job)
+def open_job(plan, rank: int) -> JobLog:
+    """This attempt's job log (its file once the run directory is known: `JobLog.bind`), with
+    chaos's timer armed before anything else, so a failure can land in the set-up too."""
+    job = JobLog(None, rank)
+    arm(plan.chaos_mtbf_s, plan.chaos_seed, rank, plan.dims.world_size, job)
     return job
 
 

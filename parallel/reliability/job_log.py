@@ -56,9 +56,19 @@ class JobLog:
     """Appends this job's events to the run directory's log; rank 0 writes the marks."""
 
     def __init__(self, run_dir: Path | None, rank: int):
-        self.path = Path(run_dir) / FILE_NAME if run_dir is not None else None
-        self.writes_marks = rank == 0 and self.path is not None
+        self.path = None
+        self.rank = rank
+        self.writes_marks = False
         self.last_mark = process_start_time()  # the set-up's span starts with the process
+        if run_dir is not None:
+            self.bind(run_dir)
+
+    def bind(self, run_dir: Path) -> None:
+        """The run directory is known: from here events are written, this attempt's start first."""
+        self.path = Path(run_dir) / FILE_NAME
+        self.writes_marks = self.rank == 0
+        if self.writes_marks:
+            self._write("attempt", start=process_start_time())
 
     def _write(self, event: str, **fields) -> None:
         if self.path is None:
@@ -66,10 +76,6 @@ class JobLog:
         line = json.dumps({"job": job_id(), "attempt": attempt_number(), "event": event, **fields})
         with open(self.path, "a") as f:  # one short append per line: lines of two processes never interleave
             f.write(line + "\n")
-
-    def attempt_started(self) -> None:
-        if self.writes_marks:
-            self._write("attempt", start=process_start_time())
 
     def _mark(self, event: str, **fields) -> None:
         now = time.time()
@@ -90,7 +96,8 @@ class JobLog:
         self._mark("end")
 
     def fault(self, **fields) -> None:
-        """Any rank: the one that is about to die says so."""
+        """Any rank: the one that is about to die says so (if it dies before the run directory is
+        known, only its stderr line tells)."""
         self._write("fault", **fields)
 
 
