@@ -59,7 +59,7 @@ def arm(mtbf_s: float | None, seed: int, rank: int, world_size: int, job: JobLog
 def open_job(plan, rank: int) -> JobLog:
     """This attempt's job log (its file once the run directory is known: `JobLog.bind`), with
     chaos's timer armed before anything else, so a failure can land in the set-up too."""
-    job = JobLog(None, rank)
+    job = JobLog(plan.run_dir, rank)  # None until rank 0 names the directory, unless run.dir does
     arm(plan.chaos_mtbf_s, plan.chaos_seed, rank, plan.dims.world_size, job)
     return job
 

@@ -65,6 +65,8 @@ class JobLog:
 
     def bind(self, run_dir: Path) -> None:
         """The run directory is known: from here events are written, this attempt's start first."""
+        if self.path == Path(run_dir) / FILE_NAME:
+            return
         self.path = Path(run_dir) / FILE_NAME
         self.writes_marks = self.rank == 0
         if self.writes_marks:
@@ -74,6 +76,7 @@ class JobLog:
         if self.path is None:
             return
         line = json.dumps({"job": job_id(), "attempt": attempt_number(), "event": event, **fields})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:  # one short append per line: lines of two processes never interleave
             f.write(line + "\n")
 
