@@ -28,6 +28,7 @@ from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
 from parallel.reliability.checkpoint import CheckpointError
 from parallel.reliability.faults import describe_failure
+from parallel.reliability.recovery import note_stopped
 from parallel.run_plan import ConfigError, build_plan
 from parallel.train import TrainingStopped, train
 
@@ -73,7 +74,7 @@ def main(cfg: DictConfig) -> None:
 def run(cfg: DictConfig, env: LaunchEnv) -> None:
     """One run of a composed config on this rank, and its exit: the body of `main`, which the
     sweep's pool (launch/forkserver.py) also calls, in a fork, on a config it composed itself."""
-    timeout_s = cfg.parallel.timeout_s
+    timeout_s, plan = cfg.parallel.timeout_s, None
     try:
         plan = build_plan(cfg, env, cuda_available=torch.cuda.is_available())
         train(plan, OmegaConf.to_container(cfg, resolve=True), env)
@@ -86,10 +87,16 @@ def run(cfg: DictConfig, env: LaunchEnv) -> None:
         time.sleep(0.5)
         exit_process(3)
     except Exception as e:
+        # A job that resumes by itself notes when the failure reached this rank and when it left:
+        # the next attempt's recovery block (parallel/reliability/recovery.py).
+        journal = (note_stopped(plan.run_dir, env.rank, plan.attempt, getattr(e, "detected_at", None))
+                   if plan is not None and plan.resume_auto else None)
         # Leave at once: a normal interpreter exit would join gloo's threads, which wait out a
         # pending collective's timeout. torchrun sees the failure and stops the other ranks.
         traceback.print_exc()
         print(f"error: {describe_failure(e, env.rank, timeout_s)}", file=sys.stderr, flush=True)
+        if journal is not None:
+            journal.append("exited")
         exit_process(1)
     if env.world_size > 1:
         # The run is complete and flushed: leave without interpreter finalisation, which can

@@ -41,7 +41,8 @@ from parallel.registry import (
 )
 from parallel.reliability.chaos import chaos_error
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
-from parallel.reliability.faults import FAIL_MODES
+from parallel.reliability.faults import FAIL_MODES, faults_by_attempt
+from parallel.reliability.resume import AUTO, attempt_number, checkpoint_root, job_run_dir, newest_checkpoint
 from parallel.report.tensorboard import option_error
 from parallel.spec import ConfigError, StrategySpec
 
@@ -78,6 +79,8 @@ class RunPlan:
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     resume_from: str | None = None  # one complete checkpoint directory, resolved
+    resume_auto: bool = False  # train.resume=auto: the job's newest checkpoint, if any (reliability/resume.py)
+    attempt: int = 0  # this attempt of the job: torchrun's restart count
     start_step: int = 0
     check_finite: bool = True
     fail_mode: str | None = None
@@ -183,39 +186,56 @@ def _check_numbers(cfg) -> None:
         raise ConfigError(tensorboard_error)
 
 
-def _check_faults(t, world_size: int) -> None:
-    """The fault-injection testing aid (parallel/reliability/faults.py): a mode, a step the run
-    reaches, a rank that exists."""
-    if t.fail_mode is None:
-        return
-    if t.fail_mode not in FAIL_MODES:
-        raise ConfigError(f"train.fail_mode={t.fail_mode!r}: choose one of {', '.join(FAIL_MODES)}, or null (no fault)")
-    last = t.steps if t.fail_mode == "kill_during_save" else t.steps - 1
-    if not _is_int(t.fail_at_step) or not 0 <= t.fail_at_step <= last:
-        raise ConfigError(f"train.fail_at_step={t.fail_at_step!r} must be a step this run reaches, 0 to {last}")
-    if not _is_int(t.fail_rank) or not 0 <= t.fail_rank < world_size:
-        raise ConfigError(f"train.fail_rank={t.fail_rank!r} must be a rank of this run, 0 to {world_size - 1}")
-    if t.fail_mode == "kill_during_save":
-        if t.fail_rank != 0:
+def _attempt_fault(t, world_size: int, attempt: int) -> dict:
+    """The fault-injection testing aid (parallel/reliability/faults.py): every attempt's fault
+    checked (a mode, a step the run reaches, a rank that exists), this attempt's kept."""
+    try:
+        faults = faults_by_attempt(t.fail_mode, t.fail_at_step, t.fail_rank)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    for mode, step, rank in faults:
+        if mode is not None:  # null in a list: no fault in that attempt
+            _check_fault(t, world_size, mode, step, rank)
+    mode, step, rank = faults[attempt] if attempt < len(faults) else (None, None, 0)
+    return dict(fail_mode=mode, fail_at_step=step, fail_rank=rank)
+
+
+def _check_fault(t, world_size: int, mode, at_step, rank) -> None:
+    if mode not in FAIL_MODES:
+        raise ConfigError(f"train.fail_mode={mode!r}: choose one of {', '.join(FAIL_MODES)}, or null (no fault)")
+    last = t.steps if mode == "kill_during_save" else t.steps - 1
+    if not _is_int(at_step) or not 0 <= at_step <= last:
+        raise ConfigError(f"train.fail_at_step={at_step!r} must be a step this run reaches, 0 to {last}")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ConfigError(f"train.fail_rank={rank!r} must be a rank of this run, 0 to {world_size - 1}")
+    if mode == "kill_during_save":
+        if rank != 0:
             raise ConfigError("train.fail_mode=kill_during_save kills the checkpoint writer, which is rank 0: "
                               "set train.fail_rank=0")
-        if not t.checkpoint_every or t.fail_at_step % t.checkpoint_every or t.fail_at_step == 0:
+        if not t.checkpoint_every or at_step % t.checkpoint_every or at_step == 0:
             raise ConfigError(
-                f"train.fail_mode=kill_during_save with train.fail_at_step={t.fail_at_step}: "
-                f"no checkpoint is saved after {t.fail_at_step} steps (train.checkpoint_every={t.checkpoint_every}): "
+                f"train.fail_mode=kill_during_save with train.fail_at_step={at_step}: "
+                f"no checkpoint is saved after {at_step} steps (train.checkpoint_every={t.checkpoint_every}): "
                 "use a multiple of checkpoint_every"
             )
 
 
-def _resume_point(t, model: GPTConfig, cfg) -> tuple[str | None, int]:
-    """The checkpoint to resume from and the step it continues at (or None, 0)."""
+def _resume_point(t, model: GPTConfig, cfg, run_dir: str | None) -> tuple[str | None, int]:
+    """The checkpoint to resume from and the step it continues at (or None, 0). `auto`: the
+    newest complete one of this job's checkpoints, where there is one (reliability/resume.py)."""
     if t.resume is None:
         return None, 0
-    checkpoint = resolve_checkpoint(str(t.resume))
+    if t.resume == AUTO:
+        checkpoint = newest_checkpoint(checkpoint_root(t.checkpoint_dir, run_dir))
+        if checkpoint is None:
+            return None, 0
+    else:
+        checkpoint = resolve_checkpoint(str(t.resume))
     plan_model = {k: getattr(model, k) for k in MODEL_KEYS}
     plan_data = {"seed": t.seed, "global_batch": t.global_batch, "data_path": cfg.data.path,
                  "data_max_bytes": cfg.data.max_bytes, "seq_len": model.seq_len}
-    start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps, t.warmup_steps, str(t.resume))
+    start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps, t.warmup_steps,
+                            str(checkpoint) if t.resume == AUTO else str(t.resume))
     return str(checkpoint), start
 
 
@@ -268,18 +288,21 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
     _check_steps(t.steps, t.warmup_steps)
     _check_precision(t.precision)
     check_recompute(layout.recompute, strategy, spec_of(strategy))
-    _check_faults(t, env.world_size)
+    attempt = attempt_number()
+    fault = _attempt_fault(t, env.world_size, attempt)
     if chaos_error(t.get("chaos") or {}):
         raise ConfigError(chaos_error(t.get("chaos") or {}))
     _check_checkpoints(t, strategy)
-    resume_from, start_step = _resume_point(t, model, cfg)
+    run_dir = job_run_dir(cfg.run.dir, strategy, env.world_size) if t.resume == AUTO else cfg.run.dir
+    resume_from, start_step = _resume_point(t, model, cfg, run_dir)
     return RunPlan(
         strategy=strategy, model=model, layout=layout, backend=backend,
         device_type=choose_device_type(cfg.parallel.backend, backend, cuda_available),
         timeout_s=float(cfg.parallel.timeout_s), steps=t.steps,
         warmup_steps=default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps,
         warmup_default=t.warmup_steps is None, resume_from=resume_from, start_step=start_step,
-        peak_flops=_peak_flops(t.get("peak_flops")), **_run_fields(cfg),
+        peak_flops=_peak_flops(t.get("peak_flops")), **_run_fields(cfg), run_dir=run_dir,
+        resume_auto=t.resume == AUTO, attempt=attempt, **fault,
     )
 
 
@@ -316,11 +339,10 @@ def _run_fields(cfg) -> dict:
         global_batch=t.global_batch, lr=float(t.lr), weight_decay=float(t.weight_decay), seed=int(t.seed),
         threads=t.threads, host_allocator=str(t.get("host_allocator", "keep")),
         gloo_loop_policy=str(t.get("gloo_loop_policy", "batch")), pin_cores=str(t.get("pin_cores", "auto")),
-        data_path=cfg.data.path, data_max_bytes=int(cfg.data.max_bytes), run_dir=cfg.run.dir,
+        data_path=cfg.data.path, data_max_bytes=int(cfg.data.max_bytes),
         comm_log=bool(cfg.comm.log), comm_time=bool(cfg.comm.time), timeline=bool(cfg.run.get("timeline", True)),
         save_final=bool(t.save_final), save_grads=bool(t.save_grads),
         checkpoint_every=t.checkpoint_every, checkpoint_dir=t.checkpoint_dir, check_finite=t.check_finite,
-        fail_mode=t.fail_mode, fail_at_step=t.fail_at_step, fail_rank=t.fail_rank,
         chaos_mtbf_s=(t.get("chaos") or {}).get("mtbf_s"), chaos_seed=int((t.get("chaos") or {}).get("seed", 0)),
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
     )

@@ -28,9 +28,11 @@ from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
 from parallel.reliability.chaos import open_job
-from parallel.reliability.checkpoint import checkpoint_meta, load_checkpoint, save_checkpoint
+from parallel.reliability.checkpoint import checkpoint_meta, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.reliability.goodput_report import add_goodput
+from parallel.reliability.recovery import Attempt, Journal
+from parallel.reliability.resume import checkpoint_root, job_fields, load_resumed, losses_meta
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
 from parallel.report.activations import ActivationMeter
@@ -76,6 +78,8 @@ class Run:
     events: list[dict] = field(default_factory=list)  # timed steps' phases and calls, both clocks (parallel/replay/)
     links: object = None  # the replay's link model (parallel/replay/links.py), set after the steps
     cores: list[int] = field(default_factory=list)  # the cores this rank may run on, once bound (dist/binding.py)
+    attempt: Attempt | None = None  # this attempt's start, and the failure before it (reliability/recovery.py)
+    history: tuple[int, list[float]] = (0, [])  # the job's first step and losses before this attempt (a checkpoint's)
     job: object = None  # the job's timeline across restarts, and chaos's timer (reliability/job_log.py, chaos.py)
 
 
@@ -87,8 +91,9 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
     job = open_job(plan, env.rank)  # chaos's timer runs from here, through the set-up (reliability/chaos.py)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
+    groups_ready = time.time()
     try:
-        run = setup(plan, ctx, job)
+        run = setup(plan, ctx, groups_ready, job)
         log.info("host allocator: %s", host_allocator)
         # Once the groups exist (each has its own gloo device and event-loop thread); again after
         # each warm-up step below, for the groups PyTorch's own strategies make lazily.
@@ -97,6 +102,7 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
         run.links = _link_model(run, resolved_config)
         report(run, resolved_config)
     except RuntimeError as e:
+        e.detected_at = time.time()  # when the failure reached this rank (recovery.py's `detected`)
         # A call failed (ours name themselves: CommFailure; DDP's reducer raises plain
         # RuntimeErrors): if a peer on this machine is gone, the message will name it.
         if len(ctx.peers) > 1 and (isinstance(e, CommFailure) or "Connection" in str(e)):
@@ -111,10 +117,11 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
 
 
 # -- set up -----------------------------------------------------------------------------------------
-def setup(plan: RunPlan, ctx: DistContext, job) -> Run:
+def setup(plan: RunPlan, ctx: DistContext, groups_ready: float, job) -> Run:
     """The run directory and logs, the strategy the registry builds, and the resumed state if any."""
     run_dir = _resolve_run_dir(plan, ctx)
-    setup_logging(run_dir, ctx.rank)
+    setup_logging(run_dir, ctx.rank, append=plan.attempt > 0)  # an earlier attempt's log stays
+    attempt = Attempt.start(Journal(run_dir, ctx.rank, plan.attempt), groups_ready)
     job.bind(run_dir)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
@@ -142,11 +149,8 @@ def setup(plan: RunPlan, ctx: DistContext, job) -> Run:
     apply_recompute(model, plan.layout.recompute, strategy.phases)
     strategy.forward_context = ForwardContext(plan.layout.precision, ctx.device)
     strategy.finite_comm, strategy.check_finite = ctx.comm("world"), plan.check_finite
-    if plan.resume_from:
-        model_state, optim_state = load_checkpoint(Path(plan.resume_from))
-        strategy.load_full_state(model_state, optim_state)
-        del model_state, optim_state
-        log.info("resumed from %s: continuing at step %d", plan.resume_from, plan.start_step)
+    attempt.setup_s, attempt.resumed_at = time.time() - groups_ready, plan.start_step
+    *history, attempt.load_s = load_resumed(strategy, plan, log)
     log.info("model: %d parameters (%d on this rank) | %d tokens per step | %d microbatch(es) of %d sequences per rank",
              strategy.full_parameter_count(), count_parameters(strategy.model), plan.tokens_per_step,
              plan.microbatches, plan.layout.microbatch_size)
@@ -155,7 +159,7 @@ def setup(plan: RunPlan, ctx: DistContext, job) -> Run:
              f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
              steps_run - plan.warmup_steps)
     job.setup_done()  # the job log's set-up span ends here; steps follow
-    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores(), job=job)
+    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores(), attempt=attempt, history=tuple(history), job=job)
 
 
 def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
@@ -173,9 +177,9 @@ def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
 def run_steps(run: Run, corpus: torch.Tensor) -> None:
     plan, ctx, strategy = run.plan, run.ctx, run.strategy
     batches = GlobalBatches(corpus, plan.model.seq_len, plan.global_batch, plan.seed)
-    metrics = MetricsWriter(run.run_dir / "metrics.jsonl") if ctx.is_rank0 else None
+    metrics = MetricsWriter(run.run_dir / "metrics.jsonl", append=plan.attempt > 0) if ctx.is_rank0 else None
     board = TensorBoardWriter.open(plan.tensorboard, plan.tensorboard_dir, run.run_dir) if ctx.is_rank0 else None
-    checkpoint_root = Path(plan.checkpoint_dir) if plan.checkpoint_dir else run.run_dir / "checkpoints"
+    checkpoints = checkpoint_root(plan.checkpoint_dir, run.run_dir)
     timer = StepTimer(ctx.device)  # CUDA events on a GPU, the host clock on the CPU
     clock = ctx.log.clock = timer.clock  # it stamps the step's phases and calls too, on the step's own axis
     activations = ActivationMeter(strategy.model.parameters())  # what autograd holds for backward
@@ -187,8 +191,9 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         global_batch = batches(step)
         microbatches = [mb.to(ctx.device) for mb in
                         local_microbatches(global_batch, ctx.coords["dp"], plan.dims.dp, plan.microbatches)]
+        run.attempt.reached(step, run.step_times)  # back where the previous attempt failed? (recovery.py)
         inject_before_step(plan.fail_mode, plan.fail_at_step, plan.fail_rank, step, ctx.rank,
-                           strategy.model.parameters())
+                           strategy.model.parameters(), run.attempt.journal)
         if plan.start_step < step <= plan.start_step + plan.warmup_steps:
             apply_gloo_loop_policy(plan.gloo_loop_policy)  # groups made during the steps before (dist/gloo_loop.py)
         if step == plan.start_step + plan.warmup_steps:
@@ -222,7 +227,7 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
             _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum())
         run.job.step_done(step)
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
-            _save_checkpoint(run, checkpoint_root, step + 1)
+            _save_checkpoint(run, checkpoints, step + 1)
     strategy.close()
     run.job.job_done()
     if metrics is not None:
@@ -284,8 +289,10 @@ def _save_checkpoint(run: Run, root: Path, steps_done: int) -> None:
     model_state = run.strategy.full_state_dict()
     optim_state = run.strategy.full_optimizer_state()
     if run.ctx.is_rank0:
-        path = save_checkpoint(root, steps_done, model_state, optim_state, checkpoint_meta(plan, steps_done),
-                               before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done))
+        first, before = run.history
+        meta = checkpoint_meta(plan, steps_done) | losses_meta(first, [*before, *run.losses])
+        path = save_checkpoint(root, steps_done, model_state, optim_state, meta, before_rename=kill_during_save(
+            plan.fail_mode, plan.fail_at_step, steps_done, run.attempt.journal))
         log.info("checkpoint %s (%.2f s)", path, time.perf_counter() - start)
     run.job.save_done(steps_done)
 
@@ -348,16 +355,16 @@ def report(run: Run, resolved_config: dict) -> None:
     world = ctx.comm("world")
     mine = rank_report(run)
     reports = world.gather_object(mine, 0, tag="tooling/summary") if world is not None else [mine]
-    if plan.save_final:
-        state = run.strategy.full_state_dict()
-        if ctx.is_rank0:
-            torch.save(state, run.run_dir / "final_model.pt")
+    state = run.strategy.full_state_dict()  # collective: the final hash, and final_model.pt if asked
+    if plan.save_final and ctx.is_rank0:
+        torch.save(state, run.run_dir / "final_model.pt")
     if not ctx.is_rank0:
         return
     net = run.wire.summary(reports, plan.warmup_steps) if run.wire is not None else None
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
                             device=ctx.device, run_dir=run.run_dir, net=net, links=run.links)
     add_goodput(summary, run.run_dir, plan)
+    summary.update(job_fields(plan, *run.history, run.losses, run.attempt.journal, state, log))
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)
     log.info("wrote %s", run.run_dir / "summary.json")

@@ -140,14 +140,29 @@ def init_distributed(env: LaunchEnv, dims: ParallelDims, backend: str, timeout_s
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if backend == "nccl":
         os.environ.update(nccl_failure_env())  # read by every NCCL group as it is made
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=backend, timeout=timeout, store=attempt_store(env, timeout), rank=env.rank, world_size=env.world_size,
         device_id=device if backend == "nccl" else None,
     )
     ctx.backend = backend
     add_layout_groups(ctx)
     return ctx
+
+
+def attempt_store(env: LaunchEnv, timeout: datetime.timedelta):
+    """torchrun's store (env://: MASTER_ADDR, MASTER_PORT), its keys prefixed by the attempt.
+
+    torchrun's agent keeps one TCPStore for the whole job and hands it to every attempt after a
+    restart (--max-restarts) unchanged: the keys the last attempt's groups wrote (each rank's
+    address, by group and rank) are still there, so a new rank can read a dead peer's address
+    before the new peer overwrites it, and gloo's connectFullMesh then waits out its timeout on a
+    port nobody listens on. A prefix per attempt (TORCHELASTIC_RESTART_COUNT) keeps the attempts
+    apart, as the agent's own rendezvous keys are kept apart by round."""
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", env.rank, env.world_size, timeout=timeout))
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def add_layout_groups(ctx: DistContext) -> DistContext:

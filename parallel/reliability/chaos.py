@@ -24,7 +24,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from parallel.reliability.job_log import JobLog, attempt_number, process_start_time
+from parallel.reliability.job_log import JobLog
+from parallel.reliability.recovery import process_start_time
+from parallel.reliability.resume import attempt_number
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ def arm(mtbf_s: float | None, seed: int, rank: int, world_size: int, job: JobLog
 def open_job(plan, rank: int) -> JobLog:
     """This attempt's job log (its file once the run directory is known: `JobLog.bind`), with
     chaos's timer armed before anything else, so a failure can land in the set-up too."""
-    job = JobLog(plan.run_dir, rank)  # None until rank 0 names the directory, unless run.dir does
+    job = JobLog(plan.run_dir, rank, plan.start_step)  # None until rank 0 names it, unless run.dir does
     arm(plan.chaos_mtbf_s, plan.chaos_seed, rank, plan.dims.world_size, job)
     return job
 

@@ -5,7 +5,8 @@ step K, so the tests can prove that every way a rank can go wrong ends the whole
 within seconds, with a sentence that says which rank and what:
 
     raise             an exception in the training loop (a bug)
-    exit              the process vanishes (os._exit: a segfault, the OOM killer)
+    exit              the process vanishes (os._exit: a segfault)
+    kill              the rank SIGKILLs itself, as the OOM killer does: no exception, no exit code
     hang              the rank stops responding (a deadlock, a stuck device): its peers wait in
                       their next collective until parallel.timeout_s, then fail
     nan_weights       the rank's weights become NaN, so the loss of step K is NaN (a corrupted
@@ -13,6 +14,14 @@ within seconds, with a sentence that says which rank and what:
                       every rank before the optimizer step
     kill_during_save  rank 0 is SIGKILLed while the checkpoint taken after K steps is written,
                       after its files are on disk but before the rename that publishes it
+
+Under restarts (torchrun --max-restarts, `train.resume=auto`) a fault must not fire again in the
+attempt that replaces the one it ended: `train.fail_at_step` may be a list, its i-th entry firing in
+attempt i only (`train.fail_at_step=[5,8]`: two failures in one job); `train.fail_mode` and
+`train.fail_rank` are one value for every entry or a list as long. `faults_by_attempt` reads them,
+and the plan keeps this attempt's entry alone. Before it fires, the failing rank appends a record
+(time, rank, step, attempt, mode) to the run's recovery journal (recovery.py), which the next
+attempt reads to measure what the failure cost.
 
 Off by default (`fail_mode: null`); nothing here runs unless asked.
 """
@@ -30,18 +39,41 @@ import torch
 from parallel.dist.binding import machine_id
 from parallel.dist.failures import PEER, TIMEOUT, failure_kind, failure_line
 
-FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill_during_save")
-STEP_MODES = ("raise", "exit", "hang", "nan_weights")
+FAIL_MODES = ("raise", "exit", "hang", "nan_weights", "kill", "kill_during_save")
+STEP_MODES = ("raise", "exit", "hang", "nan_weights", "kill")
 
 
 class InjectedFailure(RuntimeError):
     """The exception `fail_mode=raise` throws."""
 
 
-def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, step: int, rank: int, params) -> None:
-    """Misbehave as asked if this is the chosen rank and step; `params` are this rank's parameters."""
+def _entries(value, count: int, name: str) -> list:
+    """One value per fault: a list as long as train.fail_at_step's, or one value for all."""
+    if isinstance(value, (str, int, float, type(None))):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"train.{name}={values!r} has {len(values)} entries but train.fail_at_step has {count}: "
+                         "give one value for every fault, or a single value")
+    return values
+
+
+def faults_by_attempt(mode, at_step, fail_rank) -> list[tuple[str | None, int | None, int]]:
+    """(mode, step, rank) of each attempt's fault, attempt i at index i; [] without faults."""
+    if mode is None:
+        return []
+    steps = [at_step] if isinstance(at_step, (int, float, str, type(None))) else list(at_step)
+    return list(zip(_entries(mode, len(steps), "fail_mode"), steps, _entries(fail_rank, len(steps), "fail_rank")))
+
+
+def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, step: int, rank: int, params,
+                       journal=None) -> None:
+    """Misbehave as asked if this is the chosen rank and step; `params` are this rank's parameters;
+    `journal` (recovery.py) gets the fault's record first."""
     if mode not in STEP_MODES or step != at_step or rank != fail_rank:
         return
+    if journal is not None:
+        journal.fault(step, mode)
     # The wall-clock time lets a test measure how long the job takes to end after the fault.
     print(f"rank {rank}: injecting train.fail_mode={mode} at step {step} (unix time {time.time():.3f})",
           file=sys.stderr, flush=True)
@@ -49,6 +81,8 @@ def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, st
         raise InjectedFailure(f"injected failure (train.fail_mode=raise) at step {step} on rank {rank}")
     if mode == "exit":
         os._exit(13)
+    if mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "hang":
         while True:
             time.sleep(60)
@@ -58,12 +92,14 @@ def inject_before_step(mode: str | None, at_step: int | None, fail_rank: int, st
                 p.fill_(float("nan"))
 
 
-def kill_during_save(mode: str | None, at_step: int | None, step: int):
+def kill_during_save(mode: str | None, at_step: int | None, step: int, journal=None):
     """The hook `save_checkpoint` calls between writing and publishing, or None."""
     if mode != "kill_during_save" or step != at_step:
         return None
 
     def kill(tmp_dir) -> None:
+        if journal is not None:
+            journal.fault(step, mode)
         print(f"rank 0: injecting train.fail_mode=kill_during_save: SIGKILL with {tmp_dir} written but not renamed",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

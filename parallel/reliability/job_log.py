@@ -26,13 +26,10 @@ import os
 import time
 from pathlib import Path
 
+from parallel.reliability.recovery import Journal, process_start_time
+from parallel.reliability.resume import attempt_number
+
 FILE_NAME = "job_log.jsonl"
-_IMPORTED_AT = time.time()
-
-
-def attempt_number() -> int:
-    """torchrun's restart count: 0 for the job's first attempt (and outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def job_id() -> str:
@@ -40,24 +37,13 @@ def job_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "local")
 
 
-def process_start_time() -> float:
-    """When this process was created (unix time), from /proc; the module's import time elsewhere."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
-        return _IMPORTED_AT
-
-
 class JobLog:
     """Appends this job's events to the run directory's log; rank 0 writes the marks."""
 
-    def __init__(self, run_dir: Path | None, rank: int):
+    def __init__(self, run_dir: Path | None, rank: int, next_step: int = 0):
         self.path = None
         self.rank = rank
+        self.next_step = next_step  # the step this rank runs next: where a fault now would strike
         self.writes_marks = False
         self.last_mark = process_start_time()  # the set-up's span starts with the process
         if run_dir is not None:
@@ -91,6 +77,7 @@ class JobLog:
 
     def step_done(self, step: int) -> None:
         self._mark("step", step=step)
+        self.next_step = step + 1
 
     def save_done(self, steps_done: int) -> None:
         self._mark("save", step=steps_done)
@@ -99,9 +86,12 @@ class JobLog:
         self._mark("end")
 
     def fault(self, **fields) -> None:
-        """Any rank: the one that is about to die says so (if it dies before the run directory is
-        known, only its stderr line tells)."""
-        self._write("fault", **fields)
+        """Any rank: the one that is about to die says so, here and in the recovery journal
+        (recovery.py: the next attempt measures what the failure cost from it), before the step it
+        strikes. If it dies before the run directory is known, only its stderr line tells."""
+        self._write("fault", step=self.next_step, **fields)
+        if self.path is not None:
+            Journal(self.path.parent, self.rank, attempt_number()).fault(self.next_step, fields.get("kind", "chaos"))
 
 
 def read_job_log(run_dir: Path, job: str | None = None) -> list[dict]:

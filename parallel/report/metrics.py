@@ -21,13 +21,13 @@ def default_run_dir(strategy: str, world_size: int) -> str:
     return os.path.join("runs", f"{stamp}-{strategy}-w{world_size}-{os.getpid() % 0x10000:04x}")
 
 
-def setup_logging(run_dir: Path, rank: int) -> logging.Logger:
+def setup_logging(run_dir: Path, rank: int, append: bool = False) -> logging.Logger:
     """Each rank logs to its own file; only rank 0 also talks to the console."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.handlers.clear()
     root.setLevel(logging.INFO)
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log", mode="w")
+    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log", mode="a" if append else "w")
     file_handler.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(name)s: %(message)s"))
     root.addHandler(file_handler)
     if rank == 0:
@@ -76,8 +76,8 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """metrics.jsonl: one line per step, written by rank 0 as the run goes."""
 
-    def __init__(self, path: Path):
-        self._file = open(path, "w")
+    def __init__(self, path: Path, append: bool = False):
+        self._file = open(path, "a" if append else "w")  # append: a restarted job's later attempt
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

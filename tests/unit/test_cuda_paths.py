@@ -167,6 +167,7 @@ def test_nccl_groups_are_made_with_the_watchdog_leaving_the_process_up(monkeypat
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.setattr(dist, "init_process_group", made)
+    monkeypatch.setattr("parallel.dist.groups.attempt_store", lambda env, timeout: None)  # no torchrun store here
     env = LaunchEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
     with pytest.raises(_Stop):
         init_distributed(env, ParallelDims(world_size=2, dp=2), "nccl", 60, CommLog(), device_type="cpu")
