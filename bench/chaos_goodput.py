@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench import harness
-from parallel.reliability.goodput import GoodputInputs, daly_interval, predict
+from parallel.reliability.goodput import GoodputInputs, daly_interval, predict, with_startup
 from parallel.reliability.goodput_report import restart_cost
 
 DEFAULTS = {"minutes": "10", "failures": "6", "seed": "1", "world": "2", "global_batch": "256",
@@ -58,8 +58,9 @@ def _job(cmd: list[str], run_dir: Path, timeout_s: float) -> dict:
     return summary
 
 
-def calibrate(base: list[str], world: int, out: Path) -> tuple[GoodputInputs, dict]:
-    """t, delta and R from one short job with one forced failure; M and n are left to the caller."""
+def calibrate(base: list[str], world: int, out: Path) -> tuple[GoodputInputs, float, dict]:
+    """t, delta and R (M and n are left to the caller), and the one-time start-up S0, from one short
+    job with one forced failure."""
     overrides = [*base, f"train.steps={CALIBRATION_STEPS}", f"train.checkpoint_every={CALIBRATION_EVERY}",
                  "train.resume=auto", "train.fail_mode=kill", f"train.fail_at_step={CALIBRATION_STEPS // 2 + 2}",
                  "train.fail_rank=1"]
@@ -70,10 +71,18 @@ def calibrate(base: list[str], world: int, out: Path) -> tuple[GoodputInputs, di
     restart = restart_cost(g["failures"], step_s)
     if restart is None:
         raise SystemExit(f"the calibration job had no failure to measure R from: {out / 'calibration'}")
-    return GoodputInputs(step_s, 1, save_s, restart, 1.0), summary
+    return GoodputInputs(step_s, 1, save_s, restart, 1.0), g["first_setup_s"], summary
 
 
-def _row(mult: float, every: int, inputs: GoodputInputs, summary: dict) -> dict:
+def job_prediction(inputs: GoodputInputs, startup_s: float, steps: int) -> dict:
+    """Both models' goodput at `inputs`, over a job of `steps` useful steps that pays S0 once."""
+    got = predict(inputs)
+    useful = steps * inputs.step_s
+    return {**got, "first_order_job": with_startup(got["first_order"], startup_s, useful),
+            "daly_job": with_startup(got["daly"], startup_s, useful), "startup_s": startup_s}
+
+
+def _row(mult: float, every: int, inputs: GoodputInputs, startup_s: float, steps: int, summary: dict) -> dict:
     g = summary["goodput"]
     at = GoodputInputs(inputs.step_s, every, inputs.save_s, inputs.restart_s, inputs.mtbf_s)
     failures = len(g["failures"])
@@ -81,7 +90,8 @@ def _row(mult: float, every: int, inputs: GoodputInputs, summary: dict) -> dict:
             if failures else None)
     return {"multiplier": mult, "every": every, "interval_s": at.interval_s, "failures": failures,
             "attempts": g["attempts"], "wall_s": g["wall_s"], "measured": g["measured"],
-            "predicted": predict(at), "predicted_seen": predict(seen) if seen else None,
+            "predicted": job_prediction(at, startup_s, steps),
+            "predicted_seen": job_prediction(seen, startup_s, steps) if seen else None,
             "parts_s": g["parts_s"], "recomputed_steps": g["recomputed_steps"], "load": summary["bench_load"]}
 
 
@@ -92,11 +102,12 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         p, s = r["predicted"], r["predicted_seen"]
-        seen = f"{s['daly']:.3f}" if s else "-"
+        seen = f"{s['daly_job']:.3f}" if s else "-"
         lines.append(
             f"| {r['multiplier']:g} tau* = {r['interval_s']:.1f} s | {r['every']} | {r['failures']} ({r['attempts']}) "
-            f"| {r['wall_s']:.0f} s | {r['measured']:.3f} | {p['first_order']:.3f} | {p['daly']:.3f} "
-            f"| {100 * (r['measured'] - p['daly']):+.1f} points | {seen} | {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
+            f"| {r['wall_s']:.0f} s | {r['measured']:.3f} | {p['first_order_job']:.3f} | {p['daly_job']:.3f} "
+            f"| {100 * (r['measured'] - p['daly_job']):+.1f} points | {seen} "
+            f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     return "\n".join(lines)
 
 
@@ -107,16 +118,17 @@ def main(argv: list[str]) -> None:
     base = ["model=tiny", "parallel=dp", f"train.global_batch={o['global_batch']}", "train.warmup_steps=0",
             *overrides]
     started = time.time()
-    inputs, calibration = calibrate(base, world, out)
+    inputs, startup, calibration = calibrate(base, world, out)
     mtbf = minutes * 60 / float(o["failures"])
     inputs = GoodputInputs(inputs.step_s, 1, inputs.save_s, inputs.restart_s, mtbf)
     best = daly_interval(inputs.save_s, mtbf)
     expected = predict(GoodputInputs(inputs.step_s, max(1, round(best / inputs.step_s)), inputs.save_s,
                                      inputs.restart_s, mtbf))["daly"]
-    steps = max(10, round(minutes * 60 * expected / inputs.step_s))
+    steps = max(10, round((minutes * 60 - startup) * expected / inputs.step_s))  # a job of about `minutes`
     print(f"calibration ({out / 'calibration'}: {CALIBRATION_STEPS} steps, a checkpoint every {CALIBRATION_EVERY}, "
           f"rank 1 SIGKILLed once): t = {inputs.step_s:.3f} s, delta = {inputs.save_s:.3f} s, "
-          f"R = {inputs.restart_s:.2f} s; M = {mtbf:.0f} s ({o['failures']} failures expected in {minutes:g} min); "
+          f"R = {inputs.restart_s:.2f} s, S0 = {startup:.2f} s; M = {mtbf:.0f} s "
+          f"({o['failures']} failures expected in {minutes:g} min); "
           f"tau* = {best:.2f} s; {steps} steps per job; {world} ranks on {os.cpu_count()} cores", flush=True)
     rows = []
     for mult in [float(m) for m in o["multipliers"].split(",")]:
@@ -125,16 +137,16 @@ def main(argv: list[str]) -> None:
         job = [*base, f"train.steps={steps}", f"train.checkpoint_every={every}", "train.resume=auto",
                f"train.chaos.mtbf_s={mtbf:g}", f"train.chaos.seed={seed}"]
         summary = _job(command(world, int(o["max_restarts"]), job, run_dir), run_dir, minutes * 60 * 3 + 600)
-        rows.append(_row(mult, every, inputs, summary))
+        rows.append(_row(mult, every, inputs, startup, steps, summary))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    report = {"calibration": {"inputs": inputs.as_dict(), "run_dir": str(out / "calibration"),
+    report = {"calibration": {"inputs": inputs.as_dict(), "startup_s": startup, "run_dir": str(out / "calibration"),
                               "goodput": calibration["goodput"]["measured"]},
               "steps": steps, "seed": seed, "world": world, "cores": os.cpu_count(), "minutes": minutes,
               "rows": rows, "bench_wall_s": time.time() - started}
     (out / "report.json").write_text(json.dumps(report, indent=1))
     print(table(rows))
     measured_best = max(rows, key=lambda r: r["measured"])
-    model_best = max(rows, key=lambda r: r["predicted"]["daly"])
+    model_best = max(rows, key=lambda r: r["predicted"]["daly_job"])
     print(f"best interval: measured {measured_best['every']} steps, model {model_best['every']} steps "
           f"(tau* = {best:.2f} s = {best / inputs.step_s:.1f} steps); bench wall {time.time() - started:.0f} s; "
           f"report {out / 'report.json'}")

@@ -79,6 +79,15 @@ def daly_interval(delta: float, mtbf: float) -> float:
     return math.sqrt(2 * delta * mtbf) - delta
 
 
+def with_startup(goodput: float, startup_s: float, useful_s: float) -> float:
+    """A whole job's goodput when it also pays a one-time start-up S0 (its first attempt's set-up,
+    which no interval amortises) for U seconds of useful work: U / (S0 + U / goodput). It matters
+    for short jobs: a few seconds of start-up in a job of minutes is a point or more."""
+    if goodput <= 0:
+        return 0.0
+    return useful_s / (startup_s + useful_s / goodput)
+
+
 def predict(inputs: GoodputInputs) -> dict:
     """Both models' goodput at the inputs' interval, and the optimum interval in seconds and steps."""
     tau, delta, restart, mtbf = inputs.interval_s, inputs.save_s, inputs.restart_s, inputs.mtbf_s

@@ -95,12 +95,18 @@ def measure(events: list[dict]) -> dict:
         "measured": parts["useful_steps_s"] / wall if wall > 0 else None,
         "wall_s": wall, "useful_s": parts["useful_steps_s"], "parts_s": parts, "parts_sum_s": sum(parts.values()),
         "attempts": len(numbers), "failures": failures,
+        "first_setup_s": _first_setup(attempts[numbers[0]]),
         "useful_steps": len(useful_steps),
         "recomputed_steps": sum(1 for n in numbers for m in attempts[n]["marks"]
                                 if m["event"] == "step" and last_run[m["step"]] is not m),
         "step_spans_s": [_span(last_run[s]) for s in useful_steps],
         "save_spans_s": [_span(m) for n in numbers for m in attempts[n]["marks"] if m["event"] == "save"],
     }
+
+
+def _first_setup(a: dict) -> float:
+    """The job's one-time start-up: its first attempt's set-up (all of it, if it never finished)."""
+    return (a["setup_end"] if a["setup_end"] is not None else _last_mark(a)) - a["start"]
 
 
 def _failure(a: dict, nxt: dict, attempt: int, fault_at: float, job_start: float) -> dict:

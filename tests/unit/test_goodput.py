@@ -13,6 +13,7 @@ from parallel.reliability.goodput import (
     daly_interval,
     first_order_goodput,
     predict,
+    with_startup,
     young_interval,
 )
 from parallel.reliability.goodput_report import PARTS, goodput_block, measure
@@ -53,6 +54,13 @@ def test_the_optima_maximise_their_models(delta, mtbf):
     best_daly = max(grid, key=lambda tau: daly_goodput(tau, delta, 0.0, mtbf))
     # Daly's sqrt(2 delta M) - delta is itself first order in sqrt(delta/M).
     assert best_daly == pytest.approx(daly_interval(delta, mtbf), rel=0.05)
+
+
+def test_a_one_time_start_up_weighs_on_a_short_job_only():
+    assert with_startup(0.8, 0.0, 100.0) == pytest.approx(0.8)
+    assert with_startup(0.8, 5.0, 100.0) == pytest.approx(100 / (5 + 125))
+    assert with_startup(0.8, 5.0, 1e7) == pytest.approx(0.8, rel=1e-5)
+    assert with_startup(0.0, 5.0, 100.0) == 0.0
 
 
 def test_daly_interval_past_two_m_is_m():
@@ -132,6 +140,7 @@ def test_measure_splits_the_wall_time_into_its_parts():
     assert parts["restart_s"] == pytest.approx(2.0)
     assert parts["finish_s"] == pytest.approx(0.1)
     assert (got["useful_steps"], got["recomputed_steps"], got["attempts"]) == (5, 2, 2)
+    assert got["first_setup_s"] == pytest.approx(5.0)
     assert got["measured"] == pytest.approx(5.5 / 19.6)
     [failure] = got["failures"]
     assert failure["rank"] == 1 and failure["last_step_done"] == 3 and failure["to_setup_done_s"] == pytest.approx(6)
