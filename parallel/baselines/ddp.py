@@ -11,6 +11,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel.core.data import Batch
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
 
@@ -68,6 +69,26 @@ class TorchDDP(Strategy):
     def microbatch_context(self, last_microbatch: bool):
         # DDP's own way of accumulating without communicating.
         return contextlib.nullcontext() if last_microbatch else self.model.no_sync()
+
+    def load_full_state(self, model_state: dict[str, torch.Tensor], optim_state: dict) -> None:
+        super().load_full_state(model_state, optim_state)
+        self.rebuild_buckets_as_after_a_step()
+
+    def rebuild_buckets_as_after_a_step(self) -> None:
+        """Let DDP lay out its buckets as it does after its first step, before a resumed run's first.
+
+        DDP's first backward fills buckets in parameter order; from the next forward on, its
+        Reducer (once per process) uses the order in which gradients arrived instead. The flat
+        buffer then differs, so gloo's ring cuts it into other chunks and adds each element's
+        partial sums in another order: a run resumed at step k would sum step k's gradients with
+        the first layout where the uninterrupted run used the rebuilt one, and drift in the last
+        bits from step k + 1 on. One backward of a batch of zeros (collective: its all-reduce is
+        traffic outside the steps), its gradients then dropped, makes the resumed run's buckets
+        those of the uninterrupted run."""
+        config = self.model.module.config
+        tokens = torch.zeros((1, config.seq_len), dtype=torch.long, device=next(self.model.parameters()).device)
+        self.forward_loss(Batch(tokens, tokens), global_tokens=tokens.numel()).backward()
+        self.zero_grad()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.module.state_dict().items()}
