@@ -23,6 +23,7 @@ from collections import defaultdict
 
 from parallel.reliability.goodput import GoodputInputs, predict
 from parallel.reliability.job_log import read_job_log
+from parallel.reliability.recovery import Journal
 
 log = logging.getLogger("parallel")
 
@@ -47,7 +48,7 @@ def _by_attempt(events: list[dict]) -> dict[int, dict]:
             a["marks"].append(e)
         elif e["event"] == "fault":
             a["fault"] = e
-            a["start"] = a["start"] if a["start"] is not None else e["attempt_start"]
+            a["start"] = a["start"] if a["start"] is not None else e.get("attempt_start")
         elif e["event"] == "end":
             a["end"] = e["end"]
     return dict(sorted(attempts.items()))
@@ -162,9 +163,22 @@ def goodput_line(block: dict) -> str:
     return line
 
 
+def journal_faults(events: list[dict], records: list[dict]) -> list[dict]:
+    """The recovery journal's faults (recovery.py: `train.fail_mode` ones as well as chaos's) as job
+    log events, for the attempts whose fault the job log lacks; records older than the job's
+    first attempt are another job's."""
+    starts = [e["start"] for e in events if e["event"] == "attempt"]
+    have = {e["attempt"] for e in events if e["event"] == "fault"}
+    return [{"attempt": r["attempt"], "event": "fault", "kind": r.get("mode"), "rank": r["rank"], "at": r["time"],
+             "step": r.get("step")} for r in records
+            if r["event"] == "fault" and r["attempt"] not in have and starts and r["time"] >= min(starts)]
+
+
 def add_goodput(summary: dict, run_dir, plan) -> None:
-    """summary.json's `goodput` block from the run directory's job log, and its console line."""
+    """summary.json's `goodput` block from the run directory's job log and recovery journal, and
+    its console line."""
     events = read_job_log(run_dir)
+    events += journal_faults(events, Journal(run_dir, 0, 0).records())
     try:
         block = goodput_block(events, plan.checkpoint_every, plan.chaos_mtbf_s)
     except ValueError as e:  # a log that does not cover the job (written by another version, or cut)

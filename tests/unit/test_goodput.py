@@ -16,7 +16,7 @@ from parallel.reliability.goodput import (
     with_startup,
     young_interval,
 )
-from parallel.reliability.goodput_report import PARTS, goodput_block, measure
+from parallel.reliability.goodput_report import PARTS, goodput_block, journal_faults, measure
 from parallel.run_plan import ConfigError
 
 
@@ -157,3 +157,16 @@ def test_goodput_block_predicts_from_the_jobs_own_measurements():
 def test_an_unfinished_log_is_refused():
     with pytest.raises(ValueError, match="has not finished"):
         measure(_two_attempt_log()[:-1])
+
+
+def test_a_fault_only_the_recovery_journal_has_is_counted():
+    """train.fail_mode=kill writes its fault to recovery.jsonl only: the report takes it from there,
+    and ignores a record older than the job (another job's, in a reused run directory)."""
+    events = [e for e in _two_attempt_log() if e["event"] != "fault"]
+    journal = [{"event": "fault", "time": -50.0, "rank": 0, "attempt": 0, "step": 1, "mode": "kill"},
+               {"event": "fault", "time": 10.0, "rank": 1, "attempt": 0, "step": 4, "mode": "kill"},
+               {"event": "detected", "time": 10.1, "rank": 0, "attempt": 0}]
+    added = journal_faults(events, journal)
+    assert [(f["kind"], f["rank"], f["at"]) for f in added] == [("kill", 1, 10.0)]
+    assert measure(events + added)["parts_s"] == measure(_two_attempt_log())["parts_s"]
+    assert journal_faults(_two_attempt_log(), journal) == []  # the job log's own fault comes first
