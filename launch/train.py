@@ -28,7 +28,7 @@ from parallel.dist.dims import LayoutError
 from parallel.dist.groups import LaunchEnv, exit_process, exit_with_error
 from parallel.reliability.checkpoint import CheckpointError
 from parallel.reliability.faults import describe_failure
-from parallel.reliability.recovery import note_stopped
+from parallel.reliability.recovery import Journal, note_stopped
 from parallel.run_plan import ConfigError, build_plan
 from parallel.train import TrainingStopped, train
 
@@ -89,8 +89,9 @@ def run(cfg: DictConfig, env: LaunchEnv) -> None:
     except Exception as e:
         # A job that resumes by itself notes when the failure reached this rank and when it left:
         # the next attempt's recovery block (parallel/reliability/recovery.py).
-        journal = (note_stopped(plan.run_dir, env.rank, plan.attempt, getattr(e, "detected_at", None))
-                   if plan is not None and plan.resume_auto else None)
+        journal = Journal(plan.run_dir, env.rank, plan.attempt) if plan is not None and plan.resume_auto else None
+        if journal is not None and not hasattr(e, "detected_at"):  # not stamped where it was caught
+            note_stopped(plan.run_dir, env.rank, plan.attempt)
         # Leave at once: a normal interpreter exit would join gloo's threads, which wait out a
         # pending collective's timeout. torchrun sees the failure and stops the other ranks.
         traceback.print_exc()

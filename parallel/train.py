@@ -31,7 +31,7 @@ from parallel.reliability.chaos import open_job
 from parallel.reliability.checkpoint import checkpoint_meta, save_checkpoint
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table
 from parallel.reliability.goodput_report import add_goodput
-from parallel.reliability.recovery import Attempt, Journal
+from parallel.reliability.recovery import Attempt, Journal, note_stopped
 from parallel.reliability.resume import checkpoint_root, job_fields, load_resumed, losses_meta
 from parallel.replay.events import step_record
 from parallel.replay.probe import probe_loopback
@@ -102,7 +102,8 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
         run.links = _link_model(run, resolved_config)
         report(run, resolved_config)
     except RuntimeError as e:
-        e.detected_at = time.time()  # when the failure reached this rank (recovery.py's `detected`)
+        if plan.resume_auto:  # first: torchrun may stop this rank any moment now (recovery.py's `detected`)
+            e.detected_at = note_stopped(plan.run_dir, ctx.rank, plan.attempt)
         # A call failed (ours name themselves: CommFailure; DDP's reducer raises plain
         # RuntimeErrors): if a peer on this machine is gone, the message will name it.
         if len(ctx.peers) > 1 and (isinstance(e, CommFailure) or "Connection" in str(e)):

@@ -5,7 +5,7 @@ directory, `recovery.jsonl` (appended, fsynced, one JSON line each), so that the
 failure can tell what happened to the one before:
 
     fault      the failing rank, just before it dies (faults.py): time, rank, step, attempt, mode
-    detected   each survivor, as the failure reaches it (launch/train.py's except path): time, rank
+    detected   each survivor, as the failure reaches it (train()'s except path, else launch/train.py's)
     exited     each survivor, just before it leaves (best effort: torchrun may stop it first)
     recovered  rank 0 of the next attempt, once it is back at the step where the fault fired: the
                entry below, one per failure; the summary lists them all
@@ -16,6 +16,8 @@ An entry splits the failure's cost in seconds, each part measured on its own:
     teardown    last survivor's `exited` - the first `detected`
     restart     the new attempt's process start (the kernel's) - the last `exited`: torchrun's
                 agent notices, stops the group, meets again in its rendezvous, starts the workers
+                (where no survivor left a stamp, torchrun stopped them first: detection and
+                teardown are 0 and restart counts from the fault; `survivors_detected` says so)
     rendezvous  process start - process groups ready (interpreter, imports, init_process_group)
     setup       process groups ready - the strategy built (its own clock)
     load        checkpoint read and loaded into the strategy (its own clock)
@@ -117,7 +119,7 @@ def recovery_entry(fault: dict, stopped: list[dict], attempt: Attempt, recovered
     detected = [r["time"] for r in stopped if r["event"] == "detected"]
     exited = [r["time"] for r in stopped if r["event"] == "exited"]
     first_seen = min(detected) if detected else None
-    last_exit = max(exited) if exited else first_seen
+    last_exit = max(exited) if exited and detected else first_seen
     parts = {
         "detection_s": first_seen - fault["time"] if first_seen is not None else 0.0,
         "teardown_s": last_exit - first_seen if first_seen is not None else 0.0,
@@ -138,12 +140,12 @@ def recovery_entry(fault: dict, stopped: list[dict], attempt: Attempt, recovered
     }
 
 
-def note_stopped(run_dir, rank: int, attempt: int, detected_at: float | None) -> Journal:
-    """A survivor's `detected` record (its failure's time, stamped where it was caught), first thing
-    in its except path: torchrun may stop it any moment now."""
-    journal = Journal(run_dir, rank, attempt)
-    journal.append("detected", time=detected_at or time.time())
-    return journal
+def note_stopped(run_dir, rank: int, attempt: int) -> float:
+    """A survivor's `detected` record, first thing where the failure is caught: torchrun may stop
+    this rank any moment now. Returns its time."""
+    now = time.time()
+    Journal(run_dir, rank, attempt).append("detected", time=now)
+    return now
 
 
 def recovery_block(journal: Journal | None) -> list[dict]:

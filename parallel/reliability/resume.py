@@ -23,9 +23,10 @@ fault injection uses it to fire each fault in one attempt only (faults.py).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from parallel.reliability.checkpoint import CheckpointError, resolve_checkpoint
+from parallel.reliability.checkpoint import CheckpointError, load_checkpoint, read_meta, resolve_checkpoint
 from parallel.spec import ConfigError
 
 AUTO = "auto"
@@ -73,9 +74,6 @@ def newest_checkpoint(root: Path) -> Path | None:
 def load_resumed(strategy, plan, log) -> tuple[int, list[float], float]:
     """Load plan.resume_from into the strategy (every rank). Returns the job's losses before it
     (first step, losses: a checkpoint carries them in meta.json) and the seconds the load took."""
-    import time
-
-    from parallel.reliability.checkpoint import load_checkpoint, read_meta
 
     if plan.resume_from is None:
         if plan.resume_auto:

@@ -3,7 +3,7 @@
 Every case is a 10-step world-4 job on a tiny model with a checkpoint every 2 steps, whose rank 1
 SIGKILLs itself before step 5 (train.fail_mode=kill): torchrun stops the other ranks and starts
 all four again, the new attempt resumes from step 4's checkpoint, and the job exits 0. Against
-one uninterrupted run of the same config it must show:
+one uninterrupted run of the same training config (which saves no checkpoint) it must show:
   - the losses of steps 0-9 (summary.json covers the whole job, the steps before the restart
     included) and final_params_sha256 bitwise equal: recovery lost nothing and repeated the
     recomputed step exactly;
@@ -23,8 +23,8 @@ import pytest
 from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT, assert_ok, run_train
 
 JOB = ["train.steps=10", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
-       "train.peak_flops=1e11", "run.timeline=false", *GIVEN_LOOPBACK, "train.checkpoint_every=2",
-       "train.resume=auto"]
+       "train.peak_flops=1e11", "run.timeline=false", *GIVEN_LOOPBACK]
+SAVE = ["train.checkpoint_every=2", "train.resume=auto"]
 KILL = ["train.fail_mode=kill", "train.fail_at_step=5", "train.fail_rank=1"]
 # The kill, then in the next attempt the checkpoint writer killed mid-save.
 KILL_THEN_SAVE = ["train.fail_mode=[kill,kill_during_save]", "train.fail_at_step=[5,8]", "train.fail_rank=[1,0]"]
@@ -40,7 +40,8 @@ def _restarting_job(overrides: list[str], run_dir, max_restarts: int):
 def _check_recovery(entry: dict, step: int, rank: int, resumed_from: int) -> None:
     assert (entry["fault_step"], entry["fault_rank"], entry["resumed_from_step"]) == (step, rank, resumed_from), entry
     assert entry["steps_recomputed"] == step - resumed_from
-    assert entry["survivors_detected"] >= 1, entry  # at least one survivor saw the peer go
+    if entry["survivors_detected"] == 0:  # torchrun stopped every survivor before it could stamp (best effort)
+        assert entry["detection_s"] == entry["teardown_s"] == 0, entry
     assert all(entry[k] >= 0 for k in ("detection_s", "teardown_s", "restart_s", "rendezvous_s", "load_s")), entry
     assert abs(entry["unexplained_s"]) <= 0.1 * entry["downtime_s"], entry
 
@@ -57,8 +58,9 @@ def _check_recovery(entry: dict, step: int, rank: int, resumed_from: int) -> Non
 def test_a_killed_rank_is_restarted_and_the_job_repeats_the_uninterrupted_run(preset, model, faults, failures,
                                                                                tmp_path):
     config = [f"model={model}", f"parallel={preset}", *JOB]
+    # The reference saves no checkpoint: saving must not change a bit of the training either.
     reference = assert_ok(run_train(4, config, tmp_path / "reference"))
-    job = _restarting_job([*config, *faults], tmp_path / "job", max_restarts=failures)
+    job = _restarting_job([*config, *SAVE, *faults], tmp_path / "job", max_restarts=failures)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-5000:]
     assert "injecting train.fail_mode=kill at step 5" in job.stderr
     summary = json.loads((tmp_path / "job" / "summary.json").read_text())
