@@ -39,6 +39,7 @@ from parallel.registry import (
     resolve,
     spec_of,
 )
+from parallel.reliability.chaos import chaos_error
 from parallel.reliability.checkpoint import MODEL_KEYS, check_resumable, read_meta, resolve_checkpoint
 from parallel.reliability.faults import FAIL_MODES, faults_by_attempt
 from parallel.reliability.resume import AUTO, attempt_number, checkpoint_root, job_run_dir, newest_checkpoint
@@ -92,6 +93,8 @@ class RunPlan:
     slow_factor: float = 2.0  # train.fail_mode=slow: the slowed rank's compute, times
     straggler_window: int = 5  # steps the straggler score looks back over (parallel/reliability/straggler.py)
     straggler_threshold: float = 1.5  # a score from which a rank is flagged
+    chaos_mtbf_s: float | None = None  # train.chaos: a seeded random kill of a random rank (reliability/chaos.py)
+    chaos_seed: int = 0
     warmup_default: bool = False  # train.warmup_steps was null: default_warmup_steps of the steps run
     timeline: bool = True  # run.timeline: draw timeline.png beside trace.json
 
@@ -309,6 +312,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
     run_dir = job_run_dir(cfg.run.dir, strategy, env.world_size) if t.resume == AUTO else cfg.run.dir
     attempt = attempt_number(run_dir if t.resume == AUTO else None)
     fault = _attempt_fault(t, env.world_size, attempt)
+    if chaos_error(t.get("chaos") or {}):
+        raise ConfigError(chaos_error(t.get("chaos") or {}))
     _check_checkpoints(t, strategy)
     resume_from, start_step = _resume_point(t, model, cfg, run_dir)
     return RunPlan(
@@ -362,6 +367,7 @@ def _run_fields(cfg) -> dict:
         checkpoint_async=t.get("checkpoint_async", False), checkpoint_sharded=t.get("checkpoint_sharded", False),
         slow_factor=float(t.get("slow_factor", 2.0)), straggler_window=int(t.get("straggler_window", 5)),
         straggler_threshold=float(t.get("straggler_threshold", 1.5)),
+        chaos_mtbf_s=(t.get("chaos") or {}).get("mtbf_s"), chaos_seed=int((t.get("chaos") or {}).get("seed", 0)),
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
     )
 

@@ -27,8 +27,10 @@ from parallel.dist.groups import DistContext, LaunchEnv, init_distributed, shutd
 from parallel.dist.timing import StepTimer
 from parallel.moe.stats import RoutingMeter
 from parallel.net.probe import WireProbe
+from parallel.reliability.chaos import open_job
 from parallel.reliability.checkpoint import checkpoint_meta
 from parallel.reliability.faults import gone_peers, inject_before_step, kill_during_save, peer_table, slow_down
+from parallel.reliability.goodput_report import add_goodput
 from parallel.reliability.hangs import report_hang, watch_for_hangs
 from parallel.reliability.recovery import STARTED, Attempt, Journal, note_stopped
 from parallel.reliability.resume import checkpoint_root, job_fields, load_resumed, losses_meta
@@ -43,11 +45,11 @@ from parallel.report.metrics import (
     MetricsWriter,
     close_logging,
     default_run_dir,
-    peak_memory_bytes,
     reset_peak_memory,
     setup_logging,
     write_json,
 )
+from parallel.report.rank import rank_report
 from parallel.report.summary import build_summary
 from parallel.report.tensorboard import TensorBoardWriter
 from parallel.report.virtual import replayable
@@ -83,6 +85,7 @@ class Run:
     attempt: Attempt | None = None  # this attempt's start, and the failure before it (reliability/recovery.py)
     history: tuple[int, list[float]] = (0, [])  # the job's first step and losses before this attempt (a checkpoint's)
     checkpoints: list[dict] = field(default_factory=list)  # each save's cost on this rank (reliability/saving.py)
+    job: object = None  # the job's timeline across restarts, and chaos's timer (reliability/job_log.py, chaos.py)
 
 
 def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
@@ -91,10 +94,11 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
     host_allocator = apply_host_allocator(plan.host_allocator)  # before the run allocates (core/host_memory.py)
     corpus = load_corpus(plan.data_path, plan.data_max_bytes, plan.model.seq_len + 1)  # before any group
     comm_log = CommLog(enabled=plan.comm_log, timed=plan.comm_time)
+    job = open_job(plan, env.rank)  # chaos's timer runs from here, through the set-up (reliability/chaos.py)
     ctx = init_distributed(env, plan.dims, plan.backend, plan.timeout_s, comm_log, plan.device_type)
     groups_ready = time.time()
     try:
-        run = setup(plan, ctx, groups_ready)
+        run = setup(plan, ctx, groups_ready, job)
         log.info("host allocator: %s", host_allocator)
         # Once the groups exist (each has its own gloo device and event-loop thread); again after
         # each warm-up step below, for the groups PyTorch's own strategies make lazily.
@@ -120,7 +124,7 @@ def train(plan: RunPlan, resolved_config: dict, env: LaunchEnv) -> Path:
 
 
 # -- set up -----------------------------------------------------------------------------------------
-def setup(plan: RunPlan, ctx: DistContext, groups_ready: float) -> Run:
+def setup(plan: RunPlan, ctx: DistContext, groups_ready: float, job) -> Run:
     """The run directory and logs, the strategy the registry builds, and the resumed state if any."""
     run_dir = _resolve_run_dir(plan, ctx)
     setup_logging(run_dir, ctx.rank, append=plan.attempt > 0)  # an earlier attempt's log stays
@@ -128,6 +132,7 @@ def setup(plan: RunPlan, ctx: DistContext, groups_ready: float) -> Run:
     attempt = Attempt.start(Journal(run_dir, ctx.rank, plan.attempt), groups_ready)
     if plan.resume_auto and ctx.is_rank0:
         attempt.journal.append(STARTED)  # every rank has counted the attempts before this one (resume.py)
+    job.bind(run_dir)
     ctx.peers = peer_table(ctx.comm("world"))
     # Once the groups (and their gloo threads) exist, before the model: a core per rank where the
     # machine has one for each (dist/binding.py).
@@ -163,7 +168,8 @@ def setup(plan: RunPlan, ctx: DistContext, groups_ready: float) -> Run:
     log.info("timing: %d warm-up step(s) not timed%s, %d timed", plan.warmup_steps,
              f" (train.warmup_steps=null: min(3, half of the {steps_run} steps run))" if plan.warmup_default else "",
              steps_run - plan.warmup_steps)
-    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores(), attempt=attempt, history=tuple(history))
+    job.setup_done()  # the job log's set-up span ends here; steps follow
+    return Run(plan, ctx, run_dir, strategy, cores=allowed_cores(), attempt=attempt, history=tuple(history), job=job)
 
 
 def _resolve_run_dir(plan: RunPlan, ctx: DistContext) -> Path:
@@ -226,10 +232,12 @@ def run_steps(run: Run, corpus: torch.Tensor) -> None:
         run.step_times.append(seconds)
         if metrics is not None:
             _record_step(run, metrics, board, step, loss, seconds, traffic, global_batch.checksum(), straggling)
+        run.job.step_done(step)
         if plan.checkpoint_every and (step + 1) % plan.checkpoint_every == 0:
             _save_checkpoint(run, saver, step + 1)
     saver.wait()  # the last asynchronous save is written before the run reports
     strategy.close()
+    run.job.job_done()
     if metrics is not None:
         metrics.close()
     if board is not None:
@@ -310,6 +318,7 @@ def _save_checkpoint(run: Run, saver: CheckpointSaver, steps_done: int) -> None:
     meta = checkpoint_meta(plan, steps_done) | losses_meta(first, [*before, *run.losses])
     saver.save(steps_done, meta, before_rename=kill_during_save(plan.fail_mode, plan.fail_at_step, steps_done,
                                                                 run.attempt.journal))
+    run.job.save_done(steps_done)
 
 
 def _link_model(run: Run, resolved_config: dict):
@@ -332,44 +341,11 @@ def _link_model(run: Run, resolved_config: dict):
 
 
 # -- report -----------------------------------------------------------------------------------------
-def rank_report(run: Run) -> dict:
-    """What this rank measured, for rank 0's summary."""
-    strategy, ctx = run.strategy, run.ctx
-    return {
-        "rank": ctx.rank,
-        "coords": ctx.coords,
-        "pipeline_spans": getattr(strategy, "spans", None),
-        "pipeline_executed": [str(a) for a in getattr(strategy, "executed", [])],
-        "parameters": strategy.full_parameter_count(),
-        "local_parameters": count_parameters(strategy.model),
-        "step_times": run.step_times,
-        "traffic": ctx.log.steps,
-        "traffic_outside": dict(ctx.log.outside),  # set-up, the loopback probe, checkpoints: so far
-        "peak_memory_bytes": peak_memory_bytes(ctx.device),
-        "activation_peak_bytes": run.activation_peaks[-1] if run.activation_peaks else 0,  # the last step's
-        "routing": run.routing,
-        "net": run.wire.report() if run.wire is not None else None,
-        "time_breakdown": run.breakdowns,
-        "breakdown_note": strategy.breakdown_note,
-        "exposed_comm_measured": strategy.exposed_comm_measured,
-        "trace": run.trace,
-        "events": {"rank": ctx.rank, "coords": ctx.coords, "node": run.wire.node if run.wire is not None else 0,
-                   "machine": ctx.peers[ctx.rank][2] if ctx.peers else None, "cores": run.cores,
-                   "threads": torch.get_num_threads(),  # its virtual device's cores (replay/device.py)
-                   "groups": {name: list(c.global_ranks) for name, c in ctx.comms.items() if c is not None},
-                   "steps": run.events},
-        # Parameters, gradients and optimizer state this rank holds after the last step, and its
-        # peak during that step, from tensor sizes.
-        "model_state": strategy.memory_report(),
-        "checkpoints": run.checkpoints,
-    }
-
-
 def report(run: Run, resolved_config: dict) -> None:
     """Every rank's report to rank 0 (collective), the final model if asked, and summary.json."""
     plan, ctx = run.plan, run.ctx
     world = ctx.comm("world")
-    mine = rank_report(run)
+    mine = rank_report(run)  # parallel/report/rank.py
     reports = world.gather_object(mine, 0, tag="tooling/summary") if world is not None else [mine]
     state = run.strategy.full_state_dict()  # collective: the final hash, and final_model.pt if asked
     if plan.save_final and ctx.is_rank0:
@@ -380,6 +356,7 @@ def report(run: Run, resolved_config: dict) -> None:
     summary = build_summary(config=resolved_config, plan=plan, losses=run.losses, rank_reports=reports,
                             device=ctx.device, run_dir=run.run_dir, net=net, links=run.links)
     summary["stragglers"] = run.stragglers.summary() if run.stragglers is not None else None
+    add_goodput(summary, run.run_dir, plan)
     summary.update(job_fields(plan, *run.history, run.losses, run.attempt.journal, state, log))
     write_json(run.run_dir / "summary.json", summary)
     log_summary(summary)

@@ -1,6 +1,6 @@
 """summary.json: the one output schema every strategy, every baseline and every tool shares.
 
-Assembled here, in one place, by global rank 0 from every rank's report (`rank_report`):
+Assembled here, in one place, by global rank 0 from every rank's report (`rank_report`, report/rank.py):
   config              the resolved Hydra config
   strategy            the strategy that ran ("single", "dp", "torch_ddp", ...)
   world_size          number of processes

@@ -3,7 +3,8 @@
 Every case is a 10-step world-4 job on a tiny model with a checkpoint every 2 steps, whose rank 1
 SIGKILLs itself before step 5 (train.fail_mode=kill): torchrun stops the other ranks and starts
 all four again, the new attempt resumes from step 4's checkpoint, and the job exits 0. Against
-one uninterrupted run of the same training config (which saves no checkpoint) it must show:
+one uninterrupted run of the same training config (which saves no checkpoint; all seven forked
+from one pool of ranks) it must show:
   - the losses of steps 0-9 (summary.json covers the whole job, the steps before the restart
     included) and final_params_sha256 bitwise equal: recovery lost nothing and repeated the
     recomputed step exactly;
@@ -20,7 +21,9 @@ import subprocess
 import sys
 
 import pytest
-from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT, assert_ok, run_train
+from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT, Run, assert_ok, run_train
+
+from parallel.compare.pool import Pool, pools_supported
 
 JOB = ["train.steps=10", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
        "train.peak_flops=1e11", "run.timeline=false", *GIVEN_LOOPBACK]
@@ -46,7 +49,7 @@ def _check_recovery(entry: dict, step: int, rank: int, resumed_from: int) -> Non
     assert abs(entry["unexplained_s"]) <= 0.1 * entry["downtime_s"], entry
 
 
-@pytest.mark.parametrize("preset,model,faults,failures", [
+CASES = [
     ("dp", "tiny", KILL, 1),
     ("zero3", "tiny", KILL, 1),
     ("tp", "tiny", KILL, 1),
@@ -54,12 +57,37 @@ def _check_recovery(entry: dict, step: int, rank: int, resumed_from: int) -> Non
     ("3d", "tiny_llama", KILL_THEN_SAVE, 2),
     ("torch_ddp", "tiny", KILL, 1),
     ("torch_fsdp2", "tiny", KILL, 1),
-])
+]
+
+
+def _config(preset: str, model: str) -> list[str]:
+    return [f"model={model}", f"parallel={preset}", *JOB]
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory) -> dict[str, dict]:
+    """Every case's uninterrupted run, forked one after another from one pool of 4 ranks
+    (parallel/compare/pool.py: a pooled run is the fresh torchrun's, to the bit;
+    tests/tools/test_compare_pool.py), so the imports are paid once, not once per case. The
+    reference saves no checkpoint: saving must not change a bit of the training either."""
+    root = tmp_path_factory.mktemp("restart_references")
+    if not pools_supported():
+        return {preset: assert_ok(run_train(4, _config(preset, model), root / preset)) for preset, model, *_ in CASES}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # the pool's ranks inherit this environment: gloo on the CPU
+        with Pool(4) as pool:
+            for preset, model, *_ in CASES:
+                status, error, _ = pool.run(["launch.train", preset], [*_config(preset, model),
+                                                                       f"run.dir={root / preset}"], root / preset, 240)
+                assert (status, error) == ("ok", ""), (preset, error)
+    return {preset: Run(0, "", "", root / preset).summary for preset, *_ in CASES}
+
+
+@pytest.mark.parametrize("preset,model,faults,failures", CASES)
 def test_a_killed_rank_is_restarted_and_the_job_repeats_the_uninterrupted_run(preset, model, faults, failures,
-                                                                               tmp_path):
-    config = [f"model={model}", f"parallel={preset}", *JOB]
-    # The reference saves no checkpoint: saving must not change a bit of the training either.
-    reference = assert_ok(run_train(4, config, tmp_path / "reference"))
+                                                                               references, tmp_path):
+    config = _config(preset, model)
+    reference = references[preset]
     job = _restarting_job([*config, *SAVE, *faults], tmp_path / "job", max_restarts=failures)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-5000:]
     assert "injecting train.fail_mode=kill at step 5" in job.stderr
