@@ -1,7 +1,7 @@
 """Chaos mode: failures at random, as a large cluster has them, but reproducible from a seed.
 
-`train.chaos.mtbf_s=M train.chaos.seed=S`: in each attempt of a job (torchrun's
-TORCHELASTIC_RESTART_COUNT: 0 for the first, 1 after one restart, ...) every rank draws the same
+`train.chaos.mtbf_s=M train.chaos.seed=S`: in each attempt of a job (the plan's attempt number,
+resume.py: 0 for the first, 1 after one restart, ...) every rank draws the same
 two numbers from (S, attempt): a time to failure, exponential with mean M seconds, and a rank.
 That rank starts a daemon timer at start-up and SIGKILLs itself when its process has lived that
 long, wherever it then is: in a step, in a save, in the set-up, as a real failure lands. The
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from parallel.reliability.job_log import JobLog
 from parallel.reliability.recovery import process_start_time
-from parallel.reliability.resume import attempt_number
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ def arm(mtbf_s: float | None, seed: int, rank: int, world_size: int, job: JobLog
     """Start this attempt's timer if this rank is the one drawn; returns the draw (None: chaos off)."""
     if mtbf_s is None:
         return None
-    chosen = draw(seed, attempt_number(), mtbf_s, world_size)
+    chosen = draw(seed, job.attempt, mtbf_s, world_size)
     if chosen.rank == rank:
         started = process_start_time()
         wait = max(0.0, started + chosen.delay_s - time.time())
@@ -61,7 +60,7 @@ def arm(mtbf_s: float | None, seed: int, rank: int, world_size: int, job: JobLog
 def open_job(plan, rank: int) -> JobLog:
     """This attempt's job log (its file once the run directory is known: `JobLog.bind`), with
     chaos's timer armed before anything else, so a failure can land in the set-up too."""
-    job = JobLog(plan.run_dir, rank, plan.start_step)  # None until rank 0 names it, unless run.dir does
+    job = JobLog(plan.run_dir, rank, plan.start_step, plan.attempt)  # None until rank 0 names it, unless run.dir does
     arm(plan.chaos_mtbf_s, plan.chaos_seed, rank, plan.dims.world_size, job)
     return job
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 from parallel.reliability.recovery import Journal, process_start_time
-from parallel.reliability.resume import attempt_number
 
 FILE_NAME = "job_log.jsonl"
 
@@ -40,9 +39,9 @@ def job_id() -> str:
 class JobLog:
     """Appends this job's events to the run directory's log; rank 0 writes the marks."""
 
-    def __init__(self, run_dir: Path | None, rank: int, next_step: int = 0):
+    def __init__(self, run_dir: Path | None, rank: int, next_step: int = 0, attempt: int = 0):
         self.path = None
-        self.rank = rank
+        self.rank, self.attempt = rank, attempt  # the plan's attempt number (resume.py: attempt_number)
         self.next_step = next_step  # the step this rank runs next: where a fault now would strike
         self.writes_marks = False
         self.last_mark = process_start_time()  # the set-up's span starts with the process
@@ -61,7 +60,7 @@ class JobLog:
     def _write(self, event: str, **fields) -> None:
         if self.path is None:
             return
-        line = json.dumps({"job": job_id(), "attempt": attempt_number(), "event": event, **fields})
+        line = json.dumps({"job": job_id(), "attempt": self.attempt, "event": event, **fields})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:  # one short append per line: lines of two processes never interleave
             f.write(line + "\n")
@@ -91,7 +90,7 @@ class JobLog:
         strikes. If it dies before the run directory is known, only its stderr line tells."""
         self._write("fault", step=self.next_step, **fields)
         if self.path is not None:
-            Journal(self.path.parent, self.rank, attempt_number()).fault(self.next_step, fields.get("kind", "chaos"))
+            Journal(self.path.parent, self.rank, self.attempt).fault(self.next_step, fields.get("kind", "chaos"))
 
 
 def read_job_log(run_dir: Path, job: str | None = None) -> list[dict]:
