@@ -88,8 +88,18 @@ def section_overrides(cfg: DictConfig, section: str) -> list[str]:
     overrode here (model=tiny, model.n_layers=2, train.steps=3) reaches each run unchanged."""
     values = OmegaConf.to_container(cfg[section], resolve=True)
     values.pop("peak_flops", None)  # compare passes its own, measured once for the whole sweep
-    return [f"{section}.{k}={json.dumps(v) if isinstance(v, str) else ('null' if v is None else v)}"
-            for k, v in values.items()]
+    return _flat_overrides(section, values)
+
+
+def _flat_overrides(prefix: str, values: dict) -> list[str]:
+    """`prefix.key=value` for each field, a nested group's fields by their dotted path (train.chaos.seed=0)."""
+    found = []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            found.extend(_flat_overrides(f"{prefix}.{k}", v))
+        else:
+            found.append(f"{prefix}.{k}={json.dumps(v) if isinstance(v, str) else ('null' if v is None else v)}")
+    return found
 
 
 def missing_preset(strategy: str) -> str | None:

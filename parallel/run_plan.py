@@ -241,6 +241,13 @@ def _check_fault(t, world_size: int, mode, at_step, rank) -> None:
             )
 
 
+def _warmup_steps(t, start_step: int) -> int:
+    """train.warmup_steps, or its default for the steps this run takes; a resume=auto attempt keeps
+    at least one timed step, however close to the end it restarted."""
+    warmup = default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps
+    return min(warmup, max(0, t.steps - start_step - 1)) if t.resume == AUTO else warmup
+
+
 def _resume_point(t, model: GPTConfig, cfg, run_dir: str | None) -> tuple[str | None, int]:
     """The checkpoint to resume from and the step it continues at (or None, 0). `auto`: the
     newest complete one of this job's checkpoints, where there is one (reliability/resume.py)."""
@@ -255,7 +262,10 @@ def _resume_point(t, model: GPTConfig, cfg, run_dir: str | None) -> tuple[str | 
     plan_model = {k: getattr(model, k) for k in MODEL_KEYS}
     plan_data = {"seed": t.seed, "global_batch": t.global_batch, "data_path": cfg.data.path,
                  "data_max_bytes": cfg.data.max_bytes, "seq_len": model.seq_len}
-    start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps, t.warmup_steps,
+    # A restarted attempt is not refused for its warm-up: it keeps at most what the steps left allow
+    # (build_plan), since a job that stopped near its end must still finish.
+    start = check_resumable(read_meta(checkpoint), plan_model, plan_data, t.steps,
+                            None if t.resume == AUTO else t.warmup_steps,
                             str(checkpoint) if t.resume == AUTO else str(t.resume))
     return str(checkpoint), start
 
@@ -320,7 +330,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
         strategy=strategy, model=model, layout=layout, backend=backend,
         device_type=choose_device_type(cfg.parallel.backend, backend, cuda_available),
         timeout_s=float(cfg.parallel.timeout_s), steps=t.steps,
-        warmup_steps=default_warmup_steps(t.steps - start_step) if t.warmup_steps is None else t.warmup_steps,
+        warmup_steps=_warmup_steps(t, start_step),
         warmup_default=t.warmup_steps is None, resume_from=resume_from, start_step=start_step,
         peak_flops=_peak_flops(t.get("peak_flops")), **_run_fields(cfg), run_dir=run_dir,
         resume_auto=t.resume == AUTO, attempt=attempt, **fault,

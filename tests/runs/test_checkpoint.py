@@ -44,11 +44,11 @@ def tp_run(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("nproc,preset,mode", [(2, "dp", ASYNC), (2, "pp_1f1b", [])], ids=["2-dp-async", "2-pp_1f1b"])
+@pytest.mark.parametrize("nproc,preset,mode", [(2, "dp", ASYNC)], ids=["2-dp-async"])
 def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, mode, tmp_path):
     """dp saves asynchronously (a host snapshot written while steps 4-6 run): the state it wrote is
     the state after step 3, so resuming repeats steps 3..5 bit for bit, as a synchronous save does
-    (pp here, and every other test of this file)."""
+    (tests/runs/test_restart.py resumes seven strategies' synchronous saves at world 4, bit for bit)."""
     full = run_train(nproc, [*TINY, f"parallel={preset}", *SAVE, *mode], tmp_path / "full")
     saves = assert_ok(full)["checkpoints"]["saves"]
     meta = json.loads((full.run_dir / "checkpoints" / "step_000003" / "meta.json").read_text())

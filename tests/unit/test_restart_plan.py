@@ -7,7 +7,7 @@ import torch
 from test_layout import plan_for
 
 from parallel.core.model import GPT
-from parallel.reliability.checkpoint import checkpoint_meta, save_checkpoint
+from parallel.reliability.checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
 from parallel.reliability.params_hash import params_sha256
 from parallel.reliability.recovery import Attempt, Journal, recovery_block, recovery_entry
 from parallel.run_plan import ConfigError, model_config
@@ -153,3 +153,16 @@ def test_the_next_attempt_finds_the_fault_and_journals_its_entry(tmp_path):
     assert entry["fault_step"] == 5 and attempt.pending is None
     block = recovery_block(Journal(tmp_path, rank=0, attempt=1))
     assert len(block) == 1 and block[0]["recovered_attempt"] == 1 and block[0]["fault_rank"] == 1
+
+
+def test_an_attempt_restarted_near_the_end_keeps_one_timed_step(tmp_path):
+    """train.warmup_steps=1 and a checkpoint after step 2 of 3: a manual resume is refused (no timed
+    step), but a restarted resume=auto attempt must finish the job, so it times its last step."""
+    run_dir = tmp_path / "run"
+    settings = ["model=tiny", "train.steps=3", "train.warmup_steps=1", "train.resume=auto", f"run.dir={run_dir}"]
+    _checkpoint(run_dir / "checkpoints", 2, plan_for(1, *settings))
+    plan = plan_for(1, *settings)
+    assert (plan.start_step, plan.warmup_steps) == (2, 0)
+    with pytest.raises(CheckpointError, match="leaves no timed step"):
+        plan_for(1, "model=tiny", "train.steps=3", "train.warmup_steps=1",
+                 f"train.resume={run_dir / 'checkpoints' / 'step_000002'}")
