@@ -345,9 +345,11 @@ def report(run: Run, resolved_config: dict) -> None:
     """Every rank's report to rank 0 (collective), the final model if asked, and summary.json."""
     plan, ctx = run.plan, run.ctx
     world = ctx.comm("world")
+    # Collective, for the final hash (and final_model.pt if asked): before this rank's report, so that
+    # its bytes are among the calls outside the steps the summary counts.
+    state = run.strategy.full_state_dict()
     mine = rank_report(run)  # parallel/report/rank.py
     reports = world.gather_object(mine, 0, tag="tooling/summary") if world is not None else [mine]
-    state = run.strategy.full_state_dict()  # collective: the final hash, and final_model.pt if asked
     if plan.save_final and ctx.is_rank0:
         torch.save(state, run.run_dir / "final_model.pt")
     if not ctx.is_rank0:

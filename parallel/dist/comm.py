@@ -318,9 +318,10 @@ class Communicator:
     def gather_object(self, obj, dst_group_rank: int, tag: str):
         """Every rank's `obj` in a list on `dst_group_rank`, None elsewhere."""
         out = [None] * self.size if self.rank == dst_group_rank else None
-        # Payload as NCCL counts a gather: all ranks' contributions; here approximated by this
-        # rank's pickled size times the group size (tooling traffic, reported apart).
-        payload = len(pickle.dumps(obj)) * self.size
+        # What this rank sends: its pickled object, once, to the root; the root sends none (tooling
+        # traffic, reported apart). torch pads each object to the largest and exchanges their sizes
+        # first: neither is counted.
+        payload = 0 if self.rank == dst_group_rank else len(pickle.dumps(obj))
         self._run(
             "gather_object", tag, payload,
             lambda: dist.gather_object(obj, out, group_dst=dst_group_rank, group=self.group),

@@ -24,7 +24,8 @@ def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> Fraction:
     """Bytes one rank sends for `op` on `payload_bytes` in a bandwidth-optimal algorithm.
 
     docs/theory/collectives.md (nccl-tests PERFORMANCE.md): all-reduce 2(N-1)/N S; reduce-scatter, all-gather
-    and all-to-all (N-1)/N S with S the full tensor; broadcast, reduce and p2p S. An exact
+    and all-to-all (N-1)/N S with S the full tensor; broadcast, reduce and p2p S; a gather of objects
+    S, each rank's own (the root's S is 0). An exact
     Fraction, so that sums over many calls equal the closed form to the byte.
     """
     n = group_size
@@ -32,9 +33,9 @@ def ring_bytes_sent(op: str, payload_bytes: int, group_size: int) -> Fraction:
         return Fraction(0)
     if op == "all_reduce":
         return Fraction(2 * (n - 1), n) * payload_bytes
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_gather_object", "gather_object"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_gather_object"):
         return Fraction(n - 1, n) * payload_bytes
-    if op in ("broadcast", "reduce", "send", "broadcast_object"):
+    if op in ("broadcast", "reduce", "send", "broadcast_object", "gather_object"):  # a gather: one's own, once
         return Fraction(payload_bytes)
     if op in ("recv", "barrier"):
         return Fraction(0)  # a receive sends nothing; its bytes are counted at the sender
