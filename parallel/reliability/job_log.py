@@ -22,18 +22,19 @@ the time from its last mark to the fault.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from parallel.reliability.recovery import Journal, process_start_time
+from parallel.reliability.resume import job_identity
 
 FILE_NAME = "job_log.jsonl"
 
 
 def job_id() -> str:
-    """One id per job, the same in every attempt (torchrun's run id; "local" outside torchrun)."""
-    return os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    """One id per job, the same in every attempt: the one that names a resume=auto job's run
+    directory (resume.py: Slurm's job id, else torchrun's run id); "local" outside both."""
+    return job_identity() or "local"
 
 
 class JobLog:
