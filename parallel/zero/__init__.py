@@ -104,8 +104,7 @@ def _hsdp_entry(stage: int) -> StrategySpec:
                     "dp / dp_shard groups (docs/hsdp.md)",
         build=_build_hsdp(stage), comm=lambda model, layout: hsdp_theory.hsdp_comm(model, layout, stage),
         model_state=lambda model, layout: hsdp_theory.hsdp_model_state_bytes(model, layout, stage),
-        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, moe=False,
-        moe_refusal="its shard groups sum every gradient, the experts' too, over dp; expert parallelism is parallel=ep",
+        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp,
         # Each rank's shard of a checkpoint is its shard group's; the replicas' copies are not told apart yet.
         checkpoints=False, counterpart="torch_hsdp" if stage == 3 else None,
     )
