@@ -88,10 +88,10 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
 
 def _build_hsdp(stage):
     def build(model, plan, ctx):
-        from parallel.zero.hsdp import build_hsdp
+        from parallel.zero.hsdp import HSDP, HSDPZero2
 
-        return build_hsdp(model, stage, ctx.comm("dp"), ctx.comm("dp_shard"), ctx.comm("dp_replicate"), plan.lr,
-                          plan.weight_decay)
+        return (HSDP if stage == 3 else HSDPZero2)(model, ctx.comm("dp"), ctx.comm("dp_shard"),
+                                                   ctx.comm("dp_replicate"), plan.lr, plan.weight_decay)
     return build
 
 
@@ -105,8 +105,7 @@ def _hsdp_entry(stage: int) -> StrategySpec:
         build=_build_hsdp(stage), comm=lambda model, layout: hsdp_theory.hsdp_comm(model, layout, stage),
         model_state=lambda model, layout: hsdp_theory.hsdp_model_state_bytes(model, layout, stage),
         dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp,
-        # Each rank's shard of a checkpoint is its shard group's; the replicas' copies are not told apart yet.
-        checkpoints=False, counterpart="torch_hsdp" if stage == 3 else None,
+        counterpart="torch_hsdp" if stage == 3 else None,
     )
 
 
