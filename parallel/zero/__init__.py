@@ -96,9 +96,8 @@ def _build_hsdp(stage):
 
 
 def _hsdp_entry(stage: int) -> StrategySpec:
-    zero3 = _entry(3, "", _build_zero3)
-    return replace(
-        zero3 if stage == 3 else _entry(2, "", _build_zero(2)),
+    return replace(  # zero3's or zero2's entry (activations, recomputation, tied head, MoE), on two groups
+        _entry(stage, "", _build_zero3 if stage == 3 else _build_zero(stage)),
         name="hsdp" if stage == 3 else "hsdp_zero2",
         description=f"HSDP: ZeRO-{stage} over parallel.dp_shard ranks, gradient shards all-reduced across the "
                     "dp / dp_shard groups (docs/hsdp.md)",
