@@ -46,6 +46,7 @@ from __future__ import annotations
 from parallel import algebra
 from parallel.activations import registry_activations
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 from parallel.zero import theory
 from parallel.zero.rules import ZERO3_NO_TIED_HEAD
 
@@ -54,14 +55,15 @@ def _build_zero(stage):
     def build(model, plan, ctx):
         from parallel.zero.strategy import ZeroDataParallel
 
-        return ZeroDataParallel(model, ctx.comm("dp"), stage, plan.lr, plan.weight_decay)
+        return ZeroDataParallel(model, ctx.comm("dp"), stage, plan.lr, plan.weight_decay,
+                                plan.layout.of(SyncOptions).comm_dtype)
     return build
 
 
 def _build_zero3(model, plan, ctx):
     from parallel.zero.zero3 import Zero3
 
-    return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay)
+    return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay, plan.layout.of(SyncOptions).comm_dtype)
 
 
 def _entry(stage: int, what: str, build) -> StrategySpec:
@@ -70,6 +72,7 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
         build=build, comm=lambda model, layout: theory.zero_comm(model, layout, stage),
         model_state=lambda model, layout: theory.zero_model_state_bytes(model, layout, stage),
         local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
+        honours={"sync": ("comm_dtype",)},
         counterpart=f"torch_zero{stage}" if stage < 3 else "torch_fsdp2", moe=True,
         # Every stage has the activation formula (zero3 too: tests/helpers/planner_memory_check.py measures
         # it). Recomputation is the project's transform of whole blocks: ZeRO-1/2 run the model's
