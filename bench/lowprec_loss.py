@@ -43,7 +43,7 @@ def row(strategy: str, fmt: str, summary: dict, reference: dict) -> str:
     worst = max(abs(a - b) for a, b in zip(losses, ref))
     sent = summary["comm"]["sent_bytes_per_step"] / summary["world_size"]
     return (f"| {strategy} | {fmt} | {sent:,.0f} | {summary['comm_matches_theory']} | {tail_mean(losses):.4f} | "
-            f"{gap:+.4f} | {gap / tail_mean(ref):+.2%} | {worst:.4f} |")
+            f"{gap:+.5f} | {gap / tail_mean(ref):+.3%} | {worst:.5f} |")
 
 
 def main(argv: list[str]) -> int:

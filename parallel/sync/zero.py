@@ -42,6 +42,10 @@ class ZeroOptimizer(GradSync):
     backward hooks, before any completion could run, so it refuses completions (run_plan.py refuses
     ZeRO-2 with sequence parallelism first, with the reason).
 
+    The gradients' reduce-scatters go through `grad_comm`, in parallel.comm_dtype
+    (parallel/sync/lowprec.py); the parameters' all-gather stays fp32 on `comm`, since the gathered
+    copy is the one this optimizer trains.
+
     After construction the parameters are views into per-part flat buffers (their values are
     unchanged); the model is used as before.
     """

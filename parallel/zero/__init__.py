@@ -39,6 +39,10 @@ piece per parameter the shard overlaps (and one for the padding), each piece in 
 group of its parameter (no decay on biases and LayerNorm weights, as strategy.make_optimizer).
 AdamW is elementwise, so stepping the pieces does per element the same arithmetic as stepping the
 whole parameters.
+
+`parallel.comm_dtype` (bf16, int8, fp8; parallel/sync/lowprec.py) carries every stage's gradient
+reduce-scatters, and zero3's weight all-gathers, in that format; ZeRO-1 and 2 gather their updated
+weights in fp32 (docs/low-precision-collectives.md).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ resizes it back and fills it before any of them is read. Once a part's last para
 gradient, every backward node that read the part's parameters has run (each such node sends a
 gradient to them), so freeing then is safe.
 
+Both collectives go through `self.wire`, the dp Communicator itself for parallel.comm_dtype=fp32,
+else its low-precision collectives (parallel/sync/lowprec.py): the shards stay fp32, only what
+crosses between ranks is rounded.
+
 With several microbatches, each one gathers twice and reduce-scatters once per part; the
 gradient shards add up. The optimizer (zero.ShardAdamW) steps the shards directly; no all-gather
 follows the step, the next forward gathers what it needs.
