@@ -15,7 +15,7 @@ Every case is a 3-step world-4 run (2 microbatches) forked from one pool of 4 ra
     them far less; a sync that lost a factor of N would not);
   * torch_ddp with PyTorch's bf16_compress_hook and dp's bf16 all-reduce, the same arithmetic on
     buckets that differ only in DDP's first step, give losses within 1e-4 of each other.
-comm_dtype=fp32 is no wrapper at all (tests/layers/test_lowprec.py): the runs of test_dp.py and
+comm_dtype=fp32 is no wrapper at all (tests/layers/test_lowprec_collectives.py): the runs of test_dp.py and
 test_zero.py are its runs.
 """
 
