@@ -20,7 +20,8 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       last step's, and `run`, every step's), and `outside_steps` (every call made
                       outside the steps: set-up, the loopback probe, checkpoints)
   expected_comm       the strategy's closed form (its family's theory.py) in the same fields
-  comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
+  comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats); where theory
+                      gives `period_steps` P (DiLoCo's H), the mean of the last P steps against it
   mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
@@ -154,14 +155,22 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         "peak_memory_scope": peak_memory_scope(plan.device_type),
         "comm": comm,
         "expected_comm": expected,
-        "comm_matches_theory": (Fraction(comm["sent_bytes_per_step_exact"])
-                                == Fraction(expected["sent_bytes_per_step_exact"])),
+        "comm_matches_theory": _measured_per_step(comm, expected) == Fraction(expected["sent_bytes_per_step_exact"]),
         # The registry's word for every device, and each rank's strategy's for this one (FSDP2 on CUDA).
         "exposed_comm_measured": spec.exposed_comm_measured and all(r.get("exposed_comm_measured", True)
                                                                     for r in rank_reports),
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
                                    spec.activations(plan.model, layout), activation_check_note(plan.device_type)),
     }
+
+
+def _measured_per_step(comm: dict, expected: dict) -> Fraction:
+    """The last step's bytes; for a strategy that syncs once per `period_steps` (DiLoCo's H), the
+    mean of the last period's steps, which its closed form gives per step."""
+    period = expected.get("period_steps", 1)
+    if period == 1:
+        return Fraction(comm["sent_bytes_per_step_exact"])
+    return sum((Fraction(b) for b in comm["sent_bytes_by_step"][-period:]), Fraction(0)) / period
 
 
 def mfu_block(plan, device: torch.device, tokens_per_s: float) -> dict:
