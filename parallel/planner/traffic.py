@@ -46,6 +46,7 @@ class GroupTraffic:
     total: Fraction  # bytes all ranks of the job send per step over this dimension's groups (theory)
     gathers: Fraction  # of which all-gathers (ZeRO's parameters; tp's sequence-parallel inputs)
     span: GroupSpan
+    every: int = 1  # steps per sync: 1, or DiLoCo's H (total is then the mean per step, one sync over H)
 
     def per_rank(self, world: int) -> float:
         return float(self.total) / world
