@@ -17,7 +17,7 @@ and the floors below, never one above. Read it bottom up:
     floor 3  the syncs      sync/: how the ranks that hold the same parameters agree on one update
                             (all-reduce, bucketed as DDP; ZeRO's shards and optimizer), which every
                             family plugs in
-    floor 4  the families   dp/ zero/ tp/ pp/ cp/ moe/: each folder a chapter with the same pages
+    floor 4  the families   dp/ zero/ tp/ pp/ cp/ moe/ diloco/: each folder a chapter with the same pages
                             (mechanism, strategy.py, rules.py, theory.py, __init__.py with its entries)
     floor 5  composition    compose/ (the recipe that alone knows every family, and the one table of
                             what runs), baselines/ (PyTorch's own), registry.py (every family's entries)
@@ -39,7 +39,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("contract", ("parallel.strategy", "parallel.spec", "parallel.family", "parallel.layout", "parallel.algebra",
                   "parallel.model_state", "parallel.activations")),
     ("syncs", ("parallel.sync",)),
-    ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe")),
+    ("families", ("parallel.dp", "parallel.zero", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.moe",
+                  "parallel.diloco")),
     ("composition", ("parallel.compose", "parallel.baselines", "parallel.registry")),
     ("run", ("parallel.run_plan", "parallel.train", "parallel.report", "parallel.reliability", "parallel.runner",
              "parallel.replay")),

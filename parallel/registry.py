@@ -32,26 +32,27 @@ from __future__ import annotations
 from collections.abc import Iterable
 from itertools import chain
 
-from parallel import algebra, baselines, compose, cp, dp, moe, pp, sync, tp, zero
+from parallel import algebra, baselines, compose, cp, diloco, dp, moe, pp, sync, tp, zero
 from parallel.activations import registry_activations
 from parallel.compose import route
 from parallel.compose.rules import rules_across_families
 from parallel.core.model import GPTConfig
+from parallel.core.optim import OPTIMIZERS
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
 from parallel.dp import theory as dp_theory
 from parallel.family import Check, Family, Search, option_keys
 from parallel.layout import FamilyOptions, Layout
 from parallel.spec import ConfigError, StrategySpec
 
-__all__ = ["FAMILIES", "REGISTRY", "ConfigError", "StrategySpec", "check_layout", "check_model", "check_rules",
-           "check_tied_head",
+__all__ = ["FAMILIES", "REGISTRY", "ConfigError", "StrategySpec", "check_layout", "check_model", "check_optimizer",
+           "check_rules", "check_tied_head",
            "describe", "expected_comm", "layout_of", "model_state_bytes", "parse_options", "register", "spec_of"]
 
 
 def _build_single(model, plan, ctx):
-    from parallel.strategy import SingleProcess, make_optimizer
+    from parallel.strategy import SingleProcess, plan_optimizer
 
-    return SingleProcess(model, make_optimizer(model, plan.lr, plan.weight_decay))
+    return SingleProcess(model, plan_optimizer(model, plan))
 
 
 # The reference belongs to no family: parallel/strategy.py's SingleProcess, which dp, pp and 3d run
@@ -60,7 +61,7 @@ SINGLE = StrategySpec(
     name="single", description="one process, no communication: the reference every strategy is compared with",
     build=_build_single, comm=algebra.no_comm, model_state=dp_theory.replicated_model_state_bytes,
     local_parameters=algebra.tp_local_parameter_count, max_world=1, dims=frozenset(), moe=True,
-    activations=registry_activations, recompute=True, tied_head=True,
+    activations=registry_activations, recompute=True, tied_head=True, sgd=True,
 )
 
 
@@ -75,7 +76,7 @@ def _table(entries: Iterable[StrategySpec]) -> dict[str, StrategySpec]:
 
 REGISTRY: dict[str, StrategySpec] = _table(chain(
     (SINGLE,), dp.ENTRIES, zero.ENTRIES, tp.ENTRIES, pp.ENTRIES, compose.ENTRIES, baselines.ENTRIES, moe.ENTRIES,
-    cp.ENTRIES,
+    cp.ENTRIES, diloco.ENTRIES,
 ))
 
 
@@ -83,7 +84,7 @@ route.check_names(REGISTRY)  # the table names only entries that exist
 
 # Every family's declaration (parallel/family.py), in the order their rules run and their fields are
 # described and labelled.
-FAMILIES: tuple[Family, ...] = (tp.FAMILY, cp.FAMILY, pp.FAMILY, sync.FAMILY, moe.FAMILY)
+FAMILIES: tuple[Family, ...] = (tp.FAMILY, cp.FAMILY, pp.FAMILY, sync.FAMILY, moe.FAMILY, diloco.FAMILY)
 WITH_OPTIONS: tuple[Family, ...] = tuple(f for f in FAMILIES if f.options is not None)
 # The planner's product of the families' searches varies the first slowest: the pipeline's schedules,
 # so that every other option of one schedule asks for it while parallel/pp/schedules.py's cache holds it.
@@ -180,6 +181,17 @@ def check_tied_head(name: str, model: GPTConfig) -> None:
                            spec.tied_head_refusal or "its registry entry does not say it trains a tied head "
                                                      "(tied_head=True)",
                            "tied_head", "an untied head (model.tied_head=false)")
+
+
+def check_optimizer(name: str, optimizer) -> None:
+    """train.optimizer is one of parallel/core/optim.py's, and sgd only where the entry builds its
+    optimizer with strategy.plan_optimizer (`sgd=True`)."""
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"train.optimizer={optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "sgd" and not spec_of(name).sgd:
+        takes = ", ".join(n for n, s in REGISTRY.items() if s.sgd)
+        raise ConfigError(f"train.optimizer=sgd: parallel={name} builds an AdamW of its own (its registry entry says "
+                          f"sgd=False): set train.optimizer=adamw, or use one of {takes}")
 
 
 def _not_trained(name: str, what: str, why: str, flag: str, instead: str) -> ConfigError:

@@ -33,6 +33,7 @@ from parallel.registry import (
     REGISTRY,
     check_layout,
     check_model,
+    check_optimizer,
     check_rules,
     check_tied_head,
     parse_options,
@@ -97,6 +98,7 @@ class RunPlan:
     chaos_seed: int = 0
     warmup_default: bool = False  # train.warmup_steps was null: default_warmup_steps of the steps run
     timeline: bool = True  # run.timeline: draw timeline.png beside trace.json
+    optimizer: str = "adamw"  # train.optimizer: adamw | sgd (parallel/core/optim.py)
 
     @property
     def dims(self) -> ParallelDims:
@@ -325,6 +327,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
     if chaos_error(t.get("chaos") or {}):
         raise ConfigError(chaos_error(t.get("chaos") or {}))
     _check_checkpoints(t, strategy)
+    check_optimizer(strategy, t.get("optimizer", "adamw"))
     resume_from, start_step = _resume_point(t, model, cfg, run_dir)
     return RunPlan(
         strategy=strategy, model=model, layout=layout, backend=backend,
@@ -379,6 +382,7 @@ def _run_fields(cfg) -> dict:
         straggler_threshold=float(t.get("straggler_threshold", 1.5)),
         chaos_mtbf_s=(t.get("chaos") or {}).get("mtbf_s"), chaos_seed=int((t.get("chaos") or {}).get("seed", 0)),
         tensorboard=bool(t.get("tensorboard", False)), tensorboard_dir=t.get("tensorboard_dir"),
+        optimizer=str(t.get("optimizer", "adamw")),
     )
 
 

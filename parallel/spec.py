@@ -60,6 +60,9 @@ class StrategySpec:
     # -- what it supports --
     recompute: bool = False  # train.recompute (selective | full) applies: parallel/core/recompute.py's transform
     checkpoints: bool = True  # train.checkpoint_every / train.resume
+    # train.optimizer=sgd: it builds its optimizer with strategy.plan_optimizer (ZeRO's shard AdamW,
+    # FSDP2's and the pipelines' optimizers are AdamW only, and refused it)
+    sgd: bool = False
     exposed_comm_measured: bool = True  # false where it waits inside PyTorch, out of the log's sight
     counterpart: str | None = None  # PyTorch's implementation of the same idea, for the comparison's ratio
     tags: frozenset = field(default_factory=frozenset)  # "baseline" for PyTorch's own, "sharded" for ZeRO-like

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from parallel.core.data import Batch
 from parallel.core.model import training_loss_sum
-from parallel.core.optim import AdamW
+from parallel.core.optim import SGD, AdamW, Optimizer
 from parallel.core.phases import PhaseLog
 from parallel.dist.comm import Communicator
 
@@ -64,12 +64,21 @@ def nest_moments(flat: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Ten
     return out
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> AdamW:
-    """AdamW; no weight decay on biases and LayerNorm weights (the nanoGPT/GPT-2 convention)."""
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float, kind: str = "adamw") -> Optimizer:
+    """AdamW (or plain SGD: `train.optimizer=sgd`, parallel/core/optim.py); no weight decay on biases
+    and LayerNorm weights (the nanoGPT/GPT-2 convention)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "sgd":
+        return SGD(groups, lr=lr)
     return AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def plan_optimizer(model: nn.Module, plan) -> Optimizer:
+    """The run's optimizer for `model` (the whole model, or the part of it this rank holds): the
+    plan's train.optimizer, lr and weight decay."""
+    return make_optimizer(model, plan.lr, plan.weight_decay, plan.optimizer)
 
 
 class GradSync:

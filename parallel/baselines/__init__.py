@@ -37,9 +37,9 @@ from parallel.sync.options import SyncOptions
 
 
 def _optimizer(plan):
-    from parallel.strategy import make_optimizer
+    from parallel.strategy import plan_optimizer
 
-    return lambda module: make_optimizer(module, plan.lr, plan.weight_decay)
+    return lambda module: plan_optimizer(module, plan)
 
 
 def _build_torch_ddp(model, plan, ctx):
@@ -98,13 +98,13 @@ ENTRIES = (
         name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp)",
         build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
-        tags=BASELINE, moe=True, activations=registry_activations, tied_head=True,
+        tags=BASELINE, moe=True, activations=registry_activations, tied_head=True, sgd=True,
     ),
     StrategySpec(
         name="accelerate_ddp", description="Hugging Face accelerate's Accelerator (DDP underneath)",
         build=_build_accelerate_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
-        tags=BASELINE, moe=True, activations=registry_activations, tied_head=True,
+        tags=BASELINE, moe=True, activations=registry_activations, tied_head=True, sgd=True,
     ),
     StrategySpec(
         name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
@@ -130,6 +130,7 @@ ENTRIES = (
         build=_build_torch_tp, comm=theory.torch_tp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "tp"}), min_world=2, honours={"tp": ()}, check=check_torch_tp, tags=BASELINE,
         check_model=check_torch_tp_model, moe_refusal=TORCH_TP_NO_MOE, tied_head_refusal=TORCH_TP_NO_TIED_HEAD,
+        sgd=True,
     ),
     StrategySpec(
         name="torch_pp",

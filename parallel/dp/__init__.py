@@ -19,10 +19,10 @@ from parallel.sync.options import SyncOptions
 
 def _build_dp(model, plan, ctx):
     from parallel.dp.strategy import DataParallel
-    from parallel.strategy import make_optimizer
+    from parallel.strategy import plan_optimizer
 
     sync = plan.layout.of(SyncOptions)
-    return DataParallel(model, make_optimizer(model, plan.lr, plan.weight_decay), ctx.comm("dp"), sync.grad_sync,
+    return DataParallel(model, plan_optimizer(model, plan), ctx.comm("dp"), sync.grad_sync,
                         sync.bucket_mb)
 
 
@@ -32,6 +32,6 @@ ENTRIES = (
         build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
         local_parameters=algebra.tp_local_parameter_count, honours={"sync": ("grad_sync", "bucket_mb", "zero")},
         counterpart="torch_ddp",
-        moe=True, activations=registry_activations, recompute=True, tied_head=True,
+        moe=True, activations=registry_activations, recompute=True, tied_head=True, sgd=True,
     ),
 )

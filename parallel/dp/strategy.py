@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from parallel.core.optim import AdamW
+from parallel.core.optim import Optimizer
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
 from parallel.sync.allreduce import make_grad_sync
@@ -18,7 +18,7 @@ from parallel.sync.allreduce import make_grad_sync
 class DataParallel(Strategy):
     name = "dp"
 
-    def __init__(self, model: nn.Module, optimizer: AdamW, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
+    def __init__(self, model: nn.Module, optimizer: Optimizer, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
         sync = make_grad_sync(list(model.named_parameters()), dp_comm, grad_sync, bucket_mb)
         super().__init__(model, optimizer, loss_comm=dp_comm, sync=sync)
         self.grad_sync = grad_sync

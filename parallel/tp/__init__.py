@@ -33,10 +33,10 @@ from parallel.tp.search import tp_search
 
 
 def _build_tp(model, plan, ctx):
-    from parallel.strategy import make_optimizer
+    from parallel.strategy import plan_optimizer
     from parallel.tp.strategy import TensorParallel
 
-    return TensorParallel(model, lambda module: make_optimizer(module, plan.lr, plan.weight_decay), ctx.comm("tp"),
+    return TensorParallel(model, lambda module: plan_optimizer(module, plan), ctx.comm("tp"),
                           ctx.comm("dp"), plan.layout.of(TPOptions), plan.layout.of(SyncOptions))
 
 
@@ -63,5 +63,6 @@ ENTRIES = (
         build=_build_tp, comm=theory.tp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "tp"}), honours={"tp": ("sequence_parallel", "saves"), "sync": SYNC_OPTIONS},
         counterpart="torch_tp", moe_refusal=TP_NO_MOE, recompute=True, tied_head=True, activations=registry_activations,
+        sgd=True,
     ),
 )

@@ -34,10 +34,11 @@ def test_counterparts_are_registered_baselines():
 
 def test_the_registry_is_every_familys_entries_in_order():
     """REGISTRY is built from each family's ENTRIES (and the reference, single), nothing else."""
-    from parallel import baselines, compose, cp, dp, moe, pp, tp, zero
+    from parallel import baselines, compose, cp, diloco, dp, moe, pp, tp, zero
     from parallel.registry import SINGLE
 
-    declared = [SINGLE, *(e for family in (dp, zero, tp, pp, compose, baselines, moe, cp) for e in family.ENTRIES)]
+    families = (dp, zero, tp, pp, compose, baselines, moe, cp, diloco)
+    declared = [SINGLE, *(e for family in families for e in family.ENTRIES)]
     assert [REGISTRY[s.name] for s in declared] == declared
     assert [s.name for s in declared] == list(REGISTRY)[:len(declared)]
 
