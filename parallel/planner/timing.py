@@ -207,7 +207,7 @@ def _dp_exposed(traffic: dict, seconds: dict, zero: int, grad_sync: str | None, 
         if name not in traffic:
             continue
         gt, sec = traffic[name], seconds[name]
-        if gt.every > 1:
+        if gt.after_step:
             exposed += sec
             continue
         gather = sec * float(gt.gathers / gt.total) if gt.total else 0.0

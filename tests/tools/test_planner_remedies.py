@@ -20,7 +20,7 @@ from parallel.planner.traffic import GroupTraffic
 # -- the time rules, on traffic given by hand ----------------------------------------------------------------
 def _group(name: str, total: float, gathers: float = 0, size: int = 4, every: int = 1) -> GroupTraffic:
     span = group_span(ParallelDims(size, size), "dp", size, "ring")
-    return GroupTraffic(name, Fraction(total), Fraction(gathers), span, every)
+    return GroupTraffic(name, Fraction(total), Fraction(gathers), span, every, after_step=every > 1)
 
 
 def test_the_data_parallel_groups_share_one_backward_window_and_a_periodic_sync_hides_nowhere():
