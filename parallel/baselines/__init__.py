@@ -4,6 +4,7 @@
   ddp.py         DistributedDataParallel, bare and under Hugging Face accelerate (for dp)
   fsdp2.py       FSDP2, fully_shard per Block and on the root (for zero3; without resharding after
                  forward, for zero2)
+  fsdp2_hsdp.py  FSDP2 on a 2-D mesh (dp_replicate, dp_shard): HSDP (for hsdp)
   zero_redundancy.py  DDP + ZeroRedundancyOptimizer, PyTorch's ZeRO-1 (for zero1)
   dtensor_tp.py  DTensor tensor parallelism, torchtitan's plan (for tp)
   pipelining.py  torch.distributed.pipelining's schedules on the same chunks (for pp)
@@ -34,6 +35,7 @@ from parallel.pp import theory as pp_theory
 from parallel.pp.options import PPOptions
 from parallel.spec import StrategySpec
 from parallel.sync.options import SyncOptions
+from parallel.zero.rules import check_hsdp
 
 
 def _optimizer(plan):
@@ -58,6 +60,15 @@ def _build_torch_fsdp2(model, plan, ctx):
     from parallel.baselines.fsdp2 import TorchFSDP2
 
     return TorchFSDP2(model, ctx.mesh["dp"], ctx.comm("dp"), plan.lr, plan.weight_decay)
+
+
+def _build_torch_hsdp(model, plan, ctx):
+    from parallel.baselines.fsdp2_hsdp import TorchHSDP, hsdp_mesh
+
+    shard, replicate = ctx.comm("dp_shard"), ctx.comm("dp_replicate")
+    dp_ranks = next(g for g in ctx.dims.group_ranks("dp") if ctx.rank in g)
+    mesh = hsdp_mesh(dp_ranks, shard, replicate, ctx.device.type)
+    return TorchHSDP(model, mesh, ctx.comm("dp"), shard, replicate, plan.lr, plan.weight_decay)
 
 
 def _build_torch_zero1(model, plan, ctx):
@@ -111,6 +122,14 @@ ENTRIES = (
         build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=algebra.tp_local_parameter_count,
         min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
         tied_head=True,
+    ),
+    StrategySpec(
+        name="torch_hsdp", description="PyTorch FSDP2 on a 2-D mesh (dp_replicate, dp_shard): HSDP (the baseline for "
+                                       "hsdp)",
+        build=_build_torch_hsdp, comm=theory.torch_hsdp_comm, local_parameters=algebra.tp_local_parameter_count,
+        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, checkpoints=False,
+        tags=frozenset({"baseline", "sharded"}), activations=registry_activations, tied_head=True,
+        moe_refusal="its shard groups sum every gradient, the experts' too, over dp; expert parallelism is parallel=ep",
     ),
     StrategySpec(
         name="torch_zero1", description="PyTorch's ZeRO-1: DDP + ZeroRedundancyOptimizer (the baseline for zero1)",

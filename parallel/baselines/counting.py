@@ -15,6 +15,11 @@ project's name, the time blocked), and call the original:
                                 through `schedules._batch_p2p` and wait on them through
                                 `schedules._wait_batch_p2p`: both are wrapped. A send is tagged
                                 with its ends, `pipelining/send/<src>-><dst>` (group ranks).
+  RoutedAllReduce               FSDP2's HSDP all-reduces each gradient shard over the replicate
+                                group with a plain `dist.all_reduce` in its collectives module
+                                (it has custom hooks for its all-gathers and reduce-scatters, not
+                                for this): that module's `dist` is replaced by one whose
+                                `all_reduce` is the run's Communicator's, which logs and issues it.
 
 Why not a TorchDispatchMode (what torch's CommDebugMode does)? It sees every collective too, but
 it puts Python on the path of every operator of the step, DTensor's local ops included, and so
@@ -253,3 +258,43 @@ class PipelineP2PCounter:
             return out
 
         return call
+
+
+class _DistWithRoutedAllReduce:
+    """torch.distributed, except that `all_reduce` goes through the run's Communicator of its group."""
+
+    def __init__(self, original, comms: list[Communicator], tag: str, call_context):
+        self._original, self._tag, self._call_context = original, tag, call_context
+        self._by_name = {c.group.group_name: c for c in comms if c is not None}
+
+    def __getattr__(self, name):
+        return getattr(self._original, name)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        comm = self._by_name.get((group or dist.group.WORLD).group_name)
+        if comm is None:
+            raise RuntimeError(f"an all-reduce on process group {group!r}, which is none of the run's communicators "
+                               f"({sorted(self._by_name)}): its traffic could not be placed")
+        if op != dist.ReduceOp.SUM:
+            raise RuntimeError(f"{self._tag}: expected a SUM all-reduce, got {op}")
+        with self._call_context(comm, tensor):
+            return comm.all_reduce(tensor, tag=self._tag, async_op=async_op)
+
+
+class RoutedAllReduce:
+    """Within `with`: `module`'s `dist.all_reduce` calls go through the run's Communicators, tagged `tag`.
+    `call_context(comm, tensor)`: the context each call runs in (FSDP2's: untimed inside its CUDA
+    side streams)."""
+
+    def __init__(self, module, comms: list[Communicator], tag: str, call_context):
+        self.module, self.comms, self.tag, self.call_context = module, comms, tag, call_context
+        self._original = None
+
+    def __enter__(self):
+        self._original = self.module.dist
+        self.module.dist = _DistWithRoutedAllReduce(self._original, self.comms, self.tag, self.call_context)
+        return self
+
+    def __exit__(self, *exc):
+        self.module.dist = self._original
+        return False

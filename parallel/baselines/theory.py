@@ -66,14 +66,38 @@ def fsdp2_comm(model: GPTConfig, layout: Layout) -> dict:
     all-gathered before forward and again before backward, the root's once (FSDP2 keeps the root
     unsharded between its forward and backward), every group's gradients reduce-scattered once:
     (N-1)/N·(2·P_blocks + P_root + G) per rank and microbatch, on FSDP2's padded sizes."""
-    n, m, B = layout.dims.dp, layout.microbatches, layout.dtype_bytes
+    n = layout.dims.dp
+    ranks = layout.dims.world_size
+    return figure(all_ranks(fsdp2_per_rank(model, layout, n), ranks), ranks,
+                  extra={"padded_parameters": sum(fsdp2_group_padded_counts(model, n).values())})
+
+
+def fsdp2_per_rank(model: GPTConfig, layout: Layout, n: int) -> dict[str, tuple[int, Fraction]]:
+    """(payload, sent) per op of one rank of fsdp2_comm's FSDP2 over a group of n ranks."""
+    m, B = layout.microbatches, layout.dtype_bytes
     groups = fsdp2_group_padded_counts(model, n)
     blocks = sum(v for k, v in groups.items() if k != "root") * B
     root = groups["root"] * B
-    per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
-                for op, payload in (("all_gather", m * (2 * blocks + root)), ("reduce_scatter", m * (blocks + root)))}
-    ranks = layout.dims.world_size
-    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": sum(groups.values())})
+    return {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
+            for op, payload in (("all_gather", m * (2 * blocks + root)), ("reduce_scatter", m * (blocks + root)))}
+
+
+def torch_hsdp_comm(model: GPTConfig, layout: Layout) -> dict:
+    """torch_hsdp (FSDP2 on the 2-D mesh (dp_replicate, dp_shard)): fsdp2_comm's traffic over the S =
+    dp_shard ranks of the shard group, then, once per step (all-reduce asked for on the last
+    microbatch only), each group's gradient shard all-reduced over the R = dp / dp_shard replicas:
+    2(R-1)/R·Σ_groups padded/S·B per rank, on FSDP2's padded sizes for S."""
+    s, ranks = layout.dims.dp_shard, layout.dims.world_size
+    r = layout.dims.dp // s
+    shard_ops = fsdp2_per_rank(model, layout, s)
+    padded_count = sum(fsdp2_group_padded_counts(model, s).values())
+    shard = padded_count * layout.dtype_bytes // s
+    replicate_sent = all_reduce_sent_per_rank(r, shard)
+    per_rank = {**shard_ops, "all_reduce": (shard, replicate_sent)}
+    by_group = {"dp_shard": sum((sent for _, sent in shard_ops.values()), Fraction(0)) * ranks,
+                "dp_replicate": replicate_sent * ranks}
+    return figure(all_ranks(per_rank, ranks), ranks, by_group=by_group,
+                  extra={"padded_parameters": padded_count, "gradient_shard_bytes": shard})
 
 
 def torch_zero2_comm(model: GPTConfig, layout: Layout) -> dict:

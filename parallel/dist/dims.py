@@ -8,12 +8,16 @@ sizes, the device mesh, the process groups, the planner's search) iterates over 
                  vocabulary)
     cp     yes   the sequence                             pp, dp, tp
     ep     no    the experts of each MoE layer            pp, cp, tp, edp  (ep consecutive dp ranks)
+    dp_shard no  the model state (HSDP: ZeRO inside       pp, cp, tp, dp_replicate (dp_shard consecutive
+                 groups of dp_shard ranks)                dp ranks: one node)
     dp     yes   the batch                                pp, cp, tp
     pp     yes   the layers                               dp, cp, tp
     edp    no    (the ranks that hold the same experts    pp, cp, tp, ep   (made where ep > 1)
                  and sum their gradients)
     dp_cp  no    (dp and cp together: the ranks that sum  pp, tp           (made where cp > 1)
                  gradients when the sequence is split)
+    dp_replicate no (HSDP: the ranks that hold the same   pp, cp, tp, dp_shard     (made where dp_shard > 1)
+                 shard and sum it across shard groups)
 
 Rank order puts tp innermost, then cp, then dp, then pp outermost (Megatron's order), so that the
 ranks of one tensor-parallel group are neighbours and stay inside one node, and context-parallel
@@ -28,15 +32,21 @@ consecutive dp ranks (ep divides dp), as Megatron-Core carves expert parallelism
 parallelism. A rank's expert-parallel index is dp_rank % ep, and the ranks that hold the same
 experts (and sum their gradients) share dp_rank // ep (`edp`, expert data parallel).
 
+Hybrid sharding (HSDP) is carved out of dp the same way: its shard groups are `dp_shard` consecutive
+dp ranks (dp_shard divides dp), so with ranks placed node by node a shard group lies inside a node
+whenever dp_shard divides the processes per node; a rank's shard index is dp_rank % dp_shard, and the
+ranks with the same shard index (and so the same shard of the model state) share
+dp_rank // dp_shard (`dp_replicate`: dp / dp_shard groups' worth of replicas, the slow links' group).
+
 The words, written down once. A *dimension* (dim) is one way of splitting the ranks, a row of `DIMS`
 (a tensor's dimension is always called a tensor dimension). Three sets of them have names, and only
 these: `SIZES`, the dimensions with a size of their own (parallel.dp, .tp, .pp, .cp, .ep), the
-fields of `ParallelDims` in the order every message and command line names them; `MESH_DIMS`, the
+fields of `ParallelDims` in the order every message and command line names them (dp_shard: HSDP's); `MESH_DIMS`, the
 device mesh's (pp, dp, cp, tp), outermost first, which is also the DeviceMesh's dim names; and
-`DERIVED_DIMS`, the groups read off the others (ep, edp, dp_cp). `outermost_first` puts any of them
-in rank order. A row with a size and no field (or a field with no row) fails at import. A new
-dimension is a row here and a field of `ParallelDims` (and its place in `coordinates` if it is
-carved out of another, as ep is out of dp).
+`DERIVED_DIMS`, the groups read off the others (ep, dp_shard, edp, dp_cp, dp_replicate).
+`outermost_first` puts any of them in rank order. A row with a size and no field (or a field with no
+row) fails at import. A new dimension is a row here and a field of `ParallelDims` (and its place in
+`coordinates` if it is carved out of another, as ep and dp_shard are out of dp).
 """
 
 from __future__ import annotations
@@ -64,16 +74,20 @@ DIMS: tuple[Dim, ...] = (
     Dim("cp", "the sequence", mesh=True),
     Dim("ep", "the experts of each MoE layer (ep consecutive dp ranks)", mesh=False,
         shares=("pp", "cp", "tp", "edp"), made_when="ep", inside="dp"),
+    Dim("dp_shard", "the model state, ZeRO-sharded over dp_shard consecutive dp ranks (HSDP)", mesh=False,
+        shares=("pp", "cp", "tp", "dp_replicate"), made_when="dp_shard", inside="dp"),
     Dim("dp", "the batch", mesh=True),
     Dim("pp", "the layers", mesh=True),
     Dim("edp", "nothing: the dp ranks that hold the same experts and sum their gradients", mesh=False, sized=False,
         shares=("pp", "cp", "tp", "ep"), made_when="ep"),
     Dim("dp_cp", "nothing: dp and cp together, the ranks that sum gradients when the sequence is split",
         mesh=False, sized=False, shares=("pp", "tp"), made_when="cp"),
+    Dim("dp_replicate", "nothing: the dp ranks that hold the same shard (HSDP) and sum it across shard groups",
+        mesh=False, sized=False, shares=("pp", "cp", "tp", "dp_shard"), made_when="dp_shard"),
 )
 DIM = {d.name: d for d in DIMS}
 MESH_DIMS: tuple[str, ...] = tuple(d.name for d in reversed(DIMS) if d.mesh)  # (pp, dp, cp, tp): outermost first
-DERIVED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if not d.mesh)  # (ep, edp, dp_cp): made by enumeration
+DERIVED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if not d.mesh)  # (ep, dp_shard, edp, ...): enumerated
 # The dimension a layout's world leaves when the others are given (ParallelDims.resolve, the planner's search).
 LEFTOVER = "dp"
 
@@ -119,10 +133,11 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    dp_shard: int = 1
 
     @classmethod
     def resolve(cls, world_size: int, dp: int | None = None, tp: int = 1, pp: int | None = 1, cp: int = 1,
-                ep: int = 1) -> ParallelDims:
+                ep: int = 1, dp_shard: int = 1) -> ParallelDims:
         """Fill in dp (or pp) from what the world leaves, then check the product.
 
         Whichever of dp and pp is given, the other is derived; with neither given (the pipeline
@@ -168,7 +183,15 @@ class ParallelDims:
                 f"parallel.ep={ep} does not divide parallel.dp={dp}: the expert-parallel ranks are ep consecutive "
                 f"data-parallel ranks; use an ep that divides dp (e.g. parallel.ep={_gcd(ep, dp)})"
             )
-        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        dp_shard = _positive_int("parallel.dp_shard", dp_shard)
+        if dp % dp_shard:
+            fits = max(d for d in range(1, dp_shard + 1) if dp % d == 0)
+            raise LayoutError(
+                f"parallel.dp_shard={dp_shard} does not divide parallel.dp={dp}: a shard group is dp_shard consecutive "
+                f"data-parallel ranks and dp / dp_shard groups replicate it; use a dp_shard that divides dp "
+                f"(e.g. parallel.dp_shard={fits})"
+            )
+        return cls(world_size=world_size, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, dp_shard=dp_shard)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -176,7 +199,7 @@ class ParallelDims:
         return tuple(getattr(self, n) for n in MESH_DIMS)
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        """(pp, dp, cp, tp) position of a global rank, and its ep and edp indices within dp."""
+        """(pp, dp, cp, tp) position of a global rank, and its ep, edp, dp_shard and dp_replicate indices within dp."""
         inner_first: dict[str, int] = {}
         rest = rank
         for name in reversed(MESH_DIMS):  # tp varies fastest
@@ -184,6 +207,8 @@ class ParallelDims:
         c = {name: inner_first[name] for name in MESH_DIMS}
         # ep is carved out of dp: ep consecutive dp ranks, and across them those with the same experts.
         c["ep"], c["edp"] = c["dp"] % self.ep, c["dp"] // self.ep
+        # HSDP's shard groups likewise: dp_shard consecutive dp ranks, replicated across them.
+        c["dp_shard"], c["dp_replicate"] = c["dp"] % self.dp_shard, c["dp"] // self.dp_shard
         return c
 
     def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
@@ -241,7 +266,7 @@ class ParallelDims:
         return asdict(self)
 
 
-# The sizes, in the order the dataclass declares them (parallel.dp, tp, pp, cp, ep: how messages and
+# The sizes, in the order the dataclass declares them (parallel.dp, tp, pp, cp, ep, dp_shard: how messages and
 # command lines name them); each is a sized row of DIMS.
 SIZES: tuple[str, ...] = tuple(f.name for f in fields(ParallelDims) if f.name != "world_size")
 if set(SIZES) != {d.name for d in DIMS if d.sized}:

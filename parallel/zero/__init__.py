@@ -7,8 +7,11 @@
   zero3.py      the strategy `zero3`
   rules.py      its refusals (where parallel.zero means nothing, ZeRO-2 inside a pipeline)
   theory.py     its closed forms: the bytes of each stage, the sharded model state
+  hsdp.py       the strategies `hsdp` and `hsdp_zero2` (hybrid sharding: ZeRO-3 or ZeRO-2 inside groups of
+                parallel.dp_shard ranks, the gradient shards all-reduced across the groups; docs/hsdp.md)
+  hsdp_theory.py  their closed forms, per group (dp_shard, dp_replicate)
 
-The entries `zero1`, `zero2`, `zero3` are at the end of this file.
+The entries `zero1`, `zero2`, `zero3`, `hsdp_zero2` and `hsdp` are at the end of this file.
 
 Plain data parallelism keeps on every rank the whole model, all its gradients and all the
 optimizer state (fp32 Adam: 4 + 4 + 8 bytes per parameter). ZeRO keeps the same computation but
@@ -43,11 +46,13 @@ whole parameters.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from parallel import algebra
 from parallel.activations import registry_activations
 from parallel.spec import StrategySpec
-from parallel.zero import theory
-from parallel.zero.rules import ZERO3_NO_TIED_HEAD
+from parallel.zero import hsdp_theory, theory
+from parallel.zero.rules import ZERO3_NO_TIED_HEAD, check_hsdp
 
 
 def _build_zero(stage):
@@ -81,8 +86,35 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
     )
 
 
+def _build_hsdp(stage):
+    def build(model, plan, ctx):
+        from parallel.zero.hsdp import build_hsdp
+
+        return build_hsdp(model, stage, ctx.comm("dp"), ctx.comm("dp_shard"), ctx.comm("dp_replicate"), plan.lr,
+                          plan.weight_decay)
+    return build
+
+
+def _hsdp_entry(stage: int) -> StrategySpec:
+    zero3 = _entry(3, "", _build_zero3)
+    return replace(
+        zero3 if stage == 3 else _entry(2, "", _build_zero(2)),
+        name="hsdp" if stage == 3 else "hsdp_zero2",
+        description=f"HSDP: ZeRO-{stage} over parallel.dp_shard ranks, gradient shards all-reduced across the "
+                    "dp / dp_shard groups (docs/hsdp.md)",
+        build=_build_hsdp(stage), comm=lambda model, layout: hsdp_theory.hsdp_comm(model, layout, stage),
+        model_state=lambda model, layout: hsdp_theory.hsdp_model_state_bytes(model, layout, stage),
+        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, moe=False,
+        moe_refusal="its shard groups sum every gradient, the experts' too, over dp; expert parallelism is parallel=ep",
+        # Each rank's shard of a checkpoint is its shard group's; the replicas' copies are not told apart yet.
+        checkpoints=False, counterpart="torch_hsdp" if stage == 3 else None,
+    )
+
+
 ENTRIES = (
     _entry(1, "optimizer state", _build_zero(1)),
     _entry(2, "optimizer state and gradients", _build_zero(2)),
     _entry(3, "optimizer state, gradients and parameters", _build_zero3),
+    _hsdp_entry(2),
+    _hsdp_entry(3),
 )

@@ -83,3 +83,15 @@ def check_zero_in_pipeline(zero: int, sequence_parallel: bool, virtual_stages: i
             f"different times of the {schedule} schedule; use parallel.zero=1 (it reduces once after the schedule)"
             + ("" if v_shaped else " or parallel.virtual_stages=1")
         )
+
+
+def check_hsdp(dims: ParallelDims) -> None:
+    """HSDP shards over groups of dp_shard ranks and replicates over dp / dp_shard of them: both at least 2
+    (ParallelDims.resolve has already refused a dp_shard that does not divide dp)."""
+    if dims.dp_shard < 2:
+        raise LayoutError(f"parallel.dp_shard={dims.dp_shard} shards the model state over one rank, which is plain "
+                          "data parallelism: use parallel.dp_shard=2 or more (the processes per node), or parallel=dp")
+    if dims.dp // dims.dp_shard < 2:
+        raise LayoutError(f"parallel.dp_shard={dims.dp_shard} = parallel.dp={dims.dp} leaves one shard group and "
+                          "nothing to replicate across: use a dp_shard that divides dp at most dp/2 "
+                          f"(e.g. parallel.dp_shard={max(2, dims.dp // 2)}), or parallel=zero3 to shard over all of dp")

@@ -6,6 +6,8 @@ GPT's parts in closed form (parallel/algebra.py), not from the flat buffers sync
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from parallel.algebra import all_ranks, figure, gather_or_scatter_sent_per_rank, zero_padded_parameter_count
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
@@ -24,13 +26,20 @@ def zero_comm(model: GPTConfig, layout: Layout, stage: int) -> dict:
       zero3   per microbatch, P all-gathered before forward and again before backward, G
               reduce-scattered: m·(N-1)/N·(2P + G)
     """
-    n, m = layout.dims.dp, layout.microbatches
+    n = layout.dims.dp
+    ranks = layout.dims.world_size
+    return figure(all_ranks(zero_per_rank(model, layout, stage, n), ranks), ranks,
+                  extra={"padded_parameters": zero_padded_parameter_count(model, n)})
+
+
+def zero_per_rank(model: GPTConfig, layout: Layout, stage: int, n: int) -> dict[str, tuple[int, Fraction]]:
+    """(payload, sent) per op of one rank of ZeRO stage `stage` over a group of n ranks (zero_comm's
+    forms; HSDP's shard group, parallel/zero/hsdp_theory.py, is such a group)."""
+    m = layout.microbatches
     size = zero_padded_parameter_count(model, n) * layout.dtype_bytes
     gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[stage]
-    per_rank = {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
-                for op, payload in (("all_gather", gathers * size), ("reduce_scatter", scatters * size))}
-    ranks = layout.dims.world_size
-    return figure(all_ranks(per_rank, ranks), ranks, extra={"padded_parameters": zero_padded_parameter_count(model, n)})
+    return {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
+            for op, payload in (("all_gather", gathers * size), ("reduce_scatter", scatters * size))}
 
 
 def zero_model_state_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict:
@@ -41,5 +50,9 @@ def zero_model_state_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict
 
     every part held, sharded over the dp ranks (parallel/model_state.py).
     """
-    return model_state(whole_model_parts(ModelShape(gpt=model)), run_state_bytes(layout.dtype_bytes), stage,
-                       layout.dims.dp)
+    return zero_state_over(model, layout, stage, layout.dims.dp)
+
+
+def zero_state_over(model: GPTConfig, layout: Layout, stage: int, n: int) -> dict:
+    """The model state per rank of ZeRO stage `stage` sharded over n ranks (n = dp, or HSDP's dp_shard)."""
+    return model_state(whole_model_parts(ModelShape(gpt=model)), run_state_bytes(layout.dtype_bytes), stage, n)

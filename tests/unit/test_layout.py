@@ -53,7 +53,7 @@ def test_the_dimensions_are_declared_once():
     doc = dims_module.__doc__
     table = doc[doc.index("    name   mesh"):].split("\n\n")[0].splitlines()[1:]
     assert [line.split()[0] for line in table if not line.startswith("     ")] == [d.name for d in DIMS]
-    assert MESH_DIMS == ("pp", "dp", "cp", "tp") and SIZES == ("dp", "tp", "pp", "cp", "ep")
+    assert MESH_DIMS == ("pp", "dp", "cp", "tp") and SIZES == ("dp", "tp", "pp", "cp", "ep", "dp_shard")
     dims = ParallelDims.resolve(16, dp=4, tp=2, cp=2, ep=2)
     assert dims.mesh_shape == (1, 4, 2, 2) and dims.groups_in_use() == ("ep", "edp", "dp_cp")
     for d in DIMS:  # every group of every row: the ranks that share its coordinates, covering the world once
@@ -69,6 +69,20 @@ def test_ep_is_carved_out_of_dp():
     assert dims.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(LayoutError, match=r"parallel.ep=3 does not divide parallel.dp=8"):
         ParallelDims.resolve(8, ep=3)
+
+
+def test_hsdp_shard_groups_are_carved_out_of_dp():
+    """dp_shard consecutive dp ranks shard (inside a node where ranks are placed node by node); the ranks
+    with the same shard index replicate it; a dp_shard that does not divide dp is refused by value."""
+    dims = ParallelDims.resolve(8, dp=8, dp_shard=4)
+    assert dims.groups_in_use() == ("dp_shard", "dp_replicate")
+    assert dims.group_ranks("dp_shard") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.group_ranks("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert ParallelDims.resolve(8).groups_in_use() == ()
+    with pytest.raises(LayoutError, match=r"parallel.dp_shard=3 does not divide parallel.dp=8: .*dp_shard=2\)"):
+        ParallelDims.resolve(8, dp_shard=3)
+    with pytest.raises(LayoutError, match=r"parallel.dp_shard=0 must be a positive integer"):
+        ParallelDims.resolve(8, dp_shard=0)
 
 
 def test_world_size_must_equal_the_product():
@@ -315,7 +329,8 @@ def test_a_tied_head_runs_where_parameters_stay_whole(world, overrides, strategy
 def test_a_tied_head_is_refused_in_one_line_where_the_model_is_cut(world, overrides, strategy, why):
     """Before any process group, in one line: the strategy, the field, the entry's reason, the fix."""
     message = (rf"^parallel={strategy} does not train a head tied to the token table \(model.tied_head=true\): .*"
-               rf"{why}.*; use one of single, dp, zero1, zero2, tp, torch_ddp, accelerate_ddp, torch_fsdp2, "
-               rf"torch_zero1, torch_zero2, ep, cp, cp_a2a, or an untied head \(model.tied_head=false\)$")
+               rf"{why}.*; use one of single, dp, zero1, zero2, hsdp_zero2, tp, torch_ddp, accelerate_ddp, "
+               rf"torch_fsdp2, torch_hsdp, torch_zero1, torch_zero2, ep, cp, cp_a2a, or an untied head "
+               rf"\(model.tied_head=false\)$")
     with pytest.raises(ConfigError, match=message):
         plan_for(world, *TIED, *overrides)
