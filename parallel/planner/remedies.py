@@ -34,7 +34,7 @@ def period_steps(figure: dict) -> int:
 def zero_shards(dims: ParallelDims) -> int:
     """The ranks ZeRO shards the model state over: a shard group's dp_shard ranks under hybrid sharding,
     else every rank that replicates the parameters (dp, or dp·cp)."""
-    shard = getattr(dims, "dp_shard", 1)
+    shard = dims.dp_shard
     return shard if shard > 1 else replica_group_size(dims)
 
 
@@ -64,7 +64,7 @@ def sharded_stage(spec: StrategySpec, model: GPTConfig, layout: Layout) -> int:
     """The ZeRO stage of an entry that shards over a shard group (HSDP: the stage is in its name, not in
     parallel.zero): the one whose model state over dp_shard ranks its own formula holds; 0 where none.
     Asked once per entry, model and dims (the state reads nothing else)."""
-    if getattr(layout.dims, "dp_shard", 1) <= 1:
+    if layout.dims.dp_shard <= 1:
         return 0
     key = (spec.name, model, layout.dims)
     if key not in _STAGES:

@@ -10,11 +10,24 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from launcher import PROJECT_ROOT
+from omegaconf import OmegaConf
+from test_planner import synthetic_cluster
 
+from launch.config import CONFIG_DIR
+from parallel.algebra import all_reduce_sent_per_rank, parameter_count
+from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
+from parallel.dist.groups import LaunchEnv
+from parallel.planner import memory
+from parallel.planner.enumerate import candidate_of
 from parallel.planner.links import group_span
+from parallel.planner.predict import predict_row
 from parallel.planner.timing import BUCKET_BYTES, _dp_exposed
-from parallel.planner.traffic import GroupTraffic
+from parallel.planner.traffic import GroupTraffic, bytes_by_link, layout_traffic
+from parallel.run_plan import build_plan
 
 
 # -- the time rules, on traffic given by hand ----------------------------------------------------------------
@@ -38,3 +51,91 @@ def test_the_data_parallel_groups_share_one_backward_window_and_a_periodic_sync_
     assert _dp_exposed(traffic, seconds, 3, None, 10.0, world) == pytest.approx(0.4 + last)
     outer = {"dp": _group("dp", per_rank, every=10)}
     assert _dp_exposed(outer, {"dp": 0.03}, 0, "bucketed", 10.0, world) == pytest.approx(0.03)
+
+
+# -- bytes per group and link class against the closed forms ------------------------------------------------
+@pytest.fixture(scope="module")
+def base() -> dict:
+    """The training config of each model preset, composed once."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return {m: OmegaConf.to_container(compose(config_name="config", overrides=[f"model={m}"]), resolve=True)
+                for m in ("tiny", "tiny_llama")}
+
+
+def _planned(base: dict, model: str, world: int, gpus_per_node: int, algorithm: str = "ring", **parallel):
+    """build_plan's plan of `parallel` on `world` ranks, its candidate and the planner's traffic."""
+    shape = ModelShape.from_preset(yaml.safe_load((PROJECT_ROOT / "conf" / "model" / f"{model}.yaml").read_text()))
+    cfg = OmegaConf.create(base[model])
+    cfg.parallel.update(parallel)
+    plan = build_plan(cfg, LaunchEnv(0, world, 0, world), cuda_available=False)
+    candidate = candidate_of(parallel["name"], plan, {})
+    traffic = layout_traffic(plan.spec, shape, plan.layout, candidate.zero, gpus_per_node, algorithm,
+                             memory.rank_layers(shape, plan.layout))
+    return shape, plan, candidate, traffic
+
+
+def _exact(figure: dict, group: str | None = None) -> Fraction:
+    block = figure["by_group"][group] if group else figure
+    return Fraction(block["sent_bytes_exact"] if group else figure["sent_bytes_per_step_exact"])
+
+
+@pytest.mark.parametrize("name,model,stage", [("hsdp", "tiny", 3), ("hsdp_zero2", "tiny_llama", 2),
+                                              ("torch_hsdp", "tiny", 3)])
+def test_hybrid_sharding_keeps_its_shard_group_in_a_node_and_sends_only_the_shard_all_reduce_across(
+        base, name, model, stage):
+    """8 ranks on 2 nodes of 4, dp_shard = 4: each group's bytes are the closed form's to the byte; the
+    shard group never leaves its node and the replicate group (ranks i and i + 4) always crosses, so the
+    inter-node bytes are the all-reduce of the gradient shard, 2(R-1)/R·G_S per rank, and nothing else."""
+    for algorithm in ("ring", "hierarchical"):
+        shape, plan, candidate, traffic = _planned(base, model, 8, 4, algorithm, name=name, dp_shard=4,
+                                                   microbatches=2)
+        figure = plan.spec.comm(plan.model, plan.layout)
+        assert candidate.zero == stage and set(traffic) == {"dp_shard", "dp_replicate"}
+        for group in traffic:
+            assert traffic[group].total == _exact(figure, group)
+        links = bytes_by_link(traffic)
+        assert traffic["dp_shard"].inter == 0 and traffic["dp_replicate"].inter == traffic["dp_replicate"].total
+        shard = figure["gradient_shard_bytes"]
+        assert Fraction(links["inter_node"]) == 8 * all_reduce_sent_per_rank(2, shard)
+        assert links["intra_node"] + links["inter_node"] == pytest.approx(float(_exact(figure)))
+        # The shard group's all-gathers are ZeRO's parameters (exposed); the replicate group gathers nothing.
+        assert traffic["dp_shard"].gathers == Fraction(figure["by_op"]["all_gather"]["sent_bytes_exact"])
+        assert traffic["dp_replicate"].gathers == 0
+    # ZeRO-3 over all 8 sends its gathers and scatters across; HSDP one shard's all-reduce.
+    _, zplan, _, zero3 = _planned(base, model, 8, 4, name="zero3", microbatches=2)
+    assert bytes_by_link(zero3)["inter_node"] > 4 * links["inter_node"]
+
+
+def test_hybrid_sharding_memory_is_zero_over_the_shard_group(base):
+    """The model state per rank is the registry's (ZeRO-3 or ZeRO-2 over dp_shard ranks), in a row of the plan."""
+    cluster = synthetic_cluster()
+    for name in ("hsdp", "hsdp_zero2"):
+        shape, plan, candidate, _ = _planned(base, "tiny", 8, 4, name=name, dp_shard=4)
+        row = predict_row(shape, candidate, cluster, name)
+        held = plan.spec.model_state(plan.model, plan.layout)
+        state = row["memory_bytes_per_device"]
+        assert (state["params"], state["grads"], state["optimizer"]) == (
+            held["param_bytes"], held["grad_bytes"], held["optimizer_bytes"])
+        assert row["bytes_by_group"].keys() == {"dp_shard", "dp_replicate"} and row["step_time_s"]["total"] > 0
+
+
+@pytest.mark.parametrize("model,fragments", [("tiny", 1), ("tiny_llama", 2)])
+def test_diloco_sends_one_all_reduce_per_h_steps_exposed_and_keeps_its_outer_state(base, model, fragments):
+    """The row's bytes are the closed form's mean per step, one sync over H; its time one sync's
+    seconds over H, hidden behind nothing (4 ranks in one node of the synthetic cluster: 1 GB/s, no
+    latency); its memory the registry's, the outer copy and momentum counted with the optimizer."""
+    h = 10
+    shape, plan, candidate, traffic = _planned(base, model, 4, 4, name="diloco", inner_steps=h,
+                                               outer_momentum=0.9, fragments=fragments)
+    figure = plan.spec.comm(plan.model, plan.layout)
+    assert set(traffic) == {"dp"} and traffic["dp"].total == _exact(figure)
+    assert traffic["dp"].every == h and traffic["dp"].after_step and traffic["dp"].inter == 0
+    one_sync = 2 * 3 / 4 * parameter_count(plan.model) * 4  # bytes per rank of the whole model's all-reduce
+    assert float(traffic["dp"].total) / 4 == pytest.approx(one_sync / h)
+    row = predict_row(shape, candidate, synthetic_cluster(), "diloco")
+    assert row["step_time_s"]["exposed_comm"] == pytest.approx(one_sync / 1e9 / h)
+    held = plan.spec.model_state(plan.model, plan.layout)
+    state = row["memory_bytes_per_device"]
+    assert (state["params"], state["grads"], state["optimizer"]) == (
+        held["param_bytes"], held["grad_bytes"], held["optimizer_bytes"])
+    assert any("loss cost is not modelled" in n for n in row["notes"])
