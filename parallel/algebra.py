@@ -157,6 +157,32 @@ def kv_heads_in_all_to_all(kv_heads: int, cp: int) -> int:
     return kv_heads if kv_heads % cp == 0 else cp
 
 
+# -- the formats a collective carries (parallel.comm_dtype) ------------------------------------------
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
+SCALE_BLOCK, SCALE_BYTES = 256, 4  # int8 and fp8: one fp32 scale per block of 256 elements
+BLOCK_SCALED = ("int8", "fp8")
+
+
+def wire_bytes(comm_dtype: str, elements: int) -> int:
+    """Bytes of `elements` values sent as one chunk in `comm_dtype`: B per element, and for the
+    block-scaled formats (int8, fp8) a 4-byte scale per started block of 256 (docs/low-precision-collectives.md)."""
+    scales = -(-elements // SCALE_BLOCK) * SCALE_BYTES if comm_dtype in BLOCK_SCALED else 0
+    return elements * ELEMENT_BYTES[comm_dtype] + scales
+
+
+def comm_dtype_factor(comm_dtype: str) -> Fraction:
+    """The bytes a format sends per fp32 byte, for tensors of whole blocks: 1 for fp32, 1/2 for
+    bf16, (256 + 4)/(4·256) = 65/256 for int8 and fp8 (the planner's per-format factor)."""
+    return Fraction(wire_bytes(comm_dtype, SCALE_BLOCK), ELEMENT_BYTES["fp32"] * SCALE_BLOCK)
+
+
+def scattered_part_bytes(model: GPTConfig, n: int, comm_dtype: str) -> int:
+    """A reduce-scatter of every part's padded flat buffer over n ranks as the block-scaled
+    collectives send it (an all-to-all of n chunks per part, each padded(Ψ_part, n)/n elements with
+    its own scales), or, the same bytes, an all-gather of every part: Σ_parts n·wire(padded/n)."""
+    return sum(n * wire_bytes(comm_dtype, padded(count, n) // n) for count in part_parameter_counts(model))
+
+
 # -- ring factors -----------------------------------------------------------------------------------
 def all_reduce_sent_per_rank(n: int, payload_bytes: int) -> Fraction:
     """A ring all-reduce of S bytes over n ranks: each rank sends 2(n-1)/n·S (nothing alone)."""

@@ -47,7 +47,8 @@ def _optimizer(plan):
 def _build_torch_ddp(model, plan, ctx):
     from parallel.baselines.ddp import TorchDDP
 
-    return TorchDDP(model, _optimizer(plan), ctx.comm("dp"), plan.layout.of(SyncOptions).bucket_mb)
+    sync = plan.layout.of(SyncOptions)
+    return TorchDDP(model, _optimizer(plan), ctx.comm("dp"), sync.bucket_mb, sync.comm_dtype)
 
 
 def _build_accelerate_ddp(model, plan, ctx):
@@ -108,7 +109,8 @@ ENTRIES = (
     StrategySpec(
         name="torch_ddp", description="PyTorch DistributedDataParallel (the baseline for dp)",
         build=_build_torch_ddp, comm=dp_theory.dp_comm, model_state=dp_theory.replicated_model_state_bytes,
-        local_parameters=algebra.tp_local_parameter_count, min_world=2, honours=BUCKETS, exposed_comm_measured=False,
+        local_parameters=algebra.tp_local_parameter_count, min_world=2, exposed_comm_measured=False,
+        honours={"sync": ("bucket_mb", "comm_dtype")},  # comm_dtype=bf16: PyTorch's bf16_compress_hook
         tags=BASELINE, moe=True, activations=registry_activations, tied_head=True, sgd=True,
     ),
     StrategySpec(

@@ -298,3 +298,24 @@ class RoutedAllReduce:
     def __exit__(self, *exc):
         self.module.dist = self._original
         return False
+
+
+def counted_bf16_compress_hook(comm: Communicator):
+    """PyTorch's own DDP hook `bf16_compress_hook` (cast the bucket to bf16, divide by the group's
+    size, all-reduce, copy back), its all-reduce recorded as comm.py records one: the bucket's bytes
+    in bf16, under `grads/bucket<i>`, and the post as a span. The hook leaves the mean of the
+    gradients; the project's gradients are sums (every microbatch loss is already divided by the
+    global token count), so the result is multiplied by the size again, as dp's bf16 sync does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+
+    def hook(process_group, bucket):
+        tag = f"grads/bucket{bucket.index()}"
+        payload = bucket.buffer().numel() * torch.finfo(torch.bfloat16).bits // 8
+        interval, cpu_start = call_interval(bucket.buffer().is_cuda), cpu_stamp()
+        future = bf16_compress_hook(process_group, bucket)
+        interval.stop()
+        entry = comm.log.record("all_reduce", comm.name, tag, payload, comm.size)
+        comm.log.span("post", "all_reduce", comm.name, tag, *interval.stamps(), entry, cpu_start=cpu_start)
+        return future.then(lambda done: done.value().mul_(comm.size))
+
+    return hook

@@ -2,6 +2,8 @@
 
 Their traffic goes through the same communication log: DDP lets us replace its all-reduce with a
 communication hook, so every byte it sends is counted by parallel/dist/comm.py exactly as ours are.
+With parallel.comm_dtype=bf16 the hook is PyTorch's own bf16_compress_hook (the counterpart of dp's
+bf16 all-reduce, parallel/sync/lowprec.py), its all-reduce counted by parallel/baselines/counting.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from parallel.baselines.counting import counted_bf16_compress_hook
 from parallel.core.data import Batch
 from parallel.dist.comm import Communicator
 from parallel.strategy import Strategy
@@ -53,7 +56,7 @@ class TorchDDP(Strategy):
     exposed_comm_measured = False
     breakdown_note = DDP_NOTE
 
-    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float):
+    def __init__(self, model, optimizer_factory, dp_comm: Communicator, bucket_mb: float, comm_dtype: str = "fp32"):
         ddp = DDP(
             model,
             process_group=dp_comm.group,
@@ -63,7 +66,10 @@ class TorchDDP(Strategy):
             # (The GPT has no buffers, so DDP has none to broadcast in forward either.)
             init_sync=False,
         )
-        ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
+        if comm_dtype == "bf16":
+            ddp.register_comm_hook(dp_comm.group, counted_bf16_compress_hook(dp_comm))
+        else:
+            ddp.register_comm_hook(None, _counted_allreduce_hook(dp_comm))
         super().__init__(ddp, optimizer_factory(ddp.module), loss_comm=dp_comm)
 
     def microbatch_context(self, last_microbatch: bool):

@@ -23,14 +23,15 @@ def _build_dp(model, plan, ctx):
 
     sync = plan.layout.of(SyncOptions)
     return DataParallel(model, plan_optimizer(model, plan), ctx.comm("dp"), sync.grad_sync,
-                        sync.bucket_mb)
+                        sync.bucket_mb, sync.comm_dtype)
 
 
 ENTRIES = (
     StrategySpec(
         name="dp", description="data parallel, hand-written: gradients all-reduced over dp (naive, or bucketed as DDP)",
         build=_build_dp, comm=theory.dp_comm, model_state=theory.replicated_model_state_bytes,
-        local_parameters=algebra.tp_local_parameter_count, honours={"sync": ("grad_sync", "bucket_mb", "zero")},
+        local_parameters=algebra.tp_local_parameter_count,
+        honours={"sync": ("grad_sync", "bucket_mb", "zero", "comm_dtype")},
         counterpart="torch_ddp",
         moe=True, activations=registry_activations, recompute=True, tied_head=True, sgd=True,
     ),

@@ -18,8 +18,9 @@ from parallel.sync.allreduce import make_grad_sync
 class DataParallel(Strategy):
     name = "dp"
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer, dp_comm: Communicator, grad_sync: str, bucket_mb: float):
-        sync = make_grad_sync(list(model.named_parameters()), dp_comm, grad_sync, bucket_mb)
+    def __init__(self, model: nn.Module, optimizer: Optimizer, dp_comm: Communicator, grad_sync: str, bucket_mb: float,
+                 comm_dtype: str = "fp32"):
+        sync = make_grad_sync(list(model.named_parameters()), dp_comm, grad_sync, bucket_mb, comm_dtype)
         super().__init__(model, optimizer, loss_comm=dp_comm, sync=sync)
         self.grad_sync = grad_sync
 

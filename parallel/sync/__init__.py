@@ -10,8 +10,10 @@ imports another: dp, zero, tp, cp, moe and the recipe all plug in the same syncs
   shards.py     the machinery ZeRO is made of: each model part as one flat buffer padded to a
                 multiple of the group size, an AdamW over this rank's shard, the reduce-scatter
   zero.py       ZeroOptimizer: ZeRO stage 1 or 2 over any group, the sync and the optimizer in one
-  options.py    how the dp dimension syncs (parallel.grad_sync, bucket_mb, zero): the options every
-                family that replicates parameters reads, declared here as a family of their own
+  options.py    how the dp dimension syncs (parallel.grad_sync, bucket_mb, zero, comm_dtype): the options
+                every family that replicates parameters reads, declared here as a family of their own
+  quantize.py   the formats a collective may carry (bf16, block-scaled int8 and fp8), their error bounds
+  lowprec.py    the all-reduce, reduce-scatter and all-gather in those formats, which the syncs call
 
 Each sync is a `parallel.strategy.GradSync`: what a step calls after backward (`finish`), and the
 completions other families hang on it (tp's sum of sequence-sharded gradients).
@@ -24,7 +26,7 @@ from dataclasses import replace
 from parallel.family import Family, Search
 from parallel.layout import Layout
 from parallel.spec import StrategySpec
-from parallel.sync.options import ZERO_STAGES, SyncOptions
+from parallel.sync.options import ZERO_STAGES, SyncOptions, check_comm_dtype
 
 
 def _search(search: Search) -> list[SyncOptions]:
@@ -49,12 +51,14 @@ def _describe(layout: Layout, spec: StrategySpec) -> dict:
     options, all_reduce = layout.of(SyncOptions), all_reduce_sync(layout, spec)
     bucket_alone = spec.honours_option(SyncOptions, "bucket_mb") and not spec.honours_option(SyncOptions, "grad_sync")
     return {"grad_sync": options.grad_sync if all_reduce else None,
-            "bucket_mb": options.bucket_mb if all_reduce or bucket_alone else None, "zero": options.zero}
+            "bucket_mb": options.bucket_mb if all_reduce or bucket_alone else None, "zero": options.zero,
+            "comm_dtype": options.comm_dtype if spec.honours_option(SyncOptions, "comm_dtype") else None}
 
 
 def _label(described: dict) -> list[str]:
     return ([f"zero{described['zero']}"] if described["zero"] else []) + \
-        (["naive"] if described.get("grad_sync") == "naive" else [])
+        (["naive"] if described.get("grad_sync") == "naive" else []) + \
+        ([described["comm_dtype"]] if described.get("comm_dtype") not in (None, "fp32") else [])
 
 
 def _identity(layout: Layout, spec: StrategySpec) -> None:
@@ -63,5 +67,5 @@ def _identity(layout: Layout, spec: StrategySpec) -> None:
     return None
 
 
-FAMILY = Family("sync", SyncOptions, search=_search, describe=_describe, label=_label, identity=_identity,
-                fallback=_fallback)
+FAMILY = Family("sync", SyncOptions, rules=check_comm_dtype, search=_search, describe=_describe, label=_label,
+                identity=_identity, fallback=_fallback)

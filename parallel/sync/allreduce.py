@@ -13,6 +13,9 @@ Two ways to do the sum:
   its all-reduce starts asynchronously while backward carries on with earlier layers. Buckets are
   launched strictly in index order so every rank issues the same collectives in the same order.
 
+With `parallel.comm_dtype` other than fp32 the all-reduces go through parallel/sync/lowprec.py
+in that format; with a block-scaled one (int8, fp8) a bucket is one model part.
+
 With gradient accumulation only the last microbatch's backward triggers communication: the
 gradients of earlier microbatches accumulate locally, and the sum is synced once per step.
 """
@@ -27,6 +30,8 @@ import torch.nn as nn
 from parallel.core.model import part_of
 from parallel.dist.comm import Communicator, Handle
 from parallel.strategy import GradSync
+from parallel.sync.lowprec import collectives
+from parallel.sync.quantize import BLOCK_SCALED
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +85,14 @@ class Bucket:
 class BucketedGradSync(GradSync):
     """PyTorch DDP's way: gradients in flat buckets, each all-reduced as soon as backward fills it."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Communicator, bucket_bytes: int):
+    def __init__(self, params: list[nn.Parameter], comm: Communicator, bucket_bytes: int,
+                 groups: list[list[nn.Parameter]] | None = None):
+        """`groups`: the buckets' parameters, in backward order, where not cut by `bucket_bytes`."""
         params = [p for p in params if p.requires_grad]
         super().__init__(params)
         self.comm = comm
-        self.buckets = self._make_buckets(list(reversed(params)), bucket_bytes)
+        self.buckets = self._make_buckets(list(reversed(params)), bucket_bytes) if groups is None else \
+            [Bucket(i, g, g[0].device, g[0].dtype) for i, g in enumerate(groups)]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._armed = False
         self._next_to_launch = 0
@@ -150,14 +158,27 @@ class BucketedGradSync(GradSync):
 GRAD_SYNCS = ("bucketed", "naive")
 
 
+def part_buckets(named_params: list[tuple[str, nn.Parameter]]) -> list[list[nn.Parameter]]:
+    """One bucket per model part, in backward order: the block-scaled formats' buckets, so that the
+    bytes of their padding and scales have a closed form on the parts, as ZeRO's do."""
+    groups: dict[str, list[nn.Parameter]] = {}
+    for name, p in reversed(named_params):
+        if p.requires_grad:
+            groups.setdefault(part_of(name), []).append(p)
+    return list(groups.values())
+
+
 def make_grad_sync(named_params: list[tuple[str, nn.Parameter]], comm: Communicator | None, grad_sync: str,
-                   bucket_mb: float) -> GradSync:
-    """The gradient sync `parallel.grad_sync` names over `comm` (the dp group); with no dp group
-    to sum over (None, or one rank), the no-op GradSync."""
+                   bucket_mb: float, comm_dtype: str = "fp32") -> GradSync:
+    """The gradient sync `parallel.grad_sync` names over `comm` (the dp group), its all-reduces in
+    `comm_dtype` (parallel/sync/lowprec.py); with no dp group to sum over (None, or one rank), the
+    no-op GradSync."""
     if comm is None or comm.size == 1:
         return GradSync([p for _, p in named_params if p.requires_grad])
+    wire = collectives(comm, comm_dtype, error_feedback=True)
     if grad_sync == "naive":
-        return NaiveGradSync(named_params, comm)
+        return NaiveGradSync(named_params, wire)
     if grad_sync == "bucketed":
-        return BucketedGradSync([p for _, p in named_params], comm, int(bucket_mb * MiB))
+        groups = part_buckets(named_params) if comm_dtype in BLOCK_SCALED else None
+        return BucketedGradSync([p for _, p in named_params], wire, int(bucket_mb * MiB), groups)
     raise ValueError(f"parallel.grad_sync={grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}")

@@ -14,6 +14,7 @@ from typing import ClassVar
 from parallel.family import option
 from parallel.spec import ConfigError
 from parallel.sync.allreduce import GRAD_SYNCS
+from parallel.sync.quantize import BLOCK_SCALED, COMM_DTYPES
 
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -31,6 +32,10 @@ class SyncOptions:
     # stage k runs as the strategy zero<k>; inside tp, pp, cp or 3d it is parallel/sync/zero.py's
     # ZeroOptimizer over the ranks that replicate the parameters (parallel/compose/route.py)
     zero: int = option(0)
+    # parallel.comm_dtype: the format the dp group's gradient reductions (and ZeRO-3's weight
+    # all-gathers) travel in: fp32 (as computed), bf16 (DDP's compression hook), or int8 / fp8 with a
+    # scale per block of 256 (ZeRO++'s quantized collectives); parallel/sync/lowprec.py
+    comm_dtype: str = option("fp32")
 
     def __post_init__(self):
         if self.grad_sync not in GRAD_SYNCS:
@@ -42,3 +47,22 @@ class SyncOptions:
         if self.zero not in ZERO_STAGES or isinstance(self.zero, bool):
             raise ConfigError(f"parallel.zero={self.zero!r} is not a ZeRO stage: choose 0 (plain dp all-reduce), "
                               "1 or 2 (3 only with parallel.tp=1 parallel.pp=1)")
+        if self.comm_dtype not in COMM_DTYPES:
+            raise ConfigError(f"parallel.comm_dtype={self.comm_dtype!r}: choose one of {', '.join(COMM_DTYPES)}")
+        if self.comm_dtype in BLOCK_SCALED and self.grad_sync == "naive":
+            raise ConfigError(f"parallel.comm_dtype={self.comm_dtype} quantizes whole model parts, as the bucketed "
+                              "sync cuts them: use parallel.grad_sync=bucketed")
+
+
+def check_comm_dtype(check) -> None:
+    """The sync family's rule: a format other than fp32 only where the entry that runs reads it (dp,
+    zero1-3; torch_ddp, whose counterpart is PyTorch's bf16 hook, bf16 alone)."""
+    fmt = check.layout.of(SyncOptions).comm_dtype
+    if fmt == "fp32":
+        return
+    if not check.spec.honours_option(SyncOptions, "comm_dtype"):
+        raise ConfigError(f"parallel.comm_dtype={fmt}: {check.spec.name} reduces in fp32 only; the low-precision "
+                          "collectives are dp's and ZeRO's (parallel=dp, zero1, zero2, zero3, torch_ddp with bf16)")
+    if fmt in BLOCK_SCALED and "baseline" in check.spec.tags:
+        raise ConfigError(f"parallel.comm_dtype={fmt}: PyTorch's DDP ships a bf16 compression hook, no block-scaled "
+                          f"{fmt} one: use parallel.comm_dtype=bf16, or parallel=dp for {fmt}")

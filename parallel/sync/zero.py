@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, storage_bytes
+from parallel.sync.lowprec import collectives
 from parallel.sync.shards import (
     GradReduceScatter,
     MemoryMeter,
@@ -41,17 +42,22 @@ class ZeroOptimizer(GradSync):
     backward hooks, before any completion could run, so it refuses completions (run_plan.py refuses
     ZeRO-2 with sequence parallelism first, with the reason).
 
+    The gradients' reduce-scatters go through `grad_comm`, in parallel.comm_dtype
+    (parallel/sync/lowprec.py); the parameters' all-gather stays fp32 on `comm`, since the gathered
+    copy is the one this optimizer trains.
+
     After construction the parameters are views into per-part flat buffers (their values are
     unchanged); the model is used as before.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], dp_comm: Communicator, stage: int,
-                 lr: float, weight_decay: float):
+                 lr: float, weight_decay: float, comm_dtype: str = "fp32"):
         if stage not in (1, 2):
             raise ValueError(f"ZeroOptimizer handles ZeRO stages 1 and 2, not {stage} (zero3 is Zero3)")
         super().__init__([p for _, p in named_params if p.requires_grad])
         self.stage = stage
         self.comm = dp_comm
+        self.grad_comm = collectives(dp_comm, comm_dtype)  # the gradients' reduce-scatters, in comm_dtype
         self.meter = MemoryMeter()
         self.parts = group_into_parts(named_params, dp_comm.size, dp_comm.rank)
         # parameter -> (index of its part, its index in the part)
@@ -77,7 +83,7 @@ class ZeroOptimizer(GradSync):
         self.grad_shards = grad_shards
         self.optimizer = ShardAdamW(self.parts, [f[part.lo: part.hi] for f, part in zip(self.flat_params, self.parts)],
                                     grad_shards, lr, weight_decay)
-        self.reduction = GradReduceScatter(self.parts, grad_shards, dp_comm, self.meter)  # stage 2
+        self.reduction = GradReduceScatter(self.parts, grad_shards, self.grad_comm, self.meter)  # stage 2
         self._next_to_launch = 0
         log.info("zero%d: %d parts, padded sizes %s, shard %d elements", stage, len(self.parts),
                  [p.padded for p in self.parts], sum(p.shard_numel for p in self.parts))
@@ -111,8 +117,8 @@ class ZeroOptimizer(GradSync):
     def finish(self) -> None:
         if self.stage == 1:
             self.complete()  # a shard must hold the sum of complete gradients
-            handles = [self.comm.reduce_scatter(g[part.lo: part.hi], g, tag=f"zero/grad_reduce_scatter/{part.name}",
-                                                async_op=True)
+            handles = [self.grad_comm.reduce_scatter(g[part.lo: part.hi], g,
+                                                     tag=f"zero/grad_reduce_scatter/{part.name}", async_op=True)
                        for part, g in zip(self.parts, self.flat_grads)]
             for h in handles:
                 h.wait()

@@ -42,6 +42,10 @@ piece per parameter the shard overlaps (and one for the padding), each piece in 
 group of its parameter (no decay on biases and LayerNorm weights, as strategy.make_optimizer).
 AdamW is elementwise, so stepping the pieces does per element the same arithmetic as stepping the
 whole parameters.
+
+`parallel.comm_dtype` (bf16, int8, fp8; parallel/sync/lowprec.py) carries every stage's gradient
+reduce-scatters, and zero3's weight all-gathers, in that format; ZeRO-1 and 2 gather their updated
+weights in fp32 (docs/low-precision-collectives.md).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from dataclasses import replace
 from parallel import algebra
 from parallel.activations import registry_activations
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 from parallel.zero import hsdp_theory, theory
 from parallel.zero.rules import ZERO3_NO_TIED_HEAD, check_hsdp
 
@@ -59,14 +64,15 @@ def _build_zero(stage):
     def build(model, plan, ctx):
         from parallel.zero.strategy import ZeroDataParallel
 
-        return ZeroDataParallel(model, ctx.comm("dp"), stage, plan.lr, plan.weight_decay)
+        return ZeroDataParallel(model, ctx.comm("dp"), stage, plan.lr, plan.weight_decay,
+                                plan.layout.of(SyncOptions).comm_dtype)
     return build
 
 
 def _build_zero3(model, plan, ctx):
     from parallel.zero.zero3 import Zero3
 
-    return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay)
+    return Zero3(model, ctx.comm("dp"), plan.lr, plan.weight_decay, plan.layout.of(SyncOptions).comm_dtype)
 
 
 def _entry(stage: int, what: str, build) -> StrategySpec:
@@ -75,6 +81,7 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
         build=build, comm=lambda model, layout: theory.zero_comm(model, layout, stage),
         model_state=lambda model, layout: theory.zero_model_state_bytes(model, layout, stage),
         local_parameters=algebra.tp_local_parameter_count, min_world=2, tags=frozenset({"sharded"}),
+        honours={"sync": ("comm_dtype",)},
         counterpart=f"torch_zero{stage}" if stage < 3 else "torch_fsdp2", moe=True,
         # Every stage has the activation formula (zero3 too: tests/helpers/planner_memory_check.py measures
         # it). Recomputation is the project's transform of whole blocks: ZeRO-1/2 run the model's
@@ -105,6 +112,7 @@ def _hsdp_entry(stage: int) -> StrategySpec:
         build=_build_hsdp(stage), comm=lambda model, layout: hsdp_theory.hsdp_comm(model, layout, stage),
         model_state=lambda model, layout: hsdp_theory.hsdp_model_state_bytes(model, layout, stage),
         dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, moe=False,
+        honours={},  # its collectives run in fp32: parallel.comm_dtype is refused (the zero entries' honour it)
         moe_refusal="its shard groups sum every gradient, the experts' too, over dp; expert parallelism is parallel=ep",
         # Each rank's shard of a checkpoint is its shard group's; the replicas' copies are not told apart yet.
         checkpoints=False, counterpart="torch_hsdp" if stage == 3 else None,

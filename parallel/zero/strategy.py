@@ -13,8 +13,9 @@ from parallel.sync.zero import ZeroOptimizer
 class ZeroDataParallel(Strategy):
     """The ZeroOptimizer is both the gradient sync and the optimizer."""
 
-    def __init__(self, model: nn.Module, dp_comm: Communicator, stage: int, lr: float, weight_decay: float):
-        self.zero = ZeroOptimizer(list(model.named_parameters()), dp_comm, stage, lr, weight_decay)
+    def __init__(self, model: nn.Module, dp_comm: Communicator, stage: int, lr: float, weight_decay: float,
+                 comm_dtype: str = "fp32"):
+        self.zero = ZeroOptimizer(list(model.named_parameters()), dp_comm, stage, lr, weight_decay, comm_dtype)
         super().__init__(model, self.zero, loss_comm=dp_comm, sync=self.zero)
         self.name = f"zero{stage}"
 

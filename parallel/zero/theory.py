@@ -8,11 +8,19 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from parallel.algebra import all_ranks, figure, gather_or_scatter_sent_per_rank, zero_padded_parameter_count
+from parallel.algebra import (
+    BLOCK_SCALED,
+    all_ranks,
+    figure,
+    gather_or_scatter_sent_per_rank,
+    scattered_part_bytes,
+    zero_padded_parameter_count,
+)
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.model_state import model_state, run_state_bytes, whole_model_parts
+from parallel.sync.options import SyncOptions
 
 
 def zero_comm(model: GPTConfig, layout: Layout, stage: int) -> dict:
@@ -25,6 +33,11 @@ def zero_comm(model: GPTConfig, layout: Layout, stage: int) -> dict:
               after the step: (N-1)/N·(m·G + P); with m = 1 the paper's (N-1)/N·(G + P)
       zero3   per microbatch, P all-gathered before forward and again before backward, G
               reduce-scattered: m·(N-1)/N·(2P + G)
+
+    In parallel.comm_dtype, G (and zero3's P) become W = Σ_parts N·wire(Ψ_part,pad/N): Ψ_pad·2 for
+    bf16; for int8 and fp8 each part's N chunks with a 4-byte scale per block of 256, and the
+    reduce-scatter an all-to-all of those bytes (the reduction is done by the receiver). ZeRO-1/2
+    gather the updated parameters in fp32 (their gathered copy is the one they train).
     """
     n = layout.dims.dp
     ranks = layout.dims.world_size
@@ -37,9 +50,13 @@ def zero_per_rank(model: GPTConfig, layout: Layout, stage: int, n: int) -> dict[
     forms; HSDP's shard group, parallel/zero/hsdp_theory.py, is such a group)."""
     m = layout.microbatches
     size = zero_padded_parameter_count(model, n) * layout.dtype_bytes
+    fmt = layout.of(SyncOptions).comm_dtype
+    wire = size if fmt == "fp32" else scattered_part_bytes(model, n, fmt)
     gathers, scatters = {1: (1, 1), 2: (1, m), 3: (2 * m, m)}[stage]
+    scatter_op = "all_to_all" if fmt in BLOCK_SCALED else "reduce_scatter"
     return {op: (payload, gather_or_scatter_sent_per_rank(n, payload))
-            for op, payload in (("all_gather", gathers * size), ("reduce_scatter", scatters * size))}
+            for op, payload in (("all_gather", gathers * (wire if stage == 3 else size)),
+                                (scatter_op, scatters * wire))}
 
 
 def zero_model_state_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict:

@@ -21,6 +21,10 @@ resizes it back and fills it before any of them is read. Once a part's last para
 gradient, every backward node that read the part's parameters has run (each such node sends a
 gradient to them), so freeing then is safe.
 
+Both collectives go through `self.wire`, the dp Communicator itself for parallel.comm_dtype=fp32,
+else its low-precision collectives (parallel/sync/lowprec.py): the shards stay fp32, only what
+crosses between ranks is rounded.
+
 With several microbatches, each one gathers twice and reduce-scatters once per part; the
 gradient shards add up. The optimizer (zero.ShardAdamW) steps the shards directly; no all-gather
 follows the step, the next forward gathers what it needs.
@@ -36,6 +40,7 @@ import torch.nn as nn
 from parallel.core.model import part_names
 from parallel.dist.comm import Communicator
 from parallel.strategy import GradSync, Strategy, storage_bytes
+from parallel.sync.lowprec import collectives
 from parallel.sync.pieces import zero_pieces
 from parallel.sync.shards import (
     GradReduceScatter,
@@ -53,8 +58,10 @@ log = logging.getLogger(__name__)
 class Zero3(Strategy):
     name = "zero3"
 
-    def __init__(self, model: nn.Module, dp_comm: Communicator, lr: float, weight_decay: float):
+    def __init__(self, model: nn.Module, dp_comm: Communicator, lr: float, weight_decay: float,
+                 comm_dtype: str = "fp32"):
         self.comm = dp_comm
+        self.wire = collectives(dp_comm, comm_dtype)  # gathers and reduce-scatters in comm_dtype
         self.meter = MemoryMeter()
         self.parts: list[Part] = group_into_parts(list(model.named_parameters()), dp_comm.size, dp_comm.rank)
         assert [p.name for p in self.parts] == part_names(len(model.blocks)), [p.name for p in self.parts]
@@ -75,7 +82,7 @@ class Zero3(Strategy):
             module = model.get_submodule(part.name)
             module.register_forward_pre_hook(self._gather_for_forward(index))
             module.register_forward_hook(self._free_after_forward(index))
-        self.reduction = GradReduceScatter(self.parts, self.grad_shards, dp_comm, self.meter)
+        self.reduction = GradReduceScatter(self.parts, self.grad_shards, self.wire, self.meter)
         optimizer = ShardAdamW(self.parts, self.shards, self.grad_shards, lr, weight_decay)
         super().__init__(model, optimizer, loss_comm=dp_comm, sync=Zero3Sync(self))
         log.info("zero3: %d parts, padded sizes %s, shard %d elements", len(self.parts),
@@ -88,7 +95,7 @@ class Zero3(Strategy):
             raise RuntimeError(f"zero3: {part.name}'s parameters gathered twice without a free")
         flat.untyped_storage().resize_(part.nbytes)
         self.meter.add(part.nbytes)
-        self.comm.all_gather_into(flat, self.shards[index], tag=f"zero/param_all_gather/{direction}/{part.name}")
+        self.wire.all_gather_into(flat, self.shards[index], tag=f"zero/param_all_gather/{direction}/{part.name}")
 
     def _free(self, index: int) -> None:
         self.full[index].untyped_storage().resize_(0)
