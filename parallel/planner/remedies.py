@@ -7,8 +7,10 @@ else the planner needs of them is read here, from the entry and its layout:
                      over dp (the model state, memory.py), at the stage the entry's own model-state
                      formula describes (`sharded_stage`); its groups dp_shard and dp_replicate are
                      placed on nodes as parallel/dist/dims.py numbers them (links.py)
-    low precision    (parallel.comm_dtype) nothing: the closed forms already count the format's bytes and
-                     scales, and the time model times bytes
+    low precision    (parallel.comm_dtype) nothing but a note: the closed forms already count the format's
+                     bytes and scales (int8 and fp8 reduce as an all-to-all and an all-gather, which
+                     traffic.py counts as a reduction, not as ZeRO's parameter gathers), and the time
+                     model times bytes (the casts and the quantization are not timed)
     DiLoCo           (parallel=diloco) the sync period H of its outer all-reduce (`period_steps`: its
                      bytes are a mean per step, its time one sync's over H, timing.py) and the outer
                      state each worker keeps (`outer_state_per_parameter`: the outer copy and the
@@ -23,6 +25,7 @@ from parallel.diloco.options import DiLoCoOptions
 from parallel.dist.dims import ParallelDims
 from parallel.layout import FP32_BYTES, Layout
 from parallel.spec import StrategySpec
+from parallel.sync.options import SyncOptions
 
 
 def period_steps(figure: dict) -> int:
@@ -54,6 +57,10 @@ def trade_notes(spec: StrategySpec, layout: Layout) -> list[str]:
         h = layout.of(DiLoCoOptions).inner_steps
         notes.append(f"DiLoCo syncs every {h} steps: bytes and time per step are the mean over {h}; its loss "
                      "cost is not modelled (docs/diloco.md)")
+    fmt = layout.of(SyncOptions).comm_dtype
+    if fmt != "fp32" and spec.honours_option(SyncOptions, "comm_dtype"):
+        notes.append(f"gradients reduced in {fmt}: its bytes and scales counted; its loss cost is not modelled "
+                     "(docs/low-precision-collectives.md)")
     return notes
 
 

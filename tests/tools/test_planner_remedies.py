@@ -14,6 +14,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from launcher import PROJECT_ROOT
 from omegaconf import OmegaConf
+from options import option
 from test_planner import synthetic_cluster
 
 from launch.config import CONFIG_DIR
@@ -22,9 +23,11 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.planner import memory
-from parallel.planner.enumerate import candidate_of
+from parallel.diloco.options import DiLoCoOptions
+from parallel.planner.enumerate import Space, candidate_of, enumerate_layouts
 from parallel.planner.links import group_span
 from parallel.planner.predict import predict_row
+from parallel.planner.report import layout_label
 from parallel.planner.timing import BUCKET_BYTES, _dp_exposed
 from parallel.planner.traffic import GroupTraffic, bytes_by_link, layout_traffic
 from parallel.run_plan import build_plan
@@ -139,3 +142,39 @@ def test_diloco_sends_one_all_reduce_per_h_steps_exposed_and_keeps_its_outer_sta
     assert (state["params"], state["grads"], state["optimizer"]) == (
         held["param_bytes"], held["grad_bytes"], held["optimizer_bytes"])
     assert any("loss cost is not modelled" in n for n in row["notes"])
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny_llama"])
+def test_low_precision_collectives_send_the_formats_bytes_and_scales_on_each_link_class(base, model):
+    """dp and ZeRO with parallel.comm_dtype on 8 ranks over 2 nodes: the row's bytes are the closed form's
+    (payload and block scales) to the byte, split as fp32's are; bf16 halves dp's; int8's all-to-all and
+    all-gather are a reduction, not parameter gathers; ZeRO-3's int8 weight gathers stay gathers."""
+    fp32 = {}
+    for name, fmt in (("dp", "fp32"), ("dp", "bf16"), ("dp", "int8"), ("zero3", "fp32"), ("zero3", "int8")):
+        _, plan, candidate, traffic = _planned(base, model, 8, 4, name=name, comm_dtype=fmt)
+        figure = plan.spec.comm(plan.model, plan.layout)
+        links = bytes_by_link(traffic)
+        assert set(traffic) == {"dp"} and traffic["dp"].total == _exact(figure)
+        assert traffic["dp"].inter == traffic["dp"].total / 4  # a ring over 2 nodes: 2 of its 8 edges cross
+        ops = figure["by_op"]
+        gathers = Fraction(ops["all_gather"]["sent_bytes_exact"]) if name == "zero3" else 0
+        assert traffic["dp"].gathers == gathers
+        fp32.setdefault(name, links["total"])
+        if fmt == "bf16":
+            assert links["total"] == fp32[name] / 2
+        if fmt == "int8":
+            assert fp32[name] * 65 / 256 <= links["total"] < fp32[name] * 0.3  # 1 byte + 4 per 256, padded
+
+
+def test_the_search_weighs_each_format_and_each_h_asked_for(base):
+    """plan.search.comm_dtype and inner_steps: one row per format and per H, each told apart and labelled."""
+    shape = ModelShape.from_preset(yaml.safe_load((PROJECT_ROOT / "conf" / "model" / "tiny.yaml").read_text()))
+    space = Space(zero=[0], comm_dtype=["fp32", "bf16", "int8"], inner_steps=[10, 50], recompute=["none"],
+                  max_microbatches=1)
+    found = enumerate_layouts(shape, base["tiny"], 4, 16, space, ["dp", "diloco", "hsdp"])
+    seen = {(c.plan.strategy, option(c.plan, "comm_dtype"), c.layout.dims.dp_shard,
+             c.layout.of(DiLoCoOptions).inner_steps if c.plan.strategy == "diloco" else None) for c in found.candidates}
+    assert seen == {("dp", "fp32", 1, None), ("dp", "bf16", 1, None), ("dp", "int8", 1, None),
+                    ("diloco", "fp32", 1, 10), ("diloco", "fp32", 1, 50), ("hsdp", "fp32", 2, None)}
+    labels = {layout_label(predict_row(shape, c, synthetic_cluster(), None)["layout"]) for c in found.candidates}
+    assert {"4x1x1 m1x4 bf16", "4x1x1 m1x4 int8", "4x1x1 m1x4 H50", "4x1x1 dp_shard2 m1x4 zero3"} <= labels
