@@ -20,10 +20,10 @@ from test_planner import synthetic_cluster
 from launch.config import CONFIG_DIR
 from parallel.algebra import all_reduce_sent_per_rank, parameter_count
 from parallel.core.shape import ModelShape
+from parallel.diloco.options import DiLoCoOptions
 from parallel.dist.dims import ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.planner import memory
-from parallel.diloco.options import DiLoCoOptions
 from parallel.planner.enumerate import Space, candidate_of, enumerate_layouts
 from parallel.planner.links import group_span
 from parallel.planner.predict import predict_row
