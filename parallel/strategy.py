@@ -167,7 +167,7 @@ class Strategy:
     # DDP's reducer; inside FSDP2 on CUDA): its exposed communication is then not measured.
     exposed_comm_measured: bool = True
 
-    def __init__(self, model: nn.Module, optimizer: AdamW, loss_comm: Communicator | None = None,
+    def __init__(self, model: nn.Module, optimizer: Optimizer, loss_comm: Communicator | None = None,
                  sync: GradSync | None = None):
         self.model = model
         self.optimizer = optimizer

@@ -20,7 +20,8 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
                       last step's, and `run`, every step's), and `outside_steps` (every call made
                       outside the steps: set-up, the loopback probe, checkpoints)
   expected_comm       the strategy's closed form (its family's theory.py) in the same fields
-  comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats)
+  comm_matches_theory the two sent_bytes_per_step equal exactly (Fractions, not floats); where theory
+                      gives `period_steps` P (DiLoCo's H), the mean of the last P steps against it
   mfu                 model FLOPs utilisation (parallel/report/mfu.py): flops_per_token, peak_flops
                       (per device, measured or train.peak_flops), devices, mfu
   exposed_comm_measured  false where the strategy's waits happen inside PyTorch, out of the log's sight
