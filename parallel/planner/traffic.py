@@ -49,13 +49,14 @@ class GroupTraffic:
     span: GroupSpan
     every: int = 1  # steps per sync: 1, or DiLoCo's H (total is then the mean per step, one sync over H)
     after_step: bool = False  # a sync that waits for the step (DiLoCo's outer all-reduce), not inside backward
+    direct: Fraction = Fraction(0)  # of which all-to-all, each block sent straight to its member (links.py)
 
     def per_rank(self, world: int) -> float:
         return float(self.total) / world
 
     @property
     def inter(self) -> Fraction:
-        return self.total * self.span.inter_fraction
+        return (self.total - self.direct) * self.span.inter_fraction + self.direct * self.span.direct_fraction
 
 
 def _exact(block: dict) -> Fraction:
@@ -125,11 +126,22 @@ def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: 
         copy = g.padded_vocab_size * g.d_model // layout.dims.tp * layout.dtype_bytes
         pipelines = layout.dims.world_size // layout.dims.pp
         totals["pp"] = totals.get("pp", Fraction(0)) + 2 * pipelines * copy  # all-reduce over 2: S per rank
-    dims, every = layout.dims, period_steps(figure)
+    dims, every, direct = layout.dims, period_steps(figure), all_to_all_bytes(figure, totals, factor)
     return {g: GroupTraffic(g, v, gathers.get(g, Fraction(0)),
                             group_span(dims, g, gpus_per_node, algorithm, chunks_per_rank(layout) if g == "pp" else 1),
-                            every, "period_steps" in figure)
+                            every, "period_steps" in figure, direct.get(g, Fraction(0)))
             for g, v in totals.items()}
+
+
+def all_to_all_bytes(figure: dict, totals: dict[str, Fraction], factor: Fraction) -> dict[str, Fraction]:
+    """The all-to-all bytes of the one group that sends collectives (the dp group's int8 and fp8
+    reductions, a figure without `by_group`), which cross nodes as their peers sit, not as a ring's
+    edges do; where a figure has groups of its own, each is taken as one algorithm's."""
+    a2a = _exact(figure.get("by_op", {}).get("all_to_all", {}))
+    groups = [g for g in totals if g != "pp"]
+    if "by_group" in figure or not a2a or len(groups) != 1:
+        return {}
+    return {groups[0]: a2a * (factor if groups[0] == "dp" else 1)}
 
 
 def bytes_by_link(traffic: dict[str, GroupTraffic]) -> dict[str, float]:
