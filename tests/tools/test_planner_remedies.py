@@ -30,6 +30,7 @@ from parallel.planner.predict import predict_row
 from parallel.planner.report import layout_label
 from parallel.planner.timing import BUCKET_BYTES, _dp_exposed
 from parallel.planner.traffic import GroupTraffic, bytes_by_link, layout_traffic
+from parallel.planner.validate import per_step
 from parallel.run_plan import build_plan
 
 
@@ -180,3 +181,14 @@ def test_the_search_weighs_each_format_and_each_h_asked_for(base):
                     ("diloco", "fp32", 1, 10), ("diloco", "fp32", 1, 50), ("hsdp", "fp32", 2, None)}
     labels = {layout_label(predict_row(shape, c, synthetic_cluster(), None)["layout"]) for c in found.candidates}
     assert {"4x1x1 m1x4 bf16", "4x1x1 m1x4 int8", "4x1x1 m1x4 H50", "4x1x1 dp_shard2 m1x4 zero3"} <= labels
+
+
+def test_a_periodic_runs_step_and_bytes_are_measured_over_its_whole_periods():
+    """The validation compares DiLoCo's row (a sync spread over H steps) with the mean of the timed steps
+    in whole periods and the last period's mean bytes; every other run with its median step and last step."""
+    summary = {"expected_comm": {"period_steps": 3}, "warmup_steps": 1, "step_time_s": 1.0,
+               "step_times_s": [9.0, 1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 4.0],
+               "comm": {"sent_bytes_per_step_exact": "30", "sent_bytes_by_step": [0, 0, 0, 30, 0, 0, 30, 0]}}
+    assert per_step(summary) == (2.0, Fraction(10))  # the 6 last timed steps: two periods of 1 + 1 + 4
+    summary["expected_comm"] = {}
+    assert per_step(summary) == (1.0, Fraction(30))
