@@ -130,8 +130,7 @@ ENTRIES = (
                                        "hsdp)",
         build=_build_torch_hsdp, comm=theory.torch_hsdp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, checkpoints=False,
-        tags=frozenset({"baseline", "sharded"}), activations=registry_activations, tied_head=True,
-        moe_refusal="its shard groups sum every gradient, the experts' too, over dp; expert parallelism is parallel=ep",
+        tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations, tied_head=True,
     ),
     StrategySpec(
         name="torch_zero1", description="PyTorch's ZeRO-1: DDP + ZeroRedundancyOptimizer (the baseline for zero1)",

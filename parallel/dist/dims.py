@@ -185,7 +185,7 @@ class ParallelDims:
             )
         dp_shard = _positive_int("parallel.dp_shard", dp_shard)
         if dp % dp_shard:
-            fits = max(d for d in range(1, dp_shard + 1) if dp % d == 0)
+            fits = max(d for d in range(1, max(1, min(dp_shard, dp // 2)) + 1) if dp % d == 0)
             raise LayoutError(
                 f"parallel.dp_shard={dp_shard} does not divide parallel.dp={dp}: a shard group is dp_shard consecutive "
                 f"data-parallel ranks and dp / dp_shard groups replicate it; use a dp_shard that divides dp "

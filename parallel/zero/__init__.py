@@ -111,9 +111,8 @@ def _hsdp_entry(stage: int) -> StrategySpec:
                     "dp / dp_shard groups (docs/hsdp.md)",
         build=_build_hsdp(stage), comm=lambda model, layout: hsdp_theory.hsdp_comm(model, layout, stage),
         model_state=lambda model, layout: hsdp_theory.hsdp_model_state_bytes(model, layout, stage),
-        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, moe=False,
+        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp,
         honours={},  # its collectives run in fp32: parallel.comm_dtype is refused (the zero entries' honour it)
-        moe_refusal="its shard groups sum every gradient, the experts' too, over dp; expert parallelism is parallel=ep",
         # Each rank's shard of a checkpoint is its shard group's; the replicas' copies are not told apart yet.
         checkpoints=False, counterpart="torch_hsdp" if stage == 3 else None,
     )

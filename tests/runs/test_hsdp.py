@@ -1,8 +1,8 @@
 """HSDP (`hsdp`, `hsdp_zero2`) and its PyTorch counterpart (`torch_hsdp`) against the single run and theory.
 
-Every case runs at world 4 with parallel.dp_shard=2 (shard groups {0, 1} and {2, 3}, replicate groups
-{0, 2} and {1, 3}), forked one after another from one pool of 4 ranks (parallel/compare/pool.py), and
-checks:
+Every case (three runs, on both model shapes) runs at world 4 with parallel.dp_shard=2 (shard groups
+{0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}), forked one after another from one pool of 4
+ranks (parallel/compare/pool.py), and checks:
   * per-step losses within 1e-5 relative of the single-process run, and the same final parameters;
   * the bytes logged per group equal the closed form, written out here on its own: with S = 2 ranks
     per shard group, R = 2 shard groups, m microbatches and P = G = 4·Ψ_S (Ψ_S: Ψ padded for S),
@@ -22,8 +22,9 @@ from test_zero import PARTS, L, padded_psi
 from parallel.compare.pool import Pool, pools_supported
 
 S, R = 2, 2
-# (preset, model, microbatches): ZeRO-3 on both shapes, ZeRO-2 accumulating two microbatches, FSDP2's.
-CASES = [("hsdp", "tiny", 1), ("hsdp", "tiny_llama", 2), ("hsdp_zero2", "tiny", 2), ("torch_hsdp", "tiny", 2)]
+# (preset, model, microbatches), each accumulating two microbatches: the Llama shape under ZeRO-3, GPT-2's
+# under ZeRO-2 and FSDP2 (`hsdp` on GPT-2's with one microbatch is tests/tools/test_net.py's hsdp-2x2).
+CASES = [("hsdp", "tiny_llama", 2), ("hsdp_zero2", "tiny", 2), ("torch_hsdp", "tiny", 2)]
 
 
 def _config(preset: str, model: str, microbatches: int) -> list[str]:
