@@ -44,10 +44,12 @@ def _blocked(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_scales(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """One scale per block: its largest magnitude over the format's largest code (1 for a block of
-    zeros, whose codes are zeros whatever the scale)."""
-    absmax = _blocked(x.float()).abs().amax(dim=1)
-    return torch.where(absmax > 0, absmax / LARGEST_CODE[fmt], torch.ones_like(absmax))
+    """One scale per block: its largest magnitude over the format's largest code, and never below
+    fp32's smallest normal number: a block of tiny values (residuals of error feedback reach them)
+    would otherwise get a scale that underflows to 0, and 0/0 codes. Such a block's values are
+    below LARGEST_CODE·tiny, so they still fit; a block of zeros has zero codes whatever its scale."""
+    scales = _blocked(x.float()).abs().amax(dim=1) / LARGEST_CODE[fmt]
+    return scales.clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@
   * every element comes back within the format's stated bound, and the bound is tight enough
     that some element reaches a third of it;
   * a block of zeros comes back as zeros, and blocks of very different magnitudes each keep their
-    own precision (the point of a scale per block);
+    own precision (the point of a scale per block); a block of subnormal values comes back finite;
   * the byte factor the planner reads: 1, 1/2, 65/256, 65/256;
   * a format is refused by name where it means nothing, before any process group.
 """
@@ -47,6 +47,16 @@ def test_each_block_keeps_its_own_scale(fmt):
     back = unpack(pack(x, fmt), fmt, x.numel())
     assert back[:256].eq(0).all()
     assert torch.allclose(back[257:512], x[257:512], rtol=0.07)  # a tiny block's 1e-6 survives beside 1e3
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_a_block_of_subnormal_values_comes_back_finite(fmt):
+    """absmax / 448 of a block whose largest value is 1e-44 underflows to 0: the scale's floor keeps
+    the codes finite (a run with fp8 error feedback met such a block and turned NaN without it)."""
+    x = torch.zeros(256)
+    x[:3] = torch.tensor([1e-44, -3e-45, 1e-45])
+    back = unpack(pack(x, fmt), fmt, 256)
+    assert torch.isfinite(back).all() and ((back - x).abs() <= error_bound(x, fmt) * (1 + 1e-6)).all()
 
 
 def test_the_byte_factor_of_each_format():

@@ -12,8 +12,10 @@ Every case is a 3-step world-4 run (2 microbatches) forked from one pool of 4 ra
              zero3 m·(N-1)/N·W + 2m·(N-1)/N·W
   * the ops that carried them (an all-to-all in place of a reduce-scatter for int8 and fp8);
   * the losses stay near fp32 dp's on the same model (within 1%: three steps of a lossy sum move
-    them far less; a sync that lost a factor of N would not).
-comm_dtype=fp32 is no wrapper at all (tests/layers/test_lowprec.py): the runs of test_dp.py and
+    them far less; a sync that lost a factor of N would not);
+  * torch_ddp with PyTorch's bf16_compress_hook and dp's bf16 all-reduce, the same arithmetic on
+    buckets that differ only in DDP's first step, give losses within 1e-4 of each other.
+comm_dtype=fp32 is no wrapper at all (tests/layers/test_lowprec_collectives.py): the runs of test_dp.py and
 test_zero.py are its runs.
 """
 
@@ -35,7 +37,7 @@ CASES = [  # (strategy, model, comm_dtype)
     ("dp", "tiny", "bf16"), ("dp", "tiny_llama", "int8"), ("dp", "tiny", "fp8"),
     ("zero2", "tiny_llama", "bf16"), ("zero2", "tiny", "int8"), ("zero2", "tiny_llama", "fp8"),
     ("zero3", "tiny", "bf16"), ("zero3", "tiny_llama", "int8"), ("zero3", "tiny", "fp8"),
-    ("torch_ddp", "tiny_llama", "bf16"),
+    ("torch_ddp", "tiny", "bf16"),
 ]
 REFERENCES = [("dp", "tiny", "fp32"), ("dp", "tiny_llama", "fp32")]
 
@@ -98,3 +100,8 @@ def test_lossy_formats_send_the_closed_form(strategy, model, fmt, runs):
     reference = runs[("dp", model, "fp32")]["losses"]
     assert all(abs(a - b) <= 0.01 * b for a, b in zip(s["losses"], reference)), (s["losses"], reference)
 
+
+
+def test_torch_ddp_bf16_hook_and_dp_bf16_agree(runs):
+    ours, theirs = runs[("dp", "tiny", "bf16")]["losses"], runs[("torch_ddp", "tiny", "bf16")]["losses"]
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(ours, theirs)), (ours, theirs)
