@@ -14,7 +14,9 @@ collective latency + bytes / bandwidth on the link class it crosses (Thakur et a
            at the NIC's rate. Ring (gloo): a ring moves at its slowest edge, so a ring that spans
            nodes sends all its bytes at the between-node rate, shared by the transfers that leave
            a node at once where the node has one link. Latency per call: one per algorithm step
-           (2(N-1) for an all-reduce, N-1 for a gather or scatter, 1 for a send), the call count
+           (2(N-1) for an all-reduce, N-1 for a gather, a scatter or an all-to-all, 1 for a send; an
+           all-to-all's blocks go straight to their members, so its share that crosses nodes is
+           its members' peers off-node, at the between-node rate, whatever the algorithm), the call count
            being the bytes over one message (an activation of b·s·h for tp, cp and ep and the
            pipeline, a bucket for dp).
 overlap    tp, cp and ep collectives block the forward or backward they sit in (half each).
@@ -31,7 +33,7 @@ bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.compose.theory import chunks_per_rank, pipeline_makespan
 from parallel.core.shape import ModelShape
@@ -173,8 +175,21 @@ def _collective_seconds(shape: ModelShape, layout, zero: int, grad_sync: str | N
             steps = gt.span.size - 1 if sharded and name != "dp_replicate" else 2 * (gt.span.size - 1)
         else:
             message, steps = activation, 2 * (gt.span.size - 1)
-        seconds[name] = collective_seconds(per_rank, gt.span, cluster, message, steps) / gt.every
+        direct = float(gt.direct) / world * gt.every  # an all-to-all: each block straight to its member
+        seconds[name] = (collective_seconds(per_rank - direct, gt.span, cluster, message, steps)
+                         + _direct_seconds(direct, gt.span, cluster, message)) / gt.every
     return seconds
+
+
+def _direct_seconds(bytes_per_rank: float, span, cluster: Cluster, message: float) -> float:
+    """An all-to-all's seconds: every block sent at once to its member, those to other nodes (the
+    peers' share off-node, `direct_fraction`) at the between-node rate, the rest inside, one latency
+    per peer."""
+    if bytes_per_rank <= 0:
+        return 0.0
+    steps = span.size - 1
+    return collective_seconds(bytes_per_rank, replace(span, inter_fraction=span.direct_fraction), cluster,
+                              message, steps, point_to_point=True)
 
 
 def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, activation: int, f_eff: float,

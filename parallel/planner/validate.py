@@ -144,7 +144,7 @@ def per_step(summary: dict) -> tuple[float, Fraction]:
     step's bytes; for a strategy that syncs once per period (DiLoCo's H: its closed form's
     `period_steps`), the mean over the whole periods among the timed steps (the sync steps included,
     as the prediction spreads one sync over H steps) and the last period's mean bytes, exactly."""
-    period = int(summary["expected_comm"].get("period_steps", 1))
+    period = int((summary.get("expected_comm") or {}).get("period_steps", 1))
     if period == 1:
         return summary["step_time_s"], Fraction(summary["comm"]["sent_bytes_per_step_exact"])
     timed = summary["step_times_s"][summary["warmup_steps"]:]

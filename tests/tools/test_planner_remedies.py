@@ -192,3 +192,15 @@ def test_a_periodic_runs_step_and_bytes_are_measured_over_its_whole_periods():
     assert per_step(summary) == (2.0, Fraction(10))  # the 6 last timed steps: two periods of 1 + 1 + 4
     summary["expected_comm"] = {}
     assert per_step(summary) == (1.0, Fraction(30))
+
+
+def test_an_all_to_all_is_timed_as_its_blocks_go_not_as_a_ring(base):
+    """dp int8 on 8 ranks, 2 nodes of 4, the synthetic cluster (1 GB/s inside, 0.1 GB/s between, no
+    latency, hierarchical): the all-gather half at (k-1)/(N-1) = 1/7 between nodes, the all-to-all half
+    at 4/7, each member's 4 peers on the other node; worked by hand."""
+    shape, plan, candidate, _ = _planned(base, "tiny", 8, 4, name="dp", comm_dtype="int8")
+    ops = plan.spec.comm(plan.model, plan.layout)["by_op"]
+    ag, a2a = (float(Fraction(ops[op]["sent_bytes_exact"])) / 8 for op in ("all_gather", "all_to_all"))
+    row = predict_row(shape, candidate, synthetic_cluster(), "dp_int8")
+    expected = ag * (6 / 7 / 1e9 + 1 / 7 / 1e8) + a2a * (3 / 7 / 1e9 + 4 / 7 / 1e8)
+    assert row["comm_seconds_by_group"]["dp"] == pytest.approx(expected)
