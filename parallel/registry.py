@@ -88,7 +88,7 @@ FAMILIES: tuple[Family, ...] = (tp.FAMILY, cp.FAMILY, pp.FAMILY, sync.FAMILY, mo
 WITH_OPTIONS: tuple[Family, ...] = tuple(f for f in FAMILIES if f.options is not None)
 # The planner's product of the families' searches varies the first slowest: the pipeline's schedules,
 # so that every other option of one schedule asks for it while parallel/pp/schedules.py's cache holds it.
-SEARCHED: tuple[Family, ...] = (pp.FAMILY, sync.FAMILY, tp.FAMILY, cp.FAMILY)
+SEARCHED: tuple[Family, ...] = (pp.FAMILY, sync.FAMILY, tp.FAMILY, cp.FAMILY, diloco.FAMILY)
 
 
 def check_declarations(spec: StrategySpec) -> None:

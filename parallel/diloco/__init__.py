@@ -18,7 +18,7 @@ from parallel.activations import registry_activations
 from parallel.diloco import theory
 from parallel.diloco.options import DiLoCoOptions
 from parallel.diloco.rules import diloco_rules
-from parallel.family import Family
+from parallel.family import Family, Search
 from parallel.spec import StrategySpec
 
 
@@ -43,7 +43,18 @@ def _label(described: dict) -> list[str]:
     return [f"H{described['inner_steps']}"] + ([f"F{described['fragments']}"] if described["fragments"] > 1 else [])
 
 
-FAMILY = Family("diloco", DiLoCoOptions, rules=diloco_rules, describe=_describe, label=_label)
+def _search(search: Search) -> list[DiLoCoOptions]:
+    """The planner's records (conf/plan.yaml's plan.search): each H in `inner_steps` with each F in
+    `fragments` that fits it, the outer optimizer DiLoCo's (outer_lr, outer_momentum: 0.7 and 0.9)."""
+    if not search.spec.uses(DiLoCoOptions):
+        return [DiLoCoOptions()]
+    space = search.space
+    return [DiLoCoOptions(inner_steps=h, outer_lr=space.get("outer_lr", 0.7), outer_momentum=space.get(
+        "outer_momentum", 0.9), fragments=f) for h in space.get("inner_steps", (10, 50))
+            for f in space.get("fragments", (1,)) if f <= h]
+
+
+FAMILY = Family("diloco", DiLoCoOptions, rules=diloco_rules, search=_search, describe=_describe, label=_label)
 
 ENTRIES = (
     StrategySpec(

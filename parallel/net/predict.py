@@ -33,8 +33,10 @@ goes in F = ceil((L + 48) / MSS) frames, the receiver acknowledges every second 
 ACKs, RFC 5681 4.2's delayed ACK). About 400 bytes per transfer: under 1% of a transfer above 40
 KB, and most of a 4-byte one.
 
-Elements are taken as 4 bytes (fp32: all the traffic here) to cut segments; for another dtype the
-rounding moves a few bytes per call. Calls logged under one (op, group, tag) are taken as equal in
+Elements are taken as 4 bytes (fp32) to cut segments; for another dtype (parallel.comm_dtype=bf16's
+all-reduce) the rounding moves a few bytes per call. The int8 and fp8 collectives are an all-to-all
+and an all-gather of byte tensors, whose blocks the rules above place exactly; HSDP's groups
+(dp_shard, dp_replicate) are groups like any other. Calls logged under one (op, group, tag) are taken as equal in
 size (the log sums their payloads).
 """
 

@@ -7,6 +7,8 @@
     memory.py     parameters, gradients, optimizer state, saved activations (exact for this GPT), buffers
     links.py      which of a group's bytes stay in a node and which cross between nodes
     traffic.py    bytes per group and link class, from the registry's closed forms (the families' theory.py)
+    remedies.py   what else it reads of hybrid sharding, low-precision collectives and DiLoCo (the ZeRO
+                  stage and shard group, the sync period, the outer state)
     timing.py     compute, exposed communication and the bubble (parallel/pp/simulator.py)
     predict.py    one layout -> one row of plan.json
     search.py     all rows, ranked; the conf/parallel preset that runs each

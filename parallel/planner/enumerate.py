@@ -33,6 +33,7 @@ from parallel.dist.dims import DIM, LEFTOVER, SIZES, LayoutError, ParallelDims
 from parallel.dist.groups import LaunchEnv
 from parallel.family import Search
 from parallel.layout import FamilyOptions
+from parallel.planner.remedies import sharded_stage
 from parallel.registry import REGISTRY, fallback, identity, option_choices, request_fields, resolve
 from parallel.run_plan import ConfigError, RunPlan, build_plan, check_recompute
 from parallel.sync import all_reduce_sync
@@ -105,7 +106,8 @@ def divisors(n: int) -> list[int]:
 def zero_stage(strategy: str, plan: RunPlan) -> int:
     """The ZeRO stage of the dp dimension: the layout's (a combined layout keeps it in parallel.zero),
     or the one that the registry's routing of a pure-dp request carries in this strategy's name
-    (dp with parallel.zero=2 runs as zero2, its options then saying zero=0)."""
+    (dp with parallel.zero=2 runs as zero2, its options then saying zero=0), or for hybrid sharding the
+    stage its entry shards its shard group at (parallel/planner/remedies.py)."""
     zero = plan.layout.of(SyncOptions).zero
     if zero:
         return zero
@@ -117,7 +119,7 @@ def zero_stage(strategy: str, plan: RunPlan) -> int:
             continue
         if name == strategy and options.of(SyncOptions).zero == 0:
             return stage
-    return 0
+    return sharded_stage(plan.spec, plan.model, plan.layout)  # HSDP's, in its name too
 
 
 def _mesh_sizes(names: list[str], world: int, allowed) -> list[dict]:

@@ -13,6 +13,9 @@ k·G .. k·G + G-1). For every group of one dimension, from `ParallelDims.group_
                   per rank 2(g-1)/g·S inside and 2(k-1)/k·S/g between, a fraction (k-1)/(N-1) of
                   the ring total 2(N-1)/N·S, which it equals (the same for all-gather and
                   reduce-scatter alone). So the bytes a group sends are theory's, only split.
+* an all-to-all (the int8 and fp8 reductions' scatter) sends its block to every other member
+  directly, whatever the algorithm: the share of the members' peers on other nodes crosses
+  (`direct_fraction`);
 * the pipeline's sends cross the boundary between virtual stage j and j + 1, from rank j mod p to
   rank (j + 1) mod p of the pp group: a boundary either stays in a node or crosses.
 
@@ -38,6 +41,7 @@ class GroupSpan:
     nodes: float  # k, nodes a group spans
     inter_fraction: Fraction  # share of the group's bytes that cross between nodes
     flows_per_node: float  # transfers leaving one node at once, over all groups of the dimension
+    direct_fraction: Fraction = Fraction(0)  # the same for an all-to-all: the share of its peers off-node
 
     @property
     def spans_nodes(self) -> bool:
@@ -55,11 +59,12 @@ def group_span(dims: ParallelDims, name: str, gpus_per_node: int, algorithm: str
     nodes_total = max(1, -(-dims.world_size // gpus_per_node))
     if size == 1:
         return GroupSpan(name, 1, 1, Fraction(0), 0.0)
-    fractions, spans, crossing = [], [], 0
+    fractions, spans, crossing, direct = [], [], 0, []
     for members in groups:
         on = [node_of(r, gpus_per_node) for r in members]
         k = len(set(on))
         spans.append(k)
+        direct.append(Fraction(sum(a != b for a in on for b in on), size * (size - 1)))
         if name == "pp":
             edges = [(j % size, (j + 1) % size) for j in range(size * virtual - 1)]
             cross = sum(on[a] != on[b] for a, b in edges)
@@ -73,4 +78,4 @@ def group_span(dims: ParallelDims, name: str, gpus_per_node: int, algorithm: str
             fractions.append(Fraction(k - 1, size - 1))
             crossing += (k - 1) * (size // k) if k > 1 else 0  # each member's inter-node piece, in parallel
     return GroupSpan(name, size, sum(spans) / len(spans), sum(fractions, Fraction(0)) / len(fractions),
-                     crossing / nodes_total)
+                     crossing / nodes_total, sum(direct, Fraction(0)) / len(direct))

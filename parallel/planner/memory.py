@@ -16,12 +16,13 @@ from functools import lru_cache
 
 from parallel import activations
 from parallel.activations import LOSS_BYTES
-from parallel.algebra import padded, replica_group_size
+from parallel.algebra import padded
 from parallel.compose import theory as compose_theory
 from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.model_state import STATE_BYTES, model_state, rank_parts
+from parallel.planner.remedies import zero_shards
 
 
 def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, global_batch: int,
@@ -64,13 +65,17 @@ def stage_parts(shape: ModelShape, layout: Layout, pp_rank: int) -> list[int]:
     return rank_parts(shape, blocks, first, last, dims.tp, dims.ep, copy_of_tied=dims.pp > 1)
 
 
-def model_state_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, pp_rank: int) -> dict:
+def model_state_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, pp_rank: int,
+                      outer: int = 0) -> dict:
     """Parameters, gradients and optimizer state on one rank of stage `pp_rank`: parallel/model_state.py's
     `model_state` of its `stage_parts`, at `STATE_BYTES[precision]` per parameter, ZeRO stage `zero`
-    sharding over the ranks that replicate them (dp, or dp·cp). The families' formulas for the GPT in fp32."""
-    state = model_state(stage_parts(shape, layout, pp_rank), STATE_BYTES[precision], zero,
-                        replica_group_size(layout.dims))
-    return {"params": state["param_bytes"], "grads": state["grad_bytes"], "optimizer": state["optimizer_bytes"],
+    sharding over the ranks that replicate them (dp, or dp·cp; a shard group's dp_shard under hybrid
+    sharding), and `outer` bytes per parameter more with the optimizer's (DiLoCo's outer state:
+    remedies.py). The families' formulas for the GPT in fp32."""
+    parts = stage_parts(shape, layout, pp_rank)
+    state = model_state(parts, STATE_BYTES[precision], zero, zero_shards(layout.dims))
+    return {"params": state["param_bytes"], "grads": state["grad_bytes"],
+            "optimizer": state["optimizer_bytes"] + outer * sum(parts),
             "parameters_counted": state["parameters_counted"]}
 
 
@@ -84,7 +89,7 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
       ZeRO-2: one part's full gradient before the reduce-scatter (the largest part's).
     """
     g = shape.gpt
-    t, d = layout.dims.tp, replica_group_size(layout.dims)
+    t, d = layout.dims.tp, zero_shards(layout.dims)
     param_b, grad_b, _ = STATE_BYTES[precision]
     act_b = 4 if precision == "fp32" else 2
     n = layout.microbatch_size * g.seq_len

@@ -25,6 +25,7 @@ from parallel.dist.dims import SIZES
 from parallel.planner import memory
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate
+from parallel.planner.remedies import outer_state_per_parameter, trade_notes
 from parallel.planner.timing import step_time
 from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
 from parallel.registry import describe
@@ -76,10 +77,10 @@ def _placement_key(layout) -> tuple:
     return layout.dims, layout.options
 
 
-def _stage_state(shape: ModelShape, layout, zero: int, precision: str, r: int) -> dict:
+def _stage_state(shape: ModelShape, layout, zero: int, precision: str, r: int, outer: int = 0) -> dict:
     """memory.model_state_bytes, which reads the stage's placement, not m."""
-    key = ("state", shape, _placement_key(layout), zero, precision, r)
-    return _cached(key, lambda: memory.model_state_bytes(shape, layout, zero, precision, r))
+    key = ("state", shape, _placement_key(layout), zero, precision, r, outer)
+    return _cached(key, lambda: memory.model_state_bytes(shape, layout, zero, precision, r, outer))
 
 
 def _stage_buffers(shape: ModelShape, layout, zero: int, precision: str, r: int) -> int:
@@ -133,7 +134,7 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         **describe(layout, plan.spec), "zero": candidate.zero, "grad_sync": candidate.grad_sync,
         **({"recompute": candidate.request["recompute"]} if "recompute" in candidate.request else {}),
     }
-    notes = []
+    notes = trade_notes(plan.spec, layout)
     layers = memory.rank_layers(shape, layout)
     activations = activation_bytes(shape, candidate, precision, cluster.flash_attention)
     if activations is None:
@@ -176,7 +177,8 @@ def _stage_memory(shape: ModelShape, candidate: Candidate, layout, precision: st
                   activations: list[int] | None, covered: bool) -> dict:
     """The memory parts of one rank of stage r (every rank of a stage holds the same), and their total
     where every part has a formula."""
-    state = _stage_state(shape, layout, candidate.zero, precision, r) if covered \
+    outer = outer_state_per_parameter(candidate.plan.spec, layout)
+    state = _stage_state(shape, layout, candidate.zero, precision, r, outer) if covered \
         else moe_model_state(shape, candidate, precision)
     acts = activations[layout.dims.rank_of(r, 0, 0)] if activations is not None else None
     buffers = _stage_buffers(shape, layout, candidate.zero, precision, r)

@@ -17,12 +17,12 @@ def _virtual_cell(figures: dict, key: str, fmt: str) -> str:
     return "" if value is None else f" (virtual {value:{fmt}})"
 
 def layout_label(layout: dict) -> str:
-    """`2x4x8 m16x1 sp 1f1b v2 zero1`: dp x tp x pp (x cp, ep where used), microbatches, the families' options."""
+    """`2x4x8 m16x1 sp 1f1b v2 zero1`: dp x tp x pp (x cp, ep, dp_shard where used), microbatches, the
+    families' options."""
     dims = f"{layout['dp']}x{layout['tp']}x{layout['pp']}"
-    if layout.get("cp", 1) > 1:
-        dims += f" cp{layout['cp']}"
-    if layout.get("ep", 1) > 1:
-        dims += f" ep{layout['ep']}"
+    for carved in ("cp", "ep", "dp_shard"):
+        if layout.get(carved, 1) > 1:
+            dims += f" {carved}{layout[carved]}"
     parts = [dims, f"m{layout['microbatches']}x{layout['microbatch_size']}", *label(layout)]
     if layout.get("recompute") not in (None, "none"):
         parts.append(f"rc-{layout['recompute']}")

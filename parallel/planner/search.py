@@ -55,9 +55,10 @@ def model_state_over(shape: ModelShape, cluster: Cluster):
     """A test no layout it refuses could pass: the model state a request's fullest rank holds is at
     least its blocks' parameters over tp and pp (the fullest stage holds at least the mean; the
     embedding and head left out), at the precision's bytes per parameter, ZeRO dividing what its
-    stage shards by at most dp·cp (a strategy without parallel.zero counted as sharding everything,
-    ZeRO-3). Over the device's usable memory, the request cannot fit, so the search does not ask
-    build_plan about it nor time it. None for a mixture of experts (its experts divide over ep)."""
+    stage shards by at most dp·cp, or dp_shard under hybrid sharding (a strategy without parallel.zero
+    counted as sharding everything, ZeRO-3). Over the device's usable memory, the request cannot fit,
+    so the search does not ask build_plan about it nor time it. None for a mixture of experts (its
+    experts divide over ep)."""
     if shape.gpt.moe_experts:
         return None
     param_b, grad_b, optim_b = STATE_BYTES[cluster.precision]
@@ -65,7 +66,8 @@ def model_state_over(shape: ModelShape, cluster: Cluster):
     def beyond(spec, request: dict) -> bool:
         held = shape.gpt.n_layers * shape.layer_parameters(request["tp"]) / request["pp"]
         zero = request.get("zero", 0) if spec.honours_option(SyncOptions, "zero") else 3
-        d = request["dp"] * request.get("cp", 1)
+        shard = request.get("dp_shard", 1)  # hybrid sharding: ZeRO over a shard group only
+        d = shard if shard > 1 else request["dp"] * request.get("cp", 1)
         per = param_b / (d if zero >= 3 else 1) + grad_b / (d if zero >= 2 else 1) + optim_b / (d if zero >= 1 else 1)
         return held * per > cluster.usable_bytes
 

@@ -14,16 +14,23 @@ collective latency + bytes / bandwidth on the link class it crosses (Thakur et a
            at the NIC's rate. Ring (gloo): a ring moves at its slowest edge, so a ring that spans
            nodes sends all its bytes at the between-node rate, shared by the transfers that leave
            a node at once where the node has one link. Latency per call: one per algorithm step
-           (2(N-1) for an all-reduce, N-1 for a gather or scatter, 1 for a send), the call count
+           (2(N-1) for an all-reduce, N-1 for a gather, a scatter or an all-to-all, 1 for a send; an
+           all-to-all's blocks go straight to their members, so its share that crosses nodes is
+           its members' peers off-node, at the between-node rate, whatever the algorithm), the call count
            being the bytes over one message (an activation of b·s·h for tp, cp and ep and the
            pipeline, a bucket for dp).
 overlap    tp, cp and ep collectives block the forward or backward they sit in (half each).
            The dp group's gradient reductions overlap the backward they follow: bucketed dp and
            ZeRO-1 after the last microbatch (ZeRO-1 reduces once the schedule ends: none), ZeRO-2
-           and ZeRO-3 inside every microbatch's backward; the last bucket never overlaps. ZeRO's
-           parameter all-gathers are exposed. Pipeline sends: beside compute on a GPU (NCCL
-           streams), exposed only on the fill and drain path, 2·(v·p-1) messages; on gloo they
-           run on the sender's path, and the simulator plays them as such.
+           and ZeRO-3 inside every microbatch's backward; the last bucket never overlaps, and the
+           reductions of several such groups share that one window. ZeRO's parameter all-gathers
+           are exposed. A sync that waits for the step's backward and reductions hides behind
+           nothing (`GroupTraffic.after_step`): HSDP's all-reduce of the gradient shards over the
+           replicate group, posted once the shard group's reduce-scatters are in, and DiLoCo's
+           outer all-reduce, whose seconds are one sync's over H (`GroupTraffic.every`). Pipeline
+           sends: beside compute on a GPU (NCCL streams), exposed only on the fill and drain path,
+           2·(v·p-1) messages; on gloo they run on the sender's path, and the simulator plays them
+           as such.
 bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's forward and
            backward times (the slowest stage's, tp time included) and no send cost; the bubble is
            its makespan less the compute it holds.
@@ -31,7 +38,7 @@ bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's f
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from parallel.compose.theory import chunks_per_rank, pipeline_makespan
 from parallel.core.shape import ModelShape
@@ -43,14 +50,19 @@ ASSUMPTIONS = {
                "last stage); backward = 2 x forward; time = FLOPs / (peak x efficiency)",
     "collectives": "latency x algorithm steps + theory's ring bytes per rank / bandwidth x comm_efficiency, on the "
                    "link class crossed; hierarchical across nodes on GPUs, a ring (slowest edge) on gloo",
-    "overlap": "tp/cp/ep collectives block compute; dp all-reduce (bucketed) and ZeRO-2/3 reduce-scatters overlap "
-               "backward, less the last bucket; ZeRO-1's reduction and every ZeRO all-gather are exposed; "
+    "overlap": "tp/cp/ep collectives block compute; dp all-reduce (bucketed) and ZeRO-2/3 reduce-scatters (HSDP's "
+               "shard group's too) overlap backward, less the last bucket; ZeRO-1's reduction, every ZeRO all-gather "
+               "and HSDP's replicate all-reduce (after the reduce-scatters) are exposed; DiLoCo's outer all-reduce is "
+               "exposed, once per H steps; "
                "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
     "bubble": "parallel/pp/simulator.py on the schedule's lists with the slowest stage's forward and backward times",
     "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets), kernel launch "
                    "and Python overheads, stragglers, stage imbalance beyond the slowest stage, network congestion",
 }
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
+# The groups that sum gradients over replicas (their reductions overlap backward; nothing else of theirs
+# blocks compute): dp, the experts' edp, and HSDP's shard and replicate halves of dp.
+DATA_PARALLEL = ("dp", "edp", "dp_shard", "dp_replicate")
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,7 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     forward, backward, hardware, model_flops, parts = _slowest_stage(shape, layout, cluster, layers_by_rank, act_bytes)
     activation = layout.microbatch_size * shape.gpt.seq_len * shape.gpt.d_model * act_bytes
     seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
-    blocking = sum(sec for name, sec in seconds.items() if name not in ("dp", "edp"))  # tp, cp, ep: inside compute
+    blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)  # tp, cp, ep: inside compute
     f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
     pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff)
     dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
@@ -154,21 +166,36 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
 
 def _collective_seconds(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster,
                         traffic: dict, activation: int, act_bytes: int) -> dict:
-    """Each group's collectives' seconds per step but the pipeline's sends (`_pipeline_exposed`)."""
+    """Each group's collectives' seconds per step but the pipeline's sends (`_pipeline_exposed`); a
+    periodic sync's (every H steps) is one sync's seconds over H."""
     t, world = layout.dims.tp, layout.dims.world_size
     seconds = {}
     for name, gt in traffic.items():
-        per_rank = gt.per_rank(world)
+        per_rank = gt.per_rank(world) * gt.every
         if name == "pp":
             continue
-        if name == "dp":
-            message = BUCKET_BYTES if grad_sync == "bucketed" and not zero else \
-                (shape.layer_parameters(t) * act_bytes if zero else shape.layer_parameters(t) * act_bytes / 12)
-            steps = gt.span.size - 1 if zero else 2 * (gt.span.size - 1)
+        if name in DATA_PARALLEL:
+            sharded = zero or name == "dp_shard"
+            message = BUCKET_BYTES if grad_sync == "bucketed" and not sharded else \
+                (shape.layer_parameters(t) * act_bytes if sharded else shape.layer_parameters(t) * act_bytes / 12)
+            steps = gt.span.size - 1 if sharded and name != "dp_replicate" else 2 * (gt.span.size - 1)
         else:
             message, steps = activation, 2 * (gt.span.size - 1)
-        seconds[name] = collective_seconds(per_rank, gt.span, cluster, message, steps)
+        direct = float(gt.direct) / world * gt.every  # an all-to-all: each block straight to its member
+        seconds[name] = (collective_seconds(per_rank - direct, gt.span, cluster, message, steps)
+                         + _direct_seconds(direct, gt.span, cluster, message)) / gt.every
     return seconds
+
+
+def _direct_seconds(bytes_per_rank: float, span, cluster: Cluster, message: float) -> float:
+    """An all-to-all's seconds: every block sent at once to its member, those to other nodes (the
+    peers' share off-node, `direct_fraction`) at the between-node rate, the rest inside, one latency
+    per peer."""
+    if bytes_per_rank <= 0:
+        return 0.0
+    steps = span.size - 1
+    return collective_seconds(bytes_per_rank, replace(span, inter_fraction=span.direct_fraction), cluster,
+                              message, steps, point_to_point=True)
 
 
 def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, activation: int, f_eff: float,
@@ -193,18 +220,23 @@ def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, ac
 
 
 def _dp_exposed(traffic: dict, seconds: dict, zero: int, grad_sync: str | None, window: float, world: int) -> float:
-    """The data-parallel groups' exposed seconds: their gathers, and what of their reductions the
-    backward `window` does not hide (never less than the last bucket)."""
-    exposed = 0.0
-    for name in ("dp", "edp"):
+    """The data-parallel groups' exposed seconds: their gathers, what of their reductions (summed over
+    the groups: they follow one another in the same backward) the backward `window` does not hide,
+    never less than the last bucket, and every periodic sync whole."""
+    exposed, reduce, last = 0.0, 0.0, 0.0
+    for name in DATA_PARALLEL:
         if name not in traffic:
             continue
         gt, sec = traffic[name], seconds[name]
-        gather = sec * float(gt.gathers / gt.total) if gt.total else 0.0
-        reduce = sec - gather
-        if grad_sync == "naive" or zero == 1:
-            exposed += gather + reduce
+        if gt.after_step:
+            exposed += sec
             continue
-        last = reduce * min(1.0, BUCKET_BYTES / max(gt.per_rank(world) - float(gt.gathers) / world, 1.0))
-        exposed += gather + max(reduce - window, last)
-    return exposed
+        gather = sec * float(gt.gathers / gt.total) if gt.total else 0.0
+        exposed += gather
+        if grad_sync == "naive" or zero == 1:
+            exposed += sec - gather
+            continue
+        reduce += sec - gather
+        last = max(last, (sec - gather) * min(1.0, BUCKET_BYTES / max(gt.per_rank(world) - float(gt.gathers) / world,
+                                                                      1.0)))
+    return exposed + (max(reduce - window, last) if reduce else 0.0)

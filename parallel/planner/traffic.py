@@ -31,9 +31,13 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
+from parallel.planner.remedies import period_steps
 from parallel.spec import StrategySpec
 
 P2P_OPS = ("send", "recv")
+# Groups whose every byte waits for the step's backward and reductions: HSDP's replicate group all-reduces
+# the gradient shards once the shard group's reduce-scatters are in (parallel/zero/hsdp.py).
+AFTER_STEP = ("dp_replicate",)
 
 
 class NoTrafficFormula(ValueError):
@@ -46,13 +50,16 @@ class GroupTraffic:
     total: Fraction  # bytes all ranks of the job send per step over this dimension's groups (theory)
     gathers: Fraction  # of which all-gathers (ZeRO's parameters; tp's sequence-parallel inputs)
     span: GroupSpan
+    every: int = 1  # steps per sync: 1, or DiLoCo's H (total is then the mean per step, one sync over H)
+    after_step: bool = False  # a sync that waits for the step (DiLoCo's outer all-reduce), not inside backward
+    direct: Fraction = Fraction(0)  # of which all-to-all, each block sent straight to its member (links.py)
 
     def per_rank(self, world: int) -> float:
         return float(self.total) / world
 
     @property
     def inter(self) -> Fraction:
-        return self.total * self.span.inter_fraction
+        return (self.total - self.direct) * self.span.inter_fraction + self.direct * self.span.direct_fraction
 
 
 def _exact(block: dict) -> Fraction:
@@ -80,13 +87,18 @@ def group_totals(figure: dict, layout: Layout) -> dict[str, Fraction]:
     return out
 
 
-def dp_gathers(figure: dict, totals: dict[str, Fraction], zero: int) -> Fraction:
-    """The dp group's all-gathers (ZeRO's parameter gathers): 0 for a plain all-reduce."""
-    if not zero or "dp" not in totals:
-        return Fraction(0)
+def dp_gathers(figure: dict, totals: dict[str, Fraction], zero: int) -> dict[str, Fraction]:
+    """The all-gathers of ZeRO's parameters, by group: the dp group's (0 for a plain all-reduce, whose
+    int8 or fp8 form's all-gather is the second half of the reduction), or under hybrid sharding every
+    all-gather, all the shard group's (its replicate group only all-reduces). A block-scaled format's
+    reduce-scatter is an all-to-all (parallel.comm_dtype): a scatter all the same."""
     by_op = {op: _exact(v) for op, v in figure.get("by_op", {}).items()}
-    difference = by_op.get("all_gather", Fraction(0)) - by_op.get("reduce_scatter", Fraction(0))
-    return (totals["dp"] + difference) / 2
+    if "dp_shard" in totals:
+        return {"dp_shard": by_op.get("all_gather", Fraction(0))}
+    if not zero or "dp" not in totals:
+        return {}
+    scatters = by_op.get("reduce_scatter", Fraction(0)) + by_op.get("all_to_all", Fraction(0))
+    return {"dp": (totals["dp"] + by_op.get("all_gather", Fraction(0)) - scatters) / 2}
 
 
 def shape_factor(shape: ModelShape, layout: Layout, stage_layers: list[int]) -> Fraction:
@@ -107,20 +119,32 @@ def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: 
     except ValueError as e:  # theory refuses what it has no formula for (e.g. tp of an MoE model)
         raise NoTrafficFormula(str(e)) from None
     totals = group_totals(figure, layout)
-    gathers = {"dp": dp_gathers(figure, totals, zero)}
+    gathers = dp_gathers(figure, totals, zero)
     factor = shape_factor(shape, layout, stage_layers)
     if "dp" in totals:
         totals["dp"] *= factor
-        gathers["dp"] *= factor
+        gathers["dp"] = gathers.get("dp", Fraction(0)) * factor
     if shape.tied_head and layout.dims.pp > 1:
         g = shape.gpt
         copy = g.padded_vocab_size * g.d_model // layout.dims.tp * layout.dtype_bytes
         pipelines = layout.dims.world_size // layout.dims.pp
         totals["pp"] = totals.get("pp", Fraction(0)) + 2 * pipelines * copy  # all-reduce over 2: S per rank
-    dims = layout.dims
+    dims, every, direct = layout.dims, period_steps(figure), all_to_all_bytes(figure, totals, factor)
     return {g: GroupTraffic(g, v, gathers.get(g, Fraction(0)),
-                            group_span(dims, g, gpus_per_node, algorithm, chunks_per_rank(layout) if g == "pp" else 1))
+                            group_span(dims, g, gpus_per_node, algorithm, chunks_per_rank(layout) if g == "pp" else 1),
+                            every, "period_steps" in figure or g in AFTER_STEP, direct.get(g, Fraction(0)))
             for g, v in totals.items()}
+
+
+def all_to_all_bytes(figure: dict, totals: dict[str, Fraction], factor: Fraction) -> dict[str, Fraction]:
+    """The all-to-all bytes of the one group that sends collectives (the dp group's int8 and fp8
+    reductions, a figure without `by_group`), which cross nodes as their peers sit, not as a ring's
+    edges do; where a figure has groups of its own, each is taken as one algorithm's."""
+    a2a = _exact(figure.get("by_op", {}).get("all_to_all", {}))
+    groups = [g for g in totals if g != "pp"]
+    if "by_group" in figure or not a2a or len(groups) != 1:
+        return {}
+    return {groups[0]: a2a * (factor if groups[0] == "dp" else 1)}
 
 
 def bytes_by_link(traffic: dict[str, GroupTraffic]) -> dict[str, float]:

@@ -6,7 +6,8 @@ nodes, plain `torchrun --standalone` for net=none (one node, loopback). The over
 the model preset, the validation's steps and the planner's peak FLOP/s (so the run's MFU and the
 prediction's use one peak). The run's summary.json gives what is compared:
 
-    step_time_s          summary step_time_s (median of the timed steps, slowest rank)
+    step_time_s          summary step_time_s (median of the timed steps, slowest rank); for a strategy
+                         that syncs once per H steps (DiLoCo), the mean over whole periods (`per_step`)
     virtual_step_time_s  summary virtual.step_time_s: the same steps replayed with a device per rank
                          (parallel/replay/), the figure a prediction that gives each rank its own
                          compute should be compared with where ranks outnumber the cores
@@ -14,8 +15,8 @@ prediction's use one peak). The run's summary.json gives what is compared:
                          ranks) and its bubble share of the step
     exposed_comm_s       comm.exposed_seconds_per_step (mean over ranks)
     bubble_fraction      pipeline.bubble_measured (pipelines: idle share of rank-time)
-    bytes                comm.sent_bytes_per_step (all ranks, the log's count) against the row's
-                         intra + inter bytes (theory's); equal or not, exactly
+    bytes                comm.sent_bytes_per_step (all ranks, the log's count; DiLoCo: its last period's
+                         mean) against the row's intra + inter bytes (theory's); equal or not, exactly
     inter_node_bytes     where the run was on emulated nodes: the net block's logged and wire counts
     activations          memory.activations_bytes_measured (per rank, the saved-tensor meter) against
                          the row's formula per rank: the largest relative difference
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 from parallel.planner.report import layout_label
@@ -84,15 +86,16 @@ def measured_columns(row: dict, summary: dict) -> tuple[dict, dict]:
     state = [r["total_bytes"] for r in memory["by_rank"]]
     pipeline = summary.get("pipeline") or {}
     net = summary.get("net") or {}
+    step_time, sent = per_step(summary)
     measured = {
-        "step_time_s": summary["step_time_s"],
+        "step_time_s": step_time,
         **_virtual(summary),
         "tokens_per_s": summary["tokens_per_s"],
         "mfu": summary["mfu"]["mfu"],
         "exposed_comm_s": summary["comm"]["exposed_seconds_per_step"],
         "bubble_fraction": pipeline.get("bubble_measured"),
-        "sent_bytes_per_step": summary["comm"]["sent_bytes_per_step"],
-        "sent_bytes_per_step_exact": summary["comm"]["sent_bytes_per_step_exact"],
+        "sent_bytes_per_step": float(sent),
+        "sent_bytes_per_step_exact": str(sent),
         "inter_node_logged_bytes": net.get("logged_inter_bytes_per_step"),
         "inter_node_wire_bytes": net.get("wire_inter_bytes_per_step"),
         "activation_bytes_by_rank": acts,
@@ -115,7 +118,7 @@ def measured_columns(row: dict, summary: dict) -> tuple[dict, dict]:
         "exposed_comm": _rel(t["exposed_comm"] if t else None, measured["exposed_comm_s"]),
         "bubble_fraction": (t["bubble"] / t["total"] - measured["bubble_fraction"])
         if t and measured["bubble_fraction"] is not None else None,
-        "bytes_equal": predicted_bytes is not None and _exact_equal(row, summary),
+        "bytes_equal": predicted_bytes is not None and Fraction(row["bytes_exact"]) == sent,
         "bytes": _rel(predicted_bytes, measured["sent_bytes_per_step"]),
         "inter_node_bytes": _rel(row["bytes_per_step"]["inter_node"] if row["bytes_per_step"] else None,
                                  measured["inter_node_logged_bytes"]),
@@ -136,11 +139,18 @@ def _virtual(summary: dict) -> dict:
             "virtual_bubble_fraction": parts["bubble"] / v["step_time_s"] if v["step_time_s"] else None}
 
 
-def _exact_equal(row: dict, summary: dict) -> bool:
-    """theory's bytes (the row's, before the link split) against the log's, as exact fractions."""
-    from fractions import Fraction
-
-    return Fraction(row["bytes_exact"]) == Fraction(summary["comm"]["sent_bytes_per_step_exact"])
+def per_step(summary: dict) -> tuple[float, Fraction]:
+    """The run's step time and bytes per step, as the row predicts them: the median step and the last
+    step's bytes; for a strategy that syncs once per period (DiLoCo's H: its closed form's
+    `period_steps`), the mean over the whole periods among the timed steps (the sync steps included,
+    as the prediction spreads one sync over H steps) and the last period's mean bytes, exactly."""
+    period = int((summary.get("expected_comm") or {}).get("period_steps", 1))
+    if period == 1:
+        return summary["step_time_s"], Fraction(summary["comm"]["sent_bytes_per_step_exact"])
+    timed = summary["step_times_s"][summary["warmup_steps"]:]
+    whole = timed[len(timed) % period:] or timed
+    sent = sum((Fraction(b) for b in summary["comm"]["sent_bytes_by_step"][-period:]), Fraction(0)) / period
+    return sum(whole) / len(whole), sent
 
 
 def order_agreement(rows: list[dict]) -> dict:

@@ -147,9 +147,12 @@ def waits_on(mean: dict, exposed_by_op: dict) -> str:
 
 def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, flops_per_token: float,
                peak_per_device: float, cores: float | list | None = None, compute_scale: float = 1.0,
-               what_if: str | None = None, comm_cpu: bool | None = None) -> tuple[dict, list[dict]]:
+               what_if: str | None = None, comm_cpu: bool | None = None, period: int = 1) -> tuple[dict, list[dict]]:
     """The `virtual` block and the median step's virtual trace of every rank. `comm_cpu`: charge
-    the CPU each rank's communication took to its core (None: yes, but in a cluster what-if)."""
+    the CPU each rank's communication took to its core (None: yes, but in a cluster what-if).
+    `period`: steps per sync of a strategy that syncs once per H steps (DiLoCo; its closed form's
+    `period_steps`): its step and breakdown are then the mean over the whole periods replayed
+    (`mean_steps`), a sync's H-th share in each, as the planner predicts them."""
     charged = what_if is None if comm_cpu is None else comm_cpu
     n_steps = min(len(e["steps"]) for e in events)
     if n_steps == 0:
@@ -159,15 +162,19 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
     index = sorted(range(n_steps), key=lambda i: times[i])[(n_steps - 1) // 2]
     result = results[index]
     world = len(events)
+    counted = mean_steps(n_steps, period) or [index]
     by_rank, exposed = [], defaultdict(float)
     for rank in range(world):
-        b = rank_breakdown(result, rank)
-        by_rank.append({"rank": rank, **b["parts"], "step_s": b["end_s"], "coords": events[rank].get("coords")})
-        for k, v in b["exposed_by_op"].items():
-            exposed[k] += v / world
+        b = [rank_breakdown(results[i], rank) for i in counted]
+        parts = {c: statistics.fmean(x["parts"][c] for x in b) for c in CATEGORIES}
+        by_rank.append({"rank": rank, **parts, "step_s": statistics.fmean(x["end_s"] for x in b),
+                        "coords": events[rank].get("coords")})
+        for x in b:
+            for k, v in x["exposed_by_op"].items():
+                exposed[k] += v / world / len(counted)
     mean = {c: statistics.fmean(r[c] for r in by_rank) for c in CATEGORIES}
     measured = [op.cpu for op in result.ops if op.cpu is not None] if cores is None else []
-    step_s = result.step_s
+    step_s = statistics.fmean(times[i] for i in counted)
     tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
     block = {
         "step_time_s": step_s,
@@ -194,6 +201,14 @@ def replay_run(events: list[dict], links: LinkModel, *, tokens_per_step: int, fl
         "definition": _definition(events, charged, cores, what_if),
     }
     return block, virtual_traces(result, events, index)
+
+
+def mean_steps(n_steps: int, period: int) -> list[int]:
+    """The steps a periodic strategy's figure is the mean of: the last whole periods among the n replayed
+    (every H-th of them holds a sync); none where it syncs every step or fewer than H steps were saved."""
+    if period <= 1 or n_steps < period:
+        return []
+    return list(range(n_steps % period, n_steps))
 
 
 def _definition(events: list[dict], charged: bool, cores, what_if: str | None) -> str:

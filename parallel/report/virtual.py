@@ -60,7 +60,8 @@ def write_virtual(run_dir: Path, events: list[dict], summary: dict, links, draw:
     block, traces = replay_run(events, links, tokens_per_step=summary["tokens_per_step"],
                                flops_per_token=summary["mfu"]["flops_per_token"],
                                peak_per_device=peak or peak_per_device(summary, events),
-                               cores=cores, compute_scale=compute_scale, what_if=what_if, comm_cpu=comm_cpu)
+                               cores=cores, compute_scale=compute_scale, what_if=what_if, comm_cpu=comm_cpu,
+                               period=int((summary.get("expected_comm") or {}).get("period_steps", 1)))
     labels = [rank_label(e["rank"], e.get("coords") or {}, summary["parallel"]) for e in events]
     (Path(run_dir) / TRACE).write_text(json.dumps(chrome_trace(traces, labels)))
     if draw:

@@ -27,17 +27,25 @@ from parallel.family import Family, Search
 from parallel.layout import Layout
 from parallel.spec import StrategySpec
 from parallel.sync.options import ZERO_STAGES, SyncOptions, check_comm_dtype
+from parallel.sync.quantize import BLOCK_SCALED
 
 
 def _search(search: Search) -> list[SyncOptions]:
-    """The ZeRO stages where the entry honours parallel.zero, each with the all-reduce syncs asked for."""
-    stages = search.space.get("zero", ZERO_STAGES) if search.spec.honours_option(SyncOptions, "zero") else (0,)
-    return [SyncOptions(grad_sync=g, zero=z) for z in stages for g in search.space.get("grad_sync", ("bucketed",))]
+    """The ZeRO stages where the entry honours parallel.zero, each with the all-reduce syncs asked for, and
+    where it honours parallel.comm_dtype each format asked for (plan.search.comm_dtype; fp32 alone by
+    default), but the pairs a record refuses (a block-scaled format with the naive sync)."""
+    spec, space = search.spec, search.space
+    stages = space.get("zero", ZERO_STAGES) if spec.honours_option(SyncOptions, "zero") else (0,)
+    formats = space.get("comm_dtype", ("fp32",)) if spec.honours_option(SyncOptions, "comm_dtype") else ("fp32",)
+    return [SyncOptions(grad_sync=g, zero=z, comm_dtype=f) for z in stages for f in formats
+            for g in space.get("grad_sync", ("bucketed",)) if not (f in BLOCK_SCALED and g == "naive")]
 
 
 def _fallback(options: SyncOptions, reason: str) -> SyncOptions | None:
     """A layout that refuses the bucketed sync (virtual stages finish their backward apart) runs the naive one."""
-    return replace(options, grad_sync="naive") if "grad_sync" in reason and options.grad_sync != "naive" else None
+    if "grad_sync" not in reason or options.grad_sync == "naive" or options.comm_dtype in BLOCK_SCALED:
+        return None  # a block-scaled format has no naive sync to fall back on
+    return replace(options, grad_sync="naive")
 
 
 def all_reduce_sync(layout: Layout, spec: StrategySpec) -> bool:
@@ -61,10 +69,10 @@ def _label(described: dict) -> list[str]:
         ([described["comm_dtype"]] if described.get("comm_dtype") not in (None, "fp32") else [])
 
 
-def _identity(layout: Layout, spec: StrategySpec) -> None:
+def _identity(layout: Layout, spec: StrategySpec) -> str:
     """The planner tells layouts apart by their effective ZeRO stage and all-reduce sync (a zero<k>
-    strategy's stage is in its name), not by the record: nothing here."""
-    return None
+    strategy's stage is in its name), not by the record: of the record only the collectives' format."""
+    return layout.of(SyncOptions).comm_dtype
 
 
 FAMILY = Family("sync", SyncOptions, rules=check_comm_dtype, search=_search, describe=_describe, label=_label,

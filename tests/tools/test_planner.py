@@ -156,10 +156,11 @@ def test_enumeration_adds_the_kv_heads_rule_and_routes_through_the_registry(base
     strategies = {(c.plan.strategy, c.layout.dims.tp > 1, c.layout.dims.pp > 1, c.zero) for c in found.candidates}
     assert ("zero3", False, False, 3) in strategies and ("3d", True, True, 0) in strategies
     assert all(c.plan.strategy in REGISTRY for c in found.candidates)
-    # The ZeRO stage a row reports is the one that runs: in the name for zero<k>, else parallel.zero.
+    # The ZeRO stage a row reports is the one that runs: in the name for zero<k> and HSDP's pair, else
+    # parallel.zero.
+    named = {"zero1": 1, "zero2": 2, "zero3": 3, "hsdp_zero2": 2, "hsdp": 3}
     for c in found.candidates:
-        named = c.plan.strategy in ("zero1", "zero2", "zero3")
-        assert c.zero == (int(c.plan.strategy[-1]) if named else option(c.plan, "zero"))
+        assert c.zero == named.get(c.plan.strategy, option(c.plan, "zero"))
     combined = [c for c in found.candidates if c.layout.dims.dp > 1 and c.layout.dims.pp > 1]
     assert {c.zero for c in combined} == {0, 2} and {c.plan.strategy for c in combined if c.zero} == {"3d"}
 

@@ -342,3 +342,12 @@ def test_the_probe_stops_its_payload_calls_once_their_mean_is_known_well_enough(
     assert not known_well_enough(payload, busy)
     assert not known_well_enough(torch.tensor([3e-3, 5e-3, 7e-3], dtype=torch.float64), quiet)
     assert not known_well_enough(torch.full((3,), 0.2e-3, dtype=torch.float64), quiet)
+
+
+def test_a_periodic_strategys_replayed_step_is_the_mean_over_its_whole_periods():
+    """DiLoCo syncs once per H steps: its replayed figure is the mean over the last whole periods of the
+    steps saved (each holds one sync), not the median step, which would leave every sync out."""
+    from parallel.replay.virtual import mean_steps
+
+    assert mean_steps(5, 1) == [] and mean_steps(3, 4) == []
+    assert mean_steps(5, 2) == [1, 2, 3, 4] and mean_steps(6, 3) == [0, 1, 2, 3, 4, 5]
