@@ -140,17 +140,15 @@ def _virtual(summary: dict) -> dict:
 
 
 def per_step(summary: dict) -> tuple[float, Fraction]:
-    """The run's step time and bytes per step, as the row predicts them: the median step and the last
-    step's bytes; for a strategy that syncs once per period (DiLoCo's H: its closed form's
-    `period_steps`), the mean over the whole periods among the timed steps (the sync steps included,
-    as the prediction spreads one sync over H steps) and the last period's mean bytes, exactly."""
+    """The run's step time and bytes per step, as the row predicts them: summary.json's step (for a
+    strategy that syncs once per period, DiLoCo's H, the mean over whole periods: the sync steps
+    included, as the prediction spreads one sync over H steps) and the last step's bytes, or the last
+    period's mean bytes, exactly."""
     period = int((summary.get("expected_comm") or {}).get("period_steps", 1))
     if period == 1:
         return summary["step_time_s"], Fraction(summary["comm"]["sent_bytes_per_step_exact"])
-    timed = summary["step_times_s"][summary["warmup_steps"]:]
-    whole = timed[len(timed) % period:] or timed
     sent = sum((Fraction(b) for b in summary["comm"]["sent_bytes_by_step"][-period:]), Fraction(0)) / period
-    return sum(whole) / len(whole), sent
+    return summary["step_time_s"], sent  # already the mean over whole periods (report/summary.py)
 
 
 def order_agreement(rows: list[dict]) -> dict:

@@ -8,7 +8,9 @@ Assembled here, in one place, by global rank 0 from every rank's report (`rank_r
   precision, device   fp32 | bf16 (train.precision); cpu | cuda
   losses              per step: mean loss over every token of the global batch
   step_time_s         the (lower) median over the timed steps (warm-up excluded) of the slowest rank's time
-                      (host clock on the CPU, CUDA events on a GPU: parallel/dist/timing.py)
+                      (host clock on the CPU, CUDA events on a GPU: parallel/dist/timing.py); for a
+                      strategy that syncs once per `period_steps` P (DiLoCo's H), the mean over the last
+                      whole periods of timed steps, so that the sync's step counts once in every P
   tokens_per_s        global tokens per step / step_time_s
   peak_memory_bytes   max over ranks (CUDA allocator on GPU, peak RSS on CPU); per rank in memory_by_rank;
                       peak_memory_scope says what it covers: on a GPU the timed steps (the allocator's
@@ -84,13 +86,17 @@ def build_summary(*, config: dict, plan, losses: list[float], rank_reports: list
     # The lower median: one real step (with an even count the mean of two would be a step that never
     # ran), the same one whose time the breakdown splits (parallel/report/breakdown.py).
     step_time = statistics.median_low(step_times[timed_from:])
+    expected = against_theory(plan, rank_reports, timed_from)
+    period = int(expected["expected_comm"].get("period_steps", 1))
+    if period > 1:  # a median step of a periodic strategy would leave out the step that syncs
+        step_time = period_mean(step_times[timed_from:], period)
     summary = {
         "schema_version": SCHEMA_VERSION,
         "config": config,
         "strategy": plan.strategy,
         "world_size": plan.dims.world_size,
         "parallel": parallel_block(plan),
-        **against_theory(plan, rank_reports, timed_from),
+        **expected,
         "precision": plan.layout.precision,
         "device": plan.device_type,
         "steps": len(losses),
@@ -162,6 +168,13 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         "memory": summarize_memory(rank_reports, spec.model_state(plan.model, layout),
                                    spec.activations(plan.model, layout), activation_check_note(plan.device_type)),
     }
+
+
+def period_mean(timed: list[float], period: int) -> float:
+    """The mean step over the last whole periods of the timed steps (all of them if fewer than one
+    period was timed): each period holds exactly one sync of every fragment."""
+    whole = timed[len(timed) % period:] or timed
+    return sum(whole) / len(whole)
 
 
 def _measured_per_step(comm: dict, expected: dict) -> Fraction:
