@@ -18,7 +18,8 @@
 #      the job in one `error:` line; the network what-if on NVLink (the planner's dp layout on the h200's links);
 #   7. figures.txt: one line of figures per run.
 #
-# PYTHON picks the interpreter (default: python); MODEL and STEPS the runs' size.
+# PYTHON picks the interpreter (default: python); MODEL and STEPS the runs' size; GPU_CHECK_LOOPBACK (dry run)
+# gives virtual time's loopback figures, as the test suite does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,8 +36,11 @@ if [ "$DRY" -eq 1 ]; then
     BACKEND=gloo; NGPU=4; MODEL=${MODEL:-tiny}; STEPS=${STEPS:-4}; WARMUP=1
     DEVICE_ARGS=(parallel.backend=gloo)  # every rank on the CPU, as NCCL's would be on its GPU
     POSTING=(parallel.pp_posting=nccl)   # the pipelines post their sends and receives as they will on NCCL
+    # Virtual time's loopback figures, where GPU_CHECK_LOOPBACK gives them (`virtual.loopback_*=...`, as the
+    # test suite gives every run): the runs and the compare then probe nothing, as on NCCL; unset, each probes.
+    read -r -a LOOPBACK <<< "${GPU_CHECK_LOOPBACK:-}"
 else
-    BACKEND=nccl; MODEL=${MODEL:-gpt2}; STEPS=${STEPS:-12}; WARMUP=4; DEVICE_ARGS=(); POSTING=()
+    BACKEND=nccl; MODEL=${MODEL:-gpt2}; STEPS=${STEPS:-12}; WARMUP=4; DEVICE_ARGS=(); POSTING=(); LOOPBACK=()
     NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 fi
 passed=0; failed=0; skipped=0
@@ -75,7 +79,7 @@ train() {  # train NAME RANKS OVERRIDES...: launch.train under torchrun, its run
     shift 2
     check "$name" 600 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ranks" -m launch.train \
         model="$MODEL" train.steps="$STEPS" train.warmup_steps="$WARMUP" train.global_batch="$BATCH" \
-        "${DEVICE_ARGS[@]}" "$@" run.dir="$RESULTS/$name"
+        "${DEVICE_ARGS[@]}" "${LOOPBACK[@]}" "$@" run.dir="$RESULTS/$name"
 }
 
 # 1. versions
@@ -103,7 +107,7 @@ if [ "$DRY" -eq 1 ] || [ "$NGPU" -ge 1 ]; then
     train single_bf16_recompute 1 parallel=single train.precision=bf16 train.recompute=full
     # 5. a one-rank compare (its parent must not hold a GPU: its runs take them)
     check compare_1rank 600 "$PY" -m launch.compare model="$MODEL" compare.world=1 compare.strategies="[single]" \
-        train.steps="$STEPS" train.warmup_steps="$WARMUP" run.dir="$RESULTS/compare_1rank"
+        train.steps="$STEPS" train.warmup_steps="$WARMUP" "${LOOPBACK[@]}" run.dir="$RESULTS/compare_1rank"
 else
     verdict SKIP single "no CUDA device is visible (bash launch/gpu_check.sh --dry-run runs the steps on the CPU)"
 fi

@@ -8,23 +8,32 @@ on sys.path.
 """
 
 import pytest
-from launcher import TINY, TINY_LLAMA, assert_ok, run_train
+from launcher import TINY, TINY_LLAMA, RunPools, assert_ok
 
 
 @pytest.fixture(scope="session")
-def single_run(tmp_path_factory):
+def pools():
+    """The session's pools of waiting ranks, one per world size: `pools.run(nproc, overrides, run_dir)`
+    forks a run that must succeed from them (tests/helpers/launcher.py: RunPools)."""
+    runs = RunPools()
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="session")
+def single_run(pools, tmp_path_factory):
     """The single-process reference every strategy is compared with (tiny model, 6 steps; final
     parameters and step 0's gradients saved)."""
-    run = run_train(1, [*TINY, "parallel=single", "train.save_final=true", "train.save_grads=true"],
+    run = pools.run(1, [*TINY, "parallel=single", "train.save_final=true", "train.save_grads=true"],
                     tmp_path_factory.mktemp("single") / "run")
     assert_ok(run)
     return run
 
 
 @pytest.fixture(scope="session")
-def single_run_llama(tmp_path_factory):
+def single_run_llama(pools, tmp_path_factory):
     """The same reference on Llama's block (model=tiny_llama: GQA, SwiGLU, RMSNorm, RoPE, no bias)."""
-    run = run_train(1, [*TINY_LLAMA, "parallel=single", "train.save_final=true", "train.save_grads=true"],
+    run = pools.run(1, [*TINY_LLAMA, "parallel=single", "train.save_final=true", "train.save_grads=true"],
                     tmp_path_factory.mktemp("single_llama") / "run")
     assert_ok(run)
     return run

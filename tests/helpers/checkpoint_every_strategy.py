@@ -81,8 +81,8 @@ SAVE_AT, STEPS = 3, 6
 
 
 def plan_for(preset: str, extra: list[str], world: int, common: list[str] = COMMON):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*common, f"parallel={preset}", *extra])
+    """The plan of one preset; called inside one `initialize_config_dir` for all of them."""
+    cfg = compose(config_name="config", overrides=[*common, f"parallel={preset}", *extra])
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
     return build_plan(cfg, env, cuda_available=False)
 
@@ -120,8 +120,9 @@ def main() -> None:
     env = LaunchEnv.from_environ()
     torch.set_num_threads(1)
     chains = [(COMMON, PRESETS), (MOE_COMMON, MOE_PRESETS), (LLAMA_COMMON, LLAMA_PRESETS), (TIED_COMMON, TIED_PRESETS)]
-    plans = [[(name, plan_for(name, extra, 1 if name == "single" else env.world_size, common))
-              for name, extra in presets] for common, presets in chains]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        plans = [[(name, plan_for(name, extra, 1 if name == "single" else env.world_size, common))
+                  for name, extra in presets] for common, presets in chains]
     base = init_distributed(env, plans[0][1][1].dims, "gloo", 60.0, CommLog())
     layouts = Layouts(env, base)
     root = Path(sys.argv[1])
@@ -134,57 +135,71 @@ def main() -> None:
 
 
 def check_chain(plans, layouts: Layouts, env: LaunchEnv, root: Path) -> None:
-    """Each plan saves after SAVE_AT steps, the next one resumes; all against one uninterrupted run."""
+    """Each plan saves after SAVE_AT steps, the next one resumes; all against one uninterrupted run.
+    A one-process plan (the reference, `single`) runs on rank 0 alone, which checks everything; the
+    other ranks wait for it at the barrier."""
     first = plans[0][1]
     corpus = load_corpus(None, first.data_max_bytes, first.model.seq_len + 1)
     batches = GlobalBatches(corpus, first.model.seq_len, first.global_batch, first.seed)
     world = layouts.base.comm("world")
 
-    # The uninterrupted reference: one process, six steps (every rank computes it; rank 0 checks).
-    reference_plan = first
-    reference = reference_plan.spec.build(GPT(reference_plan.model, seed=reference_plan.seed), reference_plan,
-                                          layouts.context(reference_plan))
-    want_losses = train(reference, reference_plan, layouts.context(reference_plan), batches, range(STEPS))
-    want_params = reference.full_state_dict()
+    # The uninterrupted reference: one process, six steps.
+    if env.rank == 0:
+        reference = first.spec.build(GPT(first.model, seed=first.seed), first, layouts.context(first))
+        want_losses = train(reference, first, layouts.context(first), batches, range(STEPS))
+        want_params = reference.full_state_dict()
 
     for i, (name, plan) in enumerate(plans):
-        ctx = layouts.context(plan)
-        saver = plan.spec.build(GPT(plan.model, seed=plan.seed), plan, ctx)
-        train(saver, plan, ctx, batches, range(SAVE_AT))
-        if isinstance(saver, fsdp2.TorchFSDP2):  # the small bucket above really splits the gather
-            assert len(fsdp2.gather_buckets(saver.locals, saver.full_shapes, saver.comm.size)) > 1, name
-        model_state, optim_state = saver.full_state_dict(), saver.full_optimizer_state()
         path = root / f"{i}-{name}"
-        if env.rank == 0:
-            save_checkpoint(path, SAVE_AT, model_state, optim_state, checkpoint_meta(plan, SAVE_AT))
-        saver.close()
+        if _runs_here(plan, env):
+            save_after_steps(plan, layouts.context(plan), batches, path, env.rank == 0)
         world.barrier(tag="tooling/test")
 
         # Resume under the next preset of the list, built from another seed: everything comes from disk.
         next_name, next_plan = plans[(i + 1) % len(plans)]
-        next_ctx = layouts.context(next_plan)
-        resumed = next_plan.spec.build(GPT(next_plan.model, seed=next_plan.seed + 1), next_plan, next_ctx)
-        model_state, optim_state = load_checkpoint(path / f"step_{SAVE_AT:06d}")
-        resumed.load_full_state(model_state, optim_state)
-        losses = train(resumed, next_plan, next_ctx, batches, range(SAVE_AT, STEPS))
-        params = resumed.full_state_dict()
-        resumed.close()
-        name, next_name = _label(name, plan), _label(next_name, next_plan)
+        if _runs_here(next_plan, env):
+            next_ctx = layouts.context(next_plan)
+            resumed = next_plan.spec.build(GPT(next_plan.model, seed=next_plan.seed + 1), next_plan, next_ctx)
+            model_state, optim_state = load_checkpoint(path / f"step_{SAVE_AT:06d}")
+            resumed.load_full_state(model_state, optim_state)
+            losses = train(resumed, next_plan, next_ctx, batches, range(SAVE_AT, STEPS))
+            params = resumed.full_state_dict()
+            resumed.close()
         if env.rank == 0:
-            diff = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses[SAVE_AT:]))
-            assert diff < 1e-5, f"{name} -> {next_name}: losses {losses} vs {want_losses[SAVE_AT:]} ({diff:.2e})"
-            assert params.keys() == want_params.keys(), (name, next_name)
-            lr = plan.lr
-            for n in want_params:
-                # rtol 1e-5, plus an absolute 10% of one lr step. Two layouts sum gradients in
-                # different orders, and Adam divides each update by that element's own gradient
-                # magnitude: where the true gradient is (nearly) zero the rounding difference sets
-                # the update's direction, up to lr per step (seen: 2.7% of lr on 1 of 16384 elements
-                # after tp -> tp_sp). A dropped or misplaced Adam moment moves every element by O(lr).
-                torch.testing.assert_close(params[n], want_params[n], rtol=1e-5, atol=1e-1 * lr,
-                                           msg=lambda m, n=n, a=name, b=next_name: f"{a} -> {b} {n}: {m}")
-            print(f"{name} saved at step {SAVE_AT}, {next_name} resumed: losses within {diff:.1e}", flush=True)
+            check_resumed(_label(name, plan), _label(next_name, next_plan), plan.lr, losses, params,
+                          want_losses[SAVE_AT:], want_params)
         world.barrier(tag="tooling/test")
+
+
+def _runs_here(plan, env: LaunchEnv) -> bool:
+    return plan.dims.world_size > 1 or env.rank == 0
+
+
+def save_after_steps(plan, ctx, batches, path: Path, writes: bool) -> None:
+    """Train SAVE_AT steps under `plan` and write a real checkpoint (rank 0: `writes`)."""
+    saver = plan.spec.build(GPT(plan.model, seed=plan.seed), plan, ctx)
+    train(saver, plan, ctx, batches, range(SAVE_AT))
+    if isinstance(saver, fsdp2.TorchFSDP2):  # the small bucket above really splits the gather
+        assert len(fsdp2.gather_buckets(saver.locals, saver.full_shapes, saver.comm.size)) > 1, plan
+    model_state, optim_state = saver.full_state_dict(), saver.full_optimizer_state()
+    if writes:
+        save_checkpoint(path, SAVE_AT, model_state, optim_state, checkpoint_meta(plan, SAVE_AT))
+    saver.close()
+
+
+def check_resumed(name: str, next_name: str, lr: float, losses, params, want_losses, want_params) -> None:
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    assert diff < 1e-5, f"{name} -> {next_name}: losses {losses} vs {want_losses} ({diff:.2e})"
+    assert params.keys() == want_params.keys(), (name, next_name)
+    for n in want_params:
+        # rtol 1e-5, plus an absolute 10% of one lr step. Two layouts sum gradients in
+        # different orders, and Adam divides each update by that element's own gradient
+        # magnitude: where the true gradient is (nearly) zero the rounding difference sets
+        # the update's direction, up to lr per step (seen: 2.7% of lr on 1 of 16384 elements
+        # after tp -> tp_sp). A dropped or misplaced Adam moment moves every element by O(lr).
+        torch.testing.assert_close(params[n], want_params[n], rtol=1e-5, atol=1e-1 * lr,
+                                   msg=lambda m, n=n, a=name, b=next_name: f"{a} -> {b} {n}: {m}")
+    print(f"{name} saved at step {SAVE_AT}, {next_name} resumed: losses within {diff:.1e}", flush=True)
 
 
 def _label(name: str, plan) -> str:

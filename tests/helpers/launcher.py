@@ -20,8 +20,11 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
+
+from parallel.compare.pool import Pool, pools_supported
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,6 +96,48 @@ def run_train(nproc: int, overrides: list[str], run_dir: Path, timeout: float = 
         env={**os.environ, **({} if gpu else CPU_ONLY), **(env or {})},
     )
     return Run(proc.returncode, proc.stdout, proc.stderr, run_dir)
+
+
+class RunPools:
+    """Runs a test expects to succeed, forked from one waiting pool of ranks per world size
+    (parallel/compare/pool.py, launch/forkserver.py) instead of a fresh torchrun each: the imports
+    of torch and Hydra are paid once per world for the whole session, not once per run. A pooled
+    run is the fresh run to the bit (tests/tools/test_compare_pool.py: losses, bytes, summary,
+    files, peak memory); its console is in <run dir>/console.log, stdout then stderr. A run that
+    fails ends its pool, and the next run of that world starts a new one. At most `KEEP` pools wait
+    at once (each rank holds its imports in memory): a new world ends the pool used longest ago.
+    Runs that check an exit status, a signal, torchrun's own output, or need another environment
+    use `run_train`."""
+
+    KEEP = 3  # worlds 1, 2 and 4 stay warm; a run at world 3 or 8 ends the one used longest ago
+
+    def __init__(self):
+        self.pools: dict[int, Pool] = {}  # in order of use, the latest last
+
+    def run(self, nproc: int, overrides: list[str], run_dir: Path, timeout: float = 240) -> Run:
+        if not pools_supported():
+            return run_train(nproc, overrides, run_dir, timeout)
+        pool = self.pools.pop(nproc, None)
+        if pool is not None and not pool.alive:
+            pool.close()
+            pool = None
+        if pool is None:
+            while len(self.pools) >= self.KEEP:
+                self.pools.pop(next(iter(self.pools))).close()
+            with mock.patch.dict(os.environ, CPU_ONLY):  # the pool's ranks inherit it: gloo on the CPU
+                pool = Pool(nproc)
+        self.pools[nproc] = pool
+        status, error, _ = pool.run(train_command(nproc, overrides), [*overrides, f"run.dir={run_dir}"], run_dir,
+                                    timeout)
+        console = (run_dir / "console.log").read_text()
+        stdout, _, stderr = console.partition("\n--- stderr ---\n")
+        code = re.match(r"exit (-?\d+)", error)
+        return Run(0 if status == "ok" else int(code.group(1)) if code else 1, stdout, stderr or error, run_dir)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools = {}
 
 
 def assert_ok(run: Run) -> dict:

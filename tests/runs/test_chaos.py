@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, max_rel_diff, run_train
+from launcher import CPU_ONLY, PROJECT_ROOT, TINY, assert_ok, max_rel_diff
 
 from parallel.reliability.chaos import draw
 from parallel.reliability.job_log import read_job_log
@@ -23,7 +23,7 @@ SEED, MTBF_S, WORLD, STEPS = 162, 16.0, 2, 100
 JOB = [*TINY, "parallel=dp", f"train.steps={STEPS}", "train.checkpoint_every=4"]
 
 
-def test_a_chaos_job_finishes_where_its_seed_says(tmp_path):
+def test_a_chaos_job_finishes_where_its_seed_says(pools, tmp_path):
     run_dir = tmp_path / "chaos"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            "--max-restarts=5", "-m", "launch.train", *JOB, "train.resume=auto",
@@ -48,7 +48,7 @@ def test_a_chaos_job_finishes_where_its_seed_says(tmp_path):
     assert end - start < last.delay_s  # the attempt that finished ended before its draw came due
 
     # The job's losses are the uninterrupted run's (one process: the project's 1e-5 across layouts).
-    reference = assert_ok(run_train(1, [*JOB, "parallel=single"], tmp_path / "reference"))
+    reference = assert_ok(pools.run(1, [*JOB, "parallel=single"], tmp_path / "reference"))
     assert summary["first_step"] == 0 and len(summary["losses"]) == STEPS
     assert max_rel_diff(summary["losses"], reference["losses"]) < 1e-5
 

@@ -38,18 +38,18 @@ def _check_continues(resumed, full, rtol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp_run(tmp_path_factory):
-    run = run_train(2, [*TINY, "parallel=tp", *SAVE], tmp_path_factory.mktemp("tp") / "run")
+def tp_run(pools, tmp_path_factory):
+    run = pools.run(2, [*TINY, "parallel=tp", *SAVE], tmp_path_factory.mktemp("tp") / "run")
     assert_ok(run)
     return run
 
 
 @pytest.mark.parametrize("nproc,preset,mode", [(2, "dp", ASYNC)], ids=["2-dp-async"])
-def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, mode, tmp_path):
+def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, mode, pools, tmp_path):
     """dp saves asynchronously (a host snapshot written while steps 4-6 run): the state it wrote is
     the state after step 3, so resuming repeats steps 3..5 bit for bit, as a synchronous save does
     (tests/runs/test_restart.py resumes seven strategies' synchronous saves at world 4, bit for bit)."""
-    full = run_train(nproc, [*TINY, f"parallel={preset}", *SAVE, *mode], tmp_path / "full")
+    full = pools.run(nproc, [*TINY, f"parallel={preset}", *SAVE, *mode], tmp_path / "full")
     saves = assert_ok(full)["checkpoints"]["saves"]
     meta = json.loads((full.run_dir / "checkpoints" / "step_000003" / "meta.json").read_text())
     assert meta["next_step"] == 3 and meta["optimizer_step"] == 3 and meta["data"]["seed"] == 1234
@@ -58,20 +58,20 @@ def test_resume_on_the_same_layout_repeats_the_run(nproc, preset, mode, tmp_path
     assert [s["step"] for s in saves] == [3, 6] and all(len(s["ranks"]) == nproc for s in saves)
     assert all(s["ranks"][0]["bytes"] > 0 and s["ranks"][1]["bytes"] == 0 for s in saves)
     assert saves[0]["mode"] == ("gathered, async" if mode else "gathered, sync")
-    resumed = run_train(nproc, [*TINY, f"parallel={preset}", f"train.resume={full.run_dir}/checkpoints/step_000003"],
+    resumed = pools.run(nproc, [*TINY, f"parallel={preset}", f"train.resume={full.run_dir}/checkpoints/step_000003"],
                         tmp_path / "resumed")
     _check_continues(resumed, full, rtol=0.0 if mode else 1e-6)
 
 
-def test_tp_checkpoint_resumes_under_tp_and_pp(tp_run, tmp_path):
+def test_tp_checkpoint_resumes_under_tp_and_pp(tp_run, pools, tmp_path):
     ckpt = f"train.resume={tp_run.run_dir}/checkpoints/step_000003"
-    _check_continues(run_train(2, [*TINY, "parallel=tp", ckpt], tmp_path / "tp"), tp_run, rtol=1e-6)
+    _check_continues(pools.run(2, [*TINY, "parallel=tp", ckpt], tmp_path / "tp"), tp_run, rtol=1e-6)
     # Another layout sums in another order: the project's cross-layout tolerance (1e-5).
-    _check_continues(run_train(2, [*TINY, "parallel=pp_gpipe", ckpt], tmp_path / "pp"), tp_run, rtol=1e-5)
+    _check_continues(pools.run(2, [*TINY, "parallel=pp_gpipe", ckpt], tmp_path / "pp"), tp_run, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
-def test_kill_during_save_keeps_the_last_checkpoint(single_run, tmp_path, mode):
+def test_kill_during_save_keeps_the_last_checkpoint(single_run, pools, tmp_path, mode):
     """SIGKILL while step 4's checkpoint is on disk but not yet published: step 2's stays the
     latest, and resuming from the checkpoints directory continues from it exactly, in one process
     and (once) under tp 2. Asynchronous: the background writer is killed while steps 5-6 train."""
@@ -85,14 +85,14 @@ def test_kill_during_save_keeps_the_last_checkpoint(single_run, tmp_path, mode):
     # Steps 0..3 ran (an async save lets steps 4-5 run too, until the kill) and match the reference run.
     losses = [m["loss"] for m in killed.metrics()]
     assert len(losses) >= 4 and max_rel_diff(losses, single_run.summary["losses"][:len(losses)]) < 1e-6
-    resumed = run_train(1, [*TINY, "parallel=single", f"train.resume={root}"], tmp_path / "resumed")
+    resumed = pools.run(1, [*TINY, "parallel=single", f"train.resume={root}"], tmp_path / "resumed")
     summary = assert_ok(resumed)
     assert summary["first_step"] == 2
     assert max_rel_diff(summary["losses"], single_run.summary["losses"][2:]) < 1e-6
     if mode:
         return
     # The reverse layout change: a single-process checkpoint resumed under tp 2.
-    on_tp = assert_ok(run_train(2, [*TINY, "parallel=tp", f"train.resume={root}"], tmp_path / "on_tp"))
+    on_tp = assert_ok(pools.run(2, [*TINY, "parallel=tp", f"train.resume={root}"], tmp_path / "on_tp"))
     assert on_tp["first_step"] == 2
     assert max_rel_diff(on_tp["losses"], single_run.summary["losses"][2:]) < 1e-5
 
@@ -113,13 +113,13 @@ def _shard_bytes(preset: str, meta: dict, world: int, rank: int) -> int:
     ("torch_fsdp2", TINY_LLAMA, "single_run_llama", (1, ["parallel=single"]), "single"),
 ], ids=["zero3-sync-tiny", "torch_fsdp2-async-tiny_llama"])
 def test_sharded_checkpoint_is_written_by_every_rank_and_resumes_elsewhere(preset, settings, reference, resume_on,
-                                                                           strategy, request, tmp_path):
+                                                                           strategy, request, pools, tmp_path):
     """A sharded save at world 4 (ZeRO-3 sync; FSDP2 async, on Llama's block): each rank writes its
     own shard, never the whole model, the closed form's bytes (about a quarter each); the checkpoint
     resumes under another layout (dp 1 x tp 2 x pp 2; one process) within 1e-5 of the reference."""
     single = request.getfixturevalue(reference)
     mode = [] if preset == "zero3" else ASYNC
-    sharded = run_train(4, [*settings, f"parallel={preset}", *SAVE, *SHARDED, *mode], tmp_path / preset)
+    sharded = pools.run(4, [*settings, f"parallel={preset}", *SAVE, *SHARDED, *mode], tmp_path / preset)
     summary = assert_ok(sharded)
     assert max_rel_diff(summary["losses"], single.summary["losses"]) < 1e-5
     step3 = sharded.run_dir / "checkpoints" / "step_000003"
@@ -132,7 +132,7 @@ def test_sharded_checkpoint_is_written_by_every_rank_and_resumes_elsewhere(prese
         assert save["mode"] == f"sharded, {'async' if mode else 'sync'}"
     assert sorted(p.name for p in step3.glob("rank_*.bin")) == [f"rank_{r:05d}.bin" for r in range(4)]
     nproc, layout = resume_on
-    resumed = run_train(nproc, [*settings, *layout, f"train.resume={step3}"], tmp_path / "resumed")
+    resumed = pools.run(nproc, [*settings, *layout, f"train.resume={step3}"], tmp_path / "resumed")
     summary = assert_ok(resumed)
     assert summary["strategy"] == strategy and summary["first_step"] == 3
     assert max_rel_diff(summary["losses"], single.summary["losses"][3:]) < 1e-5

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, max_rel_diff, run_train
+from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, max_rel_diff
 from observability import check_time_breakdown, check_trace
 from test_tp import check_grads_match_single
 
@@ -45,9 +45,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,sp,m,v,schedule", CASES, ids=[c[0] for c in CASES])
-def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, v, schedule, single_run, tmp_path):
+def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, v, schedule, single_run, pools,
+                                      tmp_path):
     timeline = ["run.timeline=true"] if layout == (2, 2, 2) else []  # one picture of all 8 ranks
-    run = run_train(world, [*TINY, *overrides, *timeline, "train.save_final=true", "train.save_grads=true"],
+    run = pools.run(world, [*TINY, *overrides, *timeline, "train.save_final=true", "train.save_grads=true"],
                     tmp_path / "run", timeout=400)
     s = assert_ok(run)
     d, t, p = layout
@@ -152,8 +153,8 @@ ZERO_CASES = [
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,zero,sp,m", ZERO_CASES, ids=[c[0] for c in ZERO_CASES])
 def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overrides, layout, zero, sp, m, single_run,
-                                                          tmp_path):
-    run = run_train(world, [*TINY, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run",
+                                                          pools, tmp_path):
+    run = pools.run(world, [*TINY, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run",
                     timeout=400)
     s = assert_ok(run)
     d, t, p = layout
@@ -181,7 +182,7 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
     if "train.checkpoint_every=3" in overrides:
         # The checkpoint after step 3 holds Adam's moments gathered from the dp shards into the tp
         # pieces, then whole: one process resumed from it repeats the single run's steps 3..5.
-        resumed = assert_ok(run_train(1, [*TINY, "parallel=single",
+        resumed = assert_ok(pools.run(1, [*TINY, "parallel=single",
                                           f"train.resume={run.run_dir}/checkpoints/step_000003"],
                                       tmp_path / "resumed"))
         assert resumed["first_step"] == 3

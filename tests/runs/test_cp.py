@@ -111,12 +111,12 @@ def check_tp_recompute(s: dict, world: int, tp: int, recompute: str, m: int) -> 
 
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,kind,recompute,m", CASES, ids=[c[0] for c in CASES])
-def test_cp_and_recompute_match_single_and_theory(case_id, world, overrides, layout, kind, recompute, m, request,
+def test_cp_and_recompute_match_single_and_theory(pools, case_id, world, overrides, layout, kind, recompute, m, request,
                                                   tmp_path):
     llama = LLAMA in overrides
     single_run = request.getfixturevalue("single_run_llama" if llama else "single_run")
     given = [*(TINY_LLAMA if llama else TINY), *(o for o in overrides if o != LLAMA)]
-    run = run_train(world, [*given, "train.save_final=true"], tmp_path / "run", timeout=400)
+    run = pools.run(world, [*given, "train.save_final=true"], tmp_path / "run", timeout=400)
     s = assert_ok(run)
     dp, cp, tp, pp = layout
     par = s["parallel"]

@@ -11,7 +11,7 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks:
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single
 from observability import check_time_breakdown, check_trace
 
 # 0.1 MiB buckets cut the tiny model (0.94 MB of gradients) into several buckets, so the
@@ -49,8 +49,8 @@ N_PARAM_TENSORS_TINY = 2 + 4 * 16 + 3  # embed (tok, pos), 16 per block, head (l
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("microbatches", [1, 2])
 @pytest.mark.parametrize("preset", ["dp", "dp_naive"])
-def test_dp_matches_single_and_theory(preset, world, microbatches, single_run, tmp_path):
-    run = run_train(world, [*TINY, f"parallel={preset}", f"parallel.microbatches={microbatches}", SMALL_BUCKETS,
+def test_dp_matches_single_and_theory(pools, preset, world, microbatches, single_run, tmp_path):
+    run = pools.run(world, [*TINY, f"parallel={preset}", f"parallel.microbatches={microbatches}", SMALL_BUCKETS,
                             "train.save_final=true"], tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "dp" and s["world_size"] == world and s["parallel"]["dp"] == world
@@ -75,8 +75,8 @@ def test_dp_matches_single_and_theory(preset, world, microbatches, single_run, t
         assert all(t["calls"] == world for t in s["comm"]["by_tag"].values())
 
 
-def test_torch_ddp_baseline_matches_single_and_theory(single_run, tmp_path):
-    run = run_train(2, [*TINY, "parallel=torch_ddp", "parallel.microbatches=2", SMALL_BUCKETS, "train.save_final=true"],
+def test_torch_ddp_baseline_matches_single_and_theory(pools, single_run, tmp_path):
+    run = pools.run(2, [*TINY, "parallel=torch_ddp", "parallel.microbatches=2", SMALL_BUCKETS, "train.save_final=true"],
                     tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "torch_ddp"
@@ -90,16 +90,16 @@ def test_torch_ddp_baseline_matches_single_and_theory(single_run, tmp_path):
     check_trace(run.run_dir, s)
 
 
-def test_a_head_tied_to_the_token_table_trains_as_single(tmp_path):
+def test_a_head_tied_to_the_token_table_trains_as_single(pools, tmp_path):
     """model.tied_head=true on Llama's block: one Parameter in embed.tok and head.out, whose gradient
     sums both uses before dp all-reduces it once. dp 2 with 2 microbatches trains the single run's
     model, its Ψ counts the table once, and the two names stay one tensor. So do tp_sp at tp 4 (the
     vocab-parallel table and head hold the same rows of the one shard; kv heads replicated) and the
     cp ring at cp 2, each with its bytes and saved activations equal to theory."""
     tied = [*TINY_LLAMA, "model.tied_head=true", "train.save_final=true"]
-    single = run_train(1, [*tied, "parallel=single"], tmp_path / "single")
+    single = pools.run(1, [*tied, "parallel=single"], tmp_path / "single")
     assert_ok(single)
-    run = run_train(2, [*tied, "parallel=dp", "parallel.microbatches=2", SMALL_BUCKETS], tmp_path / "dp")
+    run = pools.run(2, [*tied, "parallel=dp", "parallel.microbatches=2", SMALL_BUCKETS], tmp_path / "dp")
     s = assert_ok(run)
     check_matches_single(run, single)
     check_dp_traffic(s, 2)
@@ -108,22 +108,22 @@ def test_a_head_tied_to_the_token_table_trains_as_single(tmp_path):
     params = run.final_params
     assert params["head.out.weight"].equal(params["embed.tok.weight"])
     for name, world, overrides in (("tp_sp4", 4, ["parallel=tp_sp", "parallel.tp=4"]), ("cp2", 2, ["parallel=cp"])):
-        run = run_train(world, [*tied, *overrides], tmp_path / name)
+        run = pools.run(world, [*tied, *overrides], tmp_path / name)
         s = assert_ok(run)
         check_matches_single(run, single)
         assert s["comm_matches_theory"] is True and s["memory"]["activations_match_theory"] is True, name
 
 
-def test_same_config_twice_gives_identical_numbers(tmp_path):
+def test_same_config_twice_gives_identical_numbers(pools, tmp_path):
     args = [*TINY, "parallel=dp", "parallel.microbatches=2", SMALL_BUCKETS]
-    first = assert_ok(run_train(2, args, tmp_path / "a"))
-    second = assert_ok(run_train(2, args, tmp_path / "b"))
+    first = assert_ok(pools.run(2, args, tmp_path / "a"))
+    second = assert_ok(pools.run(2, args, tmp_path / "b"))
     assert first["losses"] == second["losses"]
 
 
-def test_single_run_is_deterministic(single_run, single_run_llama, tmp_path):
+def test_single_run_is_deterministic(pools, single_run, single_run_llama, tmp_path):
     for settings, reference in ((TINY, single_run), (TINY_LLAMA, single_run_llama)):
-        again = run_train(1, [*settings, "parallel=single"], tmp_path / settings[0].split("=")[1])
+        again = pools.run(1, [*settings, "parallel=single"], tmp_path / settings[0].split("=")[1])
         assert assert_ok(again)["losses"] == reference.summary["losses"], settings[0]
 
 

@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from launcher import GIVEN_LOOPBACK, assert_ok, run_train
+from launcher import GIVEN_LOOPBACK, assert_ok
 from test_layout import plan_for
 
 from parallel.algebra import parameter_count
@@ -57,13 +57,13 @@ RUNS = [
 
 
 @pytest.fixture(scope="module")
-def singles(tmp_path_factory):
+def singles(pools, tmp_path_factory):
     """The single-process references, one per (model, top-k), each run once for the module on first use."""
     made = {}
 
     def get(model: str, k: int):
         if (model, k) not in made:
-            run = run_train(1, [f"model={model}", *MOE[1:], f"model.moe_top_k={k}", "parallel=single"],
+            run = pools.run(1, [f"model={model}", *MOE[1:], f"model.moe_top_k={k}", "parallel=single"],
                             tmp_path_factory.mktemp(f"single-{model}-{k}") / "run")
             summary = assert_ok(run)
             # The reference itself routes unevenly and drops: what the ep runs must reproduce is not trivial.
@@ -74,9 +74,9 @@ def singles(tmp_path_factory):
 
 
 @pytest.fixture(scope="module", params=RUNS, ids=[r[0] for r in RUNS])
-def ep_run(request, tmp_path_factory, singles):
+def ep_run(pools, request, tmp_path_factory, singles):
     name, world, model, k, extra = request.param
-    run = run_train(world, [f"model={model}", *MOE[1:], f"model.moe_top_k={k}", "parallel=ep", *extra],
+    run = pools.run(world, [f"model={model}", *MOE[1:], f"model.moe_top_k={k}", "parallel=ep", *extra],
                     tmp_path_factory.mktemp(name) / "run")
     assert_ok(run)
     return run, singles(model, k)

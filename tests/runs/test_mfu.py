@@ -62,9 +62,9 @@ def test_peak_is_measured_in_the_compute_dtype():
         assert seen.seen == {dtype} and peak > 0
 
 
-def test_a_bf16_run_divides_by_the_bf16_peak(tmp_path):
-    from launcher import TINY, assert_ok, run_train
+def test_a_bf16_run_divides_by_the_bf16_peak(pools, tmp_path):
+    from launcher import TINY, assert_ok
 
     args = [a for a in TINY if not a.startswith("train.peak_flops")] + ["train.precision=bf16", "train.steps=2"]
-    summary = assert_ok(run_train(1, [*args, "parallel=single"], tmp_path / "bf16"))
+    summary = assert_ok(pools.run(1, [*args, "parallel=single"], tmp_path / "bf16"))
     assert summary["mfu"]["peak_dtype"] == "bf16" and summary["mfu"]["peak_measured"] is True

@@ -4,7 +4,7 @@ traffic, counted around DTensor's and pipelining's communication calls or throug
 equal to its closed form's figure."""
 
 import pytest
-from launcher import assert_ok, check_matches_single, run_train, tiny_settings
+from launcher import assert_ok, check_matches_single, tiny_settings
 from omegaconf import OmegaConf
 
 from parallel.dist.dims import ParallelDims
@@ -29,9 +29,9 @@ BASELINES = {
 
 
 @pytest.mark.parametrize("case", list(BASELINES))
-def test_baseline_matches_single_and_theory(case, request, tmp_path):
+def test_baseline_matches_single_and_theory(case, request, pools, tmp_path):
     preset, llama = case.removesuffix("-llama"), case.endswith("-llama")
-    run = run_train(2, tiny_settings([f"parallel={preset}", "train.save_final=true", *BASELINES[case]]),
+    run = pools.run(2, tiny_settings([f"parallel={preset}", "train.save_final=true", *BASELINES[case]]),
                     tmp_path / "run")
     s = assert_ok(run)
     check_matches_single(run, request.getfixturevalue("single_run_llama" if llama else "single_run"))

@@ -15,7 +15,7 @@ steps under torchrun on gloo and checks:
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, check_step0_grads_match, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, check_step0_grads_match
 from observability import check_time_breakdown, check_trace
 
 from parallel.pp.schedules import build_schedule
@@ -41,9 +41,9 @@ SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "pp_interleaved": "interleav
 
 
 @pytest.fixture(scope="module")
-def single_run_gb12(tmp_path_factory):
+def single_run_gb12(pools, tmp_path_factory):
     """The reference for odd microbatch counts: a global batch of 12 sequences divides by 3."""
-    run = run_train(1, [*TINY, "train.global_batch=12", "parallel=single", "train.save_final=true",
+    run = pools.run(1, [*TINY, "train.global_batch=12", "parallel=single", "train.save_final=true",
                         "train.save_grads=true"],
                     tmp_path_factory.mktemp("single12") / "run")
     assert_ok(run)
@@ -51,12 +51,12 @@ def single_run_gb12(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_pipeline_matches_single_and_theory(case, request, tmp_path):
+def test_pipeline_matches_single_and_theory(case, request, pools, tmp_path):
     name, world, preset, dp, pp, m, v, gb = case
     llama = name.startswith("llama-")
     ref = request.getfixturevalue("single_run_llama" if llama else "single_run" if gb == 16 else "single_run_gb12")
     base = TINY_LLAMA if llama else TINY
-    run = run_train(world, [*base, f"train.global_batch={gb}", f"parallel={preset}", f"parallel.dp={dp}",
+    run = pools.run(world, [*base, f"train.global_batch={gb}", f"parallel={preset}", f"parallel.dp={dp}",
                             f"parallel.microbatches={m}", f"parallel.virtual_stages={v}",
                             "train.save_final=true", "train.save_grads=true"], tmp_path / "run")
     s = assert_ok(run)

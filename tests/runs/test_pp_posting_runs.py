@@ -19,7 +19,7 @@ rules are played for every schedule and size in tests/unit/test_pp_posting.py.
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, run_train
+from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match
 from observability import check_time_breakdown, check_trace
 
 from parallel.pp.schedules import build_schedule, schedule_placement
@@ -36,10 +36,10 @@ SCHEDULE = {"pp_interleaved": "interleaved_1f1b", "pp_zbv": "zbv", "pp_dualpipev
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_the_gpu_posting_on_gloo_matches_single(case, single_run, tmp_path):
+def test_the_gpu_posting_on_gloo_matches_single(pools, case, single_run, tmp_path):
     _, world, preset, dp, m = case
     pp, v, schedule = world // dp, 2, SCHEDULE[preset]
-    run = run_train(world, [*TINY, f"parallel={preset}", f"parallel.dp={dp}", f"parallel.microbatches={m}",
+    run = pools.run(world, [*TINY, f"parallel={preset}", f"parallel.dp={dp}", f"parallel.microbatches={m}",
                             "parallel.pp_posting=nccl", "train.save_final=true", "train.save_grads=true"],
                     tmp_path / "run")
     s = assert_ok(run)

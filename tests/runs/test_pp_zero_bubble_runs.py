@@ -23,7 +23,7 @@ import json
 from fractions import Fraction
 
 import pytest
-from launcher import assert_ok, check_matches_single, check_step0_grads_match, run_train, tiny_settings
+from launcher import assert_ok, check_matches_single, check_step0_grads_match, tiny_settings
 from test_pp_zero_bubble import expected_peaks
 
 from parallel.pp.schedules import build_schedule, closed_form_bubble, has_closed_form
@@ -56,7 +56,7 @@ RUN_ONLY = {"dp2xpp2-zbh1-m2-bucketed": ["parallel.grad_sync=bucketed"]}  # over
 
 
 @pytest.fixture(scope="module")
-def references(single_run, tmp_path_factory):
+def references(single_run, pools, tmp_path_factory):
     """The single-process runs these cases compare with, by (global batch, model overrides), made on
     first use (the Llama-shaped model's at the usual batch is the session's: the test asks for it)."""
     made = {(16, ()): single_run}
@@ -64,7 +64,7 @@ def references(single_run, tmp_path_factory):
     def get(gb: int, extra: list[str]):
         key = (gb, tuple(extra))
         if key not in made:
-            run = run_train(1, tiny_settings([f"train.global_batch={gb}", *extra, "parallel=single",
+            run = pools.run(1, tiny_settings([f"train.global_batch={gb}", *extra, "parallel=single",
                                               "train.save_final=true", "train.save_grads=true"]),
                             tmp_path_factory.mktemp(f"single-gb{gb}") / "run")
             assert_ok(run)
@@ -74,12 +74,12 @@ def references(single_run, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_zero_bubble_pipeline_matches_single_and_theory(case, references, request, tmp_path):
+def test_zero_bubble_pipeline_matches_single_and_theory(case, references, request, pools, tmp_path):
     name, world, preset, dp, pp, m, gb, extra = case
     schedule, v = SCHEDULE[preset], 2 if preset in V_SHAPED else 1
     llama = (gb, extra) == (16, ["model=tiny_llama"])
     ref = request.getfixturevalue("single_run_llama") if llama else references(gb, extra)
-    run = run_train(world, tiny_settings([f"train.global_batch={gb}", *extra, f"parallel={preset}", f"parallel.dp={dp}",
+    run = pools.run(world, tiny_settings([f"train.global_batch={gb}", *extra, f"parallel={preset}", f"parallel.dp={dp}",
                                           f"parallel.microbatches={m}", "train.save_final=true",
                                           "train.save_grads=true", "run.timeline=true", *RUN_ONLY.get(name, [])]),
                     tmp_path / "run")

@@ -21,9 +21,7 @@ import subprocess
 import sys
 
 import pytest
-from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT, Run, assert_ok, run_train
-
-from parallel.compare.pool import Pool, pools_supported
+from launcher import CPU_ONLY, GIVEN_LOOPBACK, PROJECT_ROOT, assert_ok
 
 JOB = ["train.steps=10", "train.warmup_steps=1", "train.global_batch=16", "data.max_bytes=1000000",
        "train.peak_flops=1e11", "run.timeline=false", *GIVEN_LOOPBACK]
@@ -65,22 +63,13 @@ def _config(preset: str, model: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, dict]:
-    """Every case's uninterrupted run, forked one after another from one pool of 4 ranks
-    (parallel/compare/pool.py: a pooled run is the fresh torchrun's, to the bit;
-    tests/tools/test_compare_pool.py), so the imports are paid once, not once per case. The
-    reference saves no checkpoint: saving must not change a bit of the training either."""
+def references(pools, tmp_path_factory) -> dict[str, dict]:
+    """Every case's uninterrupted run, forked one after another from the session's pool of 4 ranks
+    (tests/conftest.py `pools`, over parallel/compare/pool.py: a pooled run is the fresh torchrun's,
+    to the bit; tests/tools/test_compare_pool.py), so the imports are paid once, not once per case.
+    The reference saves no checkpoint: saving must not change a bit of the training either."""
     root = tmp_path_factory.mktemp("restart_references")
-    if not pools_supported():
-        return {preset: assert_ok(run_train(4, _config(preset, model), root / preset)) for preset, model, *_ in CASES}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # the pool's ranks inherit this environment: gloo on the CPU
-        with Pool(4) as pool:
-            for preset, model, *_ in CASES:
-                status, error, _ = pool.run(["launch.train", preset], [*_config(preset, model),
-                                                                       f"run.dir={root / preset}"], root / preset, 240)
-                assert (status, error) == ("ok", ""), (preset, error)
-    return {preset: Run(0, "", "", root / preset).summary for preset, *_ in CASES}
+    return {preset: assert_ok(pools.run(4, _config(preset, model), root / preset)) for preset, model, *_ in CASES}
 
 
 @pytest.mark.parametrize("preset,model,faults,failures", CASES)

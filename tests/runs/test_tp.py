@@ -20,7 +20,7 @@ and checks:
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, check_step0_grads_match, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, check_step0_grads_match
 from observability import check_time_breakdown, check_trace
 
 from parallel.activations import registry_activations
@@ -161,12 +161,12 @@ def check_saved_bytes(s, world, t, d, sp, m, sharded, model):
 
 
 @pytest.mark.parametrize("case_id,world,overrides,t,d,sp,m", CASES, ids=[c[0] for c in CASES])
-def test_tp_matches_single_and_theory(case_id, world, overrides, t, d, sp, m, request, tmp_path):
+def test_tp_matches_single_and_theory(case_id, world, overrides, t, d, sp, m, request, pools, tmp_path):
     llama = LLAMA in overrides
     settings, single_fixture, model = MODELS["tiny_llama" if llama else "tiny"]
     single_run = request.getfixturevalue(single_fixture)
     overrides = [o for o in overrides if o != LLAMA]
-    run = run_train(world, [*settings, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run")
+    run = pools.run(world, [*settings, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run")
     s = assert_ok(run)
     p = s["parallel"]
     sharded = SHARDED in overrides

@@ -18,7 +18,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, run_train
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single
 from observability import check_time_breakdown, check_trace
 
 from parallel.core.model import GPT, GPTConfig
@@ -82,10 +82,10 @@ def check_zero_memory(s, stage: int, n: int, model: str = "tiny"):
     (1, 2, 2, "tiny"), (1, 4, 1, "tiny"), (2, 2, 1, "tiny"), (2, 4, 2, "tiny"), (3, 2, 2, "tiny"), (3, 4, 1, "tiny"),
     (3, 3, 1, "tiny"), (3, 2, 2, "tiny_llama"),
 ])
-def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatches, model, request, tmp_path):
+def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatches, model, request, pools, tmp_path):
     global_batch = ["train.global_batch=12"] if world == 3 else []
     base = TINY_LLAMA if model == "tiny_llama" else TINY
-    run = run_train(world, [*base, *global_batch, f"parallel=zero{stage}", f"parallel.microbatches={microbatches}",
+    run = pools.run(world, [*base, *global_batch, f"parallel=zero{stage}", f"parallel.microbatches={microbatches}",
                             "train.save_final=true"], tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == f"zero{stage}" and s["parallel"]["dp"] == world
@@ -105,8 +105,8 @@ def test_zero_matches_single_theory_and_memory_formula(stage, world, microbatche
         check_trace(run.run_dir, s)
 
 
-def test_torch_fsdp2_matches_single_and_theory(single_run, tmp_path):
-    run = run_train(2, [*TINY, "parallel=torch_fsdp2", "train.save_final=true"], tmp_path / "run")
+def test_torch_fsdp2_matches_single_and_theory(single_run, pools, tmp_path):
+    run = pools.run(2, [*TINY, "parallel=torch_fsdp2", "train.save_final=true"], tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "torch_fsdp2"
     check_matches_single(run, single_run)
@@ -126,10 +126,10 @@ def test_torch_fsdp2_matches_single_and_theory(single_run, tmp_path):
             == (4 * psi // 2, 4 * psi // 2, 8 * psi // 2)
 
 
-def test_torch_zero1_matches_single_and_theory(single_run, tmp_path):
+def test_torch_zero1_matches_single_and_theory(single_run, pools, tmp_path):
     """PyTorch's ZeRO-1 (DDP + ZeroRedundancyOptimizer): DDP all-reduces the whole gradient, then every
     parameter is broadcast from its owner: 2(N-1)/N·G + P per rank, counted in our log."""
-    run = run_train(2, [*TINY, "parallel=torch_zero1", "parallel.microbatches=2", "train.save_final=true"],
+    run = pools.run(2, [*TINY, "parallel=torch_zero1", "parallel.microbatches=2", "train.save_final=true"],
                     tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "torch_zero1"
@@ -146,11 +146,11 @@ def test_torch_zero1_matches_single_and_theory(single_run, tmp_path):
     assert sum(row["optimizer_bytes"] for row in s["memory"]["by_rank"]) == 8 * psi
 
 
-def test_torch_zero2_matches_single_and_theory(single_run, tmp_path):
+def test_torch_zero2_matches_single_and_theory(single_run, pools, tmp_path):
     """PyTorch's ZeRO-2 (FSDP2, reshard_after_forward=False, unsharded across the step's microbatches):
     each group gathered once per step, its gradients reduce-scattered every microbatch, (N-1)/N·(P + m·G)."""
     m, n = 2, 2
-    run = run_train(n, [*TINY, "parallel=torch_zero2", f"parallel.microbatches={m}", "train.save_final=true"],
+    run = pools.run(n, [*TINY, "parallel=torch_zero2", f"parallel.microbatches={m}", "train.save_final=true"],
                     tmp_path / "run")
     s = assert_ok(run)
     assert s["strategy"] == "torch_zero2"

@@ -66,10 +66,10 @@ def test_bf16_forward_context_autocasts_each_microbatch_and_is_required():
     _check_forward_context(_plan(), strategy)  # fp32 needs nothing
 
 
-def test_bf16_autocast_trains_on_cpu(single_run, tmp_path):
+def test_bf16_autocast_trains_on_cpu(single_run, pools, tmp_path):
     """bf16 changes the numbers (autocast is really on) but not the training: the loss falls,
     and stays within bf16's rounding of the fp32 run."""
-    summary = assert_ok(run_train(1, [*TINY, "parallel=single", "train.precision=bf16"], tmp_path / "run"))
+    summary = assert_ok(pools.run(1, [*TINY, "parallel=single", "train.precision=bf16"], tmp_path / "run"))
     losses, fp32 = summary["losses"], single_run.summary["losses"]
     assert (summary["precision"], summary["device"]) == ("bf16", "cpu")
     assert losses[-1] < losses[0]

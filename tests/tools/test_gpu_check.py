@@ -5,13 +5,17 @@ the same steps (one-rank self-check, single in fp32 and bf16 with recomputation,
 dp, tp, every pipeline schedule, zero3 and 3d against single, a rank that hangs, the planner's what-if
 on the h200's links) on
 gloo ranks at model=tiny. What this proves: the script's steps are well formed and pass where they
-can run, so that a GPU machine's first run fails only on what is different there.
+can run, so that a GPU machine's first run fails only on what is different there. Its runs and its
+compare are given virtual time's loopback figures (GPU_CHECK_LOOPBACK), as every run of the suite is and
+as an NCCL run needs none: launch.compare's own probe of them is tools/test_replay.py's.
 """
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from launcher import GIVEN_LOOPBACK
 
 from launch.gpu_check_figures import loss_verdict
 
@@ -22,7 +26,8 @@ SCHEDULES = ("pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_zbh1", "pp_zbv", "pp_d
 def test_the_gpu_check_dry_run_passes_every_step_on_gloo(tmp_path):
     proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,
-                                            "GPU_CHECK_DIR": str(tmp_path), "HOME": str(tmp_path)})
+                                            "GPU_CHECK_DIR": str(tmp_path), "HOME": str(tmp_path),
+                                            "GPU_CHECK_LOOPBACK": " ".join(GIVEN_LOOPBACK)})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     verdicts = {line.split()[1]: line.split()[0] for line in (tmp_path / "verdicts.txt").read_text().splitlines()}
     runs = ["single_fp32", "single_bf16_recompute", "dp", "tp", *SCHEDULES, "zero3", "3d"]

@@ -152,3 +152,14 @@ def test_a_contention_replay_on_the_loopback_probed_unbound(pp_run):
     assert bad.returncode == 2 and "loopback='pinned': run" in bad.stderr and "unbound" in bad.stderr
     mixed = replay(pp_run.run_dir, "cluster=h100_sxm", "loopback=unbound")
     assert mixed.returncode == 2 and "a cluster's links are the preset's" in mixed.stderr
+
+
+def test_a_sweep_probes_the_loopback_once_under_a_torchrun_of_its_own():
+    """launch.compare's probe (`measure_once`: the probe module under a torchrun of two ranks, the
+    figures read back from rank 0's JSON line), here one probe run rather than a sweep's median of
+    three; the GPU check's dry run (tools/test_gpu_check.py) gives its compare the figures instead."""
+    from parallel.replay.probe import FIGURES, measure_once
+
+    figures = measure_once(runs=1)
+    assert sorted(figures) == sorted(FIGURES), figures
+    assert all(0 < value < float("inf") for value in figures.values()), figures

@@ -24,8 +24,8 @@ def scalars(log_dir) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
-def test_event_files_hold_the_metrics_of_every_step(tmp_path):
-    run = run_train(2, [*TINY, "parallel=tp", "train.tensorboard=true"], tmp_path / "run")
+def test_event_files_hold_the_metrics_of_every_step(pools, tmp_path):
+    run = pools.run(2, [*TINY, "parallel=tp", "train.tensorboard=true"], tmp_path / "run")
     assert_ok(run)
     metrics = run.metrics()
     board = scalars(tmp_path / "run" / "tensorboard")
@@ -48,8 +48,8 @@ def test_event_files_hold_the_metrics_of_every_step(tmp_path):
         assert sum(board[f"time/{c}"][step] for c in CATEGORIES) == pytest.approx(m["step_time_s"], rel=1e-5)
 
 
-def test_off_by_default(tmp_path):
-    run = run_train(1, [*TINY, "train.steps=2"], tmp_path / "run")
+def test_off_by_default(pools, tmp_path):
+    run = pools.run(1, [*TINY, "train.steps=2"], tmp_path / "run")
     assert_ok(run)
     assert not (tmp_path / "run" / "tensorboard").exists()
 
