@@ -31,6 +31,7 @@ from parallel.planner.report import layout_label
 from parallel.planner.timing import BUCKET_BYTES, _dp_exposed
 from parallel.planner.traffic import GroupTraffic, bytes_by_link, layout_traffic
 from parallel.planner.validate import per_step
+from parallel.report.summary import period_mean
 from parallel.run_plan import build_plan
 
 
@@ -190,13 +191,17 @@ def test_the_search_weighs_each_format_and_each_h_asked_for(base):
 
 
 def test_a_periodic_runs_step_and_bytes_are_measured_over_its_whole_periods():
-    """The validation compares DiLoCo's row (a sync spread over H steps) with the mean of the timed steps
-    in whole periods and the last period's mean bytes; every other run with its median step and last step."""
-    summary = {"expected_comm": {"period_steps": 3}, "warmup_steps": 1, "step_time_s": 1.0,
-               "step_times_s": [9.0, 1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 4.0],
+    """summary.json's step of a strategy that syncs once per period (DiLoCo's H) is the mean of the timed
+    steps in whole periods, and the validation compares the row with it and with the last period's mean
+    bytes; every other run with its median step and last step."""
+    timed = [1.0, 1.0, 1.0, 4.0, 1.0, 1.0, 4.0]  # after one warm-up step
+    assert period_mean(timed, 3) == 2.0  # the 6 last timed steps: two periods of 1 + 1 + 4
+    assert period_mean(timed[:2], 3) == 1.0  # less than one period timed: all of it
+    summary = {"expected_comm": {"period_steps": 3}, "warmup_steps": 1, "step_time_s": period_mean(timed, 3),
+               "step_times_s": [9.0, *timed],
                "comm": {"sent_bytes_per_step_exact": "30", "sent_bytes_by_step": [0, 0, 0, 30, 0, 0, 30, 0]}}
-    assert per_step(summary) == (2.0, Fraction(10))  # the 6 last timed steps: two periods of 1 + 1 + 4
-    summary["expected_comm"] = {}
+    assert per_step(summary) == (2.0, Fraction(10))
+    summary["expected_comm"], summary["step_time_s"] = {}, 1.0
     assert per_step(summary) == (1.0, Fraction(30))
 
 
