@@ -2,6 +2,7 @@
 
     python -m bench.lowprec_loss                                  # 300 steps of model=small, dp world 2
     python -m bench.lowprec_loss steps=20 model=tiny              # a quick look that it runs
+    python -m bench.lowprec_loss seed=7                           # another init and data order (train.seed)
 
 Every run is a `launch.train` run of the same config, seed and data (parallel=dp at world 2), that
 differs only in parallel.comm_dtype: fp32, bf16, int8 and fp8 (parallel/sync/lowprec.py). The
@@ -31,7 +32,7 @@ def tail_mean(losses: list[float]) -> float:
 
 def one_run(strategy: str, fmt: str, opts: dict, root: Path) -> dict:
     overrides = [f"model={opts['model']}", f"parallel={strategy}", f"parallel.comm_dtype={fmt}",
-                 f"train.steps={opts['steps']}", *RUN]
+                 f"train.steps={opts['steps']}", f"train.seed={opts['seed']}", *RUN]
     cmd = train_command(int(opts["world"]), overrides, root / f"{strategy}_{fmt}")
     print(f"# {shown(cmd)}", file=sys.stderr, flush=True)
     return run(cmd, root / f"{strategy}_{fmt}")
@@ -47,7 +48,8 @@ def row(strategy: str, fmt: str, summary: dict, reference: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    opts = options(argv, {"steps": "300", "model": "small", "world": "2", "strategies": "dp"})
+    opts = options(argv, {"steps": "300", "model": "small", "world": "2", "strategies": "dp",
+                            "seed": "1234"})
     print(f"{opts['steps']} steps of model={opts['model']} at world {opts['world']}; the loss is the mean of the "
           "last 10% of the steps; the gap is against the same strategy in fp32\n")
     print("| strategy | comm_dtype | bytes sent per rank per step | equal to the closed form | final loss | "
