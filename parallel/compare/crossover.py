@@ -84,7 +84,7 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
 def _draw_family(ax, colors, members: list[tuple[Network, list[dict]]], strategies: list[str], x_of,
                  f: int) -> None:
     """One line per strategy over the networks of family number `f`, in that family's style, with
-    each point's min-max over the rounds; the legend names each strategy once (family 0's line)."""
+    each point's min-max over the rounds; the legend names each strategy once (its first line)."""
     style, marker = STYLES[f % len(STYLES)], MARKERS[f % len(MARKERS)]
     for s, strategy in enumerate(strategies):
         points = []
@@ -97,7 +97,8 @@ def _draw_family(ax, colors, members: list[tuple[Network, list[dict]]], strategi
             continue
         points.sort()
         xs, ys = [p[0] for p in points], [p[1] for p in points]
-        ax.plot(xs, ys, linestyle=style, marker=marker, color=colors(s % 10), label=strategy if f == 0 else None)
+        named = strategy in ax.get_legend_handles_labels()[1]  # a strategy skipped in family 0 is named later
+        ax.plot(xs, ys, linestyle=style, marker=marker, color=colors(s % 10), label=None if named else strategy)
         for x, _, lo, hi in points:
             if lo is not None:
                 ax.plot([x, x], [lo, hi], color=colors(s % 10), linewidth=1, alpha=0.6)

@@ -67,13 +67,13 @@ def extra_columns(results, family_of, family_name, tokens: int | None) -> tuple[
 
 def loss_panel(ax, colors, results, family_of, family_name, strategies: list[str]) -> bool:
     """The right panel: each strategy's loss against its inter-node bytes per step (log scale), on the
-    first family of networks with counters. False where no network has them (nothing drawn)."""
+    family of networks with counters where the most strategies ran. False where none has them."""
     from matplotlib import ticker
 
     families = byte_families(results, family_of, family_name)
     if not families:
         return False
-    name, family_rows = families[0]
+    name, family_rows = max(families, key=lambda f: sum(bytes_cell(f[1], s) != "-" for s in strategies))
     for s, strategy in enumerate(strategies):
         row = next((r for rows in family_rows if (r := _ok(rows, strategy)) is not None), None)
         if row is None or not row.get("inter_wire_bytes_per_step") or row.get("final_loss") is None:
@@ -82,8 +82,10 @@ def loss_panel(ax, colors, results, family_of, family_name, strategies: list[str
         ax.scatter([x], [y], color=colors(s % 10), s=28, zorder=3)
         ax.annotate(strategy, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # the decades only: minor labels collide
-    ax.set_xlabel(f"inter-node MB per step, link counters ({name}; log scale)")
+    ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())  # 1, 2 and 5 of each decade: the others collide
+    ax.set_xlabel(f"inter-node MB/step, link counters ({name.split(',')[0]}; log)")
     ax.set_ylabel("final loss (same tokens for every run)")
     ax.set_title("What it costs: bytes and loss")
     return True
