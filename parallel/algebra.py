@@ -158,6 +158,8 @@ def kv_heads_in_all_to_all(kv_heads: int, cp: int) -> int:
 
 
 # -- the formats a collective carries (parallel.comm_dtype) ------------------------------------------
+# Written apart from parallel/sync/quantize.py, whose packed buffers the log counts: the closed form
+# must not read the code it checks.
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 1}
 SCALE_BLOCK, SCALE_BYTES = 256, 4  # int8 and fp8: one fp32 scale per block of 256 elements
 BLOCK_SCALED = ("int8", "fp8")

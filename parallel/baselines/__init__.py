@@ -129,7 +129,7 @@ ENTRIES = (
         name="torch_hsdp", description="PyTorch FSDP2 on a 2-D mesh (dp_replicate, dp_shard): HSDP (the baseline for "
                                        "hsdp)",
         build=_build_torch_hsdp, comm=theory.torch_hsdp_comm, local_parameters=algebra.tp_local_parameter_count,
-        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp, checkpoints=False,
+        dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp,
         tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations, tied_head=True,
     ),
     StrategySpec(

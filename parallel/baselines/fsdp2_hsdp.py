@@ -20,6 +20,7 @@ import torch.nn as nn
 from parallel.baselines.counting import RoutedAllReduce
 from parallel.baselines.fsdp2 import TorchFSDP2, _side_stream_call
 from parallel.dist.comm import Communicator
+from parallel.sync.pieces import first_replica_only
 
 MESH_DIMS = ("dp_replicate", "dp_shard")  # outermost first: the replicas of one shard are dp_shard ranks apart
 
@@ -43,6 +44,7 @@ class TorchHSDP(TorchFSDP2):
 
         super().__init__(model, mesh, shard, lr, weight_decay)
         self.loss_comm = dp
+        self.replicate = replicate
         self.routed = lambda: RoutedAllReduce(_fsdp_collectives, [replicate], "fsdp2/grad_all_reduce",
                                               _side_stream_call)
 
@@ -50,3 +52,7 @@ class TorchHSDP(TorchFSDP2):
         self.model.set_requires_all_reduce(last_microbatch)
         super().microbatch_context(last_microbatch)
         return self.routed()
+
+    def checkpoint_pieces(self):
+        """The shard group's dim-0 chunks, written by the first replica alone (the others hold the same)."""
+        return first_replica_only(super().checkpoint_pieces(), self.replicate.rank)

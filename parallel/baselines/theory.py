@@ -20,6 +20,7 @@ from parallel.algebra import (
 )
 from parallel.core.model import GPTConfig
 from parallel.layout import Layout
+from parallel.zero.hsdp_theory import hybrid_figure
 
 
 def fsdp2_group_padded_counts(model: GPTConfig, n: int) -> dict[str, int]:
@@ -87,17 +88,10 @@ def torch_hsdp_comm(model: GPTConfig, layout: Layout) -> dict:
     dp_shard ranks of the shard group, then, once per step (all-reduce asked for on the last
     microbatch only), each group's gradient shard all-reduced over the R = dp / dp_shard replicas:
     2(R-1)/R·Σ_groups padded/S·B per rank, on FSDP2's padded sizes for S."""
-    s, ranks = layout.dims.dp_shard, layout.dims.world_size
-    r = layout.dims.dp // s
-    shard_ops = fsdp2_per_rank(model, layout, s)
+    s = layout.dims.dp_shard
     padded_count = sum(fsdp2_group_padded_counts(model, s).values())
-    shard = padded_count * layout.dtype_bytes // s
-    replicate_sent = all_reduce_sent_per_rank(r, shard)
-    per_rank = {**shard_ops, "all_reduce": (shard, replicate_sent)}
-    by_group = {"dp_shard": sum((sent for _, sent in shard_ops.values()), Fraction(0)) * ranks,
-                "dp_replicate": replicate_sent * ranks}
-    return figure(all_ranks(per_rank, ranks), ranks, by_group=by_group,
-                  extra={"padded_parameters": padded_count, "gradient_shard_bytes": shard})
+    return hybrid_figure(fsdp2_per_rank(model, layout, s), padded_count * layout.dtype_bytes // s, layout,
+                         extra={"padded_parameters": padded_count})
 
 
 def torch_zero2_comm(model: GPTConfig, layout: Layout) -> dict:

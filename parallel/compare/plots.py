@@ -11,7 +11,7 @@ OURS, THEIRS = "#4C72B0", "#DD8452"
 OP_COLORS = {"all_reduce": "#1F77B4", "all_gather": "#2CA02C", "reduce_scatter": "#D62728", "send": "#9467BD",
              "broadcast": "#8C564B", "all_to_all": "#17BECF"}
 GROUP_COLORS = {"dp": "#FF7F0E", "tp": "#E377C2", "pp": "#BCBD22", "cp": "#7F7F7F", "ep": "#393B79",
-                "edp": "#AD494A", "dp_cp": "#637939", "dp_shard": "#FFBB78", "dp_replicate": "#8C6D31",
+                "edp": "#AD494A", "dp_cp": "#637939", "dp_shard": "#FFBB78", "dp_replicate": "#2CA02C",
                 "world": "#000000"}
 BREAKDOWN_COLORS = {"compute": "#4C72B0", "exposed_comm": "#C44E52", "bubble": "#DD8452", "optimizer": "#CCB974",
                     "other": "#AAAAAA"}

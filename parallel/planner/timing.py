@@ -22,10 +22,15 @@ collective latency + bytes / bandwidth on the link class it crosses (Thakur et a
 overlap    tp, cp and ep collectives block the forward or backward they sit in (half each).
            The dp group's gradient reductions overlap the backward they follow: bucketed dp and
            ZeRO-1 after the last microbatch (ZeRO-1 reduces once the schedule ends: none), ZeRO-2
-           and ZeRO-3 inside every microbatch's backward; the last bucket never overlaps. ZeRO's
-           parameter all-gathers are exposed. Pipeline sends: beside compute on a GPU (NCCL
-           streams), exposed only on the fill and drain path, 2·(v·p-1) messages; on gloo they
-           run on the sender's path, and the simulator plays them as such.
+           and ZeRO-3 inside every microbatch's backward; the last bucket never overlaps, and the
+           reductions of several such groups share that one window. ZeRO's parameter all-gathers
+           are exposed. A sync that waits for the step's backward and reductions hides behind
+           nothing (`GroupTraffic.after_step`): HSDP's all-reduce of the gradient shards over the
+           replicate group, posted once the shard group's reduce-scatters are in, and DiLoCo's
+           outer all-reduce, whose seconds are one sync's over H (`GroupTraffic.every`). Pipeline
+           sends: beside compute on a GPU (NCCL streams), exposed only on the fill and drain path,
+           2·(v·p-1) messages; on gloo they run on the sender's path, and the simulator plays them
+           as such.
 bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's forward and
            backward times (the slowest stage's, tp time included) and no send cost; the bubble is
            its makespan less the compute it holds.
@@ -45,9 +50,10 @@ ASSUMPTIONS = {
                "last stage); backward = 2 x forward; time = FLOPs / (peak x efficiency)",
     "collectives": "latency x algorithm steps + theory's ring bytes per rank / bandwidth x comm_efficiency, on the "
                    "link class crossed; hierarchical across nodes on GPUs, a ring (slowest edge) on gloo",
-    "overlap": "tp/cp/ep collectives block compute; dp all-reduce (bucketed), ZeRO-2/3 reduce-scatters and HSDP's "
-               "replicate all-reduce overlap backward, less the last bucket; ZeRO-1's reduction and every ZeRO "
-               "all-gather are exposed; DiLoCo's outer all-reduce is exposed, once per H steps; "
+    "overlap": "tp/cp/ep collectives block compute; dp all-reduce (bucketed) and ZeRO-2/3 reduce-scatters (HSDP's "
+               "shard group's too) overlap backward, less the last bucket; ZeRO-1's reduction, every ZeRO all-gather "
+               "and HSDP's replicate all-reduce (after the reduce-scatters) are exposed; DiLoCo's outer all-reduce is "
+               "exposed, once per H steps; "
                "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
     "bubble": "parallel/pp/simulator.py on the schedule's lists with the slowest stage's forward and backward times",
     "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets), kernel launch "

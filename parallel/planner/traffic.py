@@ -35,6 +35,9 @@ from parallel.planner.remedies import period_steps
 from parallel.spec import StrategySpec
 
 P2P_OPS = ("send", "recv")
+# Groups whose every byte waits for the step's backward and reductions: HSDP's replicate group all-reduces
+# the gradient shards once the shard group's reduce-scatters are in (parallel/zero/hsdp.py).
+AFTER_STEP = ("dp_replicate",)
 
 
 class NoTrafficFormula(ValueError):
@@ -129,7 +132,7 @@ def layout_traffic(spec: StrategySpec, shape: ModelShape, layout: Layout, zero: 
     dims, every, direct = layout.dims, period_steps(figure), all_to_all_bytes(figure, totals, factor)
     return {g: GroupTraffic(g, v, gathers.get(g, Fraction(0)),
                             group_span(dims, g, gpus_per_node, algorithm, chunks_per_rank(layout) if g == "pp" else 1),
-                            every, "period_steps" in figure, direct.get(g, Fraction(0)))
+                            every, "period_steps" in figure or g in AFTER_STEP, direct.get(g, Fraction(0)))
             for g, v in totals.items()}
 
 

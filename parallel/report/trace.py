@@ -35,7 +35,7 @@ PHASE_COLORS = {
 }
 # The pipeline's p2p group in the pipeline timeline's "waiting for a neighbour" orange.
 GROUP_COLORS = {"pp": PIPELINE_COLORS["wait"], "dp": "#C44E52", "tp": "#8C564B", "cp": "#17BECF", "ep": "#9467BD",
-                "edp": "#BCBD22", "dp_cp": "#E377C2", "dp_shard": "#FF9896", "dp_replicate": "#7B1F22",
+                "edp": "#BCBD22", "dp_cp": "#E377C2", "dp_shard": "#DD8452", "dp_replicate": "#55A868",
                 "world": "#333333"}
 OTHER_GROUP = "#7F7F7F"
 

@@ -60,10 +60,19 @@ def _finish(handle, then, async_op: bool):
 class LowPrecisionCollectives:
     """The all-reduce, reduce-scatter and all-gather of a group, carried in `fmt` (bf16, int8, fp8)."""
 
-    def __init__(self, comm: Communicator, fmt: str, error_feedback: bool = False):
+    def __init__(self, comm: Communicator, fmt: str, error_feedback: bool = False, meter=None):
         self.comm, self.fmt, self.error_feedback = comm, fmt, error_feedback
         self.size, self.rank = comm.size, comm.rank
         self.residuals: dict[tuple[str, str], torch.Tensor] = {}  # (tag, "sent" | "owned") -> residual
+        self.meter = meter  # ZeRO's MemoryMeter, which counts the wire copies while they live; or None
+
+    def _hold(self, *tensors: torch.Tensor):
+        """Count the wire copies `tensors` on the meter; returns what takes them off again."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if self.meter is None:
+            return lambda: None
+        self.meter.add(nbytes)
+        return lambda: self.meter.sub(nbytes)
 
     def _packed(self, x: torch.Tensor, tag: str, kind: str, pieces: int) -> torch.Tensor:
         """x (1-D fp32) packed as `pieces` equal chunks, with error feedback if on."""
@@ -87,17 +96,22 @@ class LowPrecisionCollectives:
         return total
 
     def _scatter_packed(self, full: torch.Tensor, tag: str):
-        """Post the quantized reduce-scatter of `full` (1-D, N equal chunks): (handle, received bytes)."""
+        """Post the quantized reduce-scatter of `full` (1-D, N equal chunks): (handle, received bytes,
+        what releases the two wire buffers)."""
         send = self._packed(full.float(), tag, "sent", self.size)
         received = torch.empty_like(send)
-        return self.comm.all_to_all_single(received, send, tag=tag, async_op=True), received
+        release = self._hold(send, received)
+        return self.comm.all_to_all_single(received, send, tag=tag, async_op=True), received, release
 
     def _gather_packed(self, shard: torch.Tensor, tag: str, kind: str | None = None) -> list[torch.Tensor]:
         """The quantized all-gather of `shard` (blocking): every rank's chunk, dequantized."""
         packed = self._packed(shard.float(), tag, kind, 1) if kind else pack(shard.float(), self.fmt)
         gathered = torch.empty(packed.numel() * self.size, dtype=torch.uint8, device=shard.device)
+        release = self._hold(packed, gathered)
         self.comm.all_gather_into(gathered, packed, tag=tag)
-        return self._unpacked(gathered, shard.numel())
+        values = self._unpacked(gathered, shard.numel())
+        release()
+        return values
 
     # -- the collectives ---------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, tag: str, async_op: bool = False):
@@ -110,10 +124,11 @@ class LowPrecisionCollectives:
         chunk = -(-numel // self.size)
         full = torch.zeros(chunk * self.size, dtype=torch.float32, device=tensor.device)
         full[:numel] = tensor.reshape(-1)
-        handle, received = self._scatter_packed(full, tag)
+        handle, received, release = self._scatter_packed(full, tag)
 
         def then():
             reduced = self._sum_received(received, chunk)
+            release()
             gathered = torch.cat(self._gather_packed(reduced, tag, "owned" if self.error_feedback else None))
             tensor.copy_(gathered[:numel].view_as(tensor))
 
@@ -124,17 +139,21 @@ class LowPrecisionCollectives:
         if self.fmt == "bf16":
             wire_in = full_in.to(torch.bfloat16).div_(self.size)
             wire_out = torch.empty(shard_out.shape, dtype=torch.bfloat16, device=shard_out.device)
+            release = self._hold(wire_in, wire_out)
             handle = self.comm.reduce_scatter(wire_out, wire_in, tag=tag, async_op=True)
-            return _finish(handle, lambda: shard_out.copy_(wire_out).mul_(self.size), async_op)
-        handle, received = self._scatter_packed(full_in.reshape(-1), tag)
-        return _finish(handle, lambda: shard_out.copy_(self._sum_received(received, shard_out.numel())), async_op)
+            return _finish(handle, lambda: (shard_out.copy_(wire_out).mul_(self.size), release()), async_op)
+        handle, received, release = self._scatter_packed(full_in.reshape(-1), tag)
+        return _finish(handle, lambda: (shard_out.copy_(self._sum_received(received, shard_out.numel())), release()),
+                       async_op)
 
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor, tag: str):
         """Every rank's `shard` concatenated into `output` (blocking: ZeRO-3 needs it at once)."""
         if self.fmt == "bf16":
-            wire = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device)
-            self.comm.all_gather_into(wire, shard.to(torch.bfloat16), tag=tag)
+            wire, mine = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device), shard.to(torch.bfloat16)
+            release = self._hold(wire, mine)
+            self.comm.all_gather_into(wire, mine, tag=tag)
             output.copy_(wire)
+            release()
             return None
         output.copy_(torch.cat(self._gather_packed(shard, tag)))
         return None
@@ -143,8 +162,8 @@ class LowPrecisionCollectives:
         self.comm.wait_all()
 
 
-def collectives(comm: Communicator | None, fmt: str, error_feedback: bool = False):
+def collectives(comm: Communicator | None, fmt: str, error_feedback: bool = False, meter=None):
     """The Communicator itself for fp32 (or no group), else its low-precision collectives."""
     if comm is None or fmt == "fp32":
         return comm
-    return LowPrecisionCollectives(comm, fmt, error_feedback and fmt in BLOCK_SCALED)
+    return LowPrecisionCollectives(comm, fmt, error_feedback and fmt in BLOCK_SCALED, meter)

@@ -80,3 +80,9 @@ def row_chunk_piece(key: str, shape: tuple[int, ...], local: torch.Tensor, rank:
     rows = -(-shape[0] // world)
     row_numel = math.prod(shape[1:])
     return [Piece(key, tuple(shape), rank * rows * row_numel, local.reshape(-1))]
+
+
+def first_replica_only(state: RankState, replica_rank: int) -> RankState:
+    """`state` on the first of the ranks that hold the same pieces (HSDP's replicate group), none on
+    the others: a sharded checkpoint must cover every tensor exactly once."""
+    return state if replica_rank == 0 else RankState([], state.optimizer_step, dict(state.aliases))

@@ -57,8 +57,8 @@ class ZeroOptimizer(GradSync):
         super().__init__([p for _, p in named_params if p.requires_grad])
         self.stage = stage
         self.comm = dp_comm
-        self.grad_comm = collectives(dp_comm, comm_dtype)  # the gradients' reduce-scatters, in comm_dtype
         self.meter = MemoryMeter()
+        self.grad_comm = collectives(dp_comm, comm_dtype, meter=self.meter)  # the gradients' reduce-scatters
         self.parts = group_into_parts(named_params, dp_comm.size, dp_comm.rank)
         # parameter -> (index of its part, its index in the part)
         self._where = {p: (k, i) for k, part in enumerate(self.parts) for i, p in enumerate(part.params)}

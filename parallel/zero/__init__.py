@@ -95,17 +95,16 @@ def _entry(stage: int, what: str, build) -> StrategySpec:
 
 def _build_hsdp(stage):
     def build(model, plan, ctx):
-        from parallel.zero.hsdp import build_hsdp
+        from parallel.zero.hsdp import HSDP, HSDPZero2
 
-        return build_hsdp(model, stage, ctx.comm("dp"), ctx.comm("dp_shard"), ctx.comm("dp_replicate"), plan.lr,
-                          plan.weight_decay)
+        return (HSDP if stage == 3 else HSDPZero2)(model, ctx.comm("dp"), ctx.comm("dp_shard"),
+                                                   ctx.comm("dp_replicate"), plan.lr, plan.weight_decay)
     return build
 
 
 def _hsdp_entry(stage: int) -> StrategySpec:
-    zero3 = _entry(3, "", _build_zero3)
-    return replace(
-        zero3 if stage == 3 else _entry(2, "", _build_zero(2)),
+    return replace(  # zero3's or zero2's entry (activations, recomputation, tied head, MoE), on two groups
+        _entry(stage, "", _build_zero3 if stage == 3 else _build_zero(stage)),
         name="hsdp" if stage == 3 else "hsdp_zero2",
         description=f"HSDP: ZeRO-{stage} over parallel.dp_shard ranks, gradient shards all-reduced across the "
                     "dp / dp_shard groups (docs/hsdp.md)",
@@ -113,8 +112,7 @@ def _hsdp_entry(stage: int) -> StrategySpec:
         model_state=lambda model, layout: hsdp_theory.hsdp_model_state_bytes(model, layout, stage),
         dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp,
         honours={},  # its collectives run in fp32: parallel.comm_dtype is refused (the zero entries' honour it)
-        # Each rank's shard of a checkpoint is its shard group's; the replicas' copies are not told apart yet.
-        checkpoints=False, counterpart="torch_hsdp" if stage == 3 else None,
+        counterpart="torch_hsdp" if stage == 3 else None,
     )
 
 

@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch.nn as nn
 
 from parallel.dist.comm import Communicator
-from parallel.strategy import GradSync, Strategy
+from parallel.strategy import GradSync
+from parallel.sync.pieces import first_replica_only
+from parallel.zero.strategy import ZeroDataParallel
+from parallel.zero.zero3 import Zero3
 
 
 class ReplicatedShards(GradSync):
@@ -42,8 +45,6 @@ class ReplicatedShards(GradSync):
 
     def finish(self) -> None:
         self.inner.finish()
-        if self.replicate.size == 1:
-            return  # dp_shard = dp: one shard group, nothing to sum across
         handles = [self.replicate.all_reduce(shard, tag=f"hsdp/grad_all_reduce/{part.name}", async_op=True)
                    for part, shard in zip(self.parts, self.shards)]
         for handle in handles:
@@ -56,20 +57,36 @@ class ReplicatedShards(GradSync):
         return self.inner.memory()
 
 
-def build_hsdp(model: nn.Module, stage: int, dp: Communicator, shard: Communicator, replicate: Communicator,
-               lr: float, weight_decay: float) -> Strategy:
-    """ZeRO stage 2 or 3 over `shard`, its gradient shards summed over `replicate`; the loss over all of `dp`."""
-    if stage == 3:
-        from parallel.zero.zero3 import Zero3
+class Hybrid:
+    """What `hsdp` and `hsdp_zero2` add to the ZeRO strategy they extend (Zero3 or ZeroDataParallel over
+    the shard group): the replicate all-reduce after its sync, the loss over all of dp, and a sharded
+    checkpoint written by the first replica of each shard alone (the others hold the same pieces)."""
 
-        strategy = Zero3(model, shard, lr, weight_decay)
-        parts, shards = strategy.parts, strategy.grad_shards
-    else:
-        from parallel.zero.strategy import ZeroDataParallel
+    def replicate_over(self, dp: Communicator, replicate: Communicator, parts: list, shards: list) -> None:
+        self.replicate = replicate
+        self.sync = ReplicatedShards(self.sync, parts, shards, replicate)
+        self.loss_comm = dp  # every dp rank has its own slice of the batch, whichever group it shards in
 
-        strategy = ZeroDataParallel(model, shard, stage, lr, weight_decay)
-        parts, shards = strategy.zero.parts, strategy.zero.grad_shards
-    strategy.sync = ReplicatedShards(strategy.sync, parts, shards, replicate)
-    strategy.loss_comm = dp  # every dp rank has its own slice of the batch, whichever group it shards in
-    strategy.name = "hsdp" if stage == 3 else f"hsdp_zero{stage}"
-    return strategy
+    def checkpoint_pieces(self):
+        return first_replica_only(super().checkpoint_pieces(), self.replicate.rank)
+
+
+class HSDP(Hybrid, Zero3):
+    """ZeRO-3 inside each shard group (`hsdp`)."""
+
+    name = "hsdp"
+
+    def __init__(self, model: nn.Module, dp: Communicator, shard: Communicator, replicate: Communicator,
+                 lr: float, weight_decay: float):
+        super().__init__(model, shard, lr, weight_decay)
+        self.replicate_over(dp, replicate, self.parts, self.grad_shards)
+
+
+class HSDPZero2(Hybrid, ZeroDataParallel):
+    """ZeRO-2 inside each shard group (`hsdp_zero2`)."""
+
+    def __init__(self, model: nn.Module, dp: Communicator, shard: Communicator, replicate: Communicator,
+                 lr: float, weight_decay: float):
+        super().__init__(model, shard, 2, lr, weight_decay)
+        self.name = "hsdp_zero2"
+        self.replicate_over(dp, replicate, self.zero.parts, self.zero.grad_shards)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from parallel.algebra import all_reduce_sent_per_rank, figure, zero_padded_parameter_count
+from parallel.algebra import all_ranks, all_reduce_sent_per_rank, figure, zero_padded_parameter_count
 from parallel.core.model import GPTConfig
 from parallel.layout import Layout
 from parallel.zero.theory import zero_per_rank, zero_state_over
@@ -37,16 +37,23 @@ def gradient_shard_bytes(model: GPTConfig, layout: Layout) -> int:
 def hsdp_comm(model: GPTConfig, layout: Layout, stage: int) -> dict:
     """Every rank alike: ZeRO stage `stage` over its shard group, then one all-reduce of its gradient
     shard over its replicate group; bytes by op and by group, summed over all ranks."""
-    s, r, ranks = layout.dims.dp_shard, layout.dims.dp // layout.dims.dp_shard, layout.dims.world_size
-    shard_ops = zero_per_rank(model, layout, stage, s)
-    shard = gradient_shard_bytes(model, layout)
-    replicate_sent = all_reduce_sent_per_rank(r, shard)
-    per_rank = {**shard_ops, **({"all_reduce": (shard, replicate_sent)} if r > 1 else {})}
+    s = layout.dims.dp_shard
+    return hybrid_figure(zero_per_rank(model, layout, stage, s), gradient_shard_bytes(model, layout), layout,
+                         extra={"padded_parameters": zero_padded_parameter_count(model, s)})
+
+
+def hybrid_figure(shard_ops: dict[str, tuple[int, Fraction]], gradient_shard: int, layout: Layout,
+                  extra: dict) -> dict:
+    """The expected_comm block of any HSDP: `shard_ops` (payload, sent per op of one rank in its shard
+    group), then a ring all-reduce of `gradient_shard` bytes over the R = dp / dp_shard replicas,
+    2(R-1)/R of it per rank; by op and by group (SHARD_GROUP, REPLICATE_GROUP), summed over all ranks."""
+    ranks = layout.dims.world_size
+    replicate_sent = all_reduce_sent_per_rank(layout.dims.dp // layout.dims.dp_shard, gradient_shard)
+    per_rank = {**shard_ops, "all_reduce": (gradient_shard, replicate_sent)}
     by_group = {SHARD_GROUP: sum((sent for _, sent in shard_ops.values()), Fraction(0)) * ranks,
                 REPLICATE_GROUP: replicate_sent * ranks}
-    totals = {op: (payload * ranks, sent * ranks) for op, (payload, sent) in per_rank.items()}
-    return figure(totals, ranks, by_group=by_group,
-                  extra={"padded_parameters": zero_padded_parameter_count(model, s), "gradient_shard_bytes": shard})
+    return figure(all_ranks(per_rank, ranks), ranks, by_group=by_group,
+                  extra={**extra, "gradient_shard_bytes": gradient_shard})
 
 
 def hsdp_model_state_bytes(model: GPTConfig, layout: Layout, stage: int) -> dict:

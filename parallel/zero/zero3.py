@@ -61,8 +61,8 @@ class Zero3(Strategy):
     def __init__(self, model: nn.Module, dp_comm: Communicator, lr: float, weight_decay: float,
                  comm_dtype: str = "fp32"):
         self.comm = dp_comm
-        self.wire = collectives(dp_comm, comm_dtype)  # gathers and reduce-scatters in comm_dtype
         self.meter = MemoryMeter()
+        self.wire = collectives(dp_comm, comm_dtype, meter=self.meter)  # gathers and reduce-scatters in comm_dtype
         self.parts: list[Part] = group_into_parts(list(model.named_parameters()), dp_comm.size, dp_comm.rank)
         assert [p.name for p in self.parts] == part_names(len(model.blocks)), [p.name for p in self.parts]
         # parameter -> (index of its part, its index in the part)

@@ -48,13 +48,14 @@ fsdp2.GATHER_BUCKET_BYTES = 64 * 2**10
 # Every strategy, ours and PyTorch's, at world 4 (single in one process of its own).
 PRESETS = [
     ("single", []), ("dp", []), ("dp_naive", []), ("zero1", []), ("zero2", []), ("zero3", []),
-    ("tp", []), ("tp_sp", []), ("pp_gpipe", []), ("pp_1f1b", ["parallel.dp=2"]), ("pp_interleaved", ["parallel.dp=2"]),
+    ("hsdp", []), ("hsdp_zero2", []), ("tp", []), ("tp_sp", []), ("pp_gpipe", []), ("pp_1f1b", ["parallel.dp=2"]),
+    ("pp_interleaved", ["parallel.dp=2"]),
     ("pp_zbh1", ["parallel.dp=2", "parallel.zero=2"]), ("pp_zbv", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("pp_dualpipev", ["parallel.dp=2", "parallel.microbatches=4"]),
     ("3d", ["parallel.microbatches=2"]), ("cp", []), ("cp_a2a", ["parallel.cp=4", "parallel.zero=1"]),
-    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []), ("torch_zero1", []), ("torch_zero2", []),
-    ("torch_tp", []), ("torch_pp_gpipe", []), ("torch_pp_1f1b", []), ("torch_pp_interleaved", []),
-    ("torch_pp_zbv", []), ("torch_pp_dualpipev", []), ("torch_pp_interleaved_zb", []),
+    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []), ("torch_hsdp", []), ("torch_zero1", []),
+    ("torch_zero2", []), ("torch_tp", []), ("torch_pp_gpipe", []), ("torch_pp_1f1b", []),
+    ("torch_pp_interleaved", []), ("torch_pp_zbv", []), ("torch_pp_dualpipev", []), ("torch_pp_interleaved_zb", []),
 ]
 # Eight layers, so that torch's interleaved schedule has 4 ranks x 2 chunks to cut.
 COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_bytes=1000000", "train.steps=6",
@@ -62,18 +63,19 @@ COMMON = ["model=tiny", "model.n_layers=8", "train.global_batch=16", "data.max_b
 # A mixture of experts: every strategy whose registry entry trains one (the others refuse it).
 MOE_PRESETS = [
     ("single", []), ("ep", []), ("ep", ["parallel.ep=2"]), ("dp", []), ("zero1", []), ("zero2", []), ("zero3", []),
-    ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []), ("torch_zero1", []), ("torch_zero2", []),
+    ("hsdp", []), ("hsdp_zero2", []), ("torch_ddp", []), ("accelerate_ddp", []), ("torch_fsdp2", []),
+    ("torch_hsdp", []), ("torch_zero1", []), ("torch_zero2", []),
 ]
 MOE_COMMON = ["model=tiny_moe", *COMMON[2:]]
 # Llama's block (GQA, SwiGLU, RMSNorm, RoPE, no biases): the strategies that cut it in other places
 # than a dense GPT-2's (ZeRO's parts, FSDP2's groups, pipeline stages; tp and cp where they train it).
 LLAMA_PRESETS = [("single", []), ("zero3", []), ("pp_1f1b", ["parallel.dp=2"]), ("torch_fsdp2", []),
-                 ("pp_zbv", ["parallel.dp=2"]), ("torch_pp_1f1b", []), ("dp", [])]
+                 ("pp_zbv", ["parallel.dp=2"]), ("torch_pp_1f1b", []), ("hsdp", []), ("dp", [])]
 LLAMA_COMMON = ["model=tiny_llama", *COMMON[2:]]
 # A head tied to the token table, over the strategies that train one: the checkpoint names the shared
 # table twice (embed.tok.weight and head.out.weight), as the single model's state_dict does.
 TIED_PRESETS = [("single", []), ("zero1", []), ("zero2", []), ("torch_fsdp2", []), ("torch_zero1", []),
-                ("torch_zero2", []), ("dp", [])]
+                ("torch_zero2", []), ("hsdp_zero2", []), ("torch_hsdp", []), ("dp", [])]
 TIED_COMMON = [*LLAMA_COMMON, "model.tied_head=true"]
 SAVE_AT, STEPS = 3, 6
 

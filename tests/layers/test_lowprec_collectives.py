@@ -8,6 +8,7 @@ states for it. One spawn checks, for bf16, int8 and fp8:
   * the bound is not vacuous: the error reaches a tenth of it somewhere;
   * every rank holds the same all-reduced values (the chunk's owner too);
   * the bytes the log records are the closed form: algebra.wire_bytes per chunk, scales counted;
+  * ZeRO's memory meter counts the wire copies while they live, and none is left after;
   * error feedback: the mean of 8 int8 all-reduces of the same gradients is 4x closer to the exact
     sum than one is (the residual is carried to the next call);
 and that fp32 is no wrapper at all: `collectives` hands back the Communicator itself.
@@ -22,6 +23,7 @@ from parallel.algebra import wire_bytes
 from parallel.dist.comm import CommLog, Communicator
 from parallel.sync.lowprec import collectives
 from parallel.sync.quantize import all_reduce_error_bound, chunked_error_bound, sum_error_bound
+from parallel.sync.shards import MemoryMeter
 
 WORLD, ODD, EVEN = 4, 1001, 1200  # an all-reduce length N does not divide, a reduce-scatter's that it does
 FORMATS = ("bf16", "int8", "fp8")
@@ -47,7 +49,8 @@ def _bytes(log: CommLog, op: str, tag: str) -> int:
 
 
 def _check_format(fmt: str, comm: Communicator, log: CommLog, rank: int) -> dict:
-    wire = collectives(comm, fmt, error_feedback=True)
+    meter = MemoryMeter()
+    wire = collectives(comm, fmt, error_feedback=True, meter=meter)
     inputs = [_input(r, ODD) for r in range(WORLD)]
     magnitudes = sum(x.abs() for x in inputs)
     fp32 = inputs[rank].clone()
@@ -77,6 +80,7 @@ def _check_format(fmt: str, comm: Communicator, log: CommLog, rank: int) -> dict
                                                                                         "all_gather")),
                     "reduce_scatter": _bytes(log, scattered, f"{fmt}/reduce_scatter"),
                     "all_gather": _bytes(log, "all_gather", f"{fmt}/all_gather")}
+    out["meter"] = [meter.current, meter.peak]
     return out
 
 
@@ -120,6 +124,10 @@ def test_lossy_collectives_stay_within_their_bounds_and_send_the_closed_form():
                             "reduce_scatter": WORLD * wire_bytes(fmt, EVEN // WORLD),
                             "all_gather": WORLD * wire_bytes(fmt, EVEN // WORLD)}
             assert r[fmt]["bytes"] == expected, (fmt, rank)
+            # ZeRO's meter holds the wire copies while they live: at most the reduce-scatter's two
+            # (bf16: its input and output; int8/fp8: the bytes sent and received), none after.
+            two_copies = 2 * EVEN + 2 * EVEN // WORLD if fmt == "bf16" else 2 * WORLD * wire_bytes(fmt, EVEN // WORLD)
+            assert r[fmt]["meter"] == [0, two_copies], (fmt, rank)
     # Written out: an int8 chunk of 251 elements is 251 bytes and one 4-byte scale; one of 300, two.
     assert wire_bytes("int8", chunk) == 251 + 4 and wire_bytes("fp8", EVEN // WORLD) == 300 + 2 * 4
     for r in results:

@@ -16,7 +16,7 @@ The tiny model's parts are multiples of 64 elements: Ψ_S = Ψ for S = 2, no pad
 from fractions import Fraction
 
 import pytest
-from launcher import TINY, TINY_LLAMA, Run, assert_ok, check_matches_single, run_train
+from launcher import TINY, TINY_LLAMA, Run, assert_ok, check_matches_single, max_rel_diff, run_train
 from test_zero import PARTS, L, padded_psi
 
 from parallel.compare.pool import Pool, pools_supported
@@ -27,10 +27,21 @@ S, R = 2, 2
 CASES = [("hsdp", "tiny_llama", 2), ("hsdp_zero2", "tiny", 2), ("torch_hsdp", "tiny", 2)]
 
 
-def _config(preset: str, model: str, microbatches: int) -> list[str]:
+# The ZeRO-3 case also saves a sharded checkpoint after step 3 (saving changes no bit of the run); RESUMED
+# loads it under ZeRO-2 and trains steps 3..5: each shard written once, by the first replica that holds it.
+SAVES = ["train.checkpoint_every=3", "train.checkpoint_sharded=true"]
+RESUMED = ("hsdp_zero2", "tiny_llama", 1)
+
+
+def _config(preset: str, model: str, microbatches: int, root=None) -> list[str]:
     base = TINY_LLAMA if model == "tiny_llama" else TINY
-    return [*base, f"parallel={preset}", f"parallel.dp_shard={S}", f"parallel.microbatches={microbatches}",
-            "train.save_final=true"]
+    config = [*base, f"parallel={preset}", f"parallel.dp_shard={S}", f"parallel.microbatches={microbatches}",
+              "train.save_final=true"]
+    if (preset, model, microbatches) == CASES[0]:
+        config += SAVES
+    if (preset, model, microbatches) == RESUMED:
+        config += [f"train.resume={root / _key(*CASES[0]) / 'checkpoints' / 'step_000003'}"]
+    return config
 
 
 def _key(preset: str, model: str, microbatches: int) -> str:
@@ -41,17 +52,18 @@ def _key(preset: str, model: str, microbatches: int) -> str:
 def runs(tmp_path_factory) -> dict[str, Run]:
     """Every case's run, from one pool of 4 ranks where pools work (imports paid once)."""
     root = tmp_path_factory.mktemp("hsdp")
+    cases = [*CASES, RESUMED]
     if not pools_supported():
-        return {_key(*case): run_train(4, _config(*case), root / _key(*case)) for case in CASES}
+        return {_key(*case): run_train(4, _config(*case, root), root / _key(*case)) for case in cases}
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")  # the pool's ranks inherit this environment: gloo on the CPU
         with Pool(4) as pool:
-            for case in CASES:
+            for case in cases:
                 key = _key(*case)
-                status, error, _ = pool.run(["launch.train", case[0]], [*_config(*case), f"run.dir={root / key}"],
-                                            root / key, 240)
+                status, error, _ = pool.run(["launch.train", case[0]],
+                                            [*_config(*case, root), f"run.dir={root / key}"], root / key, 240)
                 assert (status, error) == ("ok", ""), (key, error)
-    return {_key(*case): Run(0, "", "", root / _key(*case)) for case in CASES}
+    return {_key(*case): Run(0, "", "", root / _key(*case)) for case in cases}
 
 
 def expected_per_rank(preset: str, model: str, m: int) -> dict[str, Fraction]:
@@ -95,3 +107,11 @@ def test_hsdp_matches_single_and_the_bytes_per_group(preset, model, microbatches
         for row in memory["by_rank"]:
             assert (row["param_bytes"], row["grad_bytes"], row["optimizer_bytes"]) == (params, 4 * psi // S,
                                                                                        8 * psi // S), row
+
+
+def test_hsdp_sharded_checkpoint_resumes_under_zero2(runs, single_run_llama):
+    """Saved by ZeRO-3 in shard groups of 2 (the second replica writes no piece: a tensor covered twice
+    is refused on loading), loaded by hsdp_zero2: the resumed steps are the single run's."""
+    s = assert_ok(runs[_key(*RESUMED)])
+    assert s["strategy"] == "hsdp_zero2" and s["first_step"] == 3
+    assert max_rel_diff(s["losses"], single_run_llama.summary["losses"][3:]) < 1e-5

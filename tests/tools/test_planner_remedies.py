@@ -35,24 +35,28 @@ from parallel.run_plan import build_plan
 
 
 # -- the time rules, on traffic given by hand ----------------------------------------------------------------
-def _group(name: str, total: float, gathers: float = 0, size: int = 4, every: int = 1) -> GroupTraffic:
+def _group(name: str, total: float, gathers: float = 0, size: int = 4, every: int = 1,
+           after: bool = False) -> GroupTraffic:
     span = group_span(ParallelDims(size, size), "dp", size, "ring")
-    return GroupTraffic(name, Fraction(total), Fraction(gathers), span, every, after_step=every > 1)
+    return GroupTraffic(name, Fraction(total), Fraction(gathers), span, every, after_step=after or every > 1)
 
 
-def test_the_data_parallel_groups_share_one_backward_window_and_a_periodic_sync_hides_nowhere():
-    """HSDP's shard and replicate reductions follow one another in the same backward: their sum, not each
-    alone, is set against it. A sync every H steps (DiLoCo's outer all-reduce) is exposed whole."""
+def test_reductions_share_one_backward_window_and_a_sync_after_the_step_hides_nowhere():
+    """Two groups' reductions in one backward (dp and the experts' edp) are set together against it,
+    not each alone. A sync that waits for the step (HSDP's replicate all-reduce, DiLoCo's outer one
+    every H steps) is exposed whole; so are ZeRO's gathers."""
     world, per_rank = 4, 1e8
-    shard = _group("dp_shard", 2 * per_rank * world, gathers=per_rank * world)
-    replicate = _group("dp_replicate", per_rank / 2 * world)
-    seconds = {"dp_shard": 0.8, "dp_replicate": 0.2}  # the shard group's: half gathers, half reduce-scatters
-    traffic = {"dp_shard": shard, "dp_replicate": replicate}
+    traffic = {"dp": _group("dp", 2 * per_rank * world, gathers=per_rank * world),
+               "edp": _group("edp", per_rank / 2 * world)}
+    seconds = {"dp": 0.8, "edp": 0.2}  # dp's: half gathers, half reduce-scatters
     # Reductions 0.4 + 0.2 s against a 0.3 s backward: 0.3 s shows, plus the 0.4 s of gathers.
     assert _dp_exposed(traffic, seconds, 3, None, 0.3, world) == pytest.approx(0.4 + 0.3)
     # A long backward hides them but for the last bucket of the larger: 25 MiB of its 100 MB per rank.
     last = 0.4 * BUCKET_BYTES / per_rank
     assert _dp_exposed(traffic, seconds, 3, None, 10.0, world) == pytest.approx(0.4 + last)
+    hsdp = {"dp_shard": traffic["dp"], "dp_replicate": _group("dp_replicate", per_rank / 2 * world, after=True)}
+    assert _dp_exposed(hsdp, {"dp_shard": 0.8, "dp_replicate": 0.2}, 3, None, 10.0, world) == pytest.approx(
+        0.4 + last + 0.2)
     outer = {"dp": _group("dp", per_rank, every=10)}
     assert _dp_exposed(outer, {"dp": 0.03}, 0, "bucketed", 10.0, world) == pytest.approx(0.03)
 
@@ -105,6 +109,8 @@ def test_hybrid_sharding_keeps_its_shard_group_in_a_node_and_sends_only_the_shar
         # The shard group's all-gathers are ZeRO's parameters (exposed); the replicate group gathers nothing.
         assert traffic["dp_shard"].gathers == Fraction(figure["by_op"]["all_gather"]["sent_bytes_exact"])
         assert traffic["dp_replicate"].gathers == 0
+        # The replicate all-reduce waits for the step's reduce-scatters: it hides behind nothing.
+        assert traffic["dp_replicate"].after_step and not traffic["dp_shard"].after_step
     # ZeRO-3 over all 8 sends its gathers and scatters across; HSDP one shard's all-reduce.
     _, zplan, _, zero3 = _planned(base, model, 8, 4, name="zero3", microbatches=2)
     assert bytes_by_link(zero3)["inter_node"] > 4 * links["inter_node"]

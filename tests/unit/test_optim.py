@@ -2,18 +2,25 @@ import pytest
 import torch
 
 from parallel.core.model import GPT, GPTConfig, token_loss_sum
-from parallel.core.optim import AdamW
+from parallel.core.optim import SGD, AdamW
 from parallel.strategy import make_optimizer
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adamw_equals_torch_adamw_step_by_step(weight_decay):
+def _pair(kind: str, weight_decay: float, ours_params, ref_params):
+    """Ours and torch's optimizer of one kind (torch's SGD decays as L2, not decoupled: compared without decay)."""
+    if kind == "sgd":
+        return (SGD([{"params": ours_params, "weight_decay": 0.0}], lr=1e-2),
+                torch.optim.SGD(ref_params, lr=1e-2, foreach=False))
+    return (AdamW([{"params": ours_params, "weight_decay": weight_decay}], lr=1e-2, betas=(0.9, 0.95), eps=1e-8),
+            torch.optim.AdamW(ref_params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay,
+                              foreach=False))
+
+
+@pytest.mark.parametrize("kind,weight_decay", [("adamw", 0.0), ("adamw", 0.1), ("sgd", 0.0)])
+def test_ours_equal_torchs_step_by_step(kind, weight_decay):
     cfg = GPTConfig(seq_len=16, n_layers=2, d_model=32, n_heads=2)
     ours_model, ref_model = GPT(cfg, seed=1), GPT(cfg, seed=1)
-    ours = AdamW([{"params": ours_model.parameters(), "weight_decay": weight_decay}], lr=1e-2, betas=(0.9, 0.95),
-                 eps=1e-8)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=weight_decay, foreach=False)
+    ours, ref = _pair(kind, weight_decay, ours_model.parameters(), ref_model.parameters())
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
         idx = torch.randint(0, 256, (4, 16), generator=gen)
