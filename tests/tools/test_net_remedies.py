@@ -10,7 +10,7 @@ bytes only, read off the kernel's link counters and the communication log; nothi
   3% the other net tests allow for TCP's framing.
 
 HSDP's inter-node bytes on the emulated links are test_net.py's `hsdp-2x2` case. Cost: 2 jobs on
-2 nodes x 1 rank (4 processes of torch each), ~15-30 s each on 2 cores.
+2 nodes x 1 rank (4 processes of torch each), 6-7 s each on 2 idle cores (14-30 s under load).
 """
 
 from launcher import TINY
