@@ -13,7 +13,9 @@ the sweep then reads that run's summary.json. On net=none the runs of one world 
 pool of ranks started once (one torchrun of launch.forkserver, plain python for `single`:
 parallel/compare/pool.py), each still a process of its own with process groups of its own;
 `compare.pool=false` starts a fresh torchrun per run instead. A strategy that fails or times out
-gets a row with its error; the sweep goes on. The runs draw no timeline (run.timeline=false): the
+gets a row with its error; the sweep goes on. One that cannot be itself on a network (HSDP without two
+shard groups inside nodes) is skipped, its row says why; DiLoCo without a sync in the timed steps is
+refused before anything runs (parallel/compare/fits.py). The runs draw no timeline (run.timeline=false): the
 sweep draws those its report shows, from their trace.json.
 With `compare.rounds=N` the sweep runs N times, its order rotated each round with each of ours
 beside its PyTorch counterpart (run dirs <sweep dir>/round<k>/<strategy>), and each row holds the
@@ -56,6 +58,7 @@ from parallel.compare.clock import leading_clock, one_thread_per_rank
 from parallel.compare.clock import sentence as clock_sentence
 from parallel.compare.crossover import console_lines, write_all
 from parallel.compare.devices import Machine, sweep_machine
+from parallel.compare.fits import finish, preset, refuse_short_runs, skip_reason
 from parallel.compare.networks import (
     Network,
     NetworkRefused,
@@ -214,6 +217,9 @@ def run_strategy(cfg: DictConfig, network: Network, strategy: str, world: int, r
     missing = missing_preset(strategy)
     if missing:
         return "failed", missing, 0.0
+    skipped = skip_reason(preset(strategy, list(cfg.compare.overrides)), network, world)
+    if skipped:  # hybrid sharding where it cannot be itself (parallel/compare/fits.py)
+        return "skipped", skipped, 0.0
     overrides = [*common, f"run.dir={run_dir}", *tensorboard_override(cfg, sweep_dir, run_dir)]
     cmd = run_command_on(network, strategy, world, overrides)
     if pools is not None and not network.emulated:
@@ -333,6 +339,7 @@ def sweep(cfg: DictConfig) -> None:
         sys.exit(2)
     try:
         networks = networks_of(cfg)
+        refuse_short_runs(list(c.strategies), list(c.overrides), cfg.train.steps, cfg.train.warmup_steps)
     except NetworkRefused as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -373,14 +380,7 @@ def sweep(cfg: DictConfig) -> None:
         write_all(sweep_dir, meta, results)
         print("\n" + "\n".join(console_lines([(n, rows) for n, rows, _ in results])))
         print(f"report across the networks: {sweep_dir / 'report.md'} (crossover.png, results.csv, results.json)")
-    failed = [f"{r['strategy']}{f' on {n.label}' if multi else ''}" for n, rows, _ in results for r in rows
-              if r["status"] != "ok"]
-    total = sum(len(rows) for _, rows, _ in results)
-    if failed or total == 0:
-        # Everything that ran is written above; the exit status says the sweep is not whole.
-        print(f"error: {len(failed)} of {total} {'runs' if multi else 'strategies'} did not run: "
-              f"{', '.join(failed) or 'compare.strategies is empty'}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    finish(results, multi)  # what was skipped and why; exit 1 where a run failed
 
 
 def main() -> None:

@@ -1,8 +1,10 @@
 """The sweep once per network (`compare.nets`): one table, one plot, one report across networks.
 
     results.csv / results.json   every row of every network (its `network` column says which)
-    crossover.png                tokens/s per strategy against the inter-node bandwidth
-    report.md                    the tokens/s table (strategy x network), the plot, and per network the
+    crossover.png                tokens/s per strategy against the inter-node bandwidth; beside it, each
+                                 strategy's final loss against its inter-node bytes per step (tradeoff.py)
+    report.md                    the tokens/s table (strategy x network, then the bytes per step on each
+                                 class of link and the loss after the sweep's tokens), the plot, and per network the
                                  best layout and what the others wait on (networks.network_verdict);
                                  each network's own full report is in <network>/report.md
 
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from parallel.compare.networks import Network, best_layout, network_verdict
 from parallel.compare.report import write_csv, write_json
+from parallel.compare.tradeoff import extra_columns, loss_panel
 
 STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D"]
@@ -58,7 +61,9 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
     alone = {r["strategy"] for _, rows in results for r in rows if (r.get("world") or 1) == 1}
     strategies = [s for s in dict.fromkeys(r["strategy"] for _, rows in results for r in rows) if s not in alone]
     families = list(dict.fromkeys(_family(n) for n, _ in results if n.emulated)) or [()]
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    if not loss_panel(right, plt.get_cmap("tab10"), results, _family, _family_name, strategies):
+        right.remove()  # no link counters (net=none alone): the throughput panel only
     for f, family in enumerate(families):
         # Each family's networks, and the unshaped loopback of the same world (its right end).
         members = [(n, rows) for n, rows in results
@@ -72,14 +77,14 @@ def crossover_plot(results: list[tuple[Network, list[dict]]], path: Path) -> Non
                        label=f"{strategy} (one process, no links)")
     _label_axes(ax, plt, results, finite, unshaped_x, families)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    fig.savefig(path, dpi=72)
     plt.close(fig)
 
 
 def _draw_family(ax, colors, members: list[tuple[Network, list[dict]]], strategies: list[str], x_of,
                  f: int) -> None:
     """One line per strategy over the networks of family number `f`, in that family's style, with
-    each point's min-max over the rounds; the legend names each strategy once (family 0's line)."""
+    each point's min-max over the rounds; the legend names each strategy once (its first line)."""
     style, marker = STYLES[f % len(STYLES)], MARKERS[f % len(MARKERS)]
     for s, strategy in enumerate(strategies):
         points = []
@@ -92,7 +97,8 @@ def _draw_family(ax, colors, members: list[tuple[Network, list[dict]]], strategi
             continue
         points.sort()
         xs, ys = [p[0] for p in points], [p[1] for p in points]
-        ax.plot(xs, ys, linestyle=style, marker=marker, color=colors(s % 10), label=strategy if f == 0 else None)
+        named = strategy in ax.get_legend_handles_labels()[1]  # a strategy skipped in family 0 is named later
+        ax.plot(xs, ys, linestyle=style, marker=marker, color=colors(s % 10), label=None if named else strategy)
         for x, _, lo, hi in points:
             if lo is not None:
                 ax.plot([x, x], [lo, hi], color=colors(s % 10), linewidth=1, alpha=0.6)
@@ -122,12 +128,14 @@ def _label_axes(ax, plt, results: list[tuple[Network, list[dict]]], finite: list
     ax.legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
 
 
-def tokens_table(results: list[tuple[Network, list[dict]]]) -> str:
-    """Markdown: one row per strategy, one column per network, tokens/s (with rounds: median and min-max);
-    the fastest of each network in bold."""
+def tokens_table(results: list[tuple[Network, list[dict]]], tokens: int | None = None) -> str:
+    """Markdown: one row per strategy, one column per network, tokens/s (with rounds: median and min-max)
+    in the leading clock with the other beside it; the fastest of each network in bold. Then the bytes
+    per step on each class of link per family of networks, and the loss after `tokens` (tradeoff.py)."""
     strategies = list(dict.fromkeys(r["strategy"] for _, rows in results for r in rows))
-    head = "| strategy | " + " | ".join(n.label for n, _ in results) + " |"
-    lines = [head, "| --- |" + " ---: |" * len(results)]
+    extra_heads, extra = extra_columns(results, _family, _family_name, tokens)
+    head = "| strategy | " + " | ".join([n.label for n, _ in results] + extra_heads) + " |"
+    lines = [head, "| --- |" + " ---: |" * (len(results) + len(extra_heads))]
     best = {}
     for network, rows in results:
         ok = [r for r in rows if r["status"] == "ok" and r.get("tokens_per_s")]
@@ -145,11 +153,14 @@ def tokens_table(results: list[tuple[Network, list[dict]]]) -> str:
             text = f"**{text}**" if best[network.label] == strategy else text
             if row.get("clock") == "virtual" and row.get("wall_tokens_per_s"):
                 text += f" / {row['wall_tokens_per_s']:.0f} wall"  # the other clock beside the leading one
+            elif row.get("clock") == "wall" and row.get("virtual_tokens_per_s") and row.get("world", 1) > 1:
+                text += f" wall / {row['virtual_tokens_per_s']:.0f} virtual"
             cells.append(text)
-        lines.append(f"| {strategy} | " + " | ".join(cells) + " |")
+        lines.append(f"| {strategy} | " + " | ".join(cells + extra.get(strategy, [])) + " |")
     clocks = {r.get("clock") for _, rows in results for r in rows if r["status"] == "ok"}
     if "virtual" in clocks:
-        lines.append("\ntokens/s in virtual time (a device per rank), the wall clock's beside it")
+        lines.append("\ntokens/s in virtual time (a device per rank), the wall clock's beside it "
+                     "(where a network has a core per rank, the wall clock leads and virtual time is beside it)")
     return "\n".join(lines)
 
 
@@ -162,6 +173,12 @@ def console_lines(results: list[tuple[Network, list[dict]]]) -> list[str]:
         ranking = ", ".join(f"{r['strategy']} {r['tokens_per_s']:.0f}" for r in ok) or "nothing ran"
         out.append(f"{network.label}: {ranking} tokens/s")
     return out
+
+
+def _tokens_run(meta: dict, rows: list[dict]) -> int | None:
+    """The tokens every run trained on: the steps x the global tokens per step (the same for all)."""
+    per_step = next((r["tokens_per_step"] for r in rows if r.get("tokens_per_step")), None)
+    return None if per_step is None else int(meta["steps"]) * int(per_step)
 
 
 def write_all(sweep_dir: Path, meta: dict, results: list[tuple[Network, list[dict], dict[str, dict]]]) -> None:
@@ -180,7 +197,7 @@ def write_all(sweep_dir: Path, meta: dict, results: list[tuple[Network, list[dic
         f"device ({meta['peak_source']}); torch {meta['torch']}; {meta['device']}"
         + (f"; {rounds} rounds per network (tokens/s: median, and min-max in brackets)" if rounds > 1 else "") + ".\n",
         "## Tokens/s per strategy and network (the fastest in bold)\n",
-        tokens_table(pairs) + "\n",
+        tokens_table(pairs, _tokens_run(meta, rows)) + "\n",
         "![tokens/s against the inter-node bandwidth](crossover.png)\n",
         "## Per network: the best layout, and what the others wait on\n",
         "Time per step (ms, the median step's breakdown, mean over ranks), bytes per step crossing each class "

@@ -81,12 +81,30 @@ def step_spread(summary: dict) -> dict:
             "noisy": None if spread is None else spread > NOISY_SPREAD}
 
 
+def wall_step(summary: dict) -> float:
+    """The median timed step; for a strategy that syncs once per `period_steps` (DiLoCo's H) the mean
+    over the whole periods among the timed steps, sync steps included, as virtual time counts it
+    (the median would be a step without the sync)."""
+    period = int(summary["expected_comm"].get("period_steps", 1))
+    timed = summary["step_times_s"][summary["warmup_steps"]:]
+    if period == 1 or len(timed) < period:
+        return summary["step_time_s"]
+    whole = timed[len(timed) % period:]
+    return sum(whole) / len(whole)
+
+
+def _period_mean(by_step: list, expected: dict) -> float | None:
+    """A periodic strategy's bytes per step: the mean of its last period (None: it syncs every step)."""
+    period = int(expected.get("period_steps", 1))
+    return sum(by_step[-period:]) / period if period > 1 and len(by_step) >= period else None
+
+
 def row_from_summary(strategy: str, summary: dict, reference_losses: list[float] | None, seconds: float,
                      cores: int | None = None) -> dict:
     """`cores`: what this machine gives the ranks (CPU cores, or GPUs); a row with more ranks than
     that is `oversubscribed` (ranks take turns on a core: their time includes waiting for one)."""
     comm, expected = summary["comm"], summary["expected_comm"]
-    step = summary["step_time_s"]
+    step = wall_step(summary)
     exposed = comm["exposed_seconds_per_step"] / step if summary.get("exposed_comm_measured", True) else None
     pipeline = summary.get("pipeline")
     memory = [m / MB for m in summary["memory_by_rank"]]
@@ -100,7 +118,7 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
         status="ok",
         layout=layout(summary),
         world=summary["world_size"],
-        tokens_per_s=summary["tokens_per_s"],
+        tokens_per_s=summary["tokens_per_step"] / step,
         tokens_per_step=summary["tokens_per_step"],
         step_ms=step * 1e3,
         **step_spread(summary),
@@ -109,7 +127,7 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
         oversubscribed=None if cores is None else summary["world_size"] > cores,
         **{column: breakdown[part] * 1e3 if part in breakdown else None for part, column in BREAKDOWN_COLUMNS.items()},
         mfu=summary.get("mfu", {}).get("mfu"),
-        bytes_per_step=comm["sent_bytes_per_step"],
+        bytes_per_step=_period_mean(comm["sent_bytes_by_step"], expected) or comm["sent_bytes_per_step"],
         bytes_per_step_theory=expected["sent_bytes_per_step"],
         matches_theory=summary["comm_matches_theory"],
         exposed_comm_share=exposed,

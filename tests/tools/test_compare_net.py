@@ -94,6 +94,14 @@ def test_a_world_the_network_cannot_run_is_refused(tmp_path):
     assert not (tmp_path / "a" / "results.csv").exists() and not (tmp_path / "b" / "none").exists()
 
 
+def test_a_sweep_that_would_time_no_diloco_sync_is_refused(tmp_path):
+    """DiLoCo at H = 50 in a sweep of 20 steps: refused before anything runs, with the steps that fit
+    (parallel/compare/fits.py; HSDP's skips on a network of 2 ranks are its unit test's)."""
+    line = _refused(["compare.strategies=[dp,diloco_h50]", "train.steps=20", f"run.dir={tmp_path / 'a'}"])
+    assert line.startswith("error: diloco_h50 syncs every parallel.inner_steps=50 steps, but the runs time 17 "), line
+    assert "give train.steps=53 or more" in line and not (tmp_path / "a").exists()
+
+
 def test_the_world_of_each_run_and_the_network_labels():
     """In one process: how a sweep's networks are read and which world each strategy runs at."""
     from omegaconf import OmegaConf
