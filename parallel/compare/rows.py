@@ -81,18 +81,6 @@ def step_spread(summary: dict) -> dict:
             "noisy": None if spread is None else spread > NOISY_SPREAD}
 
 
-def wall_step(summary: dict) -> float:
-    """The median timed step; for a strategy that syncs once per `period_steps` (DiLoCo's H) the mean
-    over the whole periods among the timed steps, sync steps included, as virtual time counts it
-    (the median would be a step without the sync)."""
-    period = int(summary["expected_comm"].get("period_steps", 1))
-    timed = summary["step_times_s"][summary["warmup_steps"]:]
-    if period == 1 or len(timed) < period:
-        return summary["step_time_s"]
-    whole = timed[len(timed) % period:]
-    return sum(whole) / len(whole)
-
-
 def _period_mean(by_step: list, expected: dict) -> float | None:
     """A periodic strategy's bytes per step: the mean of its last period (None: it syncs every step)."""
     period = int(expected.get("period_steps", 1))
@@ -104,7 +92,7 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
     """`cores`: what this machine gives the ranks (CPU cores, or GPUs); a row with more ranks than
     that is `oversubscribed` (ranks take turns on a core: their time includes waiting for one)."""
     comm, expected = summary["comm"], summary["expected_comm"]
-    step = wall_step(summary)
+    step = summary["step_time_s"]  # a periodic strategy's (DiLoCo's): the mean over whole periods (report/summary.py)
     exposed = comm["exposed_seconds_per_step"] / step if summary.get("exposed_comm_measured", True) else None
     pipeline = summary.get("pipeline")
     memory = [m / MB for m in summary["memory_by_rank"]]
@@ -118,7 +106,7 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
         status="ok",
         layout=layout(summary),
         world=summary["world_size"],
-        tokens_per_s=summary["tokens_per_step"] / step,
+        tokens_per_s=summary["tokens_per_s"],
         tokens_per_step=summary["tokens_per_step"],
         step_ms=step * 1e3,
         **step_spread(summary),
