@@ -42,10 +42,16 @@ AUTO = "auto"
 
 def attempt_number(run_dir: str | None = None, environ=os.environ) -> int:
     """0 for the first attempt of a job, 1 after its first restart, and so on: the `started`
-    records in the job's journal where `run_dir` (a resume=auto job's) is given, else torchrun's count."""
+    records in the job's journal where `run_dir` (a resume=auto job's) is given, else torchrun's count.
+
+    With a journal, torchrun's count is still a floor: an attempt that died in its set-up, before
+    rank 0 wrote `started`, left no record, and counting records alone would give the next attempt
+    the failed one's number (and a chaos draw or a fault list would strike it again). The journal
+    is what counts past a Slurm requeue or a replaced node agent, where torchrun's count restarts."""
+    restarts = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if run_dir is None:
-        return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    return sum(r["event"] == STARTED for r in Journal(run_dir, rank=0, attempt=0).records())
+        return restarts
+    return max(restarts, sum(r["event"] == STARTED for r in Journal(run_dir, rank=0, attempt=0).records()))
 
 
 def job_identity(environ=os.environ) -> str | None:

@@ -9,7 +9,8 @@ from test_layout import plan_for
 from parallel.core.model import GPT
 from parallel.reliability.checkpoint import CheckpointError, checkpoint_meta, save_checkpoint
 from parallel.reliability.params_hash import params_sha256
-from parallel.reliability.recovery import Attempt, Journal, recovery_block, recovery_entry
+from parallel.reliability.recovery import STARTED, Attempt, Journal, recovery_block, recovery_entry
+from parallel.reliability.resume import attempt_number
 from parallel.run_plan import ConfigError, model_config
 from parallel.strategy import SingleProcess, make_optimizer
 
@@ -166,3 +167,17 @@ def test_an_attempt_restarted_near_the_end_keeps_one_timed_step(tmp_path):
     with pytest.raises(CheckpointError, match="leaves no timed step"):
         plan_for(1, "model=tiny", "train.steps=3", "train.warmup_steps=1",
                  f"train.resume={run_dir / 'checkpoints' / 'step_000002'}")
+
+
+# -- the attempt's number ------------------------------------------------------------------------
+@pytest.mark.parametrize("started,restart_count,expected", [
+    (2, "0", 2),  # a Slurm requeue or a fresh node agent: torchrun counts from 0 again, the journal does not
+    (0, "1", 1),  # attempt 0 died in its set-up, before `started`: torchrun's count keeps it from repeating
+    (1, "1", 1),
+])
+def test_an_attempt_is_numbered_by_the_journal_and_never_below_torchruns_count(tmp_path, started, restart_count,
+                                                                               expected):
+    for attempt in range(started):
+        Journal(tmp_path, rank=0, attempt=attempt).append(STARTED)
+    assert attempt_number(str(tmp_path), {"TORCHELASTIC_RESTART_COUNT": restart_count}) == expected
+    assert attempt_number(None, {"TORCHELASTIC_RESTART_COUNT": restart_count}) == int(restart_count)
