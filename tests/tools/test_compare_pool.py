@@ -31,7 +31,10 @@ def pooled(pool: Pool, strategy: str, overrides: list[str], run_dir: Path, timeo
 
 
 def schema(value, path: str = "") -> set[str]:
-    """Every key path of a summary (list items by their first element's keys)."""
+    """Every key path of a summary (list items by their first element's keys; so are the items of a
+    map keyed by rank, whose keys are data: which ranks the straggler score flagged depends on time)."""
+    if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+        return schema(next(iter(value.values())), path + "{}")
     if isinstance(value, dict):
         return {p for k, v in value.items() for p in {f"{path}/{k}"} | schema(v, f"{path}/{k}")}
     if isinstance(value, list) and value:
