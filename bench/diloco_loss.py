@@ -15,26 +15,23 @@ log's, warm-up included), against dp's.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.harness import options, shown, train_command
-from launch.config import CODE_ROOT
+from bench.harness import RunFailed, options, run, shown, train_command
 
 RUN = ["train.warmup_steps=1", "train.global_batch=16", "train.peak_flops=1e11", "run.timeline=false",
        "virtual.loopback_gbytes_per_s=1.62", "virtual.loopback_latency_us=180", "virtual.loopback_p2p_latency_us=127"]
 
 
-def run(name: str, overrides: list[str], world: int, root: Path) -> dict:
+def run_variant(name: str, overrides: list[str], world: int, root: Path) -> dict:
     cmd = train_command(world, [*RUN, *overrides], root / name)
     print(f"running {name}: {shown(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, cwd=CODE_ROOT, capture_output=True, text=True, timeout=24 * 3600)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return json.loads((root / name / "summary.json").read_text())
+    try:
+        return run(cmd, root / name, timeout_s=24 * 3600)  # 300 steps of `small` on a loaded host: hours, not minutes
+    except RunFailed as failed:
+        raise SystemExit(f"{name} failed: {failed}") from None
 
 
 def main(argv: list[str]) -> int:
@@ -47,7 +44,7 @@ def main(argv: list[str]) -> int:
          ["parallel=diloco", f"parallel.inner_steps={h}", f"parallel.fragments={opts['fragments']}"])
         for h in opts["hs"].split(",")]
     with tempfile.TemporaryDirectory(prefix="diloco_loss_") as tmp:
-        summaries = {name: run(f"variant{i}", [*common, *extra], world, Path(tmp))
+        summaries = {name: run_variant(f"variant{i}", [*common, *extra], world, Path(tmp))
                      for i, (name, extra) in enumerate(variants)}
     dp = summaries["dp"]
     dp_loss, dp_bytes = _tail_loss(dp, tail), _bytes_per_rank_step(dp, world)

@@ -13,6 +13,8 @@ than that between rows say nothing. With one timed step there is no spread (None
 
 from __future__ import annotations
 
+from parallel.report.summary import measured_bytes_per_step
+
 COLUMNS = (
     "strategy", "runs_as", "schedule", "status", "layout", "world",
     "tokens_per_s", "tokens_per_s_lo", "tokens_per_s_hi",
@@ -81,12 +83,6 @@ def step_spread(summary: dict) -> dict:
             "noisy": None if spread is None else spread > NOISY_SPREAD}
 
 
-def _period_mean(by_step: list, expected: dict) -> float | None:
-    """A periodic strategy's bytes per step: the mean of its last period (None: it syncs every step)."""
-    period = int(expected.get("period_steps", 1))
-    return sum(by_step[-period:]) / period if period > 1 and len(by_step) >= period else None
-
-
 def row_from_summary(strategy: str, summary: dict, reference_losses: list[float] | None, seconds: float,
                      cores: int | None = None) -> dict:
     """`cores`: what this machine gives the ranks (CPU cores, or GPUs); a row with more ranks than
@@ -115,7 +111,9 @@ def row_from_summary(strategy: str, summary: dict, reference_losses: list[float]
         oversubscribed=None if cores is None else summary["world_size"] > cores,
         **{column: breakdown[part] * 1e3 if part in breakdown else None for part, column in BREAKDOWN_COLUMNS.items()},
         mfu=summary.get("mfu", {}).get("mfu"),
-        bytes_per_step=_period_mean(comm["sent_bytes_by_step"], expected) or comm["sent_bytes_per_step"],
+        # a periodic strategy's (DiLoCo's): the mean of its last period, as its closed form counts it
+        bytes_per_step=(float(measured_bytes_per_step(comm, expected)) if expected.get("period_steps", 1) > 1
+                        else comm["sent_bytes_per_step"]),
         bytes_per_step_theory=expected["sent_bytes_per_step"],
         matches_theory=summary["comm_matches_theory"],
         exposed_comm_share=exposed,

@@ -35,6 +35,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from parallel.planner.report import layout_label
+from parallel.report.summary import measured_bytes_per_step
 
 
 class ValidationError(RuntimeError):
@@ -144,11 +145,7 @@ def per_step(summary: dict) -> tuple[float, Fraction]:
     strategy that syncs once per period, DiLoCo's H, the mean over whole periods: the sync steps
     included, as the prediction spreads one sync over H steps) and the last step's bytes, or the last
     period's mean bytes, exactly."""
-    period = int((summary.get("expected_comm") or {}).get("period_steps", 1))
-    if period == 1:
-        return summary["step_time_s"], Fraction(summary["comm"]["sent_bytes_per_step_exact"])
-    sent = sum((Fraction(b) for b in summary["comm"]["sent_bytes_by_step"][-period:]), Fraction(0)) / period
-    return summary["step_time_s"], sent  # already the mean over whole periods (report/summary.py)
+    return summary["step_time_s"], measured_bytes_per_step(summary["comm"], summary.get("expected_comm") or {})
 
 
 def order_agreement(rows: list[dict]) -> dict:

@@ -161,7 +161,8 @@ def against_theory(plan, rank_reports: list[dict], timed_from: int) -> dict:
         "peak_memory_scope": peak_memory_scope(plan.device_type),
         "comm": comm,
         "expected_comm": expected,
-        "comm_matches_theory": _measured_per_step(comm, expected) == Fraction(expected["sent_bytes_per_step_exact"]),
+        "comm_matches_theory": (measured_bytes_per_step(comm, expected)
+                                == Fraction(expected["sent_bytes_per_step_exact"])),
         # The registry's word for every device, and each rank's strategy's for this one (FSDP2 on CUDA).
         "exposed_comm_measured": spec.exposed_comm_measured and all(r.get("exposed_comm_measured", True)
                                                                     for r in rank_reports),
@@ -177,7 +178,7 @@ def period_mean(timed: list[float], period: int) -> float:
     return sum(whole) / len(whole)
 
 
-def _measured_per_step(comm: dict, expected: dict) -> Fraction:
+def measured_bytes_per_step(comm: dict, expected: dict) -> Fraction:
     """The last step's bytes; for a strategy that syncs once per `period_steps` (DiLoCo's H), the
     mean of the last period's steps, which its closed form gives per step."""
     period = expected.get("period_steps", 1)
