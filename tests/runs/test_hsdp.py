@@ -1,6 +1,6 @@
 """HSDP (`hsdp`, `hsdp_zero2`) and its PyTorch counterpart (`torch_hsdp`) against the single run and theory.
 
-Every case (three runs, on both model shapes) runs at world 4 with parallel.dp_shard=2 (shard groups
+Every case (four runs, on both model shapes) runs at world 4 with parallel.dp_shard=2 (shard groups
 {0, 1} and {2, 3}, replicate groups {0, 2} and {1, 3}), forked one after another from one pool of 4
 ranks (parallel/compare/pool.py), and checks:
   * per-step losses within 1e-5 relative of the single-process run, and the same final parameters;
@@ -22,9 +22,11 @@ from test_zero import PARTS, L, padded_psi
 from parallel.compare.pool import Pool, pools_supported
 
 S, R = 2, 2
-# (preset, model, microbatches), each accumulating two microbatches: the Llama shape under ZeRO-3, GPT-2's
-# under ZeRO-2 and FSDP2 (`hsdp` on GPT-2's with one microbatch is tests/tools/test_net.py's hsdp-2x2).
-CASES = [("hsdp", "tiny_llama", 2), ("hsdp_zero2", "tiny", 2), ("torch_hsdp", "tiny", 2)]
+# (preset, model, microbatches): the Llama shape under ZeRO-3, GPT-2's under ZeRO-2 and FSDP2, each accumulating
+# two microbatches, and FSDP2 on the Llama shape with one (`hsdp` on GPT-2's with one microbatch is
+# tests/tools/test_net.py's hsdp-2x2; `hsdp_zero2` on the Llama shape is the resumed case, below).
+CASES = [("hsdp", "tiny_llama", 2), ("hsdp_zero2", "tiny", 2), ("torch_hsdp", "tiny", 2),
+         ("torch_hsdp", "tiny_llama", 1)]
 
 
 # The ZeRO-3 case also saves a sharded checkpoint after step 3 (saving changes no bit of the run); RESUMED
