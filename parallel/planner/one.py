@@ -51,7 +51,26 @@ def evaluate_layout(shape: ModelShape, base: dict, presets: list[Preset], cluste
     row = predict_row(shape, candidate, cluster, preset)
     row["run_overrides"] = run_overrides(candidate, preset, presets)
     row["rank"] = 1
+    cut = candidate.layout.cut()
+    if row["fits"] is False and cut.sequence_parallel and not cut.saves_shard:
+        row["notes"] += _piece_saved(shape, base, cluster, world, global_batch, parallel, recompute)
     return row
+
+
+def _piece_saved(shape: ModelShape, base: dict, cluster: Cluster, world: int, global_batch: int, parallel: dict,
+                 recompute: str | None) -> list[str]:
+    """Under sequence parallelism the column-parallel linears save the all-gathered input here (the project's
+    default, parallel.tp_saves=gathered); Megatron-LM's save the sequence piece. Where saving the piece fits,
+    say so: a published Megatron run's layout is refused otherwise."""
+    try:
+        row = evaluate_layout(shape, base, [], cluster, world, global_batch, {**parallel, "tp_saves": "sharded"},
+                              recompute)
+    except ConfigError:
+        return []
+    if not row["fits"]:
+        return []
+    return [f"fits with parallel.tp_saves=sharded ({row['memory_bytes_per_device']['total'] / GIB:.1f} GiB): the "
+            "column-parallel linears keep their sequence piece, as Megatron-LM's sequence parallelism does"]
 
 
 def breakdown(row: dict, usable_bytes: float) -> str:
