@@ -88,6 +88,8 @@ def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
         return False
     if dims.cp == 1 and layout.recompute in (None, "none"):
         return True
+    if dims.cp == 1:  # recomputation: on every schedule's walk, over tp too (tests/tools/test_planner_memory.py)
+        return layout.precision == "fp32"
     return dims.tp == 1 and dims.pp == 1 and layout.precision == "fp32"
 
 
@@ -195,22 +197,46 @@ def global_batch_bytes(model: GPTConfig | ModelShape, global_batch: int) -> int:
 # -- per rank -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ChunkBytes:
-    """What one virtual stage saves per microbatch, and which global-batch storages it reads."""
+    """What one virtual stage saves per microbatch, which global-batch storages it reads, and what its
+    backward holds beyond that for a moment (under recomputation: its last block's recomputed tensors)."""
 
     per_microbatch: int
     reads_inputs: bool  # the first virtual stage, without tp or cp: the ids are views of the global inputs
     reads_targets: bool  # the last virtual stage, without tp or cp
+    recomputing: int = 0
 
 
-def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Sequence[int]) -> ChunkBytes:
+def kept_and_recomputed(model: GPTConfig | ModelShape, cut: Cut, recompute: str | None) -> tuple[int, int]:
+    """Per block and microbatch under `train.recompute`: what it keeps through the forward, and what its
+    backward adds beyond that while its recomputed part lives (`block_terms`):
+
+      none       the whole set; nothing
+      selective  the set less `core_only`; its ln1, attention input and q, k, v with the rerun core's
+                 `recomputed` (the MLP's and the output projection's tensors are freed by then), less the set
+      full       its input; its whole set less the input (recomputed whole)
+    """
+    terms = block_terms(model, cut)
+    layer = sum(terms[k] for k in SAVED_TERMS)
+    if recompute == "selective":
+        kept = layer - terms["core_only"]
+        return kept, terms["ln1"] + terms["attention_input"] + terms["qkv"] + terms["recomputed"] - kept
+    if recompute == "full":
+        return terms["input"], layer - terms["input"]
+    return layer, 0
+
+
+def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Sequence[int],
+                recompute: str | None = None) -> ChunkBytes:
+    """A virtual stage's blocks (each as `kept_and_recomputed` keeps it) and ends. Its backward runs the head's
+    first, then recomputes its last block: what that adds counts beyond the head's freed tensors."""
     first, last = vstage == 0, vstage == len(layers) - 1
-    total = layers[vstage] * block_saved_bytes(model, cut)
+    kept, recomputed = kept_and_recomputed(model, cut, recompute)
+    head = head_saved_bytes(model, cut) if last else 0
+    total = layers[vstage] * kept + head
     if first:
         total += embedding_saved_bytes(model, cut)
-    if last:
-        total += head_saved_bytes(model, cut)
     views = cut.t == 1 and cut.cp == 1
-    return ChunkBytes(total, first and views, last and views)
+    return ChunkBytes(total, first and views, last and views, max(0, recomputed - head) if layers[vstage] else 0)
 
 
 def activation_terms(model: GPTConfig | ModelShape, layout: Layout) -> dict | None:
@@ -274,7 +300,7 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
         if walk is None:
             raise ValueError(f"{p} pipeline stages: pass each rank's walk of its schedule (parallel/pp/theory.py)")
         cut, batch = layout.cut(act_bytes), global_batch_bytes(model, global_batch)
-        chunks = [chunk_bytes(model, cut, vs, layers) for vs in range(len(layers))]
+        chunks = [chunk_bytes(model, cut, vs, layers, layout.recompute) for vs in range(len(layers))]
         peaks = [peak_in_flight(walk[r], chunks, batch) for r in range(p)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // p
@@ -283,7 +309,8 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
 
 def peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:
     """Walk one rank's forwards and backwards: a forward adds its chunk's bytes, a backward removes
-    them; the global batch's storages count while a chunk reading them is in flight."""
+    them (after holding its `recomputing` beside them); the global batch's storages count while a chunk
+    reading them is in flight."""
     # Plain counters, not a dict of readers: the planner walks every rank of thousands of layouts.
     held = peak = inputs = targets = 0
     for forward, vstage in walk:
@@ -292,7 +319,8 @@ def peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], b
             held += chunk.per_microbatch
             inputs += chunk.reads_inputs
             targets += chunk.reads_targets
-        else:
+        else:  # its recomputation peaks after the head's backward (the targets' storage freed with it)
+            peak = max(peak, held + chunk.recomputing + batch * ((inputs > 0) + (targets - chunk.reads_targets > 0)))
             held -= chunk.per_microbatch
             inputs -= chunk.reads_inputs
             targets -= chunk.reads_targets

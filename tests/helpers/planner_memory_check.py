@@ -26,6 +26,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from launch.config import CONFIG_DIR  # noqa: E402
 from parallel.core.data import GlobalBatches, load_corpus, local_microbatches  # noqa: E402
 from parallel.core.model import GPT  # noqa: E402
+from parallel.core.recompute import apply_recompute  # noqa: E402
 from parallel.core.shape import ModelShape  # noqa: E402
 from parallel.dist.comm import CommLog  # noqa: E402
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown  # noqa: E402
@@ -52,6 +53,13 @@ LAYOUTS = [
     ("3d tp2 pp2 sp m4", "3d", ["parallel.sequence_parallel=true"]),
     ("3d tp2 pp2 sp sharded m4", "3d", ["parallel.sequence_parallel=true", "parallel.tp_saves=sharded"]),
     ("3d tp2 dp2 zero1", "3d", ["parallel.pp=1", "parallel.zero=1", "parallel.microbatches=2"]),
+    # Recomputation on a pipeline's walk and over tp: what each block keeps, and its backward's recomputed set.
+    ("pp_1f1b p4 full", "pp_1f1b", ["train.recompute=full"]),
+    ("pp_interleaved p4 v2 selective", "pp_interleaved", ["train.recompute=selective"]),
+    ("3d tp2 pp2 sp sharded selective m4", "3d", ["parallel.sequence_parallel=true", "parallel.tp_saves=sharded",
+                                                  "train.recompute=selective"]),
+    ("3d tp2 pp2 sp full m4", "3d", ["parallel.sequence_parallel=true", "train.recompute=full"]),
+    ("tp_sp 2x2 sharded full", "tp_sp", ["parallel.tp_saves=sharded", "train.recompute=full"]),
     ("torch_ddp", "torch_ddp", []),
     ("accelerate_ddp", "accelerate_ddp", []),
     ("torch_fsdp2", "torch_fsdp2", []),
@@ -96,7 +104,9 @@ def main() -> None:
                 contexts[plan.dims] = add_layout_groups(DistContext(env=env, dims=plan.dims, backend="gloo",
                                                                     device=base.device, log=base.log))
             ctx = contexts[plan.dims]
-        strategy = plan.spec.build(GPT(plan.model, seed=plan.seed), plan, ctx)
+        model = GPT(plan.model, seed=plan.seed)
+        strategy = plan.spec.build(model, plan, ctx)
+        apply_recompute(model, plan.layout.recompute, strategy.phases)  # as launch.train: after the strategy
         meter = ActivationMeter(strategy.model.parameters())
         for step in range(2):
             batch = batches(step)

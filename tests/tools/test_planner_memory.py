@@ -6,9 +6,11 @@ One torchrun job of 4 gloo processes (tests/helpers/planner_memory_check.py) tra
 each on its own mesh: dp with microbatches, ZeRO 1-3, tp and tp with sequence parallelism at
 tp 2 and 4 (and saving the column-parallel inputs' sequence pieces, parallel.tp_saves=sharded, on tp and 3d),
 the three pipeline schedules (4 stages, and 2 stages x dp 2), 3-D with sequence
-parallelism and with ZeRO-1, and PyTorch's DDP, accelerate and FSDP2; on the tiny GPT-2 block and on
-Llama's (tiny_llama: tp 4 over its 2 kv heads replicates them; sequence parallelism with and without the
-saved piece). The formula counts every storage, so it is met exactly.
+parallelism and with ZeRO-1, recomputation on a pipeline's walk and over tp (1F1B with full, interleaved
+with selective, 3-D with sequence parallelism and either, tp with sequence parallelism and full), and PyTorch's
+DDP, accelerate and FSDP2; on the tiny GPT-2 block and on Llama's (tiny_llama: tp 4 over its 2 kv heads
+replicates them; sequence parallelism with and without the saved piece). The formula counts every storage,
+so it is met exactly.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from parallel.registry import REGISTRY, layout_of
 
 # Llama's block (GQA, SwiGLU, RMSNorm, RoPE): a layout of each kind, tp and sequence parallelism included.
 LLAMA_LAYOUTS = ["single", "dp m2", "zero1", "zero2 m2", "zero3", "tp 2x2", "tp_sp tp4", "tp_sp 2x2 sharded",
-                 "pp_gpipe p4", "pp_1f1b dp2 p2 m4", "pp_interleaved p4 v2", "3d tp2 pp2 sp m4", "torch_ddp",
-                 "accelerate_ddp", "torch_fsdp2"]
+                 "pp_gpipe p4", "pp_1f1b dp2 p2 m4", "pp_interleaved p4 v2", "3d tp2 pp2 sp m4", "pp_1f1b p4 full",
+                 "3d tp2 pp2 sp sharded selective m4", "torch_ddp", "accelerate_ddp", "torch_fsdp2"]
 
 
 @pytest.mark.parametrize("model,labels", [("tiny", []), ("tiny_llama", LLAMA_LAYOUTS)], ids=["tiny", "tiny_llama"])
@@ -39,7 +41,7 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy(model
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = dict(line.split("\t") for line in proc.stdout.splitlines() if "\t" in line)
-    assert len(results) == (len(labels) or 18), results.keys()
+    assert len(results) == (len(labels) or 23), results.keys()
     for label, text in results.items():
         r = json.loads(text)
         assert r["formula"] is not None, f"{label}: the registry has no activation formula"
