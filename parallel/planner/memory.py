@@ -172,9 +172,10 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
     if dims.pp == 1:
         peaks = [int(tokens * kept * layers[0]) + int(working)]
     else:
-        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False) for n in layers]
+        # The recomputed block lives in a backward, beside the chunks still in flight (the sandbox's walk too).
+        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False, int(working)) for n in layers]
         walk = compose_theory.schedule_walk(layout)
-        peaks = [activations.peak_in_flight(walk[r], chunks, 0) + int(working) for r in range(dims.pp)]
+        peaks = [activations.peak_in_flight(walk[r], chunks, 0) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // dims.pp
     return [peak for peak in peaks for _ in range(per_stage)]
