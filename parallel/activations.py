@@ -175,17 +175,24 @@ def embedding_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
 
 def head_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
     """Per microbatch: ln_f's input and statistics, the head's input, and the loss's saved tensors
-    (log-probabilities n·V·4 and a 4-byte total weight, under cp with the rank's own targets n·8; with
-    tp the softmax slice n·V/t·4, masked targets n·8 and mask n·1). Without tp or cp the targets are a
-    view of the global batch's storage."""
+    (`loss_saved_bytes`)."""
     shape = _shape(model)
     g = shape.gpt
     n, h, t, B = cut.b * g.seq_len // cut.cp, g.d_model, cut.t, cut.act_bytes
     n_sp = n // t if cut.sequence_parallel else n
     norm = n_sp * h * B + (2 if shape.norm == "layernorm" else 1) * n_sp * STAT_BYTES
-    targets = n * ID_BYTES + n if t > 1 else LOSS_BYTES + (n * ID_BYTES if cut.cp > 1 else 0)
     head_input = n // cut.column_input_tokens * h * B  # the gathered input, or the piece (saves_shard)
-    return norm + head_input + n * g.padded_vocab_size // t * LOSS_BYTES + targets
+    return norm + head_input + loss_saved_bytes(model, cut)
+
+
+def loss_saved_bytes(model: GPTConfig | ModelShape, cut: Cut) -> int:
+    """Per microbatch, the loss's saved tensors: log-probabilities n·V·4 and a 4-byte total weight, under cp
+    with the rank's own targets n·8; with tp the softmax slice n·V/t·4, masked targets n·8 and mask n·1.
+    Without tp or cp the targets are a view of the global batch's storage."""
+    g = _shape(model).gpt
+    n, t = cut.b * g.seq_len // cut.cp, cut.t
+    targets = n * ID_BYTES + n if t > 1 else LOSS_BYTES + (n * ID_BYTES if cut.cp > 1 else 0)
+    return n * g.padded_vocab_size // t * LOSS_BYTES + targets
 
 
 def global_batch_bytes(model: GPTConfig | ModelShape, global_batch: int) -> int:
@@ -204,6 +211,7 @@ class ChunkBytes:
     reads_inputs: bool  # the first virtual stage, without tp or cp: the ids are views of the global inputs
     reads_targets: bool  # the last virtual stage, without tp or cp
     recomputing: int = 0
+    loss: int = 0  # the last virtual stage's loss tensors, released by a split backward's B (the rest by W)
 
 
 def kept_and_recomputed(model: GPTConfig | ModelShape, cut: Cut, recompute: str | None) -> tuple[int, int]:
@@ -236,7 +244,8 @@ def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Se
     if first:
         total += embedding_saved_bytes(model, cut)
     views = cut.t == 1 and cut.cp == 1
-    return ChunkBytes(total, first and views, last and views, max(0, recomputed - head) if layers[vstage] else 0)
+    return ChunkBytes(total, first and views, last and views, max(0, recomputed - head) if layers[vstage] else 0,
+                      loss_saved_bytes(model, cut) if last else 0)
 
 
 def activation_terms(model: GPTConfig | ModelShape, layout: Layout) -> dict | None:
@@ -281,12 +290,12 @@ def stage_terms(model: GPTConfig | ModelShape, layout: Layout, global_batch: int
 
 def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, global_batch: int, act_bytes: int = 4,
                              layers: Sequence[int] | None = None,
-                             walk: Sequence[Sequence[tuple[bool, int]]] | None = None) -> list[int] | None:
+                             walk: Sequence[Sequence[tuple[str, int]]] | None = None) -> list[int] | None:
     """Bytes saved for backward at the step's peak on every rank, in rank order (None where the
     formulas do not cover the layout: see `covers`).
 
     `layers` are the blocks of each virtual stage and, in a pipeline, `walk` each pipeline rank's
-    forwards and backwards in its schedule's order as (is_forward, virtual stage): the pipeline's
+    forwards and backwards in its schedule's order as (op F, B or W, virtual stage): the pipeline's
     own (parallel/pp/theory.py's `schedule_walk`), passed in so that this formula stays below the
     families."""
     if not covers(model, layout):
@@ -307,21 +316,28 @@ def activation_bytes_by_rank(model: GPTConfig | ModelShape, layout: Layout, glob
     return [peak for peak in peaks for _ in range(per_stage)]
 
 
-def peak_in_flight(walk: Sequence[tuple[bool, int]], chunks: list[ChunkBytes], batch: int) -> int:
-    """Walk one rank's forwards and backwards: a forward adds its chunk's bytes, a backward removes
-    them (after holding its `recomputing` beside them); the global batch's storages count while a chunk
-    reading them is in flight."""
+FORWARD, WEIGHTS = "F", "W"  # parallel/pp/actions.py's names: a forward, a split backward's weight half
+
+
+def peak_in_flight(walk: Sequence[tuple[str, int]], chunks: list[ChunkBytes], batch: int) -> int:
+    """Walk one rank's forwards and backwards (op, virtual stage): a forward adds its chunk's bytes, a
+    backward removes them (after holding its `recomputing` beside them); the global batch's storages count
+    while a chunk reading them is in flight. Where the walk has W (a split backward), its B releases only
+    the loss's tensors and W the rest (parallel/pp/split_backward.py keeps the chunk's graph until W)."""
+    split = any(op == WEIGHTS for op, _ in walk)
     # Plain counters, not a dict of readers: the planner walks every rank of thousands of layouts.
     held = peak = inputs = targets = 0
-    for forward, vstage in walk:
+    for op, vstage in walk:
         chunk = chunks[vstage]
-        if forward:
+        if op == FORWARD:
             held += chunk.per_microbatch
             inputs += chunk.reads_inputs
             targets += chunk.reads_targets
+        elif split and op != WEIGHTS:
+            held -= chunk.loss
         else:  # its recomputation peaks after the head's backward (the targets' storage freed with it)
             peak = max(peak, held + chunk.recomputing + batch * ((inputs > 0) + (targets - chunk.reads_targets > 0)))
-            held -= chunk.per_microbatch
+            held -= chunk.per_microbatch - (chunk.loss if split else 0)
             inputs -= chunk.reads_inputs
             targets -= chunk.reads_targets
         now = held + batch * ((inputs > 0) + (targets > 0))

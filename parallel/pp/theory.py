@@ -43,7 +43,6 @@ from parallel.pp.schedules import (
     closed_form_idle,
     compute_only,
     schedule_placement,
-    virtual_stage,
 )
 from parallel.pp.simulator import simulate
 from parallel.pp.split import layer_counts
@@ -116,9 +115,11 @@ def stage_layer_counts(n_layers: int, layout: Layout) -> list[int]:
 
 @lru_cache(maxsize=1024)
 def schedule_walk(schedule: str, p: int, m: int, v: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    """Each rank's forwards and backwards in the schedule's order, as (is_forward, virtual stage):
-    the lists the simulator checks and the executor runs (built once per schedule and shape)."""
-    return tuple(tuple((a.op == F, virtual_stage(r, a.chunk, p)) for a in compute_only(actions))
+    """Each rank's forwards and backwards in the schedule's order, as (op: F, B or W, virtual stage):
+    the lists the simulator checks and the executor runs (built once per schedule and shape), each
+    chunk named by the schedule's placement (the V's chunk 1 of rank r is virtual stage 2p - 1 - r)."""
+    placement = schedule_placement(schedule, p, v)
+    return tuple(tuple((a.op, placement.vstage(r, a.chunk)) for a in compute_only(actions))
                  for r, actions in enumerate(build_schedule(schedule, p, m, v)))
 
 
@@ -133,9 +134,12 @@ def pipeline_walk(layout: Layout) -> tuple[tuple[tuple[bool, int], ...], ...] | 
 
 def pipeline_activations(model: GPTConfig, layout: Layout) -> list[int] | None:
     """The registry's `activations` (parallel/activations.py's `registry_activations`), given the
-    layout's virtual stages and, in a pipeline, its schedule's walk."""
-    return registry_activations(model, layout, layers=stage_layer_counts(model.n_layers, layout),
-                                walk=pipeline_walk(layout))
+    layout's virtual stages and, in a pipeline, its schedule's walk. None for recomputation under a split
+    backward: B recomputes and the retained graph keeps what it saved until W, a moment not derived."""
+    walk = pipeline_walk(layout)
+    if walk and layout.recompute not in (None, "none") and any(op == W for ops in walk for op, _ in ops):
+        return None
+    return registry_activations(model, layout, layers=stage_layer_counts(model.n_layers, layout), walk=walk)
 
 
 @lru_cache(maxsize=65536)

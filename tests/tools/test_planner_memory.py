@@ -7,7 +7,8 @@ each on its own mesh: dp with microbatches, ZeRO 1-3, tp and tp with sequence pa
 tp 2 and 4 (and saving the column-parallel inputs' sequence pieces, parallel.tp_saves=sharded, on tp and 3d),
 the three pipeline schedules (4 stages, and 2 stages x dp 2), 3-D with sequence
 parallelism and with ZeRO-1, recomputation on a pipeline's walk and over tp (1F1B with full, interleaved
-with selective, 3-D with sequence parallelism and either, tp with sequence parallelism and full), and PyTorch's
+with selective, 3-D with sequence parallelism and either, tp with sequence parallelism and full), the split
+backwards (ZB-H1, and 3-D with it; ZB-V and DualPipeV on the V placement), and PyTorch's
 DDP, accelerate and FSDP2; on the tiny GPT-2 block and on Llama's (tiny_llama: tp 4 over its 2 kv heads
 replicates them; sequence parallelism with and without the saved piece). The formula counts every storage,
 so it is met exactly.
@@ -41,7 +42,7 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy(model
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = dict(line.split("\t") for line in proc.stdout.splitlines() if "\t" in line)
-    assert len(results) == (len(labels) or 23), results.keys()
+    assert len(results) == (len(labels) or 27), results.keys()
     for label, text in results.items():
         r = json.loads(text)
         assert r["formula"] is not None, f"{label}: the registry has no activation formula"
