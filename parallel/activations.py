@@ -11,7 +11,7 @@ parallelism, the cp kind), then the peak per rank: without recomputation by walk
 forwards and backwards (a pipeline's schedule, handed in by parallel/pp/theory.py); under
 recomputation (one stage) with each block's dropped terms and the recomputation's own peak.
 `covers` says where it is written: dense blocks, no dropout, no expert split; context parallelism
-and recomputation on one stage without tp, in fp32.
+on one stage without tp, recomputation on any stage and tp, in fp32.
 
 For one microbatch of b sequences of s_r = s/cp tokens on a rank (n = b·s_r), a block on one of t
 tensor-parallel ranks saves, with B bytes per activation element (4 in fp32):
@@ -55,10 +55,12 @@ schedule (parallel/pp/schedules.py, the lists the simulator checks and the execu
 a chunk's bytes at its forward and removing them at its backward. The global batch's input and
 target storages are held once while any microbatch that reads them is in flight.
 
-Recomputation (one stage; docs/theory/memory.md): selective drops each block's attention core
-(what only the core saves) and peaks at the larger of the forward's end and the last core's
-recomputation in backward; full keeps only each block's input and, after the head's backward,
-recomputes the last block whole.
+Recomputation (docs/theory/memory.md): selective drops each block's attention core (what only the
+core saves) and peaks at the larger of the forward's end and the last core's recomputation in
+backward; full keeps only each block's input and, after the head's backward, recomputes the last
+block whole. In a pipeline every chunk in flight keeps its blocks' kept sets, and each backward holds
+its last block's recomputed tensors beside them (`kept_and_recomputed`, `peak_in_flight`). A split
+backward (zero-bubble schedules) keeps a chunk's saved tensors from its B until its W.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ def _shape(model: GPTConfig | ModelShape) -> ModelShape:
 
 def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
     """Whether these formulas describe the layout: dense blocks without dropout, no expert split;
-    context parallelism and recomputation only on one stage without tp, in fp32 (where they are derived
-    and measured: tests/unit/test_recompute.py, tests/runs/test_cp.py)."""
+    context parallelism only on one stage without tp, recomputation on any stage and tp, in fp32 (where
+    they are derived and measured: tests/unit/test_recompute.py, tests/runs/test_cp.py,
+    tests/tools/test_planner_memory.py)."""
     g, dims = _shape(model).gpt, layout.dims
     if g.moe_experts or g.dropout or dims.ep > 1:
         return False
