@@ -60,6 +60,7 @@ LAYOUTS = [
                                                   "train.recompute=selective"]),
     ("3d tp2 pp2 sp full m4", "3d", ["parallel.sequence_parallel=true", "train.recompute=full"]),
     ("tp_sp 2x2 sharded full", "tp_sp", ["parallel.tp_saves=sharded", "train.recompute=full"]),
+    ("tp 2x2 selective", "tp", ["train.recompute=selective"]),
     # Split backwards: a chunk's saved tensors held until W (its loss's released by B); the V placement.
     ("zbh1 dp2 p2 m4", "pp_1f1b", ["parallel.schedule=zbh1", "parallel.dp=2", "parallel.microbatches=4"]),
     ("zbv p4 m8", "pp_1f1b", ["parallel.schedule=zbv", "parallel.microbatches=8", "parallel.virtual_stages=2"]),
