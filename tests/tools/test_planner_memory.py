@@ -73,6 +73,16 @@ def test_strategies_without_a_formula_say_so():
     assert REGISTRY["tp"].activations(cfg, layout) is not None
 
 
+def test_recomputation_under_a_split_backward_has_no_formula():
+    """A zero-bubble schedule's B recomputes while the chunk's graph is kept until W: a moment the walk
+    does not derive, so such a layout has no formula; without recomputation, or under 1F1B, it has one."""
+    cfg = GPTConfig(n_layers=8)
+    dims = ParallelDims.resolve(4, pp=4)
+    for schedule, recompute, has in (("zbh1", "full", False), ("zbh1", "none", True), ("1f1b", "full", True)):
+        layout = layout_of(dims, microbatches=4, schedule=schedule, recompute=recompute)
+        assert (REGISTRY["pp"].activations(cfg, layout) is not None) is has, (schedule, recompute)
+
+
 def test_the_two_activation_derivations_agree_where_both_apply():
     """The registry's one-stage formula (activations.activation_bytes) and the planner's per-rank call
     are the same derivation (parallel/activations.py): the same bytes where both apply."""
