@@ -23,13 +23,13 @@ from parallel.planner.one import evaluate_layout
 
 @pytest.fixture
 def base_plan_row():
-    """small_moe at dp 4 x ep 4 on this machine's preset, through the one-layout mode."""
+    """small_moe at dp 4 x ep 4 on two H100 nodes of 2 (the ep group across them) in fp32, the one-layout mode."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="plan", overrides=["model=small_moe", "parallel=ep", "cluster=this_machine"])
+        cfg = compose(config_name="plan", overrides=["model=small_moe", "parallel=ep", "cluster=h100_sxm"])
         base = OmegaConf.to_container(compose(config_name="config", overrides=["model=small_moe"]), resolve=True)
     shape = ModelShape.from_preset(OmegaConf.to_container(cfg.model, resolve=True))
     preset = OmegaConf.to_container(cfg.cluster, resolve=True)
-    preset["peak_tflops"] = preset.get("peak_tflops") or 1.0
+    preset.update(precision="fp32", gpus_per_node=2)
     cluster = cluster_from_config(preset, None, 4)
     row = evaluate_layout(shape, base, [], cluster, 4, 8, OmegaConf.to_container(cfg.parallel, resolve=True))
     layout = Layout(dims=ParallelDims(world_size=4, dp=4, ep=4), microbatches=1, microbatch_size=2)
@@ -47,3 +47,4 @@ def test_the_row_holds_theorys_model_state_and_all_to_all_bytes(base_plan_row):
     assert Fraction(row["bytes_by_group"]["ep"]) == pytest.approx(uniform)
     assert memory["activations"] == max(moe.sandbox_activation_bytes(shape, layout))
     assert row["step_time_s"]["total"] > 0 and row["step_time_s"]["exposed_comm"] > 0
+    assert row["bytes_per_step"]["inter_node"] > 0 and row["bytes_per_step"]["intra_node"] > 0  # ep spans 2 nodes
