@@ -154,10 +154,14 @@ class ModelShape:
 
     def matmul_parameters(self) -> int:
         """N of the MFU convention (parallel/report/mfu.py): every parameter a token multiplies by, the
-        token and position tables left out; a tied head is a matmul, so it counts its V·h once."""
+        token and position tables left out; a tied head is a matmul, so it counts its V·h once; an MoE
+        block its router and the k experts a token goes to."""
         g = self.gpt
         head = self.head_parameters() + (g.padded_vocab_size * g.d_model if self.tied_head else 0)
-        return g.n_layers * self.layer_parameters() + head
+        # An MoE block: the router's h·E and k experts of the MLP's shape where a dense block has one MLP
+        # (the active parameters, algebra.active_parameter_count).
+        moe = len(g.moe_blocks) * ((g.moe_top_k - 1) * self.mlp_parameters() + g.d_model * g.moe_experts)
+        return g.n_layers * self.layer_parameters() + head + moe
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token, 6·N + 12·L·h·s (PaLM appendix B; parallel/report/mfu.py): Q·Kᵀ and

@@ -22,6 +22,7 @@ from parallel.core.model import GPTConfig
 from parallel.core.shape import ModelShape
 from parallel.layout import Layout
 from parallel.model_state import STATE_BYTES, model_state, rank_parts
+from parallel.planner.moe import moe_units_delta
 from parallel.planner.remedies import zero_shards
 
 
@@ -137,6 +138,8 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
     whole = (2 * w * h + 2 * mask * h) / cut + 2 * gemm_input
     sharded = qkv + w * h / t + w * (3 if shape.gated_mlp else 2) * f / t
     scores = 0 if flash_attention else (w + mask * (1 + w)) * g.n_heads * g.seq_len / t
+    # A mixture of experts: its MoE blocks' router, permuted rows and experts in place of the MLP (moe.py).
+    sharded += moe_units_delta(shape, t, act_bytes)
     return {"layer": whole + sharded + scores, "input": w * h / cut, "scores": scores,
             "before_core": w * h / cut + gemm_input + qkv}
 

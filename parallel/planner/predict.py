@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
-from parallel.planner import memory
+from parallel.planner import memory, moe
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate
 from parallel.planner.remedies import outer_state_per_parameter, trade_notes
@@ -41,9 +41,11 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str,
     scores), else parallel/planner/memory.py's for this shape, precision and attention kernel (the
     cluster's `flash_attention`), where the strategy has a formula at all."""
     plan, layout = candidate.plan, candidate.layout
+    if shape.gpt.moe_experts and precision == "fp32" and flash_attention:
+        return moe.sandbox_activation_bytes(shape, layout)  # the sandbox's MoE blocks, uniform routing
     if precision == "fp32" and flash_attention:
         return plan.spec.activations(shape.gpt, layout)
-    if not _has_formula(plan.spec, shape, layout):
+    if not shape.gpt.moe_experts and not _has_formula(plan.spec, shape, layout):
         return None  # the strategy has no activation formula at all
     if layout.dims.cp > 1:
         return None  # context parallelism's saved bytes: the registry's formula, in fp32 only
@@ -105,7 +107,8 @@ def _has_formula(spec, shape: ModelShape, layout) -> bool:
 def moe_model_state(shape: ModelShape, candidate: Candidate, precision: str) -> dict | None:
     """A mixture of experts' model state per rank: the registry's formula (ep: E/ep experts per
     rank; dp, ZeRO: theory's count of every expert), the figure every run's memory is checked
-    against, for the sandbox GPT in fp32 and one stage (MoE runs no pipeline); else unknown."""
+    against, for the sandbox GPT in fp32 and one stage (MoE runs no pipeline); else None (memory.py's,
+    which holds E/ep experts per MoE block too)."""
     plan = candidate.plan
     if precision != "fp32" or candidate.layout.dims.pp != 1:
         return None
@@ -139,17 +142,16 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
     activations = activation_bytes(shape, candidate, precision, cluster.flash_attention)
     if activations is None:
         notes.append(f"no activation formula for {plan.strategy} on this layout")
-    covered = not shape.gpt.moe_experts
-    per_stage = [_stage_memory(shape, candidate, layout, precision, r, activations, covered) for r in range(dims.pp)]
+    per_stage = [_stage_memory(shape, candidate, layout, precision, r, activations) for r in range(dims.pp)]
     worst, fits = _worst_stage(per_stage, cluster.usable_bytes)
     if fits is False and not time_if_over:
         notes.append("not timed: its memory is over the device")
         traffic, links, time = None, None, None
     else:
-        traffic, links, time = _traffic_and_time(shape, candidate, cluster, layout, layers, covered, notes)
-    if not covered:
-        notes.append("mixture of experts: model state and bytes are the registry's formulas; activations and step "
-                     "time are not modelled for MoE blocks")
+        traffic, links, time = _traffic_and_time(shape, candidate, cluster, layout, layers, notes)
+    if shape.gpt.moe_experts:
+        notes.append(f"mixture of experts: uniform routing, nothing dropped, the busiest ep rank's expert rows "
+                     f"{moe.IMBALANCE} x the mean (assumed); all-to-all bytes theory's uniform figure")
     tokens = plan.global_batch * shape.gpt.seq_len
     total = time.total if time else None
     return {
@@ -174,12 +176,12 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
 
 
 def _stage_memory(shape: ModelShape, candidate: Candidate, layout, precision: str, r: int,
-                  activations: list[int] | None, covered: bool) -> dict:
+                  activations: list[int] | None) -> dict:
     """The memory parts of one rank of stage r (every rank of a stage holds the same), and their total
     where every part has a formula."""
     outer = outer_state_per_parameter(candidate.plan.spec, layout)
-    state = _stage_state(shape, layout, candidate.zero, precision, r, outer) if covered \
-        else moe_model_state(shape, candidate, precision)
+    state = (moe_model_state(shape, candidate, precision) if shape.gpt.moe_experts else None) \
+        or _stage_state(shape, layout, candidate.zero, precision, r, outer)
     acts = activations[layout.dims.rank_of(r, 0, 0)] if activations is not None else None
     buffers = _stage_buffers(shape, layout, candidate.zero, precision, r)
     parts = {"params": state and state["params"], "grads": state and state["grads"],
@@ -203,7 +205,7 @@ def _worst_stage(per_stage: list[dict], usable_bytes: float) -> tuple[dict, bool
 
 
 def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout, layers: list[int],
-                      covered: bool, notes: list[str]):
+                      notes: list[str]):
     """Bytes per group (theory's closed forms) and the step time (timing.py) of the row."""
     plan = candidate.plan
     try:
@@ -211,7 +213,7 @@ def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster,
                                  layers)
         links = bytes_by_link(traffic)
         time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
-                         ACT_BYTES[cluster.precision]) if covered else None
+                         ACT_BYTES[cluster.precision])
     except NoTrafficFormula as e:
         notes.append(f"no traffic formula: {e}")
         traffic, links, time = None, None, None

@@ -119,6 +119,12 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank."""
     m, world = layout.microbatches, layout.dims.world_size
     forward, backward, hardware, model_flops, parts = _slowest_stage(shape, layout, cluster, layers_by_rank, act_bytes)
+    if shape.gpt.moe_experts:  # the MoE blocks' router and experts in place of the dense MLP (moe.py)
+        from parallel.planner.moe import with_moe_compute
+
+        forward, backward, hardware, model_flops = with_moe_compute(
+            shape, layout, cluster.device(), cluster.flops_per_rank(world), max(layers_by_rank), act_bytes,
+            (forward, backward, hardware, model_flops))
     activation = layout.microbatch_size * shape.gpt.seq_len * shape.gpt.d_model * act_bytes
     seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
     blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)  # tp, cp, ep: inside compute

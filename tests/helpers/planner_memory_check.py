@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 # Run as a script: the project root must come first on the path (this checkout's code, not an installed one).
@@ -30,8 +31,10 @@ from parallel.core.recompute import apply_recompute  # noqa: E402
 from parallel.core.shape import ModelShape  # noqa: E402
 from parallel.dist.comm import CommLog  # noqa: E402
 from parallel.dist.groups import DistContext, LaunchEnv, add_layout_groups, exit_process, init_distributed, shutdown  # noqa: E402
+from parallel.moe.stats import RoutingMeter  # noqa: E402
 from parallel.planner.enumerate import zero_stage  # noqa: E402
 from parallel.planner.memory import model_state_bytes  # noqa: E402
+from parallel.planner.moe import sandbox_activation_bytes  # noqa: E402
 from parallel.report.activations import ActivationMeter  # noqa: E402
 from parallel.run_plan import build_plan  # noqa: E402
 
@@ -71,6 +74,12 @@ LAYOUTS = [
     ("accelerate_ddp", "accelerate_ddp", []),
     ("torch_fsdp2", "torch_fsdp2", []),
 ]
+# A mixture of experts (model=tiny_moe): its layouts, each checked against the planner's MoE formula
+# (parallel/planner/moe.py) with the routing the run measured.
+MOE_LAYOUTS = [
+    ("ep 4x2 m2", "ep", ["parallel.ep=2", "parallel.microbatches=2"]),
+    ("ep4", "ep", []),
+]
 COMMON = ["model.n_layers=8", "train.global_batch=8", "data.max_bytes=100000", "train.steps=2", "train.warmup_steps=0"]
 
 
@@ -78,10 +87,20 @@ def requested(argv: list[str]) -> tuple[str, list[tuple[str, str, list[str]]]]:
     """`planner_memory_check.py [model [label ...]]`: the conf/model/ preset (tiny by default) and the
     layouts of LAYOUTS to run, by label (every one by default)."""
     model, labels = (argv[0] if argv else "tiny"), argv[1:]
-    unknown = set(labels) - {label for label, _, _ in LAYOUTS}
+    every = LAYOUTS + MOE_LAYOUTS
+    unknown = set(labels) - {label for label, _, _ in every}
     if unknown:
-        raise SystemExit(f"no layout labelled {sorted(unknown)} in LAYOUTS")
-    return model, [layout for layout in LAYOUTS if not labels or layout[0] in labels]
+        raise SystemExit(f"no layout labelled {sorted(unknown)} in LAYOUTS or MOE_LAYOUTS")
+    return model, [layout for layout in (every if labels else LAYOUTS) if not labels or layout[0] in labels]
+
+
+def activation_formula(plan, reports: list[dict]) -> list[int] | None:
+    """The registry's formula; for a mixture of experts the planner's, on the routing each rank measured."""
+    if not plan.model.moe_experts:
+        return plan.spec.activations(plan.model, plan.layout)
+    ranks = plan.dims.world_size
+    routing = tuple(tuple(tuple(call["kept"]) for call in r["routing"]) for r in reports[:ranks])
+    return sandbox_activation_bytes(ModelShape(gpt=plan.model), replace(plan.layout, routing=routing))
 
 
 def plan_for(model: str, preset: str, extra: list[str], world: int):
@@ -114,19 +133,19 @@ def main() -> None:
         model = GPT(plan.model, seed=plan.seed)
         strategy = plan.spec.build(model, plan, ctx)
         apply_recompute(model, plan.layout.recompute, strategy.phases)  # as launch.train: after the strategy
-        meter = ActivationMeter(strategy.model.parameters())
+        meter, routing = ActivationMeter(strategy.model.parameters()), RoutingMeter(strategy.model)
         for step in range(2):
             batch = batches(step)
             local = local_microbatches(batch, ctx.coords["dp"], plan.dims.dp, plan.microbatches)
-            with meter.step():
+            with meter.step(), routing.step():
                 strategy.train_step(local, batch.n_tokens)
         state = strategy.memory_report()
         mine = {"peak": meter.peak, "state": state["param_bytes"] + state["grad_bytes"] + state["optimizer_bytes"],
-                "pp": ctx.coords["pp"]}
+                "pp": ctx.coords["pp"], "routing": routing.steps[-1]}
         strategy.close()
         reports = world.gather_object(mine, 0, tag="tooling/test")
         if env.rank == 0:
-            formula = plan.spec.activations(plan.model, plan.layout)
+            formula = activation_formula(plan, reports)
             shape = ModelShape(gpt=plan.model)
             zero = zero_stage(plan.strategy, plan)
             state_formula = []  # the planner's, for what it plans (not PyTorch's FSDP2, sharded its own way)

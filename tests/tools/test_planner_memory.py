@@ -64,6 +64,28 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy(model
                                          json.loads(results[sharded])["measured"])), (gathered, sharded)
 
 
+# A mixture of experts (tiny_moe: 4 experts, top-2, in blocks 0 and 2): one process, dp with microbatches,
+# ZeRO-1 and -3, and expert parallelism (dp 4 x ep 2 with microbatches, ep 4).
+MOE_LAYOUTS = ["single", "dp m2", "zero1", "zero3", "ep 4x2 m2", "ep4"]
+
+
+def test_moe_saved_bytes_and_model_state_equal_the_planners_formulas():
+    """The planner's MoE formula (parallel/planner/moe.py) on the routing each rank measured, to the byte on
+    every rank: the saved set follows the routing (no padding to capacity), so ranks differ."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+           str(PROJECT_ROOT / "tests" / "helpers" / "planner_memory_check.py"), "tiny_moe", *MOE_LAYOUTS]
+    proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **CPU_ONLY})
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    results = {label: json.loads(text) for label, text in
+               (line.split("\t") for line in proc.stdout.splitlines() if "\t" in line)}
+    assert sorted(results) == sorted(MOE_LAYOUTS)
+    for label, r in results.items():
+        assert r["formula"] == r["measured"] and all(m > 0 for m in r["measured"]), label
+        assert r["state"] == r["state_formula"], f"{label}: model state {r['state']} != {r['state_formula']}"
+    assert len(set(results["ep4"]["measured"])) > 1  # the routing differs by rank, and so do the bytes
+
+
 def test_strategies_without_a_formula_say_so():
     """PyTorch's DTensor TP and pipelining save other tensors than ours: their entries have none, so
     the summary and the planner show no formula rather than a wrong one."""

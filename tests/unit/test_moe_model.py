@@ -290,8 +290,11 @@ def test_presets_load_and_count():
         unknown = set(fields) - set(GPTConfig.__dataclass_fields__)
         assert not unknown, (name, unknown)
         GPTConfig(**fields)
-        assert bool(set(MOE_FIELDS) & set(fields)) == name.endswith("_moe"), name
-    for name, psi in (("tiny_moe", 433_920), ("small_moe", 21_206_528), ("small_llama_moe", 22_688_000)):
+        # A preset with experts says so in its name: *_moe, or a published mixture's (mixtral_*).
+        assert bool(set(MOE_FIELDS) & set(fields)) == (name.endswith("_moe") or name.startswith("mixtral_")), name
+    # Mixtral 8x7B: "47B" parameters, "13B active" (Jiang et al. 2024); 8x22B: 141B, 39B active.
+    for name, psi in (("tiny_moe", 433_920), ("small_moe", 21_206_528), ("small_llama_moe", 22_688_000),
+                      ("mixtral_8x7b", 46_702_792_704), ("mixtral_8x22b", 140_620_634_112)):
         cfg = GPTConfig(**yaml.safe_load((CONF / f"{name}.yaml").read_text()))
         assert cfg.moe_experts and parameter_count(cfg) == psi
     assert count_parameters(GPT(GPTConfig(**yaml.safe_load((CONF / "tiny_moe.yaml").read_text())))) == 433_920
