@@ -160,10 +160,11 @@ def test_each_fit_run_is_reproduced_by_its_presets_efficiency(run):
     assert evaluated(run)["error"] == pytest.approx(0, abs=0.01)
 
 
-def test_at_least_a_third_of_the_runs_are_held_out_and_one_fit_per_cluster():
+def test_at_least_a_third_of_the_runs_are_held_out_one_fit_per_cluster_and_every_row_sourced():
     assert len(HELD) * 3 >= len(RUNS)
     fits = [r.cluster for r in RUNS if r.split == FIT]
     assert len(fits) == len(set(fits))
+    assert all(r.source and r.sure for r in RUNS) and len({r.name for r in RUNS}) == len(RUNS)
 
 
 if __name__ == "__main__":
