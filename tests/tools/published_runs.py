@@ -109,8 +109,9 @@ def korthikanti() -> list[Run]:
     out = []
     for name, heads, h, layers, pp, batch, micro, v, full_s, seqsel_s in shapes:
         for recompute, sp, step in (("full", False, full_s), ("selective", True, seqsel_s)):
+            # Megatron-LM's sequence parallelism keeps each rank's piece of the linears' inputs, not the gathered
             parallel = {"tp": 8, "pp": pp, "sequence_parallel": sp, "grad_sync": "naive", "virtual_stages": v,
-                        "schedule": "interleaved_1f1b" if v > 1 else "1f1b"}
+                        "schedule": "interleaved_1f1b" if v > 1 else "1f1b", **({"tp_saves": "sharded"} if sp else {})}
             label = "SP + selective" if sp else "full recompute"
             out.append(Run(f"GPT {name}, {label}", KORTHIKANTI, A100, HELD_OUT, gpt(heads, h, layers), 8 * pp,
                            batch, micro, parallel, recompute, "step_s", step, None, KORTHIKANTI_SURE))
