@@ -56,6 +56,7 @@ class Cluster:
     # are not overlapped with the k-loop (compute.py's k0); None: overlapped (Hopper's persistent kernels)
     flash_attention: bool = True  # the attention core as one fused kernel; false: materialized scores (compute.py)
     calibration: dict | None = None  # the one fitted parameter: which, and on what (the preset's `calibration`)
+    codec_bytes_per_s: float | None = None  # a rank's elementwise rate for the lossy collectives' codec (codec.py)
 
     def __post_init__(self):
         for name in ("gpus_per_node", "memory_bytes", "peak_flops", "efficiency", "intra_bytes_per_s",
@@ -122,7 +123,9 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
                 else float(c["nvlink_gbytes_per_s"]) / 2 * 1e9  # both directions -> one
             inter = float(c["inter_busbw_gbytes_per_s"]) * 1e9 if c.get("inter_busbw_gbytes_per_s") \
                 else float(c["inter_gbit_per_s"]) / 8 * 1e9
+            # The codec's passes are memory-bound kernels: HBM's rate, read and write (codec.py).
             return Cluster(gpus_per_node=int(c["gpus_per_node"]), intra_bytes_per_s=intra, inter_bytes_per_s=inter,
+                           codec_bytes_per_s=common["hbm_bytes_per_s"],
                            intra_latency_s=float(c["intra_latency_us"]) * 1e-6,
                            inter_latency_s=float(c["inter_latency_us"]) * 1e-6, **common)
     except KeyError as e:
@@ -153,7 +156,11 @@ def _emulated(c: dict, common: dict, net: dict, world: int | None) -> Cluster:
     latency = float(net.get("latency_ms") or 0) * 1e-3
     if world:
         common["memory_bytes"] /= world  # every rank of every emulated node shares the machine's memory
-    return Cluster(gpus_per_node=per_node, nodes=nodes, node_link_shared=True,
+    from parallel.planner.codec import shared_rate
+
+    codec = float(c["codec_gbytes_per_s"]) * 1e9 if c.get("codec_gbytes_per_s") \
+        else shared_rate(world or per_node * nodes)
+    return Cluster(gpus_per_node=per_node, nodes=nodes, node_link_shared=True, codec_bytes_per_s=codec,
                    intra_bytes_per_s=intra_mbit * 1e6 / 8 / per_node if intra_mbit else loopback,
                    inter_bytes_per_s=inter_mbit * 1e6 / 8 if inter_mbit and nodes > 1 else loopback,
                    intra_latency_s=float(c["loopback_latency_us"]) * 1e-6,

@@ -2,8 +2,9 @@
 
 The search runs over the registry and the families, not over lists of names: for each entry that
 is not a PyTorch baseline (a baseline is another implementation of a layout its counterpart already
-covers), the dimensions its rules let exceed 1 (`StrategySpec.dims`: dp, tp, pp, cp, ep) are every
-factorisation of N; on each, every family says which of its options to try (`Family.search`: the
+covers; one enters where `only` names it, so that its prediction can be validated), the dimensions
+its rules let exceed 1 (`StrategySpec.dims`: dp, tp, pp, cp, ep) are every factorisation of N; on
+each, every family says which of its options to try (`Family.search`: the
 options the entry honours, from conf/plan.yaml's `plan.search`), and the requests are their product
 with the microbatch counts (the divisors of the local batch) and recomputation where the training
 config has it. A strategy registered later enters with its entry and its layout rules, and a
@@ -216,7 +217,8 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
             "train": {**base["train"], "global_batch": global_batch}}
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, local_world_size=world)
     has_recompute = "recompute" in base["train"]
-    specs = [s for s in REGISTRY.values() if "baseline" not in s.tags and (only is None or s.name in only)]
+    # A PyTorch baseline enters only where `only` names it (validating its prediction): the search is of layouts.
+    specs = [s for s in REGISTRY.values() if ("baseline" not in s.tags and only is None) or (only and s.name in only)]
     found = Enumeration([], Counter(), 0)
     seen: dict[tuple, Candidate] = {}
     for spec in specs:
@@ -311,7 +313,9 @@ def _preferred(c: Candidate) -> tuple:
 def _key(c: Candidate) -> tuple:
     """Requests that run the same layout are one candidate (whichever strategy runs it: `_preferred`):
     what each family's options change of the run (`Family.identity`: two schedule names that give the
-    same action lists are one), the effective ZeRO stage and all-reduce sync, the recomputation."""
+    same action lists are one), the effective ZeRO stage and all-reduce sync, the recomputation. A named
+    PyTorch baseline stays a row of its own beside the layout of ours it is the counterpart of."""
     layout = c.layout
+    baseline = c.plan.strategy if "baseline" in c.plan.spec.tags else None
     return (layout.dims, layout.microbatches, layout.microbatch_size, identity(layout, c.plan.spec), c.zero,
-            c.grad_sync, c.request.get("recompute"))
+            c.grad_sync, c.request.get("recompute"), baseline)

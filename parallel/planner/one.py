@@ -85,6 +85,8 @@ def breakdown(row: dict, usable_bytes: float) -> str:
         lines.append("step time, s:")
         for k in ("compute", "exposed_comm", "bubble", "total"):
             lines.append(f"  {k:<12} {t[k]:.4g}")
+        if t.get("codec"):
+            lines.append(f"    compute.codec          {t['codec']:.4g} (lossy collectives, DiLoCo's outer step)")
         for k, v in (row.get("compute_s") or {}).items():
             lines.append(f"    compute.{k:<14} {v:.4g}")
         for k, v in (row.get("comm_seconds_by_group") or {}).items():

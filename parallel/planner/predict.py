@@ -11,7 +11,8 @@ The row's names are the contract tools read (plan.json):
     fits                    total <= the device's usable bytes (capacity - runtime, less the headroom)
     over_bytes              how far past the usable bytes it is (negative: room left)
     bytes_per_step          intra_node, inter_node: all ranks' bytes per optimizer step (the closed forms)
-    step_time_s             compute, exposed_comm, bubble, total
+    step_time_s             compute, exposed_comm, bubble, total; codec (the part of compute that is the
+                            lossy collectives' and DiLoCo's elementwise work, codec.py)
     tokens_per_s, mfu       global tokens per step / total; model FLOPs per second / peak (a fraction)
 """
 
@@ -24,6 +25,7 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
 from parallel.planner import memory, moe
 from parallel.planner.cluster import Cluster
+from parallel.planner.codec import codec_seconds
 from parallel.planner.enumerate import Candidate
 from parallel.planner.remedies import outer_state_per_parameter, trade_notes
 from parallel.planner.timing import step_time
@@ -164,7 +166,7 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         "bytes_exact": str(sum((t.total for t in traffic.values()), Fraction(0))) if traffic else None,
         "bytes_by_group": {g: float(t.total) for g, t in traffic.items()} if traffic else None,
         "step_time_s": {"compute": time.compute, "exposed_comm": time.exposed_comm, "bubble": time.bubble,
-                        "total": total} if time else None,
+                        "total": total, "codec": time.codec} if time else None,
         "comm_seconds_by_group": time.comm_by_group if time else None,
         "tokens_per_s": tokens / total if total else None,
         "mfu": shape.flops_per_token() * tokens / total / cluster.peak_for_mfu(dims.world_size) if total else None,
@@ -212,8 +214,9 @@ def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster,
         traffic = layout_traffic(plan.spec, shape, layout, candidate.zero, cluster.gpus_per_node, cluster.algorithm,
                                  layers)
         links = bytes_by_link(traffic)
+        codec = codec_seconds(shape, plan.spec, layout, candidate.zero, cluster)
         time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
-                         ACT_BYTES[cluster.precision])
+                         ACT_BYTES[cluster.precision], codec)
     except NoTrafficFormula as e:
         notes.append(f"no traffic formula: {e}")
         traffic, links, time = None, None, None

@@ -7,10 +7,10 @@ else the planner needs of them is read here, from the entry and its layout:
                      over dp (the model state, memory.py), at the stage the entry's own model-state
                      formula describes (`sharded_stage`); its groups dp_shard and dp_replicate are
                      placed on nodes as parallel/dist/dims.py numbers them (links.py)
-    low precision    (parallel.comm_dtype) nothing but a note: the closed forms already count the format's
+    low precision    (parallel.comm_dtype) a note: the closed forms already count the format's
                      bytes and scales (int8 and fp8 reduce as an all-to-all and an all-gather, which
-                     traffic.py counts as a reduction, not as ZeRO's parameter gathers), and the time
-                     model times bytes (the casts and the quantization are not timed)
+                     traffic.py counts as a reduction, not as ZeRO's parameter gathers); the casts,
+                     the quantization and error feedback are timed by codec.py
     DiLoCo           (parallel=diloco) the sync period H of its outer all-reduce (`period_steps`: its
                      bytes are a mean per step, its time one sync's over H, timing.py) and the outer
                      state each worker keeps (`outer_state_per_parameter`: the outer copy and the

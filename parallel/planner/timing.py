@@ -56,7 +56,12 @@ ASSUMPTIONS = {
                "exposed, once per H steps; "
                "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
     "bubble": "parallel/pp/simulator.py on the schedule's lists with the slowest stage's forward and backward times",
-    "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets), kernel launch "
+    "codec": "the lossy collectives' casts, block scales, quantization and error feedback, and DiLoCo's outer step "
+             "(once per H steps): elements x bytes read and written per element over the code's own passes / the "
+             "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start, "
+             "shared by the ranks as the cores are), on the critical path: added to compute, overlapped with nothing",
+    "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets; DiLoCo's outer "
+                   "step is timed, as codec), kernel launch "
                    "and Python overheads, stragglers, stage imbalance beyond the slowest stage, network congestion",
 }
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
@@ -76,6 +81,7 @@ class StepTime:
     hardware_flops: float | None = None  # per step, all ranks: model FLOPs plus recomputation's (roofline only)
     model_flops: float | None = None
     compute_parts: dict | None = None  # seconds per step on the slowest rank: matmuls, attention, elementwise
+    codec: float = 0.0  # of `compute`: the lossy collectives' casts and scales, DiLoCo's outer step (codec.py)
 
     @property
     def total(self) -> float:
@@ -115,8 +121,9 @@ def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster,
 
 
 def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
-              layers_by_rank: list[int], act_bytes: int) -> StepTime:
-    """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank."""
+              layers_by_rank: list[int], act_bytes: int, codec: float = 0.0) -> StepTime:
+    """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank;
+    `codec`: seconds of elementwise codec work on the rank's critical path (codec.py), part of compute."""
     m, world = layout.microbatches, layout.dims.world_size
     forward, backward, hardware, model_flops, parts = _slowest_stage(shape, layout, cluster, layers_by_rank, act_bytes)
     if shape.gpt.moe_experts:  # the MoE blocks' router and experts in place of the dense MLP (moe.py)
@@ -131,9 +138,9 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
     pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff)
     dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
-    compute = m * (forward + backward)
+    compute = m * (forward + backward) + codec
     exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
-    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts)
+    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts, codec)
 
 
 def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: list[int], act_bytes: int) -> tuple:

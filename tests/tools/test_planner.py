@@ -310,11 +310,11 @@ def test_this_machine_takes_the_emulated_networks_settings():
     """The emulated network's net.* settings: 2 nodes of 2 ranks behind 200 Mbit/s links with 1 ms latency; the
     machine's memory and peak shared by every rank; a world the network does not have is refused."""
     preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
-              "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100}
+              "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100, "codec_gbytes_per_s": 2.0}
     net = {"nodes": 2, "procs_per_node": 2, "inter_mbit": 200, "intra_mbit": None, "latency_ms": 1, "loss_pct": 0}
     c = cluster_from_config(preset, net, world=4)
     assert (c.nodes, c.gpus_per_node, c.node_link_shared, c.shared_compute) == (2, 2, True, True)
-    assert c.inter_bytes_per_s == 200e6 / 8 and c.intra_bytes_per_s == 1e9
+    assert c.inter_bytes_per_s == 200e6 / 8 and c.intra_bytes_per_s == 1e9 and c.codec_bytes_per_s == 2e9
     assert c.inter_latency_s == pytest.approx(100e-6 + 1e-3) and c.memory_bytes == pytest.approx(23.4 * 2**30 / 4)
     assert c.flops_per_rank(4) == pytest.approx(0.3e12 * preset["efficiency"] / 4) and c.peak_for_mfu(4) == 0.3e12
     with pytest.raises(ClusterError, match="plan.world=8 but the network has net.nodes x net.procs_per_node = 2 x 2"):

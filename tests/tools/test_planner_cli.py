@@ -24,7 +24,8 @@ def _plan(args: list[str], tmp_path) -> subprocess.CompletedProcess:
 def test_launch_plan_writes_the_ranked_plan(tmp_path):
     out = tmp_path / "plan"
     proc = _plan(["model=tiny", "plan.world=4", "plan.peak_tflops=0.3", "plan.layouts=[dp,tp,pp_1f1b,zero3,3d]",
-                  "cluster.loopback_gbytes_per_s=1.0", "cluster.loopback_latency_us=100", f"run.dir={out}"], tmp_path)
+                  "cluster.loopback_gbytes_per_s=1.0", "cluster.loopback_latency_us=100",
+                  "cluster.codec_gbytes_per_s=1.0", f"run.dir={out}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tiny on 4 x this_machine" in proc.stdout and "MFU %" in proc.stdout
     plan = json.loads((out / "plan.json").read_text())
@@ -34,7 +35,7 @@ def test_launch_plan_writes_the_ranked_plan(tmp_path):
             "virtual_stages"} <= set(row["layout"])
     assert set(row["memory_bytes_per_device"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert set(row["bytes_per_step"]) == {"intra_node", "inter_node"}
-    assert set(row["step_time_s"]) == {"compute", "exposed_comm", "bubble", "total"}
+    assert set(row["step_time_s"]) == {"compute", "exposed_comm", "bubble", "total", "codec"}
     assert 0 < row["mfu"] < 1 and row["fits"] is True
     kept = {"dp", "tp", "pp_1f1b", "zero3", "3d"}
     assert all(r["layout"]["preset"] in kept or r["layout"]["strategy"] in kept for r in plan["rows"])

@@ -223,7 +223,8 @@ def test_the_planners_llama_figures_are_the_registrys(model, world, overrides, r
     plan = build_plan(cfg, LaunchEnv(world_size=world, local_world_size=world), cuda_available=False)
     gpt = GPTConfig(**OmegaConf.to_container(cfg.model, resolve=True))
     preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
-              "peak_tflops": 1.0, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 10.0}  # nothing measured
+              "peak_tflops": 1.0, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 10.0,
+              "codec_gbytes_per_s": 1.0}  # nothing measured
     row = evaluate_layout(ModelShape(gpt=gpt), OmegaConf.to_container(cfg, resolve=True), [],
                           cluster_from_config(preset, None, world), world, cfg.train.global_batch,
                           OmegaConf.to_container(cfg.parallel, resolve=True), recompute)
