@@ -12,7 +12,8 @@ The row's names are the contract tools read (plan.json):
     over_bytes              how far past the usable bytes it is (negative: room left)
     bytes_per_step          intra_node, inter_node: all ranks' bytes per optimizer step (the closed forms)
     step_time_s             compute, exposed_comm, bubble, total; codec (the part of compute that is the
-                            lossy collectives' and DiLoCo's elementwise work, codec.py)
+                            lossy collectives' and DiLoCo's elementwise work, codec.py); optimizer (the part
+                            that is the optimizer step, optimizer_step.py)
     tokens_per_s, mfu       global tokens per step / total; model FLOPs per second / peak (a fraction)
 """
 
@@ -27,7 +28,8 @@ from parallel.planner import memory, moe
 from parallel.planner.cluster import Cluster
 from parallel.planner.codec import codec_seconds
 from parallel.planner.enumerate import Candidate
-from parallel.planner.remedies import outer_state_per_parameter, trade_notes
+from parallel.planner.optimizer_step import elements_stepped, optimizer_seconds
+from parallel.planner.remedies import outer_state_per_parameter, trade_notes, zero_shards
 from parallel.planner.timing import step_time
 from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
 from parallel.registry import describe
@@ -166,7 +168,7 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         "bytes_exact": str(sum((t.total for t in traffic.values()), Fraction(0))) if traffic else None,
         "bytes_by_group": {g: float(t.total) for g, t in traffic.items()} if traffic else None,
         "step_time_s": {"compute": time.compute, "exposed_comm": time.exposed_comm, "bubble": time.bubble,
-                        "total": total, "codec": time.codec} if time else None,
+                        "total": total, "codec": time.codec, "optimizer": time.optimizer} if time else None,
         "comm_seconds_by_group": time.comm_by_group if time else None,
         "tokens_per_s": tokens / total if total else None,
         "mfu": shape.flops_per_token() * tokens / total / cluster.peak_for_mfu(dims.world_size) if total else None,
@@ -206,6 +208,14 @@ def _worst_stage(per_stage: list[dict], usable_bytes: float) -> tuple[dict, bool
     return {**worst, "total": known}, False
 
 
+def _optimizer_seconds(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout) -> float:
+    """The optimizer step of the stage whose optimizer updates the most elements (optimizer_step.py)."""
+    shards = zero_shards(layout.dims)
+    elements = max(elements_stepped(memory.stage_parts(shape, layout, r), candidate.zero, shards)
+                   for r in range(layout.dims.pp))
+    return optimizer_seconds(elements, candidate.plan.optimizer, cluster.precision, cluster.codec_bytes_per_s)
+
+
 def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout, layers: list[int],
                       notes: list[str]):
     """Bytes per group (theory's closed forms) and the step time (timing.py) of the row."""
@@ -216,7 +226,7 @@ def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster,
         links = bytes_by_link(traffic)
         codec = codec_seconds(shape, plan.spec, layout, candidate.zero, cluster)
         time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
-                         ACT_BYTES[cluster.precision], codec)
+                         ACT_BYTES[cluster.precision], codec, _optimizer_seconds(shape, candidate, cluster, layout))
     except NoTrafficFormula as e:
         notes.append(f"no traffic formula: {e}")
         traffic, links, time = None, None, None

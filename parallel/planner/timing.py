@@ -60,9 +60,11 @@ ASSUMPTIONS = {
              "(once per H steps): elements x bytes read and written per element over the code's own passes / the "
              "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start, "
              "shared by the ranks as the cores are), on the critical path: added to compute, overlapped with nothing",
-    "not modeled": "the optimizer step (memory-bound, a small share of a step on the GPU presets; DiLoCo's outer "
-                   "step is timed, as codec), kernel launch "
-                   "and Python overheads, stragglers, stage imbalance beyond the slowest stage, network congestion",
+    "optimizer": "the optimizer step after the schedule: the elements the rank's optimizer updates (all of its "
+                 "parameters, ZeRO's 1/n) x the bytes its update's passes read and write / the codec rate, the "
+                 "largest stage's, added to compute",
+    "not modeled": "kernel launch and Python overheads, stragglers, stage imbalance beyond the slowest stage, "
+                   "network congestion",
 }
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
 # The groups that sum gradients over replicas (their reductions overlap backward; nothing else of theirs
@@ -82,6 +84,7 @@ class StepTime:
     model_flops: float | None = None
     compute_parts: dict | None = None  # seconds per step on the slowest rank: matmuls, attention, elementwise
     codec: float = 0.0  # of `compute`: the lossy collectives' casts and scales, DiLoCo's outer step (codec.py)
+    optimizer: float = 0.0  # of `compute`: the optimizer step over the rank's parameters (optimizer_step.py)
 
     @property
     def total(self) -> float:
@@ -121,9 +124,10 @@ def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster,
 
 
 def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
-              layers_by_rank: list[int], act_bytes: int, codec: float = 0.0) -> StepTime:
+              layers_by_rank: list[int], act_bytes: int, codec: float = 0.0, optimizer: float = 0.0) -> StepTime:
     """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank;
-    `codec`: seconds of elementwise codec work on the rank's critical path (codec.py), part of compute."""
+    `codec`: seconds of elementwise codec work on the rank's critical path (codec.py), and `optimizer`: its
+    optimizer step (optimizer_step.py), both part of compute."""
     m, world = layout.microbatches, layout.dims.world_size
     forward, backward, hardware, model_flops, parts = _slowest_stage(shape, layout, cluster, layers_by_rank, act_bytes)
     if shape.gpt.moe_experts:  # the MoE blocks' router and experts in place of the dense MLP (moe.py)
@@ -138,9 +142,10 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
     pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff)
     dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
-    compute = m * (forward + backward) + codec
+    compute = m * (forward + backward) + codec + optimizer
     exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
-    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts, codec)
+    return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts, codec,
+                    optimizer)
 
 
 def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: list[int], act_bytes: int) -> tuple:

@@ -23,8 +23,9 @@ prediction's use one peak). The run's summary.json gives what is compared:
     model state          memory.by_rank totals against the row's params + grads + optimizer
 
 Calibration: with plan.calibrate, a one-process run of the model (`parallel=single`) comes first;
-its MFU is the share of the peak this machine's matmuls reach on this model (there is nothing else
-in its step), and becomes the cluster's efficiency for every prediction that follows.
+its MFU over its step less the optimizer phase (which the planner times on its own) is the share of the
+peak this machine's matmuls reach on this model, and becomes the cluster's efficiency for every prediction
+that follows.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def run_settings(model_overrides: list[str], steps: int, warmup_steps: int, peak
 
 def calibrate(settings: list[str], global_batch: int, world: int, run_root: Path,
               timeout_s: float, name: str = "calibration-single") -> tuple[float, dict]:
-    """Efficiency from a one-process run of the model (nothing but compute in its step), run with the
+    """Efficiency from a one-process run of the model (nothing but compute and its optimizer step), run with the
     threads each rank of a `world`-rank run gets (train.py: cores // ranks, at least 1): its FLOP/s
     over the peak of those threads' cores. (Two threads on a loaded 2-core machine can run slower
     than one; measuring another thread count than the runs use would calibrate something else.)"""
@@ -188,7 +189,10 @@ def calibrate(settings: list[str], global_batch: int, world: int, run_root: Path
     summary = run_layout(overrides, 1, run_root / name, None, None, timeout_s)
     if "error" in summary:
         raise ValidationError(f"the calibration run (parallel=single) failed: {summary['error']}")
-    return min(1.0, summary["mfu"]["mfu"] * cores / threads), summary
+    # The planner times the optimizer step on its own (optimizer_step.py): the matmuls' share of the peak is
+    # the step's FLOPs over the step less its optimizer phase.
+    step, optimizer = summary["step_time_s"], summary["time_breakdown_s"]["optimizer"]
+    return min(1.0, summary["mfu"]["mfu"] * cores / threads * step / (step - optimizer)), summary
 
 
 def validate_rows(chosen: list[dict], settings: list[str], world: int, run_root: Path, net: dict | None,

@@ -75,13 +75,15 @@ def test_diloco_outer_step_is_its_passes_once_per_h_steps(base):  # noqa: F811
 
 def test_the_rows_compute_holds_the_codec_at_the_clusters_rate(base):  # noqa: F811
     """The same row at a codec rate of 1 GB/s and without one: compute and total differ by the codec's
-    bytes over 1 GB/s, which the row names; the exposed communication does not move."""
+    bytes over 1 GB/s, which the row names, and the optimizer step's at the same rate; the exposed
+    communication does not move."""
     shape, candidate, nbytes = _codec(base, comm_dtype="int8")
     timed = predict_row(shape, candidate, synthetic_cluster(codec_bytes_per_s=1e9), "dp")["step_time_s"]
     bare = predict_row(shape, candidate, synthetic_cluster(), "dp")["step_time_s"]
     assert bare["codec"] == 0 and nbytes > 0 and timed["codec"] == pytest.approx(nbytes / 1e9)
-    assert timed["compute"] - bare["compute"] == pytest.approx(timed["codec"])
-    assert timed["total"] - bare["total"] == pytest.approx(timed["codec"])
+    assert bare["optimizer"] == 0 and timed["optimizer"] > 0
+    assert timed["compute"] - bare["compute"] == pytest.approx(timed["codec"] + timed["optimizer"])
+    assert timed["total"] - bare["total"] == pytest.approx(timed["codec"] + timed["optimizer"])
     assert timed["exposed_comm"] == bare["exposed_comm"]
 
 

@@ -31,6 +31,7 @@ HELD = [r for r in RUNS if r.split == HELD_OUT]
 A100_GENERATION = ("a100_80gb's efficiency was fitted on Megatron-LM of 2021 (Table 1); Megatron-LM of 2022 ran "
                    "the same per-replica layout (530B: tp 8, pp 35, 280 microbatches, 3 chunks) 10% faster")
 TIME_MISSES = {
+    "GPT 175B, full recompute": A100_GENERATION,
     "GPT 1T, full recompute": A100_GENERATION,
     "GPT 1T, SP + selective": A100_GENERATION,
     "MT-NLG 530B, 420 nodes": "DeepSpeed's pipeline of 2021 at 160 microbatches a pipeline: slower than predicted",

@@ -19,8 +19,8 @@ from parallel.planner.validate import launch_command
 def test_validation_adds_measured_columns_that_match_the_closed_forms(tmp_path):
     out = tmp_path / "plan"
     cmd = [sys.executable, "-m", "launch.plan", "model=tiny", "plan.world=2", "plan.peak_tflops=0.3",
-           "plan.layouts=[dp]", "plan.validate=true", "plan.validate_top=0", "plan.steps=3", "plan.warmup_steps=1",
-           f"run.dir={out}"]
+           "plan.layouts=[dp]", "plan.search.zero=[0]", "plan.validate=true", "plan.validate_top=0", "plan.steps=3",
+           "plan.warmup_steps=1", f"run.dir={out}"]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
