@@ -31,9 +31,11 @@ overlap    tp, cp and ep collectives block the forward or backward they sit in (
            sends: beside compute on a GPU (NCCL streams), exposed only on the fill and drain path,
            2·(v·p-1) messages; on gloo they run on the sender's path, and the simulator plays them
            as such.
-bubble     parallel/pp/simulator.py runs the schedule's lists with each rank's forward and
-           backward times (the slowest stage's, tp time included) and no send cost; the bubble is
-           its makespan less the compute it holds.
+bubble     the slowest stage works m·(F + B) of its own (tp time included); the schedule's fill and
+           drain run through the other stages, so the idle it adds is the schedule's (its closed form,
+           else parallel/pp/simulator.py's lists, no send cost) played with the other stages' mean
+           forward and backward: with the last stage slowest (it holds the head), 1F1B's makespan is
+           m·(F_last + B_last) + (p-1)·(F + B) of the others, as the simulator plays stages that differ.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ ASSUMPTIONS = {
                "and HSDP's replicate all-reduce (after the reduce-scatters) are exposed; DiLoCo's outer all-reduce is "
                "exposed, once per H steps; "
                "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
-    "bubble": "parallel/pp/simulator.py on the schedule's lists with the slowest stage's forward and backward times",
+    "bubble": "the slowest stage's m·(F + B) plus the schedule's idle (parallel/pp/simulator.py's lists) played "
+              "with the other stages' mean forward and backward times (the fill and drain run through them)",
     "codec": "the lossy collectives' casts, block scales, quantization and error feedback, and DiLoCo's outer step "
              "(once per H steps): elements x bytes read and written per element over the code's own passes / the "
              "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start, "
@@ -129,18 +132,22 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     `codec`: seconds of elementwise codec work on the rank's critical path (codec.py), and `optimizer`: its
     optimizer step (optimizer_step.py), both part of compute."""
     m, world = layout.microbatches, layout.dims.world_size
-    forward, backward, hardware, model_flops, parts = _slowest_stage(shape, layout, cluster, layers_by_rank, act_bytes)
+    forward, backward, hardware, model_flops, parts, fill = _slowest_stage(shape, layout, cluster, layers_by_rank,
+                                                                         act_bytes)
     if shape.gpt.moe_experts:  # the MoE blocks' router and experts in place of the dense MLP (moe.py)
         from parallel.planner.moe import with_moe_compute
 
+        dense = forward, backward
         forward, backward, hardware, model_flops = with_moe_compute(
             shape, layout, cluster.device(), cluster.flops_per_rank(world), max(layers_by_rank), act_bytes,
             (forward, backward, hardware, model_flops))
+        fill = (fill[0] + forward - dense[0], fill[1] + backward - dense[1])
     activation = layout.microbatch_size * shape.gpt.seq_len * shape.gpt.d_model * act_bytes
     seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
     blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)  # tp, cp, ep: inside compute
     f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
-    pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff)
+    fill_eff = (fill[0] + blocking / (2 * m), fill[1] + blocking / (2 * m))
+    pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff, fill_eff)
     dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
     compute = m * (forward + backward) + codec + optimizer
     exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
@@ -150,7 +157,8 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
 
 def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: list[int], act_bytes: int) -> tuple:
     """(forward, backward) seconds of one microbatch on the slowest stage, and, on a known device,
-    the step's hardware and model FLOPs and the slowest stage's compute by part (else None)."""
+    the step's hardware and model FLOPs and the slowest stage's compute by part (else None); last,
+    the other stages' mean (forward, backward), which the schedule's fill and drain run through."""
     dims, m, b = layout.dims, layout.microbatches, layout.microbatch_size
     p, t, g = dims.pp, dims.tp, shape.gpt
     rate = cluster.flops_per_rank(dims.world_size)
@@ -161,15 +169,9 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
         forwards = [tokens * forward_flops_per_token(shape, t, n, r == p - 1) / rate
                     for r, n in enumerate(layers_by_rank)]
         slowest = max(range(p), key=lambda r: forwards[r])
-        forward, backward = forwards[slowest], 2 * forwards[slowest]
-        # Recomputation runs again in backward: every block's forward (full), or its attention core's
-        # 4·s·h FLOPs per token (selective).
-        n = layers_by_rank[slowest]
-        if recompute == "full":
-            backward += tokens * forward_flops_per_token(shape, t, n, False) / rate
-        elif recompute == "selective":
-            backward += tokens * n * 4 * g.seq_len * g.d_model / t / rate
-        return forward, backward, None, None, None
+        per = [{"forward": f, "backward": 2 * f + _recomputed_seconds(shape, t, n, tokens / rate, recompute)}
+               for f, n in zip(forwards, layers_by_rank)]
+        return per[slowest]["forward"], per[slowest]["backward"], None, None, None, _others(per, slowest)
     from parallel.planner.compute import microbatch_seconds
 
     per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, layout.cut().sequence_parallel, recompute)
@@ -179,7 +181,24 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
     hardware = replicas * sum(x["hardware_flops"] for x in per)
     model_flops = replicas * sum(x["model_flops"] for x in per)
     parts = {k: m * per[slowest][k] for k in ("matmuls", "attention", "elementwise", "recompute")}
-    return per[slowest]["forward"], per[slowest]["backward"], hardware, model_flops, parts
+    return per[slowest]["forward"], per[slowest]["backward"], hardware, model_flops, parts, _others(per, slowest)
+
+
+def _recomputed_seconds(shape: ModelShape, t: int, layers: int, seconds_per_flop_token: float,
+                        recompute: str) -> float:
+    """Recomputation runs again in backward: every block's forward (full), or its attention core's
+    4·s·h FLOPs per token (selective)."""
+    if recompute == "full":
+        return seconds_per_flop_token * forward_flops_per_token(shape, t, layers, False)
+    if recompute == "selective":
+        return seconds_per_flop_token * layers * 4 * shape.gpt.seq_len * shape.gpt.d_model / t
+    return 0.0
+
+
+def _others(per: list[dict], slowest: int) -> tuple[float, float]:
+    """The mean (forward, backward) of the stages other than the slowest (the slowest's own with one stage)."""
+    others = [x for r, x in enumerate(per) if r != slowest] or [per[slowest]]
+    return (sum(x["forward"] for x in others) / len(others), sum(x["backward"] for x in others) / len(others))
 
 
 def _collective_seconds(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster,
@@ -217,8 +236,10 @@ def _direct_seconds(bytes_per_rank: float, span, cluster: Cluster, message: floa
 
 
 def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, activation: int, f_eff: float,
-                      b_eff: float) -> tuple[float, float]:
-    """(exposed seconds of the pipeline's sends, the bubble); records the sends' seconds in `seconds`."""
+                      b_eff: float, fill: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(exposed seconds of the pipeline's sends, the bubble); records the sends' seconds in `seconds`.
+    The bubble is the schedule's idle played with `fill`, the other stages' (forward, backward) that
+    its fill and drain run through (the slowest stage's own where not given)."""
     dims, m, v = layout.dims, layout.microbatches, chunks_per_rank(layout)
     p, t = dims.pp, dims.tp
     if p == 1:
@@ -229,12 +250,12 @@ def _pipeline_exposed(layout, cluster: Cluster, traffic: dict, seconds: dict, ac
     seconds["pp"] = send * traffic["pp"].per_rank(dims.world_size) / boundary if "pp" in traffic else 0.0
     # The schedule is played with the costs themselves, unrounded: the bubble is a small difference of two
     # makespans, so a ratio rounded to a few digits would move it by many times that share.
-    base = pipeline_makespan(layout, f_eff, b_eff, 0.0)
-    bubble = max(0.0, base - m * (f_eff + b_eff))
+    f_fill, b_fill = fill or (f_eff, b_eff)
+    bubble = max(0.0, pipeline_makespan(layout, f_fill, b_fill, 0.0) - m * (f_fill + b_fill))
     if cluster.p2p_overlap:
         return 2 * (v * p - 1) * send, bubble
     with_sends = pipeline_makespan(layout, f_eff, b_eff, send)
-    return max(0.0, with_sends - base), bubble
+    return max(0.0, with_sends - pipeline_makespan(layout, f_eff, b_eff, 0.0)), bubble
 
 
 def _dp_exposed(traffic: dict, seconds: dict, zero: int, grad_sync: str | None, window: float, world: int) -> float:

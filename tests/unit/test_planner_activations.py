@@ -47,6 +47,7 @@ from parallel.planner.cluster import cluster_from_config
 from parallel.planner.one import evaluate_layout
 from parallel.planner.timing import _pipeline_exposed
 from parallel.pp.options import PPOptions
+from parallel.pp.simulator import simulate_schedule, unit_costs
 from parallel.registry import layout_of
 from parallel.run_plan import build_plan
 from parallel.sync.options import SyncOptions
@@ -193,6 +194,24 @@ def test_the_bubble_is_the_schedules_with_the_unrounded_costs():
     backward = forward * 2.00449
     _, bubble = _pipeline_exposed(layout, cluster, {}, {}, 1, forward, backward)
     assert bubble == pytest.approx((p - 1) * (forward + backward), rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_the_bubble_runs_through_the_other_stages(schedule, v):
+    """A last stage slower than the rest (it holds the head) sets the steady pace, but the fill and drain run
+    through the other stages: the simulator, played with each rank's own costs, finishes at the slowest
+    rank's m·(F + B) plus the bubble the planner reports with the others' times as `fill`, not the slowest's."""
+    preset = yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "a100_80gb.yaml").read_text())
+    cluster = cluster_from_config(preset, None, 4)
+    p, m = 4, 16
+    layout = layout_of(ParallelDims.resolve(p, pp=p), microbatches=m, schedule=schedule, virtual_stages=v)
+    other, slow = (0.010, 0.030), (0.0115, 0.0335)
+    costs = {(r, c): unit_costs(*(slow if r == p - 1 else other)) for r in range(p) for c in range(v)}
+    played = simulate_schedule(schedule, p, m, v, costs).makespan
+    _, bubble = _pipeline_exposed(layout, cluster, {}, {}, 1, *slow, other)
+    _, slowest_only = _pipeline_exposed(layout, cluster, {}, {}, 1, *slow)
+    assert m * sum(slow) + bubble == pytest.approx(played, rel=1e-9)
+    assert slowest_only > bubble
 
 
 # -- Llama's block: the planner's figures are the registry's, which the runs equal -----------------------------
