@@ -26,8 +26,9 @@ from parallel.run_plan import ConfigError
 RUNS = all_runs()
 HELD = [r for r in RUNS if r.split == HELD_OUT]
 
-# What the planner does not yet predict, and why (docs/planner.md, "Published runs"). Strict: a row that
-# starts to pass fails its test until it is taken off these lists.
+# What the planner does not yet predict, and why (docs/planner.md, "Published runs"). A time miss is held
+# within 25% instead of 15%; a memory miss is a strict expected failure (one that starts to fit fails its
+# test until it is taken off the list).
 A100_GENERATION = ("a100_80gb's efficiency was fitted on Megatron-LM of 2021 (Table 1); Megatron-LM of 2022 ran "
                    "the same per-replica layout (530B: tp 8, pp 35, 280 microbatches, 3 chunks) 10% faster")
 TIME_MISSES = {
@@ -137,11 +138,14 @@ def known(misses: dict, runs: list[Run]) -> list:
                          if r.name in misses else []) for r in runs]
 
 
-@pytest.mark.parametrize("run", known(TIME_MISSES, HELD))
+@pytest.mark.parametrize("run", HELD, ids=lambda r: r.name)
 def test_held_out_run_is_predicted_within_15_percent(run):
+    """Within 15%; a listed miss (TIME_MISSES, each with its reason, in docs/planner.md) within 25%, so that
+    it is still held where it stands and a row that drifts past its listed bound fails."""
     got = evaluated(run)
     assert "refused" not in got, got
-    assert abs(got["error"]) <= 0.15, (run.name, got["predicted"], run.published, got["row"]["step_time_s"])
+    bound = 0.25 if run.name in TIME_MISSES else 0.15
+    assert abs(got["error"]) <= bound, (run.name, got["predicted"], run.published, got["row"]["step_time_s"])
 
 
 @pytest.mark.parametrize("run", known(MEMORY_MISSES, HELD))
