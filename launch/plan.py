@@ -147,7 +147,7 @@ def main_plan(cfg: DictConfig) -> Path:
     print(f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts, "
           f"{sum(1 for r in rows if r['fits'])} fit in {cluster.usable_bytes / GIB:.1f} GiB usable per device "
           f"({found.requests} requests, {sum(found.refused.values())} refused by run_plan.py; not asked: {found.pruned}"
-          f" whose model state alone is over the device, {found.bounded} whose step-time floor is above the top {keep})")
+          f" whose model state alone is over the device, {found.bounded} whose step-time floor is over the top {keep})")
     print(console_table(rows, p.top))
     if validation is not None:
         _print_validation(validation, meta["validation"], choices.get("net"))

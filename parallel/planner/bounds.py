@@ -41,13 +41,12 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import ParallelDims
 from parallel.planner.cluster import Cluster
 from parallel.planner.compute import microbatch_seconds
+from parallel.planner.predict import ACT_BYTES
 from parallel.planner.timing import forward_flops_per_token
 from parallel.pp.schedules import SCHEDULES
 from parallel.pp.split import SplitError
 from parallel.tp.options import TPOptions
 from parallel.tp.theory import tp_tensors_per_layer
-
-ACT_BYTES = {"fp32": 4, "bf16": 2}
 
 
 def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batch: int):
@@ -55,7 +54,7 @@ def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batc
     predicted faster (the module's docstring says why each term holds; without `spec`, no communication
     is counted). 0 for a request run_plan.py will refuse anyway."""
     device, rate = cluster.device(), cluster.flops_per_rank(world)
-    act_bytes = ACT_BYTES.get(cluster.precision, 4)
+    act_bytes = ACT_BYTES[cluster.precision]
     link = max(cluster.intra_bytes_per_s, cluster.inter_bytes_per_s) * cluster.comm_efficiency
     g = shape.gpt
 
@@ -129,7 +128,7 @@ def _bubble_share(schedule: str, p: int, m: int, v: int) -> Fraction:
         forward = record.idle(p, m, v, 1, 0, 0)
         whole = record.idle(p, m, v, 0, 1, 0)
         split = record.idle(p, m, v, 0, Fraction(1, 2), Fraction(1, 2))
-    except Exception:  # sizes the formula does not take: the schedule refuses them too
+    except (ValueError, ZeroDivisionError):  # sizes the formula does not take: the schedule refuses them too
         return Fraction(0)
     if forward is None or whole is None or split is None:
         return Fraction(0)

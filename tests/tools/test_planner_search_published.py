@@ -36,7 +36,7 @@ def search(row, keep: int = 1) -> tuple[list[dict], object, object]:
     shape = ModelShape.from_preset(OmegaConf.to_container(cfg.model, resolve=True))
     cluster = cluster_from_config(OmegaConf.to_container(cfg.cluster, resolve=True), None, gpus)
     searched = OmegaConf.to_container(cfg.plan.search, resolve=True)
-    space = Space(**searched, context_parallel=False, sizes={"dp": gpus // (tp * pp), "tp": tp, "pp": pp})
+    space = Space(**{**searched, "context_parallel": False, "sizes": {"dp": gpus // (tp * pp), "tp": tp, "pp": pp}})
     rows, _ = plan_rows(shape, base, [], cluster, gpus, batch, space, only=["3d"], keep=keep)
     return rows, shape, cluster
 
@@ -64,3 +64,11 @@ def test_no_row_is_predicted_faster_than_its_floor():
         assert floor(r["layout"], REGISTRY["3d"]) <= r["step_time_s"]["total"], (r["layout"], r["step_time_s"])
     best = timed[0]
     assert floor(best["layout"], REGISTRY["3d"]) >= 0.8 * best["step_time_s"]["total"]
+
+
+if __name__ == "__main__":
+    for row in TABLE_1:  # the paper's configuration alone, the search's best, its layout
+        best = search(row)[0][0]
+        shown = {k: best["layout"][k] for k in ("microbatches", "schedule", "virtual_stages", "zero", "recompute",
+                                                "sequence_parallel")}
+        print(f"| {row[0]} | {evaluate(row)['step_s']:.1f} | {best['step_time_s']['total']:.1f} | {shown} |")
