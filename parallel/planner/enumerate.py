@@ -159,10 +159,10 @@ def _dim_choices(spec, world: int) -> list[dict]:
 
 @dataclass
 class Unit:
-    """The requests of one registry entry that share their sizes, their pipeline record and their
-    microbatch count: every other family's record and every recompute mode. They ask build_plan about
+    """The requests of one registry entry that share their sizes, their pipeline record, their
+    microbatch count and their recompute mode: every other family's record. They ask build_plan about
     the same (schedule, p, m, v) in a row (parallel/pp/schedules.py's cache answers the repeats), and
-    the search's step-time floor (parallel/planner/bounds.py) reads nothing else but the recompute mode."""
+    share one step-time floor (parallel/planner/bounds.py reads only what they share)."""
 
     spec: object
     request: dict  # the sizes, the microbatches and the first family's fields
@@ -241,7 +241,7 @@ def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: i
     request)`: true for a request that cannot fit whatever build_plan says (its model state alone is
     over the device: parallel/planner/search.py), which is then counted as pruned, not asked.
 
-    `floor(request)`: seconds no layout of the request is predicted under (parallel/planner/bounds.py);
+    `floor(request, spec)`: seconds no layout of the request is predicted under (parallel/planner/bounds.py);
     `judge`: called with each candidate kept (a new layout, or a more specific strategy for one kept),
     its `limit()` the step the search no longer needs to beat. With both, the units are asked cheapest
     floor first, a request whose floor is above the limit is counted as bounded, not asked, and once a
