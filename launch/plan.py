@@ -106,11 +106,11 @@ def main_plan(cfg: DictConfig) -> Path:
     base.update({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "train", "data")})
     presets = load_presets()
     space = _space(p, shape, cluster)
-    layouts = list(p.layouts) if p.layouts is not None else None
+    layouts, keep = (list(p.layouts) if p.layouts is not None else None), max(p.top, p.validate_top)
     if cfg.get("parallel") is not None:
         return _one_layout(cfg, shape, base, presets, cluster, world, global_batch, model_name, cluster_name)
     started = time.perf_counter()
-    rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts)
+    rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts, keep)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run.dir or Path("runs") / f"{stamp}-plan-{model_name}-{cluster_name}-w{world}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +133,7 @@ def main_plan(cfg: DictConfig) -> Path:
             print(f"calibration: parallel=single reaches {efficiency:.1%} of its cores' peak; predicting with it",
                   flush=True)
             cluster = replace(cluster, efficiency=efficiency)
-            rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts)
+            rows, found = plan_rows(shape, base, presets, cluster, world, global_batch, space, layouts, keep)
         validation = choose(rows, p.validate_top, layouts)
         net_preset = choices.get("net")
         validate_rows(validation, settings, world, run_dir, net, net_preset, p.timeout_s, recalibrate=recalibrate)
@@ -146,8 +146,8 @@ def main_plan(cfg: DictConfig) -> Path:
     _write_plan(run_dir, meta, rows, validation, cluster, p.top)
     print(f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts, "
           f"{sum(1 for r in rows if r['fits'])} fit in {cluster.usable_bytes / GIB:.1f} GiB usable per device "
-          f"({found.requests} requests, {sum(found.refused.values())} refused by run_plan.py; {found.pruned} more not "
-          "asked: their model state alone is over the device)")
+          f"({found.requests} requests, {sum(found.refused.values())} refused by run_plan.py; not asked: {found.pruned}"
+          f" whose model state alone is over the device, {found.bounded} whose step-time floor is over the top {keep})")
     print(console_table(rows, p.top))
     if validation is not None:
         _print_validation(validation, meta["validation"], choices.get("net"))
@@ -213,7 +213,8 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
         "precision": cluster.precision,
         "assumptions": {**ASSUMPTIONS, **MEMORY_ASSUMPTIONS, "bytes": BYTES_ASSUMPTION},
         "search": dict(space), "requests": found.requests, "refused": dict(found.refused),
-        "refused_total": sum(found.refused.values()), "pruned": found.pruned, "seconds": seconds,
+        "refused_total": sum(found.refused.values()), "pruned": found.pruned, "bounded": found.bounded,
+        "seconds": seconds,
     }
 
 

@@ -60,15 +60,16 @@ class Config(dict):
 class Space(dict):
     """What the search tries besides the dimensions: conf/plan.yaml's `plan.search`. Each family reads
     its own keys in its search (their defaults: every choice it knows); the search itself reads
-    `max_microbatches`, `recompute` and `context_parallel` (layouts with cp > 1 where the strategy
-    has the dimension)."""
+    `max_microbatches`, `recompute`, `context_parallel` (layouts with cp > 1 where the strategy
+    has the dimension) and `sizes` (dimension sizes to hold fixed)."""
 
     def __init__(self, **choices):
         super().__init__({k: tuple(v) if isinstance(v, list) else v for k, v in choices.items()})
 
     @property
-    def max_microbatches(self) -> int:
-        return self.get("max_microbatches", 64)
+    def max_microbatches(self) -> int | None:
+        """A cap on the microbatch counts tried; None (the default): every divisor of the local batch."""
+        return self.get("max_microbatches")
 
     @property
     def recompute(self) -> tuple[str, ...]:
@@ -77,6 +78,10 @@ class Space(dict):
     @property
     def context_parallel(self) -> bool:
         return self.get("context_parallel", True)
+
+    def holds(self, dims: dict) -> bool:
+        """Whether the layout's sizes are those `sizes` fixes ({"tp": 8, "pp": 64}: only those layouts)."""
+        return all(dims.get(k) == v for k, v in (self.get("sizes") or {}).items())
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,7 @@ class Enumeration:
     refused: Counter  # run_plan.py's (or the shape rule's) message -> how many requests it refused
     requests: int
     pruned: int = 0  # requests not asked: their model state alone is over the device (`beyond`)
+    bounded: int = 0  # requests not asked: their step-time floor is above the rows kept (`floor`)
 
 
 def divisors(n: int) -> list[int]:
@@ -152,32 +158,63 @@ def _dim_choices(spec, world: int) -> list[dict]:
     return out
 
 
-def _requests(spec, world: int, global_batch: int, space: Space, has_recompute: bool, model: GPTConfig):
-    """Every request of the search space for this registry entry, with its families' records. A layout on
-    which a family has nothing to try (tp over a size the model's heads do not divide) is left out before
-    any request is built: for a head count with few divisors that is most of a large world's sizes."""
+@dataclass
+class Unit:
+    """The requests of one registry entry that share their sizes, their pipeline record, their
+    microbatch count and their recompute mode: every other family's record. They ask build_plan about
+    the same (schedule, p, m, v) in a row (parallel/pp/schedules.py's cache answers the repeats), and
+    share one step-time floor (parallel/planner/bounds.py reads only what they share)."""
+
+    spec: object
+    request: dict  # the sizes, the microbatches and the first family's fields
+    first: object = None  # the first family's record; None: a request run_plan.py refuses for its sizes alone
+    rest: list = field(default_factory=list)  # the other families' choices
+    modes: tuple = (None,)  # recompute modes, or (None,) where the training config has none
+
+    @property
+    def size(self) -> int:
+        return prod(len(c) for c in self.rest) * len(self.modes)
+
+    def requests(self):
+        if self.first is None:
+            yield dict(self.request), None
+            return
+        for rest in product(*self.rest):
+            options = FamilyOptions.of_records([self.first, *rest])
+            request = {**self.request, **request_fields(options)}
+            for recompute in self.modes:
+                yield ({**request, "recompute": recompute} if recompute is not None else request), options
+
+
+def _units(spec, world: int, global_batch: int, space: Space, has_recompute: bool, model: GPTConfig):
+    """The search space of this registry entry, unit by unit (`Unit`). A layout on which a family has
+    nothing to try (tp over a size the model's heads do not divide) is left out before any request is
+    built: for a head count with few divisors that is most of a large world's sizes."""
+    modes = space.recompute if has_recompute else (None,)
     # By pipeline depth first: layouts of one pp (their tp and dp differ) ask for the same schedules
     # one after another, while parallel/pp/schedules.py's cache still holds them.
     for dims in sorted(_dim_choices(spec, world), key=lambda d: (d["pp"], d["cp"], d["tp"], d["ep"])):
-        if dims["cp"] > 1 and not space.context_parallel:
+        if (dims["cp"] > 1 and not space.context_parallel) or not space.holds(dims):
             continue
         choices = option_choices(Search(spec, ParallelDims(world, **dims), model, space))
         if not all(choices):
             continue
         if global_batch % dims["dp"]:
-            yield {**dims, "microbatches": 1}, None  # run_plan.py refuses it with its own message
+            yield Unit(spec, {**dims, "microbatches": 1})  # run_plan.py refuses it with its own message
             continue
         local = global_batch // dims["dp"]
-        # The first family's records (the pipeline's schedules) vary slowest, then the microbatches:
-        # build_plan checks a pipeline by building its schedule, and every other option of one
-        # (schedule, p, m, v) then asks for it in a row, which parallel/pp/schedules.py's cache answers.
         for first in choices[0]:
-            for m in [d for d in divisors(local) if d <= space.max_microbatches]:
-                for rest in product(*choices[1:]):
-                    options = FamilyOptions.of_records([first, *rest])
-                    request = {**dims, "microbatches": m, **request_fields(options)}
-                    for recompute in space.recompute if has_recompute else (None,):
-                        yield ({**request, "recompute": recompute} if recompute is not None else request), options
+            for m in [d for d in divisors(local) if space.max_microbatches is None or d <= space.max_microbatches]:
+                # One unit per recompute mode: a mode's floor differs (full recomputation adds a forward), and
+                # build_plan's answer for one mode answers the others (`_try_memo`) whenever they are asked.
+                for mode in modes:
+                    yield Unit(spec, {**dims, "microbatches": m}, first, choices[1:], (mode,))
+
+
+def _requests(spec, world: int, global_batch: int, space: Space, has_recompute: bool, model: GPTConfig):
+    """Every request of the search space for this registry entry, with its families' records."""
+    for unit in _units(spec, world, global_batch, space, has_recompute, model):
+        yield from unit.requests()
 
 
 def _config(base: dict, name: str, request: dict) -> Config:
@@ -198,18 +235,25 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
 
 
 def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
-                      only: list[str] | None = None, beyond=None) -> Enumeration:
+                      only: list[str] | None = None, beyond=None, floor=None, judge=None) -> Enumeration:
     """build_plan checks a pipeline by building its schedule; the search asks that of the same
     (schedule, p, m, v) for every ZeRO stage and option, thousands of times for a large world, and
     parallel/pp/schedules.py answers the repeats from its cache (`built_schedule`). `beyond(spec,
     request)`: true for a request that cannot fit whatever build_plan says (its model state alone is
-    over the device: parallel/planner/search.py), which is then counted as pruned, not asked."""
-    return _enumerate(shape, base, world, global_batch, space, only, beyond)
+    over the device: parallel/planner/search.py), which is then counted as pruned, not asked.
+
+    `floor(request, spec)`: seconds no layout of the request is predicted under (parallel/planner/bounds.py);
+    `judge`: called with each candidate kept (a new layout, or a more specific strategy for one kept),
+    its `limit()` the step the search no longer needs to beat. With both, the units are asked cheapest
+    floor first, a request whose floor is above the limit is counted as bounded, not asked, and once a
+    unit's floor is above it every unit after it is too (they come in order of their floors)."""
+    return _enumerate(shape, base, world, global_batch, space, only, beyond, floor, judge)
 
 
 def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
-               only: list[str] | None, beyond=None) -> Enumeration:
-    """Every layout of `world` devices that build_plan accepts for this model and global batch.
+               only: list[str] | None, beyond=None, floor=None, judge=None) -> Enumeration:
+    """Every layout of `world` devices that build_plan accepts for this model and global batch (but
+    those `floor` rules out: `enumerate_layouts`).
 
     `base`: the training config as a plain dict (conf/config.yaml composed), whose model section
     is replaced by the shape's GPT fields. `only`: registry names to restrict the search to."""
@@ -221,27 +265,59 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
     specs = [s for s in REGISTRY.values() if ("baseline" not in s.tags and only is None) or (only and s.name in only)]
     found = Enumeration([], Counter(), 0)
     seen: dict[tuple, Candidate] = {}
-    for spec in specs:
-        tried: dict[tuple, tuple[RunPlan | None, str]] = {}  # a request without its recompute -> build_plan's answer
-        for request, options in _requests(spec, world, global_batch, space, has_recompute, shape.gpt):
-            if beyond is not None and beyond(spec, request):
+    units = [u for spec in specs for u in _units(spec, world, global_batch, space, has_recompute, shape.gpt)]
+    limit = judge.limit if floor is not None and judge is not None else None
+    tried: dict[str, dict] = {}  # per entry: a request without its recompute -> build_plan's answer
+    ordered = _ordered(units, floor if limit else None)
+    for i, (lowest, unit) in enumerate(ordered):
+        if limit is not None and lowest > limit():
+            found.bounded += sum(u.size for _, u in ordered[i:])
+            break
+        if limit is None and unit.spec.name not in tried:
+            tried.clear()  # asked entry by entry: an entry's answers are not asked again once it is done
+        memo = tried.setdefault(unit.spec.name, {})
+        for request, options in unit.requests():
+            if beyond is not None and beyond(unit.spec, request):
                 found.pruned += 1
-                continue
-            found.requests += 1
-            plan, request = _ask(tried, base, spec.name, request, options, env, found.refused)
-            if plan is None:
-                continue
-            why = shape_rule(shape, plan)
-            if why:
-                found.refused[_reason(why)] += 1
-                continue
-            candidate = candidate_of(spec.name, plan, request)
-            key = _key(candidate)
-            kept = seen.get(key)
-            if kept is None or _preferred(candidate) < _preferred(kept):
-                seen[key] = candidate
+            elif limit is not None and floor(request, unit.spec) > limit():
+                found.bounded += 1
+            else:
+                _judge_request(found, seen, memo, base, shape, unit.spec, request, options, env, judge)
     found.candidates = list(seen.values())
     return found
+
+
+def _ordered(units: list[Unit], floor) -> list[tuple[float, Unit]]:
+    """The units with the lowest floor of their requests (their cheapest recompute mode's), cheapest
+    first (in their own order among equals), or in their own order with no floor."""
+    if floor is None:
+        return [(0.0, u) for u in units]
+    heads = [(u, {**u.request, **request_fields(FamilyOptions.of_records([u.first]))}) for u in units
+             if u.first is not None]
+    keyed = [(min(floor({**h, "recompute": mode}, u.spec) for mode in u.modes), u) for u, h in heads]
+    keyed += [(0.0, u) for u in units if u.first is None]
+    return sorted(keyed, key=lambda x: x[0])
+
+
+def _judge_request(found: Enumeration, seen: dict, memo: dict, base: dict, shape: ModelShape, spec, request: dict,
+                   options, env: LaunchEnv, judge) -> None:
+    """Ask build_plan (and the shape rule) about one request; keep its candidate where it is a new layout or
+    a more specific strategy for one kept (`_preferred`), and hand it to `judge`."""
+    found.requests += 1
+    plan, request = _ask(memo, base, spec.name, request, options, env, found.refused)
+    if plan is None:
+        return
+    why = shape_rule(shape, plan)
+    if why:
+        found.refused[_reason(why)] += 1
+        return
+    candidate = candidate_of(spec.name, plan, request)
+    key = _key(candidate)
+    kept = seen.get(key)
+    if kept is None or _preferred(candidate) < _preferred(kept):
+        seen[key] = candidate
+        if judge is not None:
+            judge(key, candidate)
 
 
 def _ask(tried: dict, base: dict, name: str, request: dict, options: FamilyOptions | None, env: LaunchEnv,

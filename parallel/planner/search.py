@@ -7,6 +7,7 @@ then those that do not fit, closest to fitting first.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from parallel.core.shape import ModelShape
@@ -14,6 +15,7 @@ from parallel.dist.dims import SIZES
 from parallel.family import hydra_value
 from parallel.layout import FamilyOptions
 from parallel.model_state import STATE_BYTES
+from parallel.planner.bounds import step_time_floor
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
 from parallel.planner.predict import predict_row
@@ -74,23 +76,63 @@ def model_state_over(shape: ModelShape, cluster: Cluster):
     return beyond
 
 
+class Kept:
+    """The rows found so far, by layout, and the step the search no longer needs to beat (`limit`): the
+    `keep`-th fastest of the rows that fit, in each group `only` names (the slowest of those limits), or
+    none (infinite) while a group has fewer. A layout slower than that ranks below `keep` rows of every
+    group it could belong to, so none of the first `keep` rows of the table, nor of any group's, is lost."""
+
+    def __init__(self, make_row, keep: int | None, only: list[str] | None):
+        self.make_row, self.keep, self.only = make_row, keep, only
+        self.rows: dict[tuple, dict] = {}
+        self.fastest: dict[str | None, list[float]] = {n: [] for n in (only or [None])}
+
+    def __call__(self, key: tuple, candidate: Candidate) -> None:
+        row, groups = self.make_row(candidate)
+        if row is None:
+            return
+        again = key in self.rows  # the same layout under a more specific strategy: counted once
+        self.rows[key] = row
+        if again or self.keep is None or not row["fits"] or not row["step_time_s"]:
+            return
+        for group in groups:
+            times = self.fastest[group]
+            heapq.heappush(times, -row["step_time_s"]["total"])
+            if len(times) > self.keep:
+                heapq.heappop(times)
+
+    def limit(self) -> float:
+        if self.keep is None or any(len(t) < self.keep for t in self.fastest.values()):
+            return float("inf")
+        return max(-t[0] for t in self.fastest.values())
+
+
 def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Cluster, world: int, global_batch: int,
-              space: Space, only: list[str] | None = None) -> tuple[list[dict], Enumeration]:
+              space: Space, only: list[str] | None = None, keep: int | None = None) -> tuple[list[dict], Enumeration]:
     """Every valid layout's row, ranked; `only`: presets or registry names to keep. Requests whose
-    model state alone is over the device are pruned before they are asked (`model_state_over`)."""
+    model state alone is over the device are pruned before they are asked (`model_state_over`). With
+    `keep`, the first `keep` rows that fit (of each name in `only`) are exact and complete, and a request
+    whose step-time floor (parallel/planner/bounds.py) is above the `keep`-th fastest row found so far is
+    not asked (`Kept`); its rows would have ranked below them."""
     names = None
     if only is not None:
         by_file = {p.file: p.name for p in presets}
         names = sorted({by_file.get(n, n) for n in only})
-    found = enumerate_layouts(shape, base, world, global_batch, space, names, model_state_over(shape, cluster))
-    rows = []
-    for candidate in found.candidates:
+
+    def make_row(candidate: Candidate):
         preset = preset_for(candidate, presets)
+        if only is not None and not (preset in only or candidate.plan.strategy in only or candidate.requested in only):
+            return None, []
         row = predict_row(shape, candidate, cluster, preset, time_if_over=False)
         row["run_overrides"] = run_overrides(candidate, preset, presets)
-        if only is None or preset in only or candidate.plan.strategy in only or candidate.requested in only:
-            rows.append(row)
-    rows.sort(key=rank_key)
+        groups = [n for n in only if n in (preset, candidate.plan.strategy, candidate.requested)] if only else [None]
+        return row, groups
+
+    kept = Kept(make_row, keep, only)
+    floor = step_time_floor(shape, cluster, world, global_batch) if keep is not None else None
+    found = enumerate_layouts(shape, base, world, global_batch, space, names, model_state_over(shape, cluster),
+                              floor, kept)
+    rows = sorted(kept.rows.values(), key=rank_key)
     for i, row in enumerate(rows, 1):
         row["rank"] = i
     return rows, found
