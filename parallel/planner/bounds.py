@@ -21,8 +21,9 @@ exposed   timing.py counts every tp collective as blocking compute (it sits betw
           gradients only add to it), at no more than the fastest link's rate x comm_efficiency
           and no latency. The rest of the communication is counted as 0.
 bubble    the schedule's closed form (parallel/pp/schedules.py) is the longest of several chains,
-          each a sum a·F' + c·B' over the costs timing.py plays it with (F' >= F and B' >= B: the
-          blocking tp, cp and ep collectives added). A chain whose coefficients are both >= 0 is at
+          each a sum a·F' + c·B' over the costs timing.py plays it with (the other stages' mean F and
+          B, the fill and drain running through them, with the blocking tp, cp and ep collectives
+          added: at least the fastest rank's F + B). A chain whose coefficients are both >= 0 is at
           least min(a, c)·(F + B), so the idle is at least the largest such figure; a chain with a
           negative coefficient is left out (leaving a chain out of a max only lowers it), and so is
           the whole bubble where the schedule claims no closed form for these sizes (0). The
@@ -84,10 +85,10 @@ def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batc
         if layers is None:
             return 0.0
         b, recompute = global_batch // (dp * m), request.get("recompute") or "none"
-        slowest = max(rank_seconds(t, b, n, r == p - 1, recompute) for r, n in _distinct(layers))
+        ranks = [rank_seconds(t, b, n, r == p - 1, recompute) for r, n in _distinct(layers)]
         blocking = tp_seconds(spec, request, b, recompute)
         share = _bubble_share(schedule, p, m, v) if p > 1 else 0
-        return float(m * slowest + blocking + share * (slowest + blocking / m))
+        return float(m * max(ranks) + blocking + share * (min(ranks) + blocking / m))
 
     return floor
 
