@@ -61,6 +61,8 @@ class Check:
     requested: StrategySpec
     entries: Mapping[str, StrategySpec] = field(default_factory=dict)  # the registry, for naming alternatives
     backend: str | None = None  # the run's: gloo or nccl (None: one process, or not known)
+    # False: the pipeline's posting is not replayed here (the planner replays it for the rows that fit)
+    replay_schedule: bool = True
 
     @property
     def dims(self) -> ParallelDims:

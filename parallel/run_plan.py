@@ -302,10 +302,13 @@ def check_recompute(recompute, strategy: str, spec: StrategySpec) -> None:
         )
 
 
-def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False) -> RunPlan:
+def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False,
+               replay_schedule: bool = True) -> RunPlan:
     """Validate the whole configuration against the launch environment, in the order the rules run.
     `planning`: the planner's question (would this layout run on a cluster's implementation of the
-    strategies?), which skips the refusals of what only this sandbox's code cannot train (a tied head)."""
+    strategies?), which skips the refusals of what only this sandbox's code cannot train (a tied head).
+    `replay_schedule=False`: the pipeline's posting is not played here (the search plays it only for the
+    rows that fit: `parallel.pp.rules.posting_refusal`)."""
     t = cfg.train
     _check_numbers(cfg)
     model = model_config(cfg.model)
@@ -315,7 +318,7 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
             "use model.vocab_size=256 (or more)"
         )
     backend = choose_backend(cfg.parallel.backend, cuda_available) if env.world_size > 1 else None
-    strategy, layout = _checked_layout(cfg, model, env.world_size, backend)
+    strategy, layout = _checked_layout(cfg, model, env.world_size, backend, replay_schedule)
     if not planning:
         check_tied_head(strategy, model)
     _check_steps(t.steps, t.warmup_steps)
@@ -340,7 +343,8 @@ def build_plan(cfg, env: LaunchEnv, cuda_available: bool, planning: bool = False
     )
 
 
-def _checked_layout(cfg, model: GPTConfig, world_size: int, backend: str | None) -> tuple[str, Layout]:
+def _checked_layout(cfg, model: GPTConfig, world_size: int, backend: str | None,
+                    replay_schedule: bool = True) -> tuple[str, Layout]:
     """The entry that runs the request and its layout, every family's rule passed: the dimensions,
     each family's options (each record checks its values), the route table, the rules every entry
     shares, the global batch's split, then every family's refusals (under `backend`'s rules, where
@@ -354,7 +358,7 @@ def _checked_layout(cfg, model: GPTConfig, world_size: int, backend: str | None)
     dims.check_batch(t.global_batch, p.microbatches)
     layout = Layout(dims=dims, microbatches=p.microbatches, microbatch_size=t.global_batch // dims.dp // p.microbatches,
                     recompute=t.get("recompute", "none"), precision=t.precision, options=options)
-    check_rules(Check(model, layout, spec, requested, REGISTRY, backend))
+    check_rules(Check(model, layout, spec, requested, REGISTRY, backend, replay_schedule))
     return strategy, layout
 
 

@@ -309,7 +309,7 @@ def _judge_request(found: Enumeration, seen: dict, memo: dict, base: dict, shape
         return
     why = shape_rule(shape, plan)
     if why:
-        found.refused[_reason(why)] += 1
+        found.refused[refusal_rule(why)] += 1
         return
     candidate = candidate_of(spec.name, plan, request)
     key = _key(candidate)
@@ -349,7 +349,7 @@ def _try_memo(tried: dict, base: dict, name: str, request: dict, env: LaunchEnv)
     try:
         check_recompute(mode, plan.strategy, plan.spec)
     except ConfigError as e:
-        return None, _reason(str(e))
+        return None, refusal_rule(str(e))
     return replace(plan, layout=replace(plan.layout, recompute=mode)), ""
 
 
@@ -359,12 +359,13 @@ def _memo_key(request: dict) -> tuple:
 
 def _try(base: dict, name: str, request: dict, env: LaunchEnv) -> tuple[RunPlan | None, str]:
     try:
-        return build_plan(_config(base, name, request), env, cuda_available=False, planning=True), ""
+        return build_plan(_config(base, name, request), env, cuda_available=False, planning=True,
+                          replay_schedule=False), ""
     except (ConfigError, LayoutError) as e:
-        return None, _reason(str(e))
+        return None, refusal_rule(str(e))
 
 
-def _reason(message: str) -> str:
+def refusal_rule(message: str) -> str:
     """A refusal's message with its numbers blanked, so that refusals count by rule, not by value."""
     import re
 

@@ -8,6 +8,7 @@ then those that do not fit, closest to fitting first.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from dataclasses import dataclass
 
 from parallel.core.shape import ModelShape
@@ -17,8 +18,9 @@ from parallel.layout import FamilyOptions
 from parallel.model_state import STATE_BYTES
 from parallel.planner.bounds import step_time_floor
 from parallel.planner.cluster import Cluster
-from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts
+from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts, refusal_rule
 from parallel.planner.predict import predict_row
+from parallel.pp.rules import posting_refusal
 from parallel.registry import differing_options, request_fields
 from parallel.sync.options import SyncOptions
 
@@ -80,16 +82,22 @@ class Kept:
     """The rows found so far, by layout, and the step the search no longer needs to beat (`limit`): the
     `keep`-th fastest of the rows that fit, in each group `only` names (the slowest of those limits), or
     none (infinite) while a group has fewer. A layout slower than that ranks below `keep` rows of every
-    group it could belong to, so none of the first `keep` rows of the table, nor of any group's, is lost."""
+    group it could belong to, so none of the first `keep` rows of the table, nor of any group's, is lost;
+    a row that fits and is slower is not kept. `played(row, candidate)`: false for a row that fits but
+    that the pipeline executor could not run (`_posting_played`), asked only of the rows kept."""
 
-    def __init__(self, make_row, keep: int | None, only: list[str] | None):
-        self.make_row, self.keep, self.only = make_row, keep, only
+    def __init__(self, make_row, keep: int | None, only: list[str] | None, played):
+        self.make_row, self.keep, self.only, self.played = make_row, keep, only, played
         self.rows: dict[tuple, dict] = {}
         self.fastest: dict[str | None, list[float]] = {n: [] for n in (only or [None])}
 
     def __call__(self, key: tuple, candidate: Candidate) -> None:
         row, groups = self.make_row(candidate)
         if row is None:
+            return
+        if row["fits"] and row["step_time_s"] and row["step_time_s"]["total"] > self.limit():
+            return
+        if not self.played(row, candidate):
             return
         again = key in self.rows  # the same layout under a more specific strategy: counted once
         self.rows[key] = row
@@ -119,6 +127,8 @@ def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Clu
         by_file = {p.file: p.name for p in presets}
         names = sorted({by_file.get(n, n) for n in only})
 
+    replayed: Counter = Counter()  # rows that fit whose pipeline posting then deadlocks, by rule
+
     def make_row(candidate: Candidate):
         preset = preset_for(candidate, presets)
         if only is not None and not (preset in only or candidate.plan.strategy in only or candidate.requested in only):
@@ -128,14 +138,30 @@ def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Clu
         groups = [n for n in only if n in (preset, candidate.plan.strategy, candidate.requested)] if only else [None]
         return row, groups
 
-    kept = Kept(make_row, keep, only)
+    kept = Kept(make_row, keep, only, lambda row, candidate: _posting_played(row, candidate, replayed))
     floor = step_time_floor(shape, cluster, world, global_batch) if keep is not None else None
     found = enumerate_layouts(shape, base, world, global_batch, space, names, model_state_over(shape, cluster),
                               floor, kept)
+    found.refused.update(replayed)
     rows = sorted(kept.rows.values(), key=rank_key)
     for i, row in enumerate(rows, 1):
         row["rank"] = i
     return rows, found
+
+
+def _posting_played(row: dict, candidate: Candidate, refused: Counter) -> bool:
+    """The search asks build_plan without replaying a pipeline's posting (most rows of a large search do
+    not fit, and the replay is most of a request's cost): a row that fits is replayed here, and refused
+    (counted by its rule) where the executor's posting would deadlock; one that does not fit says so."""
+    if candidate.plan.layout.dims.pp < 2:
+        return True
+    if not row["fits"]:
+        row["notes"].append("the pipeline's posting not replayed: the layout does not fit")
+        return True
+    why = posting_refusal(candidate.plan.layout, candidate.plan.backend)
+    if why:
+        refused[refusal_rule(why)] += 1
+    return why is None
 
 
 def run_overrides(candidate: Candidate, preset: str | None, presets: list[Preset]) -> list[str]:

@@ -42,9 +42,22 @@ def pp_rules(check: Check) -> None:
                               f"posts its sends and receives, but parallel={check.spec.name} runs PyTorch's own "
                               "schedules, which post theirs: set parallel.pp_posting=auto")
         return
-    if check.dims.pp > 1:
+    if check.dims.pp > 1 and check.replay_schedule:
         check_posting(options.schedule, check.dims.pp, check.layout.microbatches, options.virtual_stages,
                       options.posting, check.backend)
+
+
+def posting_refusal(layout, backend: str | None) -> str | None:
+    """check_posting's refusal of a layout whose posting was not replayed when it was planned, or None."""
+    if layout.dims.pp < 2:
+        return None
+    options = layout.of(PPOptions)
+    try:
+        check_posting(options.schedule, layout.dims.pp, layout.microbatches, options.virtual_stages,
+                      options.posting, backend)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def check_posting(schedule: str, stages: int, microbatches: int, virtual: int, choice: str,

@@ -178,3 +178,36 @@ def test_gloo_posting_on_nccl_is_refused():
 def test_pytorchs_pipelines_take_no_posting():
     error = plan_error(2, "parallel=torch_pp_1f1b", "parallel.pp_posting=nccl")
     assert "parallel.pp_posting=nccl chooses how this project's pipeline executor posts" in error
+
+
+
+def test_the_planners_search_replays_the_posting_only_of_the_rows_that_fit():
+    """The search asks build_plan without replaying a pipeline's posting (`replay_schedule=False`) and
+    plays it on the rows that fit (`posting_refusal`, the same rule a run meets): gloo's posting on nccl
+    is accepted unplayed, then refused as a run refuses it, counted by its rule; a row that does not fit
+    is not played and says so."""
+    from collections import Counter
+
+    from hydra import compose, initialize_config_dir
+
+    from parallel.dist.groups import LaunchEnv
+    from parallel.planner.enumerate import candidate_of
+    from parallel.planner.search import _posting_played
+    from parallel.pp.rules import posting_refusal
+    from parallel.run_plan import ConfigError, build_plan
+
+    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model=tiny", "parallel=pp_1f1b", "parallel.backend=nccl",
+                                                       "parallel.pp_posting=gloo"])
+    env = LaunchEnv(rank=0, world_size=2, local_world_size=2)
+    with pytest.raises(ConfigError) as refused:
+        build_plan(cfg, env, cuda_available=True, planning=True)
+    plan = build_plan(cfg, env, cuda_available=True, planning=True, replay_schedule=False)
+    assert posting_refusal(plan.layout, plan.backend) == str(refused.value)
+    candidate, counted = candidate_of("pp", plan, {}), Counter()
+    assert not _posting_played({"fits": True, "notes": []}, candidate, counted) and sum(counted.values()) == 1
+    over = {"fits": False, "notes": []}
+    assert _posting_played(over, candidate, counted) and "not replayed" in over["notes"][0]
+    cfg.parallel.pp_posting = "auto"
+    auto = build_plan(cfg, env, cuda_available=True, planning=True, replay_schedule=False)
+    assert posting_refusal(auto.layout, auto.backend) is None
