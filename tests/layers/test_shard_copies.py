@@ -17,8 +17,8 @@ from collections import Counter
 
 import pytest
 import torch
+from dispatch_pause import PausableMode
 from spawn import run_ranks, write_result
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parallel.planner.shard_copies import copy_bytes_per_element, copy_passes
@@ -27,25 +27,12 @@ WORLD = 2
 OVERWRITTEN = ("copy_", "zero_", "fill_")  # the first argument: written, not read
 
 
-class ByteCounter(TorchDispatchMode):
-    """The bytes every operation reads and writes, by operation; `pause` wraps what is not counted."""
+class ByteCounter(PausableMode):
+    """The bytes every operation reads and writes, by operation."""
 
     def __init__(self):
         super().__init__()
-        self.bytes, self.inside = Counter(), False
-
-    def pause(self, run):
-        def paused(*args, **kwargs):
-            outer, self.inside = self.inside, True  # the optimizer's step posts collectives: pauses nest
-            try:
-                out = run(*args, **kwargs)
-            finally:
-                self.inside = outer
-            if hasattr(out, "wait"):
-                out.wait = self.pause(out.wait)
-            return out
-
-        return paused
+        self.bytes = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
