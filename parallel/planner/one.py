@@ -89,6 +89,8 @@ def breakdown(row: dict, usable_bytes: float) -> str:
             lines.append(f"    compute.codec          {t['codec']:.4g} (lossy collectives, DiLoCo's outer step)")
         if t.get("optimizer"):
             lines.append(f"    compute.optimizer      {t['optimizer']:.4g} (the optimizer step)")
+        if t.get("copies"):
+            lines.append(f"    compute.copies         {t['copies']:.4g} (ZeRO's and FSDP2's copies around collectives)")
         for k, v in (row.get("compute_s") or {}).items():
             lines.append(f"    compute.{k:<14} {v:.4g}")
         for k, v in (row.get("comm_seconds_by_group") or {}).items():

@@ -30,6 +30,7 @@ from parallel.planner.codec import codec_seconds
 from parallel.planner.enumerate import Candidate
 from parallel.planner.optimizer_step import elements_stepped, optimizer_seconds
 from parallel.planner.remedies import outer_state_per_parameter, trade_notes, zero_shards
+from parallel.planner.shard_copies import copy_seconds
 from parallel.planner.timing import step_time
 from parallel.planner.traffic import NoTrafficFormula, bytes_by_link, layout_traffic
 from parallel.registry import describe
@@ -168,7 +169,8 @@ def predict_row(shape: ModelShape, candidate: Candidate, cluster: Cluster, prese
         "bytes_exact": str(sum((t.total for t in traffic.values()), Fraction(0))) if traffic else None,
         "bytes_by_group": {g: float(t.total) for g, t in traffic.items()} if traffic else None,
         "step_time_s": {"compute": time.compute, "exposed_comm": time.exposed_comm, "bubble": time.bubble,
-                        "total": total, "codec": time.codec, "optimizer": time.optimizer} if time else None,
+                        "total": total, "codec": time.codec, "optimizer": time.optimizer,
+                        "copies": time.copies} if time else None,
         "comm_seconds_by_group": time.comm_by_group if time else None,
         "tokens_per_s": tokens / total if total else None,
         "mfu": shape.flops_per_token() * tokens / total / cluster.peak_for_mfu(dims.world_size) if total else None,
@@ -216,6 +218,14 @@ def _optimizer_seconds(shape: ModelShape, candidate: Candidate, cluster: Cluster
     return optimizer_seconds(elements, candidate.plan.optimizer, cluster.precision, cluster.codec_bytes_per_s)
 
 
+def _copy_seconds(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout) -> float:
+    """The sharded strategies' copies around their collectives on the stage with the most (shard_copies.py)."""
+    spec = candidate.plan.spec
+    return max(copy_seconds(spec.name, spec.tags, candidate.zero, zero_shards(layout.dims), layout.microbatches,
+                            memory.stage_parts(shape, layout, r), cluster.codec_bytes_per_s)
+               for r in range(layout.dims.pp))
+
+
 def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout, layers: list[int],
                       notes: list[str]):
     """Bytes per group (theory's closed forms) and the step time (timing.py) of the row."""
@@ -226,7 +236,8 @@ def _traffic_and_time(shape: ModelShape, candidate: Candidate, cluster: Cluster,
         links = bytes_by_link(traffic)
         codec = codec_seconds(shape, plan.spec, layout, candidate.zero, cluster)
         time = step_time(shape, layout, candidate.zero, candidate.grad_sync, cluster, traffic, layers,
-                         ACT_BYTES[cluster.precision], codec, _optimizer_seconds(shape, candidate, cluster, layout))
+                         ACT_BYTES[cluster.precision], codec, _optimizer_seconds(shape, candidate, cluster, layout),
+                         _copy_seconds(shape, candidate, cluster, layout))
     except NoTrafficFormula as e:
         notes.append(f"no traffic formula: {e}")
         traffic, links, time = None, None, None

@@ -66,6 +66,9 @@ ASSUMPTIONS = {
     "optimizer": "the optimizer step after the schedule: the elements the rank's optimizer updates (all of its "
                  "parameters, ZeRO's 1/n) x the bytes its update's passes read and write / the codec rate, the "
                  "largest stage's, added to compute",
+    "copies": "ZeRO-2/3's and FSDP2's copies around their collectives (gradient buffers zeroed and filled, shards "
+              "accumulated; FSDP2's copy-in, copy-out and chunk_cat): the rank's parameters x the bytes of the "
+              "code's passes per microbatch and gather / the codec rate, added to compute",
     "not modeled": "kernel launch and Python overheads, stragglers, stage imbalance beyond the slowest stage, "
                    "network congestion",
 }
@@ -88,6 +91,7 @@ class StepTime:
     compute_parts: dict | None = None  # seconds per step on the slowest rank: matmuls, attention, elementwise
     codec: float = 0.0  # of `compute`: the lossy collectives' casts and scales, DiLoCo's outer step (codec.py)
     optimizer: float = 0.0  # of `compute`: the optimizer step over the rank's parameters (optimizer_step.py)
+    copies: float = 0.0  # of `compute`: ZeRO-2/3's and FSDP2's copies around their collectives (shard_copies.py)
 
     @property
     def total(self) -> float:
@@ -127,10 +131,12 @@ def collective_seconds(bytes_per_rank: float, span: GroupSpan, cluster: Cluster,
 
 
 def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, cluster: Cluster, traffic: dict,
-              layers_by_rank: list[int], act_bytes: int, codec: float = 0.0, optimizer: float = 0.0) -> StepTime:
+              layers_by_rank: list[int], act_bytes: int, codec: float = 0.0, optimizer: float = 0.0,
+              copies: float = 0.0) -> StepTime:
     """Compute, exposed communication and bubble of one optimizer step, on the slowest pipeline rank;
     `codec`: seconds of elementwise codec work on the rank's critical path (codec.py), and `optimizer`: its
-    optimizer step (optimizer_step.py), both part of compute."""
+    optimizer step (optimizer_step.py), and `copies`: a sharded strategy's copies around its collectives
+    (shard_copies.py), all part of compute."""
     m, world = layout.microbatches, layout.dims.world_size
     forward, backward, hardware, model_flops, parts, fill = _slowest_stage(shape, layout, cluster, layers_by_rank,
                                                                          act_bytes)
@@ -149,10 +155,10 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     fill_eff = (fill[0] + blocking / (2 * m), fill[1] + blocking / (2 * m))
     pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff, fill_eff)
     dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
-    compute = m * (forward + backward) + codec + optimizer
+    compute = m * (forward + backward) + codec + optimizer + copies
     exposed = m * (f_eff - forward + b_eff - backward) + pp_exposed + dp_exposed
     return StepTime(compute, exposed, bubble, seconds, forward, backward, hardware, model_flops, parts, codec,
-                    optimizer)
+                    optimizer, copies)
 
 
 def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: list[int], act_bytes: int) -> tuple:

@@ -18,8 +18,8 @@ from functools import partial
 
 import pytest
 import torch
+from dispatch_pause import PausableMode
 from spawn import run_ranks, write_result
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parallel.dist.comm import CommLog, Communicator
@@ -31,32 +31,15 @@ N = 256 * 64 * WORLD  # whole blocks in every chunk
 NOT_READ = ("copy_", "zero_", "fill_")  # what these overwrite, they do not read
 
 
-class PassCounter(TorchDispatchMode):
+class PassCounter(PausableMode):
     """Every pass over at least `floor` elements: its share of N and its bytes read and written."""
 
     def __init__(self, floor: int):
         super().__init__()
-        self.floor, self.passes, self.bytes, self.inside = floor, Fraction(0), 0, False
+        self.floor, self.passes, self.bytes = floor, Fraction(0), 0
 
     def _large(self, tensors) -> list[torch.Tensor]:
         return [t for t in tensors if isinstance(t, torch.Tensor) and t.numel() >= self.floor]
-
-    def transport(self, run):
-        """`run` (the Communicator's `_run`, a handle's `wait`) with counting paused: what the backend does
-        for a collective (gloo's reduce-scatter copies this rank's chunk out, in fp32 as in any format)
-        is not the codec."""
-
-        def paused(*args, **kwargs):
-            self.inside = True
-            try:
-                out = run(*args, **kwargs)
-            finally:
-                self.inside = False
-            if hasattr(out, "wait"):
-                out.wait = self.transport(out.wait)
-            return out
-
-        return paused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -77,7 +60,7 @@ class PassCounter(TorchDispatchMode):
 def _count(comm: Communicator, call) -> tuple[str, int]:
     counter = PassCounter(N // (2 * WORLD))
     run = comm._run
-    comm._run = counter.transport(run)
+    comm._run = counter.pause(run)
     try:
         with counter:
             call()
@@ -120,7 +103,7 @@ def _outer_steps(comm: Communicator) -> dict:
         options = DiLoCoOptions(inner_steps=2, outer_lr=0.7, outer_momentum=momentum, fragments=1)
         strategy = DiLoCo(model, make_optimizer(model, 1e-3, 0.1, "sgd"), comm, options)
         counter = PassCounter(1)
-        run, comm._run = comm._run, counter.transport(comm._run)
+        run, comm._run = comm._run, counter.pause(comm._run)
         with counter:
             strategy.outer_step(0)
         comm._run = run

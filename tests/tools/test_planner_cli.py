@@ -35,7 +35,7 @@ def test_launch_plan_writes_the_ranked_plan(tmp_path):
             "virtual_stages"} <= set(row["layout"])
     assert set(row["memory_bytes_per_device"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
     assert set(row["bytes_per_step"]) == {"intra_node", "inter_node"}
-    assert set(row["step_time_s"]) == {"compute", "exposed_comm", "bubble", "total", "codec", "optimizer"}
+    assert set(row["step_time_s"]) == {"compute", "exposed_comm", "bubble", "total", "codec", "optimizer", "copies"}
     assert 0 < row["mfu"] < 1 and row["fits"] is True
     kept = {"dp", "tp", "pp_1f1b", "zero3", "3d"}
     assert all(r["layout"]["preset"] in kept or r["layout"]["strategy"] in kept for r in plan["rows"])
