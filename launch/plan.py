@@ -144,15 +144,22 @@ def main_plan(cfg: DictConfig) -> Path:
                               "net": net or (OmegaConf.to_container(own_net) if own_net is not None else None),
                               **order_agreement(validation)}
     _write_plan(run_dir, meta, rows, validation, cluster, p.top)
-    print(f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts, "
-          f"{sum(1 for r in rows if r['fits'])} fit in {cluster.usable_bytes / GIB:.1f} GiB usable per device "
-          f"({found.requests} requests, {sum(found.refused.values())} refused by run_plan.py; not asked: {found.pruned}"
-          f" whose model state alone is over the device, {found.bounded} whose step-time floor is over the top {keep})")
+    print(_verdict(model_name, world, cluster, rows, found, keep))
     print(console_table(rows, p.top))
     if validation is not None:
         _print_validation(validation, meta["validation"], choices.get("net"))
     print(f"\nplan.json, report.md, memory_per_device.png, step_time.png in {run_dir}")
     return run_dir
+
+
+def _verdict(model_name: str, world: int, cluster, rows: list[dict], found, keep: int) -> str:
+    """The one-line answer above the table: what was kept, what fits, and what the search did not ask."""
+    fit = sum(1 for r in rows if r["fits"])
+    return (f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts kept, {fit} that fit in "
+            f"{cluster.usable_bytes / GIB:.1f} GiB usable per device (the fastest {keep} exactly the search's best) "
+            f"and {len(rows) - fit} over it ({found.requests} requests, {sum(found.refused.values())} refused by "
+            f"run_plan.py; not asked: {found.pruned} whose model state alone is over the device, {found.bounded} "
+            f"whose step-time floor is over the top {keep})")
 
 
 def _write_plan(run_dir: Path, meta: dict, rows: list[dict], validation, cluster, top: int) -> None:

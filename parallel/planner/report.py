@@ -107,8 +107,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         "",
         f"{model['parameters'] / 1e9:.3g}B parameters ({model['description']}); global batch {meta['global_batch']} "
         f"sequences of {model['seq_len']} tokens ({meta['tokens_per_step']:,} tokens per step); "
-        f"{meta['precision']} training. {len(rows)} valid layouts ({fitting} fit in "
-        f"{cluster['usable_gib']:.1f} GiB usable per device), {meta['refused_total']} requests refused by "
+        f"{meta['precision']} training. {len(rows)} valid layouts kept ({fitting} that fit in "
+        f"{cluster['usable_gib']:.1f} GiB usable per device, the fastest of them exactly the search's best; the "
+        f"rest over it), {meta['refused_total']} requests "
+        "refused by "
         f"run_plan.py's rules, {meta.get('pruned', 0)} not asked (their model state alone is over the device); "
         "layouts over the device are not timed.",
         "",
