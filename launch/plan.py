@@ -158,8 +158,9 @@ def _verdict(model_name: str, world: int, cluster, rows: list[dict], found, keep
     return (f"{model_name} on {world} x {cluster.name}: {len(rows)} valid layouts kept, {fit} that fit in "
             f"{cluster.usable_bytes / GIB:.1f} GiB usable per device (the fastest {keep} exactly the search's best) "
             f"and {len(rows) - fit} over it ({found.requests} requests, {sum(found.refused.values())} refused by "
-            f"run_plan.py; not asked: {found.pruned} whose model state alone is over the device, {found.bounded} "
-            f"whose step-time floor is over the top {keep})")
+            f"run_plan.py; not asked: {found.pruned} whose model state alone is over the device, {found.heavy} whose "
+            f"first pipeline rank's memory floor is over it, {found.bounded} whose step-time floor is over the top "
+            f"{keep})")
 
 
 def _write_plan(run_dir: Path, meta: dict, rows: list[dict], validation, cluster, top: int) -> None:
@@ -220,7 +221,8 @@ def _meta(cfg, model_name, shape: ModelShape, cluster, world, global_batch, foun
         "precision": cluster.precision,
         "assumptions": {**ASSUMPTIONS, **MEMORY_ASSUMPTIONS, "bytes": BYTES_ASSUMPTION},
         "search": dict(space), "requests": found.requests, "refused": dict(found.refused),
-        "refused_total": sum(found.refused.values()), "pruned": found.pruned, "bounded": found.bounded,
+        "refused_total": sum(found.refused.values()), "pruned": found.pruned, "heavy": found.heavy,
+        "bounded": found.bounded,
         "seconds": seconds,
     }
 

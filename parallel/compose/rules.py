@@ -14,9 +14,8 @@ from __future__ import annotations
 from parallel.dist.dims import LayoutError
 from parallel.family import Check
 from parallel.pp import rules as pp_rules
-from parallel.pp.actions import splits_backward
 from parallel.pp.options import PPOptions
-from parallel.pp.schedules import built_schedule
+from parallel.pp.schedules import schedule_splits_backward
 from parallel.sync.options import SyncOptions
 from parallel.tp.options import TPOptions
 from parallel.tp.rules import SAVES_WITH_SPLIT_BACKWARD
@@ -28,9 +27,8 @@ def rules_across_families(check: Check) -> None:
     if not spec.uses(PPOptions):
         return
     pipeline, sync = layout.of(PPOptions), layout.of(SyncOptions)
-    # Built once per (p, m, v) by the cache: the pipeline's own rule has just built it.
-    if layout.cut().saves_shard and splits_backward(
-            built_schedule(pipeline.schedule, check.dims.pp, layout.microbatches, pipeline.virtual_stages)):
+    if layout.cut().saves_shard and schedule_splits_backward(pipeline.schedule, check.dims.pp, layout.microbatches,
+                                                             pipeline.virtual_stages):
         raise LayoutError(SAVES_WITH_SPLIT_BACKWARD)
     if not spec.honours_option(SyncOptions, "grad_sync"):
         return

@@ -23,6 +23,7 @@ must divide the kv heads.
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from itertools import product
@@ -104,6 +105,7 @@ class Enumeration:
     requests: int
     pruned: int = 0  # requests not asked: their model state alone is over the device (`beyond`)
     bounded: int = 0  # requests not asked: their step-time floor is above the rows kept (`floor`)
+    heavy: int = 0  # requests not asked: their first pipeline rank's memory floor is over the device (`heavy`)
 
 
 def divisors(n: int) -> list[int]:
@@ -235,23 +237,23 @@ def shape_rule(shape: ModelShape, plan: RunPlan) -> str | None:
 
 
 def enumerate_layouts(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
-                      only: list[str] | None = None, beyond=None, floor=None, judge=None) -> Enumeration:
-    """build_plan checks a pipeline by building its schedule; the search asks that of the same
-    (schedule, p, m, v) for every ZeRO stage and option, thousands of times for a large world, and
-    parallel/pp/schedules.py answers the repeats from its cache (`built_schedule`). `beyond(spec,
-    request)`: true for a request that cannot fit whatever build_plan says (its model state alone is
-    over the device: parallel/planner/search.py), which is then counted as pruned, not asked.
+                      only: list[str] | None = None, beyond=None, floor=None, judge=None, heavy=None) -> Enumeration:
+    """Every layout build_plan accepts, but those the floors rule out. `beyond(spec, request)`: true for
+    a request that cannot fit whatever build_plan says (its model state alone is over the device:
+    parallel/planner/memory_floor.py), which is then counted as pruned, not asked.
 
     `floor(request, spec)`: seconds no layout of the request is predicted under (parallel/planner/bounds.py);
     `judge`: called with each candidate kept (a new layout, or a more specific strategy for one kept),
     its `limit()` the step the search no longer needs to beat. With both, the units are asked cheapest
     floor first, a request whose floor is above the limit is counted as bounded, not asked, and once a
-    unit's floor is above it every unit after it is too (they come in order of their floors)."""
-    return _enumerate(shape, base, world, global_batch, space, only, beyond, floor, judge)
+    unit's floor is above it every unit after it is too (they come in order of their floors).
+    `heavy(spec, request, options)`: true where the first pipeline rank's memory floor is over the device
+    (memory_floor.py); asked of the requests the step-time floor keeps, such a request is counted as heavy."""
+    return _enumerate(shape, base, world, global_batch, space, only, beyond, floor, judge, heavy)
 
 
 def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, space: Space,
-               only: list[str] | None, beyond=None, floor=None, judge=None) -> Enumeration:
+               only: list[str] | None, beyond=None, floor=None, judge=None, heavy=None) -> Enumeration:
     """Every layout of `world` devices that build_plan accepts for this model and global batch (but
     those `floor` rules out: `enumerate_layouts`).
 
@@ -281,6 +283,8 @@ def _enumerate(shape: ModelShape, base: dict, world: int, global_batch: int, spa
                 found.pruned += 1
             elif limit is not None and floor(request, unit.spec) > limit():
                 found.bounded += 1
+            elif heavy is not None and heavy(unit.spec, request, options):
+                found.heavy += 1
             else:
                 _judge_request(found, seen, memo, base, shape, unit.spec, request, options, env, judge)
     found.candidates = list(seen.values())
@@ -367,8 +371,6 @@ def _try(base: dict, name: str, request: dict, env: LaunchEnv) -> tuple[RunPlan 
 
 def refusal_rule(message: str) -> str:
     """A refusal's message with its numbers blanked, so that refusals count by rule, not by value."""
-    import re
-
     return re.sub(r"\d+", "N", message.split(":")[0])[:160]
 
 

@@ -144,6 +144,24 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
             "before_core": w * h / cut + gemm_input + qkv}
 
 
+def block_saves(shape: ModelShape, layout: Layout, act_bytes: int, flash_attention: bool = True) -> tuple:
+    """(tokens, kept, working): a microbatch's tokens on a rank, the bytes each block keeps per token
+    through the step under the layout's recompute mode (`implementation_activation_bytes` says what
+    each mode keeps), and the bytes the block being recomputed holds beside them in backward."""
+    cut = layout.cut()
+    units = block_units(shape, layout.dims.tp, cut.sequence_parallel, act_bytes, cut.saves_shard, flash_attention)
+    tokens = layout.microbatch_size * shape.gpt.seq_len
+    mode = layout.recompute or "none"
+    if mode == "full":
+        kept, working = units["input"], units["layer"] - units["input"]
+    elif mode == "selective":
+        kept = units["layer"] - units["scores"]
+        working = max(0.0, units["before_core"] + units["scores"] - kept)
+    else:
+        kept, working = units["layer"], 0.0
+    return tokens, kept, working * tokens
+
+
 def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
                                     flash_attention: bool = True) -> list[int]:
     """Saved bytes at the step's peak on every rank, as a Megatron-style implementation holds them
@@ -159,18 +177,8 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
 
     Microbatches in flight per rank: the schedule's own walk (parallel/pp/theory.py), as for the
     sandbox's formulas."""
-    dims, cut = layout.dims, layout.cut()
-    units = block_units(shape, dims.tp, cut.sequence_parallel, act_bytes, cut.saves_shard, flash_attention)
-    tokens = layout.microbatch_size * shape.gpt.seq_len
-    mode = layout.recompute or "none"
-    if mode == "full":
-        kept, working = units["input"], units["layer"] - units["input"]
-    elif mode == "selective":
-        kept = units["layer"] - units["scores"]
-        working = max(0.0, units["before_core"] + units["scores"] - kept)
-    else:
-        kept, working = units["layer"], 0.0
-    working *= tokens
+    dims = layout.dims
+    tokens, kept, working = block_saves(shape, layout, act_bytes, flash_attention)
     layers = virtual_stage_layers(shape, layout)
     if dims.pp == 1:
         peaks = [int(tokens * kept * layers[0]) + int(working)]

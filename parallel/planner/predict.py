@@ -50,16 +50,25 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str,
         return moe.sandbox_activation_bytes(shape, layout)  # the sandbox's MoE blocks, uniform routing
     if precision == "fp32" and flash_attention:
         return plan.spec.activations(shape.gpt, layout)
-    if not shape.gpt.moe_experts and not _has_formula(plan.spec, shape, layout):
-        return None  # the strategy has no activation formula at all
-    if layout.dims.cp > 1:
-        return None  # context parallelism's saved bytes: the registry's formula, in fp32 only
+    if not implementation_figure(plan.spec, shape, layout, precision, flash_attention):
+        return None
     # Elsewhere (bf16, materialized attention): as a Megatron-style implementation holds
     # them (memory.py), the same for every ZeRO stage (the search asks for each).
     any_stage = replace(layout, options=layout.options.with_record(replace(layout.of(SyncOptions), zero=0)))
     return _cached(("acts", shape, _layout_key(any_stage), precision, flash_attention),
                    lambda: memory.implementation_activation_bytes(shape, layout, ACT_BYTES[precision],
                                                                   flash_attention))
+
+
+def implementation_figure(spec, shape: ModelShape, layout, precision: str, flash_attention: bool) -> bool:
+    """Whether a row's saved bytes are memory.py's `implementation_activation_bytes` (bf16 or materialized
+    attention), as `activation_bytes` decides: not where the strategy has no activation formula at all,
+    nor under context parallelism (its saved bytes: the registry's formula, in fp32 only)."""
+    if precision == "fp32" and flash_attention:
+        return False
+    if not shape.gpt.moe_experts and not _has_formula(spec, shape, layout):
+        return False
+    return layout.dims.cp == 1
 
 
 _CACHE: dict = {}

@@ -111,7 +111,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict], top: int, plots: li
         f"{cluster['usable_gib']:.1f} GiB usable per device, the fastest of them exactly the search's best; the "
         f"rest over it), {meta['refused_total']} requests "
         "refused by "
-        f"run_plan.py's rules, {meta.get('pruned', 0)} not asked (their model state alone is over the device); "
+        f"run_plan.py's rules, {meta.get('pruned', 0) + meta.get('heavy', 0)} not asked (a floor under their memory, "
+        "their model state alone or their first pipeline rank's, is over the device); "
         "layouts over the device are not timed.",
         "",
         markdown_table(rows, top),

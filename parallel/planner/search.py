@@ -15,14 +15,13 @@ from parallel.core.shape import ModelShape
 from parallel.dist.dims import SIZES
 from parallel.family import hydra_value
 from parallel.layout import FamilyOptions
-from parallel.model_state import STATE_BYTES
 from parallel.planner.bounds import step_time_floor
 from parallel.planner.cluster import Cluster
 from parallel.planner.enumerate import Candidate, Enumeration, Space, enumerate_layouts, refusal_rule
+from parallel.planner.memory_floor import first_rank_over, model_state_over
 from parallel.planner.predict import predict_row
 from parallel.pp.rules import posting_refusal
 from parallel.registry import differing_options, request_fields
-from parallel.sync.options import SyncOptions
 
 
 @dataclass(frozen=True)
@@ -53,29 +52,6 @@ def rank_key(row: dict) -> tuple:
     over = row["over_bytes"] if row["over_bytes"] is not None else float("inf")
     memory = row["memory_bytes_per_device"]["total"] or 0
     return (group, over if group == 2 else speed, row["layout"]["microbatches"], memory)
-
-
-def model_state_over(shape: ModelShape, cluster: Cluster):
-    """A test no layout it refuses could pass: the model state a request's fullest rank holds is at
-    least its blocks' parameters over tp and pp (the fullest stage holds at least the mean; the
-    embedding and head left out), at the precision's bytes per parameter, ZeRO dividing what its
-    stage shards by at most dp·cp, or dp_shard under hybrid sharding (a strategy without parallel.zero
-    counted as sharding everything, ZeRO-3). Over the device's usable memory, the request cannot fit,
-    so the search does not ask build_plan about it nor time it. None for a mixture of experts (its
-    experts divide over ep)."""
-    if shape.gpt.moe_experts:
-        return None
-    param_b, grad_b, optim_b = STATE_BYTES[cluster.precision]
-
-    def beyond(spec, request: dict) -> bool:
-        held = shape.gpt.n_layers * shape.layer_parameters(request["tp"]) / request["pp"]
-        zero = request.get("zero", 0) if spec.honours_option(SyncOptions, "zero") else 3
-        shard = request.get("dp_shard", 1)  # hybrid sharding: ZeRO over a shard group only
-        d = shard if shard > 1 else request["dp"] * request.get("cp", 1)
-        per = param_b / (d if zero >= 3 else 1) + grad_b / (d if zero >= 2 else 1) + optim_b / (d if zero >= 1 else 1)
-        return held * per > cluster.usable_bytes
-
-    return beyond
 
 
 class Kept:
@@ -119,9 +95,11 @@ def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Clu
               space: Space, only: list[str] | None = None, keep: int | None = None) -> tuple[list[dict], Enumeration]:
     """Every valid layout's row, ranked; `only`: presets or registry names to keep. Requests whose
     model state alone is over the device are pruned before they are asked (`model_state_over`). With
-    `keep`, the first `keep` rows that fit (of each name in `only`) are exact and complete, and a request
+    `keep`, the first `keep` rows that fit (of each name in `only`) are exact and complete: a request
     whose step-time floor (parallel/planner/bounds.py) is above the `keep`-th fastest row found so far is
-    not asked (`Kept`); its rows would have ranked below them."""
+    not asked (`Kept`), its rows would have ranked below them, nor one whose first pipeline rank's memory
+    floor is over the device (`first_rank_over`), which cannot fit: the rows that do not fit are then
+    those of the requests asked."""
     names = None
     if only is not None:
         by_file = {p.file: p.name for p in presets}
@@ -140,8 +118,10 @@ def plan_rows(shape: ModelShape, base: dict, presets: list[Preset], cluster: Clu
 
     kept = Kept(make_row, keep, only, lambda row, candidate: _posting_played(row, candidate, replayed))
     floor = step_time_floor(shape, cluster, world, global_batch) if keep is not None else None
+    heavy = first_rank_over(shape, cluster, world, global_batch, base["train"].get("precision", "fp32")) \
+        if keep is not None else None
     found = enumerate_layouts(shape, base, world, global_batch, space, names, model_state_over(shape, cluster),
-                              floor, kept)
+                              floor, kept, heavy)
     found.refused.update(replayed)
     rows = sorted(kept.rows.values(), key=rank_key)
     for i, row in enumerate(rows, 1):

@@ -64,9 +64,12 @@ def with_comm(compute: list[Action], rank: int, placement: Placement) -> list[Ac
     """
     last = placement.vstages - 1
     out: list[Action] = []
+    edges: dict[int, tuple[bool, bool]] = {}  # per chunk: a rank's lists hold m actions of each of its v chunks
     for a in compute:
-        vs = placement.vstage(rank, a.chunk)
-        gets_input, sends_output = vs > 0 and placement.crosses(vs - 1), vs < last and placement.crosses(vs)
+        if a.chunk not in edges:
+            vs = placement.vstage(rank, a.chunk)
+            edges[a.chunk] = vs > 0 and placement.crosses(vs - 1), vs < last and placement.crosses(vs)
+        gets_input, sends_output = edges[a.chunk]
         if a.op == F:
             if gets_input:
                 out.append(Action(RECV_F, a.mb, a.chunk))

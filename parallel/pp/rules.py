@@ -19,7 +19,7 @@ from parallel.pp.options import PPOptions
 from parallel.pp.placement import V
 from parallel.pp.posting import posting_for
 from parallel.pp.progress import RULES, PlanInvalid, schedule_deadlock
-from parallel.pp.schedules import SCHEDULES, ScheduleError, build_schedule
+from parallel.pp.schedules import SCHEDULES, ScheduleError, check_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.spec import ConfigError
 
@@ -91,7 +91,7 @@ def check_pipeline(model: GPTConfig, dims: ParallelDims, schedule: str, microbat
         )
     try:
         layer_counts(model.n_layers, dims.pp * virtual_stages, list(pp_layers) if pp_layers is not None else None)
-        build_schedule(schedule, dims.pp, microbatches, virtual_stages)
+        check_schedule(schedule, dims.pp, microbatches, virtual_stages)
         if schedule_check is not None:
             schedule_check(schedule, dims.pp, microbatches, virtual_stages)
     except (ScheduleError, SplitError) as e:

@@ -14,6 +14,15 @@ A record holds everything the rest of the project reads of a schedule:
                  (a rank's idle is their max), or None where no closed form is known (the run then
                  trains and reports "no closed form"; the simulator's bubble stands alone)
     torch_class  torch.distributed.pipelining's class of the same order (the torch_pp baseline), or None
+    in_flight    the most microbatch-chunks its first rank holds at once (each chunk's forward run, the
+                 backward that frees it not yet), in closed form, or None where none is stated
+                 (`first_rank_in_flight` then answers with one microbatch of every chunk)
+    check        the sizes its builder refuses, stated apart (the builder calls it first and refuses
+                 nothing else), so that run_plan.py checks a layout without building its lists
+                 (`check_schedule`); None: the builder is asked
+    splits       whether its lists run each W apart from its B (the zero-bubble schedules), at every
+                 size, so that a rule reading it need not build them (`schedule_splits_backward`);
+                 None: the lists are read
 
 A new schedule is one record (and its builder and formula beside it) passed to `register_schedule`,
 plus a preset in conf/parallel/. The vocabulary (F, B, W, the sends and receives) is in actions.py.
@@ -64,7 +73,20 @@ from parallel.pp.actions import (  # noqa: F401  (re-exported: the vocabulary is
     with_comm,
 )
 from parallel.pp.placement import LOOP, Placement, V
-from parallel.pp.zero_bubble import dualpipe_v, dualpipe_v_idle, zb_h1, zb_h1_idle, zb_v, zb_v_idle
+from parallel.pp.zero_bubble import (
+    check_dualpipe_v,
+    check_zb_h1,
+    check_zb_v,
+    dualpipe_v,
+    dualpipe_v_idle,
+    dualpipe_v_in_flight,
+    zb_h1,
+    zb_h1_idle,
+    zb_h1_in_flight,
+    zb_v,
+    zb_v_idle,
+    zb_v_in_flight,
+)
 
 
 def virtual_stage(rank: int, chunk: int, stages: int) -> int:
@@ -86,18 +108,49 @@ def loop_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time
     return [(stages - 1) * (time_f + time_b + time_w) / Fraction(virtual)]
 
 
+def gpipe_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+    """Every forward comes before the first backward: the first rank holds all m microbatches."""
+    return microbatches
+
+
+def one_f_one_b_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+    """p-1 warm-up forwards and one more before the first backward frees one: min(p, m) held."""
+    return min(stages, microbatches)
+
+
+def interleaved_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+    """The first rank's 2(p-1) + (v-1)p warm-up forwards and the steady state's one more (each a
+    chunk of a microbatch), all of them where that is every forward of the step (m·v); with one
+    chunk per rank, 1F1B's."""
+    p, m, v = stages, microbatches, virtual
+    if v == 1:
+        return one_f_one_b_in_flight(p, m, v)
+    return min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+
+
+def check_gpipe(stages: int, microbatches: int, virtual: int) -> None:
+    _check(stages, microbatches, virtual)
+    if virtual != 1:
+        raise ScheduleError(f"parallel.virtual_stages={virtual}: gpipe runs one chunk per rank; "
+                            "use pp_interleaved for virtual stages")
+
+
 def gpipe(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """GPipe (Huang et al. 2018): every forward, then every backward.
 
     Simple, and holds all m microbatches' activations at once. Bubble (p-1)/(m+p-1).
     """
-    _check(stages, microbatches, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: gpipe runs one chunk per rank; "
-                            "use pp_interleaved for virtual stages")
+    check_gpipe(stages, microbatches, virtual)
     m = microbatches
     return [_with_comm([Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)], r, stages, 1)
             for r in range(stages)]
+
+
+def check_1f1b(stages: int, microbatches: int, virtual: int) -> None:
+    _check(stages, microbatches, virtual)
+    if virtual != 1:
+        raise ScheduleError(f"parallel.virtual_stages={virtual}: 1f1b runs one chunk per rank; "
+                            "use pp_interleaved for virtual stages")
 
 
 def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -108,10 +161,7 @@ def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[A
     microbatches' activations instead of m. Works for any m >= 1: with m < p the warm-up is
     capped at m (torchtitan #775 hung when it was not).
     """
-    _check(stages, microbatches, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: 1f1b runs one chunk per rank; "
-                            "use pp_interleaved for virtual stages")
+    check_1f1b(stages, microbatches, virtual)
     plans = []
     for r in range(stages):
         warmup = min(stages - r - 1, microbatches)
@@ -123,6 +173,17 @@ def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[A
     return plans
 
 
+def check_interleaved(stages: int, microbatches: int, virtual: int) -> None:
+    _check(stages, microbatches, virtual)
+    p, m = stages, microbatches
+    if m % p:
+        raise ScheduleError(
+            f"parallel.microbatches={m} is not a multiple of parallel.pp={p}, which the interleaved schedule needs "
+            "(microbatches go through the chunks in groups of p): "
+            f"use parallel.microbatches={max(p, m // p * p)} or {(m // p + 1) * p}"
+        )
+
+
 def interleaved_1f1b(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]:
     """Interleaved 1F1B (Narayanan et al. 2021 §2.2.2), Megatron-LM's ordering.
 
@@ -132,14 +193,8 @@ def interleaved_1f1b(stages: int, microbatches: int, virtual: int = 2) -> list[l
     (p-r-1)·2 + (v-1)·p warm-up forwards (all of them if fewer), then alternates.
     The bubble shrinks to (p-1)/(v·m+p-1). Megatron requires m to be a multiple of p.
     """
-    _check(stages, microbatches, virtual)
+    check_interleaved(stages, microbatches, virtual)
     p, m, v = stages, microbatches, virtual
-    if m % p:
-        raise ScheduleError(
-            f"parallel.microbatches={m} is not a multiple of parallel.pp={p}, which the interleaved schedule needs "
-            "(microbatches go through the chunks in groups of p): "
-            f"use parallel.microbatches={max(p, m // p * p)} or {(m // p + 1) * p}"
-        )
     if v == 1:
         return one_f_one_b(p, m)  # one chunk per rank: nothing to interleave
     total = m * v  # forward (and backward) computations per rank
@@ -175,6 +230,11 @@ class Schedule:
     # cover (ZB-V below m = 2p-1); None itself: no closed form at all.
     idle: Callable[..., list | None] | None = None
     torch_class: str | None = None
+    # (stages, microbatches, virtual) -> microbatch-chunks the first rank holds at its peak; None: not stated.
+    in_flight: Callable[[int, int, int], int] | None = None
+    # (stages, microbatches, virtual) -> None, or ScheduleError: the builder's refusals; None: build to know.
+    check: Callable[[int, int, int], None] | None = None
+    splits: bool | None = None  # W apart from B at every size; None: read off the lists
 
 
 SCHEDULES: dict[str, Schedule] = {}
@@ -223,6 +283,38 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) 
     return [list(actions) for actions in built_schedule(name, stages, microbatches, virtual)]
 
 
+def check_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> None:
+    """Raise the ScheduleError building the lists would raise, without building them where the record
+    states its builder's refusals (`check`): the planner's search asks run_plan.py about thousands of
+    pipeline shapes, each list O(p·m·v) actions long, and most of them are never built otherwise."""
+    check = schedule_of(name).check
+    if check is None:
+        built_schedule(name, stages, microbatches, virtual)
+    else:
+        check(stages, microbatches, virtual)
+
+
+def schedule_splits_backward(name: str, stages: int, microbatches: int, virtual: int = 1) -> bool:
+    """Whether the schedule's lists at these sizes run W apart from B (`splits_backward`): the record's
+    `splits` where it states it, without building them (run_plan.py asks it of every layout that saves
+    the sequence piece under a pipeline), else read off the lists."""
+    splits = schedule_of(name).splits
+    if splits is None:
+        return splits_backward(built_schedule(name, stages, microbatches, virtual))
+    return splits
+
+
+def first_rank_in_flight(name: str, stages: int, microbatches: int, virtual: int) -> int:
+    """The most microbatch-chunks the first pipeline rank holds at once (the record's `in_flight`),
+    or, where the record states none, a count it holds at least: `virtual`, one microbatch of each
+    of the rank's chunks, which every schedule holds at once (a microbatch's backward through a
+    chunk waits for its forward through every virtual stage, so when its last forward on the rank
+    has run, none of its chunks is freed). The planner's memory floor
+    (parallel/planner/memory_floor.py) reads it without building the lists."""
+    in_flight = schedule_of(name).in_flight
+    return virtual if in_flight is None else in_flight(stages, microbatches, virtual)
+
+
 # -- the bubble in closed form, from the record's `idle` ------------------------------------------------
 def _idle(name: str, stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list | None:
     idle = schedule_of(name).idle
@@ -269,12 +361,14 @@ def closed_form_bubble(name: str, stages: int, microbatches: int, virtual: int, 
 
 
 for _schedule in (
-    Schedule("gpipe", gpipe, LOOP, loop_idle, torch_class="ScheduleGPipe"),
-    Schedule("1f1b", one_f_one_b, LOOP, loop_idle, torch_class="Schedule1F1B"),
-    Schedule("interleaved_1f1b", interleaved_1f1b, LOOP, loop_idle, torch_class="ScheduleInterleaved1F1B"),
+    Schedule("gpipe", gpipe, LOOP, loop_idle, "ScheduleGPipe", gpipe_in_flight, check_gpipe, False),
+    Schedule("1f1b", one_f_one_b, LOOP, loop_idle, "Schedule1F1B", one_f_one_b_in_flight, check_1f1b, False),
+    Schedule("interleaved_1f1b", interleaved_1f1b, LOOP, loop_idle, "ScheduleInterleaved1F1B", interleaved_in_flight,
+             check_interleaved, False),
     # ZB-H1 with one stage per rank is torch's interleaved zero-bubble schedule's order.
-    Schedule("zbh1", zb_h1, LOOP, zb_h1_idle, torch_class="ScheduleInterleavedZeroBubble"),
-    Schedule("zbv", zb_v, V, zb_v_idle, torch_class="ScheduleZBVZeroBubble"),
-    Schedule("dualpipev", dualpipe_v, V, dualpipe_v_idle, torch_class="ScheduleDualPipeV"),
+    Schedule("zbh1", zb_h1, LOOP, zb_h1_idle, "ScheduleInterleavedZeroBubble", zb_h1_in_flight, check_zb_h1, True),
+    Schedule("zbv", zb_v, V, zb_v_idle, "ScheduleZBVZeroBubble", zb_v_in_flight, check_zb_v, True),
+    Schedule("dualpipev", dualpipe_v, V, dualpipe_v_idle, "ScheduleDualPipeV", dualpipe_v_in_flight, check_dualpipe_v,
+             True),
 ):
     register_schedule(_schedule)

@@ -30,7 +30,6 @@ from parallel.activations import registry_activations
 from parallel.algebra import FP32_BYTES, all_reduce_sent_per_rank, figure, parameter_count
 from parallel.core.model import GPTConfig
 from parallel.layout import Layout
-from parallel.pp.actions import splits_backward
 from parallel.pp.options import PPOptions
 from parallel.pp.schedules import (
     SEND_B,
@@ -43,6 +42,7 @@ from parallel.pp.schedules import (
     closed_form_idle,
     compute_only,
     schedule_placement,
+    schedule_splits_backward,
 )
 from parallel.pp.simulator import simulate
 from parallel.pp.split import layer_counts
@@ -150,8 +150,7 @@ def schedule_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
     weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
     backward, of equal size (an assumption the output names)."""
 
-    plans = built_schedule(schedule, p, m, v)
-    split = splits_backward(plans)
+    split = schedule_splits_backward(schedule, p, m, v)
     if send == 0:
         # The schedule's closed form, where it claims one: every rank works m(F + B + W) and idles for
         # its longest chain (parallel/pp/schedules.py, equal to the simulator's makespan for free sends).
@@ -171,4 +170,5 @@ def schedule_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
 
     # On the schedule's own placement: a V-shaped schedule (zbv, dualpipev) puts virtual stage p on rank
     # p - 1, not rank 0, and its lists read as invalid on the loop placement.
+    plans = built_schedule(schedule, p, m, v)
     return simulate([list(actions) for actions in plans], m, v, cost, schedule_placement(schedule, p, v)).makespan

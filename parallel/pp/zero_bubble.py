@@ -60,6 +60,13 @@ class _RankOrder:
                 return
 
 
+def check_zb_h1(stages: int, microbatches: int, virtual: int) -> None:
+    check_sizes(stages, microbatches, virtual)
+    if virtual != 1:
+        raise ScheduleError(f"parallel.virtual_stages={virtual}: zbh1 runs one chunk per rank; "
+                            "use parallel.virtual_stages=1 (or the V schedules zbv and dualpipev for two chunks)")
+
+
 def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """ZB-H1 (Qi et al. 2023 §3.1, Figure 3 top).
 
@@ -69,10 +76,7 @@ def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     The W held back fill the time a rank waits in 1F1B's cool-down: idle (p-1)(F+B-W) instead of
     (p-1)(F+B+W) (for m >= p and W no longer than F or B; zb_h1_idle has every case).
     """
-    check_sizes(stages, microbatches, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: zbh1 runs one chunk per rank; "
-                            "use parallel.virtual_stages=1 (or the V schedules zbv and dualpipev for two chunks)")
+    check_zb_h1(stages, microbatches, virtual)
     p, m = stages, microbatches
     plans = []
     for r in range(p):
@@ -92,6 +96,11 @@ def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     return plans
 
 
+def zb_h1_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+    """The first rank runs each W right after its B: 1F1B's min(p, m) microbatches held."""
+    return min(stages, microbatches)
+
+
 def zb_h1_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
     """(p-1)(F+B) - (k-1)W, (p-1)F + (p-k)B, (p-1)B + (p-k)F with k = min(m, p); their max is
     Qi et al. 2023 §3.1's (p-1)(F + B - W) when m >= p, W <= F, W <= B."""
@@ -101,12 +110,23 @@ def zb_h1_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, tim
     return [(p - 1) * (f + b) - (k - 1) * w, (p - 1) * f + (p - k) * b, (p - 1) * b + (p - k) * f]
 
 
-def _check_v(name: str, stages: int, microbatches: int, virtual: int) -> Placement:
+def _check_v(name: str, stages: int, microbatches: int, virtual: int) -> None:
     check_sizes(stages, microbatches, virtual)
     if virtual != 2:
         raise ScheduleError(f"parallel.virtual_stages={virtual}: {name} runs exactly two chunks per rank in a V; "
                             "set parallel.virtual_stages=2")
-    return Placement(stages, 2, V)
+
+
+def check_zb_v(stages: int, microbatches: int, virtual: int) -> None:
+    _check_v("zbv", stages, microbatches, virtual)
+
+
+def check_dualpipe_v(stages: int, microbatches: int, virtual: int) -> None:
+    _check_v("dualpipev", stages, microbatches, virtual)
+    if microbatches < 2 * stages:
+        raise ScheduleError(f"parallel.microbatches={microbatches}: dualpipev needs at least 2 x parallel.pp = "
+                            f"{2 * stages} microbatches (its steady state starts after 2p forwards): "
+                            f"use parallel.microbatches={2 * stages}")
 
 
 def zb_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]:
@@ -121,7 +141,8 @@ def zb_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]
     The order is built for n = max(m, 2p-1) microbatches and those >= m are dropped: a rank's order
     restricted to fewer microbatches keeps every dependency, so it still runs, with a larger bubble.
     """
-    placement = _check_v("zbv", stages, microbatches, virtual)
+    check_zb_v(stages, microbatches, virtual)
+    placement = Placement(stages, 2, V)
     p, m = stages, microbatches
     n = max(m, 2 * p - 1)
     plans = []
@@ -155,6 +176,13 @@ def zb_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]
     return in_send_order(plans, placement)
 
 
+def zb_v_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+    """Chunks held by the first rank: its 2p-1 warm-up forwards of chunk 0 and the first forward of
+    chunk 1 (2p) before the first backward frees one, or every chunk 0 forward of a step of fewer
+    microbatches and chunk 1's first (m + 1)."""
+    return min(microbatches + 1, 2 * stages)
+
+
 def zb_v_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list | None:
     """Eight chains in chunk times f, b, w = F/2, B/2, W/2 (docs/theory/pipeline.md names each);
     p = 1: 0. ZB-V's order changes shape below m = 2p - 1 (it is built for 2p - 1 and cut down):
@@ -183,12 +211,9 @@ def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Ac
 
     where a split B leaves its W pending and a pending W is the oldest one. Step 4 needs m >= 2p.
     """
-    placement = _check_v("dualpipev", stages, microbatches, virtual)
+    check_dualpipe_v(stages, microbatches, virtual)
+    placement = Placement(stages, 2, V)
     p, m = stages, microbatches
-    if m < 2 * p:
-        raise ScheduleError(f"parallel.microbatches={m}: dualpipev needs at least 2 x parallel.pp = {2 * p} "
-                            f"microbatches (its steady state starts after 2p forwards): "
-                            f"use parallel.microbatches={2 * p}")
     plans = []
     for r in range(p):
         o = _RankOrder()
@@ -223,6 +248,13 @@ def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Ac
             o.w()
         plans.append(with_comm(o.actions, r, placement))
     return in_send_order(plans, placement)
+
+
+def dualpipe_v_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+    """Chunks held by the first rank: steps 1 and 2 leave 2p (2(p-1) forwards of chunk 0, then one of
+    each chunk), each of step 3's W frees what its B's chunk held before the next forward, and step
+    4's first forward adds one before its first backward frees one: 2p + 1 (m >= 2p)."""
+    return 2 * stages + 1
 
 
 def dualpipe_v_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
