@@ -1,10 +1,10 @@
 """Floors under a request's memory, read off the request before run_plan.py is asked about it.
 
-Of the layouts a large search asks run_plan.py about, nearly all are over the device (of the rows
-the 1008B search on 3,072 A100s predicted, over 99%), and asking is what the search spends its time
-on: run_plan.py builds each pipeline's schedule to check it, and the prediction walks every rank's
-schedule for its activations. Each floor here is one that memory.py's own figure can only exceed, so a
-request whose floor is over the device's usable memory cannot fit and is not asked:
+Of the layouts a large search asks run_plan.py about, nearly all can be over the device (a
+trillion-parameter model on thousands of devices: most pipelines hold too many microbatches), and
+asking is what the search spends its time on: run_plan.py's checks, and the prediction, which walks
+every rank's schedule for its activations. Each floor here is one that memory.py's own figure can
+only exceed, so a request whose floor is over the device's usable memory cannot fit and is not asked:
 
 model_state_over   the fullest rank holds at least its blocks' parameters over tp and pp (the
                    fullest stage holds at least the mean; the embedding and head left out) at the
@@ -82,10 +82,20 @@ def first_rank_floor(shape: ModelShape, cluster: Cluster, world: int, global_bat
         strategy, layout = asked
         blocks, acts = _first_rank(shape, layout, cluster.precision, cluster.flash_attention)
         per_parameter = state_bytes_per_parameter(spec, request, cluster.precision)
-        counted = implementation_figure(REGISTRY[strategy], shape, layout, cluster.precision, cluster.flash_attention)
+        counted = _memory_py_figure(REGISTRY[strategy], shape, layout, cluster)
         return blocks * shape.layer_parameters(layout.dims.tp) * per_parameter + (acts if counted else 0)
 
     return floor
+
+
+def _memory_py_figure(spec, shape: ModelShape, layout: Layout, cluster: Cluster) -> bool:
+    """`predict.implementation_figure`, false where it cannot be asked of this layout: the strategy's
+    formula is asked once per strategy and dimensions, of the first layout that comes, here before
+    run_plan.py has checked it (a schedule that refuses its sizes, layers that do not split)."""
+    try:
+        return implementation_figure(spec, shape, layout, cluster.precision, cluster.flash_attention)
+    except ValueError:  # ScheduleError, SplitError, ConfigError, LayoutError: run_plan.py will refuse it
+        return False
 
 
 def first_rank_over(shape: ModelShape, cluster: Cluster, world: int, global_batch: int, train_precision: str):

@@ -44,8 +44,10 @@ The idle times are what the schedules take when each action costs exactly its ti
 are free; the simulator reproduces them exactly for every p <= 8, m <= 16
 (tests/unit/test_pp_zero_bubble.py). Where they come from, with sources: docs/theory/pipeline.md.
 
-Building is cached (`built_schedule`): the planner's search asks run_plan.py to check the same
-(schedule, p, m, v) thousands of times, and every caller gets fresh lists of the same actions.
+Building is cached (`built_schedule`), and every caller gets fresh lists of the same actions. What a
+check needs is stated in the record without building (`check_schedule`, `schedule_splits_backward`,
+`first_rank_in_flight`): the planner's search asks run_plan.py about thousands of (schedule, p, m, v),
+most of which it never needs the lists of.
 """
 
 from __future__ import annotations
@@ -272,9 +274,9 @@ def schedule_placement(name: str, stages: int, virtual: int = 1) -> Placement:
 @lru_cache(maxsize=512)
 def built_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> tuple[tuple[Action, ...], ...]:
     """The action lists, built once per (name, p, m, v) and kept immutable (a refusal is not kept:
-    it is raised again, with its message, each time). 512 kept: enough for the distinct lists a
-    large planner search asks, each about twice (tests/tools/test_planner_search.py's 3,072 devices),
-    where a smaller cache would evict them before their second use."""
+    it is raised again, with its message, each time). 512 kept: a large planner search reads the
+    lists of each layout it predicts twice (its identity, then its walk), a few hundred shapes for
+    tests/tools/test_planner_search.py's 3,072 devices."""
     return tuple(tuple(actions) for actions in schedule_of(name).build(stages, microbatches, virtual))
 
 

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from launch.config import CONFIG_DIR
 from parallel.core.shape import ModelShape
+from parallel.planner import predict
 from parallel.planner.cluster import cluster_from_config
 from parallel.planner.enumerate import Config, Space
 from parallel.planner.memory_floor import first_rank_floor
@@ -72,3 +73,16 @@ def test_the_search_asking_the_floor_keeps_every_row_that_fits():
     assert fitting and {key(r) for r in kept if r["fits"]} == fitting
     assert {key(r) for r in kept} <= {key(r) for r in every}
     assert found.heavy > 0 and len(kept) < len(every)
+
+
+def test_a_request_run_plan_will_refuse_gets_a_floor_not_an_error(monkeypatch):
+    """The floor is asked before run_plan.py: interleaved 1F1B with m not a multiple of p, the first request
+    of its dimensions (no formula answer cached), has no walk to take, and gets its model state alone."""
+    shape, base, cluster, _ = _setup("a100_80gb")
+    monkeypatch.setattr(predict, "_FORMULA", {})
+    request = {"dp": 2, "tp": 1, "pp": 8, "cp": 1, "ep": 1, "dp_shard": 1, "microbatches": 4,
+               "schedule": "interleaved_1f1b", "virtual_stages": 2, "zero": 1, "recompute": "none"}
+    floor = first_rank_floor(shape, cluster, WORLD, GLOBAL_BATCH, "fp32")
+    bytes_ = floor(REGISTRY["3d"], request, parse_options(Config(request)))
+    layer = shape.layer_parameters(1)
+    assert bytes_ == pytest.approx(shape.gpt.n_layers // 8 * layer * (2 + 2 + 12 / 2))
