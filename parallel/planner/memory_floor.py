@@ -13,11 +13,11 @@ first_rank_over    the rank that holds the most holds at least what the first pi
                    (memory.py's figure for stage 0), and that is at least:
   model state      the blocks of its chunks (the split the request gives or the even one, on the
                    schedule's placement) at the same bytes per parameter; its embedding left out;
-  activations      at its peak it holds the schedule's `first_rank_in_flight` microbatch-chunks at
-                   once (parallel/pp/schedules.py, equal to the walk memory.py takes), each at least
-                   its smallest chunk's bytes as memory.py counts them (`memory.block_saves`); the
-                   block being recomputed beside them left out; counted only where a row's saved bytes
-                   are memory.py's (`predict.implementation_figure`), 0 elsewhere;
+  activations      at a moment of its peak it holds the schedule's `first_rank_in_flight`
+                   microbatches of each chunk (parallel/pp/schedules.py, held to the walk memory.py
+                   takes), each at its chunk's bytes as memory.py counts them (`memory.block_saves`);
+                   the block being recomputed beside them left out; counted only where a row's saved
+                   bytes are memory.py's (`predict.implementation_figure`), 0 elsewhere;
   buffers          left out.
 
 tests/tools/test_planner_memory_floor.py holds every row of a search over its floor.
@@ -139,5 +139,5 @@ def _first_rank(shape: ModelShape, layout: Layout, precision: str, flash_attenti
     tokens, kept, working = memory.block_saves(shape, layout, ACT_BYTES[precision], flash_attention)
     if p == 1:
         return held[0], int(tokens * kept * held[0]) + int(working)
-    smallest = min(int(tokens * kept * n) for n in held)
-    return sum(held), first_rank_in_flight(pipeline.schedule, p, layout.microbatches, v) * smallest
+    in_flight = first_rank_in_flight(pipeline.schedule, p, layout.microbatches, v)
+    return sum(held), sum(count * int(tokens * kept * n) for count, n in zip(in_flight, held, strict=True))

@@ -14,9 +14,10 @@ A record holds everything the rest of the project reads of a schedule:
                  (a rank's idle is their max), or None where no closed form is known (the run then
                  trains and reports "no closed form"; the simulator's bubble stands alone)
     torch_class  torch.distributed.pipelining's class of the same order (the torch_pp baseline), or None
-    in_flight    the most microbatch-chunks its first rank holds at once (each chunk's forward run, the
-                 backward that frees it not yet), in closed form, or None where none is stated
-                 (`first_rank_in_flight` then answers with one microbatch of every chunk)
+    in_flight    how many microbatches of each of its chunks its first rank holds (each one's forward
+                 run, the backward that frees it not yet) at a moment it holds the most of them, in
+                 closed form, or None where none is stated (`first_rank_in_flight` then answers with
+                 one microbatch of every chunk)
     check        the sizes its builder refuses, stated apart (the builder calls it first and refuses
                  nothing else), so that run_plan.py checks a layout without building its lists
                  (`check_schedule`); None: the builder is asked
@@ -110,24 +111,27 @@ def loop_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time
     return [(stages - 1) * (time_f + time_b + time_w) / Fraction(virtual)]
 
 
-def gpipe_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+def gpipe_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """Every forward comes before the first backward: the first rank holds all m microbatches."""
-    return microbatches
+    return (microbatches,)
 
 
-def one_f_one_b_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+def one_f_one_b_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """p-1 warm-up forwards and one more before the first backward frees one: min(p, m) held."""
-    return min(stages, microbatches)
+    return (min(stages, microbatches),)
 
 
-def interleaved_in_flight(stages: int, microbatches: int, virtual: int) -> int:
-    """The first rank's 2(p-1) + (v-1)p warm-up forwards and the steady state's one more (each a
-    chunk of a microbatch), all of them where that is every forward of the step (m·v); with one
-    chunk per rank, 1F1B's."""
+def interleaved_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """The first rank's 2(p-1) + (v-1)p warm-up forwards and the steady state's one more, all of them
+    where that is every forward of the step (m·v), none freed yet; forward k is of chunk (k // p) mod v
+    (`interleaved_1f1b`'s groups of p). With one chunk per rank, 1F1B's."""
     p, m, v = stages, microbatches, virtual
     if v == 1:
         return one_f_one_b_in_flight(p, m, v)
-    return min(2 * (p - 1) + (v - 1) * p + 1, m * v)
+    held = [0] * v
+    for k in range(min(2 * (p - 1) + (v - 1) * p + 1, m * v)):
+        held[(k // p) % v] += 1
+    return tuple(held)
 
 
 def check_gpipe(stages: int, microbatches: int, virtual: int) -> None:
@@ -232,8 +236,8 @@ class Schedule:
     # cover (ZB-V below m = 2p-1); None itself: no closed form at all.
     idle: Callable[..., list | None] | None = None
     torch_class: str | None = None
-    # (stages, microbatches, virtual) -> microbatch-chunks the first rank holds at its peak; None: not stated.
-    in_flight: Callable[[int, int, int], int] | None = None
+    # (stages, microbatches, virtual) -> microbatches of each chunk the first rank holds at its peak; None: not stated.
+    in_flight: Callable[[int, int, int], tuple[int, ...]] | None = None
     # (stages, microbatches, virtual) -> None, or ScheduleError: the builder's refusals; None: build to know.
     check: Callable[[int, int, int], None] | None = None
     splits: bool | None = None  # W apart from B at every size; None: read off the lists
@@ -306,15 +310,15 @@ def schedule_splits_backward(name: str, stages: int, microbatches: int, virtual:
     return splits
 
 
-def first_rank_in_flight(name: str, stages: int, microbatches: int, virtual: int) -> int:
-    """The most microbatch-chunks the first pipeline rank holds at once (the record's `in_flight`),
-    or, where the record states none, a count it holds at least: `virtual`, one microbatch of each
-    of the rank's chunks, which every schedule holds at once (a microbatch's backward through a
-    chunk waits for its forward through every virtual stage, so when its last forward on the rank
-    has run, none of its chunks is freed). The planner's memory floor
+def first_rank_in_flight(name: str, stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """How many microbatches of each of its chunks the first pipeline rank holds at a moment it holds
+    the most (the record's `in_flight`), or, where the record states none, counts it holds at some
+    moment: one microbatch of each chunk, which every schedule holds at once (a microbatch's backward
+    through a chunk waits for its forward through every virtual stage, so when its last forward on the
+    rank has run, none of its chunks is freed). The planner's memory floor
     (parallel/planner/memory_floor.py) reads it without building the lists."""
     in_flight = schedule_of(name).in_flight
-    return virtual if in_flight is None else in_flight(stages, microbatches, virtual)
+    return (1,) * virtual if in_flight is None else in_flight(stages, microbatches, virtual)
 
 
 # -- the bubble in closed form, from the record's `idle` ------------------------------------------------

@@ -96,9 +96,9 @@ def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     return plans
 
 
-def zb_h1_in_flight(stages: int, microbatches: int, virtual: int) -> int:
+def zb_h1_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
     """The first rank runs each W right after its B: 1F1B's min(p, m) microbatches held."""
-    return min(stages, microbatches)
+    return (min(stages, microbatches),)
 
 
 def zb_h1_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
@@ -176,11 +176,10 @@ def zb_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Action]]
     return in_send_order(plans, placement)
 
 
-def zb_v_in_flight(stages: int, microbatches: int, virtual: int) -> int:
-    """Chunks held by the first rank: its 2p-1 warm-up forwards of chunk 0 and the first forward of
-    chunk 1 (2p) before the first backward frees one, or every chunk 0 forward of a step of fewer
-    microbatches and chunk 1's first (m + 1)."""
-    return min(microbatches + 1, 2 * stages)
+def zb_v_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """The first rank's 2p-1 warm-up forwards of chunk 0 (every one, where m is fewer) and the first
+    forward of chunk 1, before the first backward frees one."""
+    return min(microbatches, 2 * stages - 1), 1
 
 
 def zb_v_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list | None:
@@ -250,11 +249,11 @@ def dualpipe_v(stages: int, microbatches: int, virtual: int = 2) -> list[list[Ac
     return in_send_order(plans, placement)
 
 
-def dualpipe_v_in_flight(stages: int, microbatches: int, virtual: int) -> int:
-    """Chunks held by the first rank: steps 1 and 2 leave 2p (2(p-1) forwards of chunk 0, then one of
-    each chunk), each of step 3's W frees what its B's chunk held before the next forward, and step
-    4's first forward adds one before its first backward frees one: 2p + 1 (m >= 2p)."""
-    return 2 * stages + 1
+def dualpipe_v_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
+    """The first rank's steps 1 and 2 leave 2p-1 forwards of chunk 0 and one of chunk 1 held, each of
+    step 3's W frees what its B's chunk held before the next forward of that chunk, and step 4's first
+    forward adds one of chunk 0 before its first backward frees one (m >= 2p)."""
+    return 2 * stages, 1
 
 
 def dualpipe_v_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
