@@ -9,7 +9,7 @@ of the update reads and writes every element once, so the step is memory-bound:
 
 with the bytes per element summed over the update's own operations (below, in the order
 `AdamW.update` and `SGD.update` run them) and the rate the codec's (codec.py: the GPU's HBM bandwidth,
-or this machine's probe, shared by the ranks as the cores are). It matters where compute per rank is
+or this machine's probe, run by every rank at once). It matters where compute per rank is
 small beside the model: data parallelism over many ranks on one machine steps the whole model on every
 rank for a 1/dp share of the batch's matmuls.
 

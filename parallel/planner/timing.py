@@ -61,8 +61,8 @@ ASSUMPTIONS = {
               "with the other stages' mean forward and backward times (the fill and drain run through them)",
     "codec": "the lossy collectives' casts, block scales, quantization and error feedback, and DiLoCo's outer step "
              "(once per H steps): elements x bytes read and written per element over the code's own passes / the "
-             "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start, "
-             "shared by the ranks as the cores are), on the critical path: added to compute, overlapped with nothing",
+             "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start "
+             "on every rank at once), on the critical path: added to compute, overlapped with nothing",
     "optimizer": "the optimizer step after the schedule: the elements the rank's optimizer updates (all of its "
                  "parameters, ZeRO's 1/n) x the bytes its update's passes read and write / the codec rate, the "
                  "largest stage's, added to compute",
