@@ -88,14 +88,21 @@ BLOOM_SURE = ("step time, shape, tp 4 x pp 12 x dp 8, microbatch 2, global batch
 DEEPSPEED_P2P = ("DeepSpeed's pipeline engine sends activations with blocking broadcasts on two-rank groups "
                  "(deepspeed/runtime/pipe/p2p.py: dist.broadcast, async_op=False): not overlapped with compute")
 LLAMA3 = "Dubey et al. 2024 (Llama 3), arXiv 2407.21783, Table 4"
-LLAMA3_SURE = ("TFLOP/s sure (430/400/380, also Balaji, SC24 talk, as quoted by glennklockwood.com); tp/cp/pp sure; "
-               "dp and batch derived (16M tokens a batch); microbatch 1, no recomputation, sequence parallelism, "
-               "the optimizer state sharded over dp (ZeRO-1: the planner refuses ZeRO-2 with sequence parallelism; "
-               "Meta's FSDP also shards gradients), and the paper's balancing (one layer fewer on the first and the "
-               "last stage; its first chunk holds only the embedding, not expressible here) as the interleaved "
-               "schedule with 4 chunks of 2 layers, 1 on the first and last, assumed (no recomputation, from "
-               "memory of the paper's section 3.3.2, not re-checked); the paper's FLOP count is not given: the "
-               "planner's (attention without causal skipping, as Megatron counts it)")
+LLAMA3_SURE = ("TFLOP/s sure (430/400/380, also Balaji, SC24 talk, as quoted by glennklockwood.com); tp, cp, pp, dp "
+               "and sequences per dp group (32/16/16) sure (Table 4; the cp 16 row's dp is printed 4 in some copies, 8"
+               " in others: 8 is what 16,384 GPUs and 16M tokens need); section 3.3.2 states: no activation "
+               "checkpointing at 8K tokens; the interleaved schedule with V chunks a rank and N contiguous "
+               "microbatches tunable between depth-first (N = PP) and breadth-first (N = M), V and N of the 405B runs "
+               "not given; one layer fewer on the first and the last stage, the first chunk holding only the embedding"
+               " and the last only the output and loss (not expressible: pp_layers counts are positive; taken as 4 "
+               "chunks of 2 layers, 1 on the first and the last, the same 7 or 8 layers a rank); stage inputs and "
+               "outputs deallocated (counted by neither formula here beyond what the blocks save); FSDP sharding "
+               "optimizer states and gradients but not the parameters after forward, with fp32 gradient accumulation "
+               "and reduce-scatter; tp citing Korthikanti et al. Assumed: microbatch 1; sequence parallelism saving "
+               "the gathered inputs (the planner's default; Korthikanti et al.'s saves each rank's piece); ZeRO-1 in "
+               "place of FSDP's sharded gradients (the sandbox refuses ZeRO-2 with sequence parallelism or virtual "
+               "stages); the planner's FLOP count (attention without causal skipping, as Megatron counts it), the "
+               "paper giving none")
 
 
 def korthikanti() -> list[Run]:

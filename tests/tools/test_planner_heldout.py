@@ -40,11 +40,16 @@ TIME_MISSES = {
                                         "say how it counts them (causal or not); context parallelism's load balance"),
 }
 MEMORY_MISSES = {
-    "Llama 3 405B, 16384 GPUs, cp 1": ("Megatron's interleaved schedule, which the planner counts, holds "
-                                       "2(p-1) + (v-1)p + 1 chunks in flight on the first stage (about 120 GiB "
-                                       "here without recomputation); Llama 3 ran its own schedule with a tunable "
-                                       "number of contiguous microbatches, which the planner does not describe"),
-    "Llama 3 405B, 16384 GPUs, cp 16": "no activation formula for context parallelism in bf16 (fits unknown)",
+    "Llama 3 405B, 16384 GPUs, cp 1": ("not the schedule: with 16 microbatches a pipeline (M = PP = 16) the paper's N "
+                                       "lies between PP and M, and Megatron-Core's form of it warms up "
+                                       "2(p-1-r) + (v-1)N chunks, all v·M on stages 0-7 whatever V, as the planner "
+                                       "counts; the planner's sequence parallelism saves the linears' gathered inputs "
+                                       "(Korthikanti et al.'s, which the paper cites, save the pieces: about 56 GiB "
+                                       "less, still about 2 GiB over); FSDP shards gradients, but whether its fp32 "
+                                       "accumulation over microbatches is on the shard the paper does not say"),
+    "Llama 3 405B, 16384 GPUs, cp 16": ("no activation formula for context parallelism in bf16 (fits unknown); Llama "
+                                        "3's context parallelism all-gathers K and V (section 3.3.2), a kind the "
+                                        "sandbox does not have (ring, a2a)"),
 }
 MEDIAN_MISS = f"held-out median about 12%: {A100_GENERATION}"
 
