@@ -205,14 +205,22 @@ def codec_passes(spec, layout, zero: int) -> list[tuple[list[Pass], Fraction]]:
     return work
 
 
+def work_bytes_per_element(work: list[tuple[list[Pass], Fraction]]) -> Fraction:
+    """Bytes read and written per element over `work`, (passes, calls per step) pairs: the one sum the
+    codec, the optimizer step (optimizer_step.py) and the sharded strategies' copies (shard_copies.py) share."""
+    return sum((calls * bytes_per_element(passes) for passes, calls in work), Fraction(0))
+
+
+def elementwise_seconds(work: list[tuple[list[Pass], Fraction]], elements: int, rate: float | None) -> float:
+    """Seconds of memory-bound `work` over `elements`: its bytes at `rate` (0 where the cluster has none)."""
+    return float(work_bytes_per_element(work)) * elements / rate if rate else 0.0
+
+
 def codec_bytes(shape, spec, layout, zero: int) -> float:
     """Bytes one rank's codec reads and writes per step."""
-    elements = shape.parameter_count()
-    return float(sum(calls * bytes_per_element(passes) for passes, calls in codec_passes(spec, layout, zero))) \
-        * elements
+    return float(work_bytes_per_element(codec_passes(spec, layout, zero))) * shape.parameter_count()
 
 
 def codec_seconds(shape, spec, layout, zero: int, cluster) -> float:
-    """One rank's codec seconds per step: its bytes at the cluster's codec rate (0 where it has none)."""
-    rate = cluster.codec_bytes_per_s
-    return codec_bytes(shape, spec, layout, zero) / rate if rate else 0.0
+    """One rank's codec seconds per step: its bytes at the cluster's codec rate."""
+    return elementwise_seconds(codec_passes(spec, layout, zero), shape.parameter_count(), cluster.codec_bytes_per_s)
