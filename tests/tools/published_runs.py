@@ -74,6 +74,12 @@ KORTHIKANTI_SURE = ("step times sure (Table 5; the same figures are Calculon's v
                     "data parallel size of one'); global batch, microbatch and interleaving as Calculon's "
                     "validation/<model>_<full|seqsel>.json read them (22B: B 4, b 4; 175B: B 64, b 1, 3 chunks; "
                     "530B: B 280, b 1, 3 chunks; 1T: B 512, b 1, 1F1B): fairly sure")
+MEGATRON_2022_TP = ("Megatron-LM of the paper's time overlaps backward's tensor-parallel communication with the "
+                    "GEMMs (megatron/mpu/layers.py: ColumnParallelLinearWithAsyncAllreduce all-reduces the input "
+                    "gradient with async_op=True while the weight gradient is computed, on unless "
+                    "--no-async-tensor-model-parallel-allreduce; under sequence parallelism, then named "
+                    "model_parallel_memory_opt, the input's all-gather runs beside the input-gradient GEMM and the "
+                    "reduce-scatter beside the weight-gradient GEMM): tp_backward_overlap")
 MTNLG = "Smith et al. 2022 (MT-NLG 530B), arXiv 2201.11990, section 2.4"
 MTNLG_SURE = ("step time sure (60.1/50.2/44.4 s at 280/350/420 DGX A100 nodes, global batch 1920, quoted by "
               "llm-analysis' MT-NLG example); tp 8 x pp 35 sure (paper and Microsoft's blog); microbatch 1, "
@@ -121,7 +127,8 @@ def korthikanti() -> list[Run]:
                         "schedule": "interleaved_1f1b" if v > 1 else "1f1b", **({"tp_saves": "sharded"} if sp else {})}
             label = "SP + selective" if sp else "full recompute"
             out.append(Run(f"GPT {name}, {label}", KORTHIKANTI, A100, HELD_OUT, gpt(heads, h, layers), 8 * pp,
-                           batch, micro, parallel, recompute, "step_s", step, None, KORTHIKANTI_SURE))
+                           batch, micro, parallel, recompute, "step_s", step, None,
+                           f"{KORTHIKANTI_SURE}; {MEGATRON_2022_TP}", {"tp_backward_overlap": True}))
     return out
 
 
