@@ -93,6 +93,12 @@ BLOOM_SURE = ("step time, shape, tp 4 x pp 12 x dp 8, microbatch 2, global batch
               "its dropout 0.1 left out (1-byte masks: a few % of the elementwise traffic)")
 DEEPSPEED_P2P = ("DeepSpeed's pipeline engine sends activations with blocking broadcasts on two-rank groups "
                  "(deepspeed/runtime/pipe/p2p.py: dist.broadcast, async_op=False): not overlapped with compute")
+DEEPSPEED_PIPE = ("after the last microbatch DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) runs "
+                  "ReduceTiedGrads, ReduceGrads and OptimizerStep in line, as the planner times ZeRO-1's reduction and "
+                  "all-gather (exposed); not modelled: its engine (pipe/engine.py, is_pipe_partitioned under tp) sends "
+                  "each tp rank's 1/t of an activation and all-gathers it on the receiver while gradients go whole, "
+                  "and a broadcast holds the receiving stage as long as the sender (by a simulation of that schedule, "
+                  "the two about cancel against the planner's sends on the sender's path)")
 LLAMA3 = "Dubey et al. 2024 (Llama 3), arXiv 2407.21783, Table 4"
 LLAMA3_SURE = ("TFLOP/s sure (430/400/380, also Balaji, SC24 talk, as quoted by glennklockwood.com); tp, cp, pp, dp "
                "and sequences per dp group (32/16/16) sure (Table 4; the cp 16 row's dp is printed 4 in some copies, 8"
@@ -135,7 +141,7 @@ def korthikanti() -> list[Run]:
 def mt_nlg() -> list[Run]:
     return [Run(f"MT-NLG 530B, {nodes} nodes", MTNLG, A100, HELD_OUT, gpt(128, 20480, 105, vocab=50272),
                 nodes * 8, 1920, 1, {"tp": 8, "pp": 35, "zero": 1, "schedule": "1f1b"}, "full", "step_s", step,
-                None, f"{MTNLG_SURE}; {DEEPSPEED_P2P}", {"p2p_overlap": False})
+                None, f"{MTNLG_SURE}; {DEEPSPEED_P2P}; {DEEPSPEED_PIPE}", {"p2p_overlap": False})
             for nodes, step in ((280, 60.1), (350, 50.2), (420, 44.4))]
 
 
@@ -144,7 +150,7 @@ def bloom() -> list[Run]:
     parallel = {"tp": 4, "pp": 12, "zero": 1, "schedule": "1f1b", "pp_layers": [5] + [6] * 10 + [5]}
     links = {"inter_gbit_per_s": 50, "inter_busbw_gbytes_per_s": 5.6, "p2p_overlap": False}
     return [Run("BLOOM 176B", BLOOM, A100, HELD_OUT, model, 384, 2048, 2, parallel, "full", "step_s", 104.70, None,
-                f"{BLOOM_SURE}; {DEEPSPEED_P2P}", links)]
+                f"{BLOOM_SURE}; {DEEPSPEED_P2P}; {DEEPSPEED_PIPE}", links)]
 
 
 def llama3_405b() -> list[Run]:
