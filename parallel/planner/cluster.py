@@ -47,6 +47,8 @@ class Cluster:
     precision: str = "bf16"
     algorithm: str = "hierarchical"  # how a collective over several nodes runs: hierarchical | ring
     p2p_overlap: bool = True  # pipeline sends run beside compute (NCCL streams) or on the sender's path (gloo)
+    tp_backward_overlap: bool = False  # backward's column-parallel tp collectives beside their gradient GEMMs
+    # (Megatron-LM's asynchronous tensor-parallel all-reduce, and sequence parallelism's reduce-scatter; timing.py)
     shared_compute: bool = False
     node_link_shared: bool = False  # a node's ranks share one link out (emulated nodes), not a NIC each
     sources: str = ""
@@ -110,6 +112,7 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
             headroom=float(c.get("headroom", 0)), precision=c.get("precision", "bf16"),
             comm_efficiency=float(c.get("comm_efficiency", 1.0)), algorithm=c.get("algorithm", "hierarchical"),
             p2p_overlap=bool(c.get("p2p_overlap", True)), shared_compute=bool(c.get("shared_compute", False)),
+            tp_backward_overlap=bool(c.get("tp_backward_overlap", False)),
             hbm_bytes_per_s=float(c["hbm_tbytes_per_s"]) * 1e12 if c.get("hbm_tbytes_per_s") else None,
             sources=c.get("sources", ""), sms=int(c["sms"]) if c.get("sms") else None,
             gemm_tile=tuple(c.get("gemm_tile") or (256, 128)), calibration=c.get("calibration"),
