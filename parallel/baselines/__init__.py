@@ -100,6 +100,9 @@ def _build_torch_pp(model, plan, ctx):
 
 
 BASELINE = frozenset({"baseline"})
+# FSDP2's: its copies around the collectives are its own ops (parallel/planner/shard_copies.py); ZeRO-2 as
+# FSDP2 with reshard_after_forward=False keeps the gathered parameters for the step ("keeps_gathered").
+FSDP2 = frozenset({"baseline", "sharded", "fsdp2"})
 BUCKETS = {"sync": ("bucket_mb",)}  # DDP's own buckets, of parallel.bucket_mb; no choice of sync
 PIPELINE = ("schedule", "virtual_stages", "layers")
 
@@ -122,7 +125,7 @@ ENTRIES = (
     StrategySpec(
         name="torch_fsdp2", description="PyTorch FSDP2, fully_shard per Block and on the root (the baseline for zero3)",
         build=_build_torch_fsdp2, comm=theory.fsdp2_comm, local_parameters=algebra.tp_local_parameter_count,
-        min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
+        min_world=2, tags=FSDP2, moe=True, activations=registry_activations,
         tied_head=True,
     ),
     StrategySpec(
@@ -130,7 +133,7 @@ ENTRIES = (
                                        "hsdp)",
         build=_build_torch_hsdp, comm=theory.torch_hsdp_comm, local_parameters=algebra.tp_local_parameter_count,
         dims=frozenset({"dp", "dp_shard"}), min_world=4, check=check_hsdp,
-        tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations, tied_head=True,
+        tags=FSDP2, moe=True, activations=registry_activations, tied_head=True,
     ),
     StrategySpec(
         name="torch_zero1", description="PyTorch's ZeRO-1: DDP + ZeroRedundancyOptimizer (the baseline for zero1)",
@@ -142,7 +145,7 @@ ENTRIES = (
         name="torch_zero2", description="PyTorch's ZeRO-2: FSDP2 with reshard_after_forward=False (the baseline for "
                                         "zero2)",
         build=_build_torch_zero2, comm=theory.torch_zero2_comm, local_parameters=algebra.tp_local_parameter_count,
-        min_world=2, tags=frozenset({"baseline", "sharded"}), moe=True, activations=registry_activations,
+        min_world=2, tags=FSDP2 | {"keeps_gathered"}, moe=True, activations=registry_activations,
         tied_head=True,
     ),
     StrategySpec(

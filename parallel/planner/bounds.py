@@ -19,7 +19,9 @@ exposed   timing.py counts every tp collective as blocking compute (it sits betw
           all-reduce or an all-gather plus a reduce-scatter, 2(t-1)/t of its bytes sent per rank,
           over the mean rank's L/p blocks (the embedding, the head, the loss and the once-per-step
           gradients only add to it), at no more than the fastest link's rate x comm_efficiency
-          and no latency. The rest of the communication is counted as 0.
+          and no latency; where the cluster overlaps backward's tp collectives (tp_backward_overlap),
+          2 tensors fewer (timing.py hides at most the column-parallel linears' reductions, and the
+          re-gathers this count leaves out). The rest of the communication is counted as 0.
 bubble    the schedule's closed form (parallel/pp/schedules.py) is the longest of several chains,
           each a sum a·F' + c·B' over the costs timing.py plays it with (the other stages' mean F and
           B, the fill and drain running through them, with the blocking tp, cp and ep collectives
@@ -73,7 +75,8 @@ def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batc
         if t == 1 or spec is None or not spec.uses(TPOptions):
             return 0.0
         tensor = b * (g.seq_len // request.get("cp", 1)) * g.d_model * act_bytes
-        return m * g.n_layers / p * tp_tensors_per_layer(recompute) * 2 * (t - 1) / t * tensor / link
+        tensors = tp_tensors_per_layer(recompute) - (2 if cluster.tp_backward_overlap else 0)
+        return m * g.n_layers / p * tensors * 2 * (t - 1) / t * tensor / link
 
     def floor(request: dict, spec=None) -> float:
         dp, t, p, m = request["dp"], request["tp"], request["pp"], request["microbatches"]

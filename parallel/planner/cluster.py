@@ -47,6 +47,8 @@ class Cluster:
     precision: str = "bf16"
     algorithm: str = "hierarchical"  # how a collective over several nodes runs: hierarchical | ring
     p2p_overlap: bool = True  # pipeline sends run beside compute (NCCL streams) or on the sender's path (gloo)
+    tp_backward_overlap: bool = False  # backward's column-parallel tp collectives beside their gradient GEMMs
+    # (Megatron-LM's asynchronous tensor-parallel all-reduce, and sequence parallelism's reduce-scatter; timing.py)
     shared_compute: bool = False
     node_link_shared: bool = False  # a node's ranks share one link out (emulated nodes), not a NIC each
     sources: str = ""
@@ -110,6 +112,7 @@ def cluster_from_config(c, net=None, world: int | None = None) -> Cluster:
             headroom=float(c.get("headroom", 0)), precision=c.get("precision", "bf16"),
             comm_efficiency=float(c.get("comm_efficiency", 1.0)), algorithm=c.get("algorithm", "hierarchical"),
             p2p_overlap=bool(c.get("p2p_overlap", True)), shared_compute=bool(c.get("shared_compute", False)),
+            tp_backward_overlap=bool(c.get("tp_backward_overlap", False)),
             hbm_bytes_per_s=float(c["hbm_tbytes_per_s"]) * 1e12 if c.get("hbm_tbytes_per_s") else None,
             sources=c.get("sources", ""), sms=int(c["sms"]) if c.get("sms") else None,
             gemm_tile=tuple(c.get("gemm_tile") or (256, 128)), calibration=c.get("calibration"),
@@ -145,26 +148,39 @@ def _emulated(c: dict, common: dict, net: dict, world: int | None) -> Cluster:
     if world and nodes * per_node != world:
         raise ClusterError(f"plan.world={world} but the network has net.nodes x net.procs_per_node = {nodes} x "
                            f"{per_node} = {nodes * per_node} ranks: set plan.world={nodes * per_node}")
-    if c.get("loopback_gbytes_per_s") is None or c.get("loopback_latency_us") is None:
-        from parallel.planner.loopback import measure
-
-        measured = measure(world or per_node * nodes)
-        c = {**c, "loopback_gbytes_per_s": measured["bytes_per_s"] / 1e9,
-             "loopback_latency_us": measured["latency_s"] * 1e6}
+    c = _with_measured_figures(c, world or per_node * nodes)
     loopback = float(c["loopback_gbytes_per_s"]) * 1e9  # per rank, with this many ranks on the cores
     inter_mbit, intra_mbit = net.get("inter_mbit"), net.get("intra_mbit")
     latency = float(net.get("latency_ms") or 0) * 1e-3
     if world:
         common["memory_bytes"] /= world  # every rank of every emulated node shares the machine's memory
-    from parallel.planner.codec import shared_rate
-
-    codec = float(c["codec_gbytes_per_s"]) * 1e9 if c.get("codec_gbytes_per_s") \
-        else shared_rate(world or per_node * nodes)
+    codec = float(c["codec_gbytes_per_s"]) * 1e9
     return Cluster(gpus_per_node=per_node, nodes=nodes, node_link_shared=True, codec_bytes_per_s=codec,
                    intra_bytes_per_s=intra_mbit * 1e6 / 8 / per_node if intra_mbit else loopback,
                    inter_bytes_per_s=inter_mbit * 1e6 / 8 if inter_mbit and nodes > 1 else loopback,
                    intra_latency_s=float(c["loopback_latency_us"]) * 1e-6,
                    inter_latency_s=float(c["loopback_latency_us"]) * 1e-6 + latency, **common)
+
+
+def _with_measured_figures(c: dict, ranks: int) -> dict:
+    """The preset with its null loopback and codec figures measured with `ranks` gloo ranks on this
+    machine's cores (parallel/planner/loopback.py), in one probe run; a one-rank plan's codec (its
+    optimizer step) in this process, with the threads a lone rank has."""
+    wanted = ("loopback_gbytes_per_s", "loopback_latency_us", "codec_gbytes_per_s")
+    if all(c.get(k) is not None for k in wanted):
+        return c
+    from parallel.planner.loopback import measure
+
+    measured = measure(ranks)
+    if ranks <= 1:
+        from parallel.dist.binding import threads_per_rank
+        from parallel.planner.codec import probed_bytes_per_s
+
+        measured["codec_bytes_per_s"] = probed_bytes_per_s(threads_per_rank(1))
+    figures = {"loopback_gbytes_per_s": measured["bytes_per_s"] / 1e9,
+               "loopback_latency_us": measured["latency_s"] * 1e6,
+               "codec_gbytes_per_s": measured["codec_bytes_per_s"] / 1e9}
+    return {**c, **{k: figures[k] for k in wanted if c.get(k) is None}}
 
 
 def _measured_peak() -> float:

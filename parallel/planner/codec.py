@@ -13,8 +13,10 @@ The passes below are the code's own torch operations, one entry per operation th
 element, in the order lowprec.py runs them; per-block work (the scales themselves: 1/256 of the
 elements) is left out. Error feedback (dp's all-reduce in int8 and fp8) adds the residual before
 quantizing and keeps what was lost after (`_packed`). The rate: on a GPU preset its HBM bandwidth
-(each pass a memory-bound kernel); on this machine a probe, `pack` and `unpack` timed on a few MB
-(`probed_bytes_per_s`), memoised per process, shared by the ranks as the cores are.
+(each pass a memory-bound kernel); on this machine a probe, `pack` and `unpack` timed on 4 MiB
+(`probed_bytes_per_s`) by every rank of the planned world at once (parallel/planner/loopback.py), so
+that the cores' share is measured, not assumed, with the host allocator a run's ranks have (a process
+under glibc's defaults may time page faults, several times the passes).
 
 DiLoCo's outer step is the same kind of work (parallel/diloco/strategy.py): once per H steps, the
 pseudo-gradient over every parameter and the Nesterov update, timed here too.
@@ -135,9 +137,9 @@ def outer_step_passes(momentum: bool) -> list[Pass]:
 
 
 # -- the rate ----------------------------------------------------------------------------------------
-PROBE_ELEMENTS = 2**20  # 4 MiB of fp32 gradients: a model part's bucket at the sandbox's sizes
+PROBE_ELEMENTS = 2**20  # 4 MiB of fp32 gradients: about one model part's bucket at the sandbox's sizes
 PROBE_FORMAT = "int8"
-_PROBED: dict[int, float] = {}
+PROBE_CALLS = 40  # pack and unpack calls timed as one span, long beside a scheduler's time slice
 
 
 def probe_passes() -> list[Pass]:
@@ -146,36 +148,35 @@ def probe_passes() -> list[Pass]:
 
 
 def probed_bytes_per_s(threads: int) -> float:
-    """This machine's codec rate with `threads` torch threads (a rank's): the probe's bytes over its best
-    time of 5 on PROBE_ELEMENTS, in this process; measured once per process and thread count."""
-    if threads not in _PROBED:
-        import torch
+    """This process's codec rate with `threads` torch threads: the probe's bytes over the time of
+    PROBE_CALLS pack-and-unpack calls on PROBE_ELEMENTS, timed as one span, so that where ranks share the
+    cores (parallel/planner/loopback.py runs this on every rank at once) the share is in the time.
 
-        from parallel.planner.loopback import best_time
-        from parallel.sync.quantize import pack, unpack
+    The process's host allocator is set first as a run's ranks set theirs (`train.host_allocator`'s
+    default, `keep`: parallel/core/host_memory.py). The codec's temporaries are megabytes; under glibc's
+    defaults a process maps each one anew or not depending on its history, and where it does every pass
+    pays its page faults, several times the passes' own time."""
+    import time
 
-        x = torch.randn(PROBE_ELEMENTS)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            unpack(pack(x, PROBE_FORMAT), PROBE_FORMAT, PROBE_ELEMENTS)  # the first call's allocations
-            seconds = best_time(lambda: unpack(pack(x, PROBE_FORMAT), PROBE_FORMAT, PROBE_ELEMENTS), 5)
-        finally:
-            torch.set_num_threads(before)
-        _PROBED[threads] = PROBE_ELEMENTS * float(bytes_per_element(probe_passes())) / seconds
-    return _PROBED[threads]
+    import torch
 
+    from parallel.core.host_memory import apply_host_allocator
+    from parallel.sync.quantize import pack, unpack
 
-def shared_rate(world: int) -> float:
-    """One rank's codec rate when `world` ranks share this machine's cores, each with the threads a
-    run gives it (parallel/dist/binding.py): the probe's rate, scaled down where the ranks' threads
-    outnumber the cores (they run their codecs at the same time, after the same backward)."""
-    from parallel.dist.binding import threads_per_rank
-    from parallel.report.mfu import usable_cores
-
-    cores = usable_cores()
-    threads = threads_per_rank(world)
-    return probed_bytes_per_s(threads) * min(1.0, cores / (world * threads))
+    apply_host_allocator("keep")
+    x = torch.randn(PROBE_ELEMENTS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(3):  # the first calls' allocations
+            unpack(pack(x, PROBE_FORMAT), PROBE_FORMAT, PROBE_ELEMENTS)
+        start = time.perf_counter()
+        for _ in range(PROBE_CALLS):
+            unpack(pack(x, PROBE_FORMAT), PROBE_FORMAT, PROBE_ELEMENTS)
+        seconds = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+    return PROBE_CALLS * PROBE_ELEMENTS * float(bytes_per_element(probe_passes())) / seconds
 
 
 # -- per step ------------------------------------------------------------------------------------------
@@ -204,14 +205,22 @@ def codec_passes(spec, layout, zero: int) -> list[tuple[list[Pass], Fraction]]:
     return work
 
 
+def work_bytes_per_element(work: list[tuple[list[Pass], Fraction]]) -> Fraction:
+    """Bytes read and written per element over `work`, (passes, calls per step) pairs: the one sum the
+    codec, the optimizer step (optimizer_step.py) and the sharded strategies' copies (shard_copies.py) share."""
+    return sum((calls * bytes_per_element(passes) for passes, calls in work), Fraction(0))
+
+
+def elementwise_seconds(work: list[tuple[list[Pass], Fraction]], elements: int, rate: float | None) -> float:
+    """Seconds of memory-bound `work` over `elements`: its bytes at `rate` (0 where the cluster has none)."""
+    return float(work_bytes_per_element(work)) * elements / rate if rate else 0.0
+
+
 def codec_bytes(shape, spec, layout, zero: int) -> float:
     """Bytes one rank's codec reads and writes per step."""
-    elements = shape.parameter_count()
-    return float(sum(calls * bytes_per_element(passes) for passes, calls in codec_passes(spec, layout, zero))) \
-        * elements
+    return float(work_bytes_per_element(codec_passes(spec, layout, zero))) * shape.parameter_count()
 
 
 def codec_seconds(shape, spec, layout, zero: int, cluster) -> float:
-    """One rank's codec seconds per step: its bytes at the cluster's codec rate (0 where it has none)."""
-    rate = cluster.codec_bytes_per_s
-    return codec_bytes(shape, spec, layout, zero) / rate if rate else 0.0
+    """One rank's codec seconds per step: its bytes at the cluster's codec rate."""
+    return elementwise_seconds(codec_passes(spec, layout, zero), shape.parameter_count(), cluster.codec_bytes_per_s)

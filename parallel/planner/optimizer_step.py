@@ -9,7 +9,7 @@ of the update reads and writes every element once, so the step is memory-bound:
 
 with the bytes per element summed over the update's own operations (below, in the order
 `AdamW.update` and `SGD.update` run them) and the rate the codec's (codec.py: the GPU's HBM bandwidth,
-or this machine's probe, shared by the ranks as the cores are). It matters where compute per rank is
+or this machine's probe, run by every rank at once). It matters where compute per rank is
 small beside the model: data parallelism over many ranks on one machine steps the whole model on every
 rank for a 1/dp share of the batch's matmuls.
 
@@ -20,8 +20,10 @@ master weights, the moments and the bf16 weights the next forward reads (16 byte
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from parallel.model_state import model_state
-from parallel.planner.codec import Pass, bytes_per_element
+from parallel.planner.codec import Pass, elementwise_seconds
 
 # AdamW.update, per element in fp32: decay, the two moments, the denominator, the step (what each reads
 # is its tensor arguments: addcmul_ names the gradient twice).
@@ -46,6 +48,4 @@ def elements_stepped(parts: list[int], zero: int, shards: int) -> int:
 
 def optimizer_seconds(elements: int, optimizer: str, precision: str, rate: float | None) -> float:
     """One rank's optimizer step: its elements' bytes at the codec rate (0 where there is none)."""
-    if not rate:
-        return 0.0
-    return elements * float(bytes_per_element(optimizer_passes(optimizer, precision))) / rate
+    return elementwise_seconds([(optimizer_passes(optimizer, precision), Fraction(1))], elements, rate)

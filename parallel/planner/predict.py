@@ -230,7 +230,7 @@ def _optimizer_seconds(shape: ModelShape, candidate: Candidate, cluster: Cluster
 def _copy_seconds(shape: ModelShape, candidate: Candidate, cluster: Cluster, layout) -> float:
     """The sharded strategies' copies around their collectives on the stage with the most (shard_copies.py)."""
     spec = candidate.plan.spec
-    return max(copy_seconds(spec.name, spec.tags, candidate.zero, zero_shards(layout.dims), layout.microbatches,
+    return max(copy_seconds(spec.tags, candidate.zero, zero_shards(layout.dims), layout.microbatches,
                             memory.stage_parts(shape, layout, r), cluster.codec_bytes_per_s)
                for r in range(layout.dims.pp))
 

@@ -8,7 +8,7 @@ buffers its collectives send, on the rank's own cores (or its GPU's memory), eve
         per microbatch   each part's full gradient buffer zeroed, each gradient copied into it,
                          and the reduce-scattered 1/n added into the rank's gradient shard
         per step         the gradient shards zeroed (1/n)
-    FSDP2 (torch_fsdp2, torch_hsdp, torch_zero2: torch.distributed.fsdp's own ops)
+    FSDP2 (the registry's "fsdp2" tag: torch_fsdp2, torch_hsdp, torch_zero2; torch.distributed.fsdp's own ops)
         per gather       all_gather_copy_in (the rank's 1/n into the gather's input) and
                          split_with_sizes_copy (the gathered buffer out into the parameters)
         per microbatch   chunk_cat (the gradients into the reduce-scatter's input), and from the
@@ -16,8 +16,8 @@ buffers its collectives send, on the rank's own cores (or its GPU's memory), eve
 
 ZeRO-3's own gathers and every reduce-scatter write straight into the buffers they use, so they add
 no pass. FSDP2 gathers each Block before its forward and again before its backward and the root
-(embedding and head) once per microbatch; torch_zero2 once per step. Each pass reads and writes
-every element it touches once; the seconds are
+(embedding and head) once per microbatch; torch_zero2 (tagged "keeps_gathered") once per step. Each
+pass reads and writes every element it touches once; the seconds are
 
     elements x bytes per element / rate      (codec.py's Pass and rate: HBM, or this machine's probe)
 
@@ -29,9 +29,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from parallel.planner.codec import Pass, bytes_per_element
-
-FSDP2 = ("torch_fsdp2", "torch_hsdp", "torch_zero2")
+from parallel.planner.codec import Pass, elementwise_seconds
 
 
 def shard_add(n: int) -> Pass:
@@ -54,27 +52,20 @@ def fsdp2_per_gather(n: int) -> list[Pass]:
 FSDP2_PER_MICROBATCH = [Pass("chunk_cat: the gradients into the reduce-scatter's input", 4, 4)]
 
 
-def copy_passes(name: str, tags, zero: int, n: int, m: int, parts: list[int]) -> list[tuple[list[Pass], Fraction]]:
-    """(passes, calls per step) of strategy `name` sharding over n ranks with m microbatches; each call's
-    passes are per element of the rank's parts (`parts`: embedding, the blocks, head)."""
+def copy_passes(tags, zero: int, n: int, m: int, parts: list[int]) -> list[tuple[list[Pass], Fraction]]:
+    """(passes, calls per step) of a strategy (its registry `tags`: FSDP2's, or ours) sharding over n ranks
+    with m microbatches; each call's passes are per element of the rank's parts (embedding, blocks, head)."""
     if n <= 1:
         return []
-    if name in FSDP2:
+    if "fsdp2" in tags:
         blocks = Fraction(sum(parts[1:-1]), sum(parts))  # the Blocks' share; the root holds the rest
-        gathers = Fraction(1) if name == "torch_zero2" else m * (2 * blocks + (1 - blocks))
+        gathers = Fraction(1) if "keeps_gathered" in tags else m * (2 * blocks + (1 - blocks))
         return [(fsdp2_per_gather(n), gathers), (FSDP2_PER_MICROBATCH, Fraction(m)), ([shard_add(n)], Fraction(m - 1))]
     if zero in (2, 3) and "baseline" not in tags:
         return [(ours_per_microbatch(n), Fraction(m)), (ours_per_step(n), Fraction(1))]
     return []
 
 
-def copy_bytes_per_element(work: list[tuple[list[Pass], Fraction]]) -> Fraction:
-    """Bytes read and written per step, per element of the rank's parts."""
-    return sum((calls * bytes_per_element(passes) for passes, calls in work), Fraction(0))
-
-
-def copy_seconds(name: str, tags, zero: int, n: int, m: int, parts: list[int], rate: float | None) -> float:
+def copy_seconds(tags, zero: int, n: int, m: int, parts: list[int], rate: float | None) -> float:
     """One rank's copies per step at the codec rate (0 where there is none)."""
-    if not rate:
-        return 0.0
-    return float(copy_bytes_per_element(copy_passes(name, tags, zero, n, m, parts))) * sum(parts) / rate
+    return elementwise_seconds(copy_passes(tags, zero, n, m, parts), sum(parts), rate)

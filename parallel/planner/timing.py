@@ -19,7 +19,9 @@ collective latency + bytes / bandwidth on the link class it crosses (Thakur et a
            its members' peers off-node, at the between-node rate, whatever the algorithm), the call count
            being the bytes over one message (an activation of b·s·h for tp, cp and ep and the
            pipeline, a bucket for dp).
-overlap    tp, cp and ep collectives block the forward or backward they sit in (half each).
+overlap    tp, cp and ep collectives block the forward or backward they sit in (half each); where the
+           framework overlaps them (`tp_backward_overlap`), the column-parallel linears' backward
+           collectives run beside their gradient GEMMs (`tp_hidden_in_backward`).
            The dp group's gradient reductions overlap the backward they follow: bucketed dp and
            ZeRO-1 after the last microbatch (ZeRO-1 reduces once the schedule ends: none), ZeRO-2
            and ZeRO-3 inside every microbatch's backward; the last bucket never overlaps, and the
@@ -52,17 +54,18 @@ ASSUMPTIONS = {
                "last stage); backward = 2 x forward; time = FLOPs / (peak x efficiency)",
     "collectives": "latency x algorithm steps + theory's ring bytes per rank / bandwidth x comm_efficiency, on the "
                    "link class crossed; hierarchical across nodes on GPUs, a ring (slowest edge) on gloo",
-    "overlap": "tp/cp/ep collectives block compute; dp all-reduce (bucketed) and ZeRO-2/3 reduce-scatters (HSDP's "
-               "shard group's too) overlap backward, less the last bucket; ZeRO-1's reduction, every ZeRO all-gather "
-               "and HSDP's replicate all-reduce (after the reduce-scatters) are exposed; DiLoCo's outer all-reduce is "
-               "exposed, once per H steps; "
+    "overlap": "tp/cp/ep collectives block compute (where the cluster's tp_backward_overlap is set, the column-"
+               "parallel linears' backward collectives run beside their gradient GEMMs); dp all-reduce (bucketed) "
+               "and ZeRO-2/3 reduce-scatters (HSDP's shard group's too) overlap backward, less the last bucket; "
+               "ZeRO-1's reduction, every ZeRO all-gather and HSDP's replicate all-reduce (after the reduce-scatters) "
+               "are exposed; DiLoCo's outer all-reduce is exposed, once per H steps; "
                "pipeline sends overlap compute on GPUs (2·(v·p-1) exposed on fill and drain) and not on gloo",
     "bubble": "the slowest stage's m·(F + B) plus the schedule's idle (parallel/pp/simulator.py's lists) played "
               "with the other stages' mean forward and backward times (the fill and drain run through them)",
     "codec": "the lossy collectives' casts, block scales, quantization and error feedback, and DiLoCo's outer step "
              "(once per H steps): elements x bytes read and written per element over the code's own passes / the "
-             "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start, "
-             "shared by the ranks as the cores are), on the critical path: added to compute, overlapped with nothing",
+             "codec rate (GPU presets: HBM bandwidth; this machine: int8 pack and unpack of 4 MiB timed at start "
+             "on every rank at once), on the critical path: added to compute, overlapped with nothing",
     "optimizer": "the optimizer step after the schedule: the elements the rank's optimizer updates (all of its "
                  "parameters, ZeRO's 1/n) x the bytes its update's passes read and write / the codec rate, the "
                  "largest stage's, added to compute",
@@ -151,8 +154,10 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
     activation = layout.microbatch_size * shape.gpt.seq_len * shape.gpt.d_model * act_bytes
     seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
     blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)  # tp, cp, ep: inside compute
-    f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m)
-    fill_eff = (fill[0] + blocking / (2 * m), fill[1] + blocking / (2 * m))
+    hidden = tp_hidden_in_backward(shape, layout, cluster, traffic["tp"].span, layers_by_rank, act_bytes,
+                                   blocking / (2 * m)) if cluster.tp_backward_overlap and "tp" in traffic else 0.0
+    f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m) - hidden
+    fill_eff = (fill[0] + blocking / (2 * m), fill[1] + blocking / (2 * m) - hidden)
     pp_exposed, bubble = _pipeline_exposed(layout, cluster, traffic, seconds, activation, f_eff, b_eff, fill_eff)
     dp_exposed = _dp_exposed(traffic, seconds, zero, grad_sync, m * b_eff if zero >= 2 else b_eff, world)
     compute = m * (forward + backward) + codec + optimizer + copies
@@ -188,6 +193,33 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
     model_flops = replicas * sum(x["model_flops"] for x in per)
     parts = {k: m * per[slowest][k] for k in ("matmuls", "attention", "elementwise", "recompute")}
     return per[slowest]["forward"], per[slowest]["backward"], hardware, model_flops, parts, _others(per, slowest)
+
+
+def tp_hidden_in_backward(shape: ModelShape, layout, cluster: Cluster, span: GroupSpan, layers_by_rank: list[int],
+                          act_bytes: int, backward_share: float) -> float:
+    """Seconds per microbatch of the tp collectives that run beside backward's GEMMs where the cluster's
+    framework overlaps them (`Cluster.tp_backward_overlap`: Megatron-LM's asynchronous tensor-parallel
+    communication). In each block the column-parallel linears (QKV, the MLP's first) reduce their input
+    gradient beside their weight-gradient GEMM (an all-reduce, or sequence parallelism's reduce-scatter), and
+    where they keep their input's sequence piece, all-gather it again beside their input-gradient GEMM;
+    each hides up to that GEMM's time, the mean rank's blocks, never more than backward's share of the
+    blocking collectives. The row-parallel linears' collectives and the recomputed forward's stay exposed."""
+    t, b, g = layout.dims.tp, layout.microbatch_size, shape.gpt
+    cut = layout.cut()
+    tensor = b * (g.seq_len // layout.dims.cp) * g.d_model * act_bytes
+    reduction = (t - 1) / t * tensor * (1 if cut.sequence_parallel else 2)
+    regather = (t - 1) / t * tensor if cut.sequence_parallel and cut.saves_shard else 0.0
+    layers = sum(layers_by_rank) / len(layers_by_rank)
+    comm = [layers * 2 * collective_seconds(x, span, cluster, tensor, 2 * (t - 1)) for x in (reduction, regather)]
+    device = cluster.device()
+    if device is not None:
+        from parallel.planner.compute import Gemm, block_gemms
+
+        column = [x for i, x in enumerate(block_gemms(shape, t, b)["matmuls"]) if i in (0, 2)]
+        weight_grad = layers * sum(device.seconds(Gemm(x.k, x.n, x.m), act_bytes) for x in column)
+        input_grad = layers * sum(device.seconds(Gemm(x.m, x.k, x.n), act_bytes) for x in column)
+        comm = [min(comm[0], weight_grad), min(comm[1], input_grad)]
+    return min(sum(comm), backward_share)
 
 
 def _recomputed_seconds(shape: ModelShape, t: int, layers: int, seconds_per_flop_token: float,

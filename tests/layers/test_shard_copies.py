@@ -21,7 +21,9 @@ from dispatch_pause import PausableMode
 from spawn import run_ranks, write_result
 from torch.utils._pytree import tree_flatten
 
-from parallel.planner.shard_copies import copy_bytes_per_element, copy_passes
+from parallel.planner.codec import work_bytes_per_element
+from parallel.planner.shard_copies import copy_passes
+from parallel.registry import spec_of
 
 WORLD = 2
 OVERWRITTEN = ("copy_", "zero_", "fill_")  # the first argument: written, not read
@@ -119,7 +121,6 @@ def counted() -> dict:
 @pytest.mark.parametrize("m", [1, 2])
 def test_the_copies_move_the_tables_bytes(counted, name, zero, m):
     parts = counted["parts"]
-    table = copy_bytes_per_element(copy_passes(name, ("baseline",) if name.startswith("torch") else (), zero,
-                                               WORLD, m, parts))
+    table = work_bytes_per_element(copy_passes(spec_of(name).tags, zero, WORLD, m, parts))
     assert table > 0
     assert counted[f"{name}/{m}"] - m * counted["single"] == table * sum(parts)

@@ -74,6 +74,12 @@ KORTHIKANTI_SURE = ("step times sure (Table 5; the same figures are Calculon's v
                     "data parallel size of one'); global batch, microbatch and interleaving as Calculon's "
                     "validation/<model>_<full|seqsel>.json read them (22B: B 4, b 4; 175B: B 64, b 1, 3 chunks; "
                     "530B: B 280, b 1, 3 chunks; 1T: B 512, b 1, 1F1B): fairly sure")
+MEGATRON_2022_TP = ("Megatron-LM of the paper's time overlaps backward's tensor-parallel communication with the "
+                    "GEMMs (megatron/mpu/layers.py: ColumnParallelLinearWithAsyncAllreduce all-reduces the input "
+                    "gradient with async_op=True while the weight gradient is computed, on unless "
+                    "--no-async-tensor-model-parallel-allreduce; under sequence parallelism, then named "
+                    "model_parallel_memory_opt, the input's all-gather runs beside the input-gradient GEMM and the "
+                    "reduce-scatter beside the weight-gradient GEMM): tp_backward_overlap")
 MTNLG = "Smith et al. 2022 (MT-NLG 530B), arXiv 2201.11990, section 2.4"
 MTNLG_SURE = ("step time sure (60.1/50.2/44.4 s at 280/350/420 DGX A100 nodes, global batch 1920, quoted by "
               "llm-analysis' MT-NLG example); tp 8 x pp 35 sure (paper and Microsoft's blog); microbatch 1, "
@@ -87,15 +93,28 @@ BLOOM_SURE = ("step time, shape, tp 4 x pp 12 x dp 8, microbatch 2, global batch
               "its dropout 0.1 left out (1-byte masks: a few % of the elementwise traffic)")
 DEEPSPEED_P2P = ("DeepSpeed's pipeline engine sends activations with blocking broadcasts on two-rank groups "
                  "(deepspeed/runtime/pipe/p2p.py: dist.broadcast, async_op=False): not overlapped with compute")
+DEEPSPEED_PIPE = ("after the last microbatch DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py) runs "
+                  "ReduceTiedGrads, ReduceGrads and OptimizerStep in line, as the planner times ZeRO-1's reduction and "
+                  "all-gather (exposed); not modelled: its engine (pipe/engine.py, is_pipe_partitioned under tp) sends "
+                  "each tp rank's 1/t of an activation and all-gathers it on the receiver while gradients go whole, "
+                  "and a broadcast holds the receiving stage as long as the sender (by a simulation of that schedule, "
+                  "the two about cancel against the planner's sends on the sender's path)")
 LLAMA3 = "Dubey et al. 2024 (Llama 3), arXiv 2407.21783, Table 4"
-LLAMA3_SURE = ("TFLOP/s sure (430/400/380, also Balaji, SC24 talk, as quoted by glennklockwood.com); tp/cp/pp sure; "
-               "dp and batch derived (16M tokens a batch); microbatch 1, no recomputation, sequence parallelism, "
-               "the optimizer state sharded over dp (ZeRO-1: the planner refuses ZeRO-2 with sequence parallelism; "
-               "Meta's FSDP also shards gradients), and the paper's balancing (one layer fewer on the first and the "
-               "last stage; its first chunk holds only the embedding, not expressible here) as the interleaved "
-               "schedule with 4 chunks of 2 layers, 1 on the first and last, assumed (no recomputation, from "
-               "memory of the paper's section 3.3.2, not re-checked); the paper's FLOP count is not given: the "
-               "planner's (attention without causal skipping, as Megatron counts it)")
+LLAMA3_SURE = ("TFLOP/s sure (430/400/380, also Balaji, SC24 talk, as quoted by glennklockwood.com); tp, cp, pp, dp "
+               "and sequences per dp group (32/16/16) sure (Table 4; the cp 16 row's dp is printed 4 in some copies, 8"
+               " in others: 8 is what 16,384 GPUs and 16M tokens need); section 3.3.2 states: no activation "
+               "checkpointing at 8K tokens; the interleaved schedule with V chunks a rank and N contiguous "
+               "microbatches tunable between depth-first (N = PP) and breadth-first (N = M), V and N of the 405B runs "
+               "not given; one layer fewer on the first and the last stage, the first chunk holding only the embedding"
+               " and the last only the output and loss (not expressible: pp_layers counts are positive; taken as 4 "
+               "chunks of 2 layers, 1 on the first and the last, the same 7 or 8 layers a rank); stage inputs and "
+               "outputs deallocated (counted by neither formula here beyond what the blocks save); FSDP sharding "
+               "optimizer states and gradients but not the parameters after forward, with fp32 gradient accumulation "
+               "and reduce-scatter; tp citing Korthikanti et al. Assumed: microbatch 1; sequence parallelism saving "
+               "the gathered inputs (the planner's default; Korthikanti et al.'s saves each rank's piece); ZeRO-1 in "
+               "place of FSDP's sharded gradients (the sandbox refuses ZeRO-2 with sequence parallelism or virtual "
+               "stages); the planner's FLOP count (attention without causal skipping, as Megatron counts it), the "
+               "paper giving none")
 
 
 def korthikanti() -> list[Run]:
@@ -114,14 +133,15 @@ def korthikanti() -> list[Run]:
                         "schedule": "interleaved_1f1b" if v > 1 else "1f1b", **({"tp_saves": "sharded"} if sp else {})}
             label = "SP + selective" if sp else "full recompute"
             out.append(Run(f"GPT {name}, {label}", KORTHIKANTI, A100, HELD_OUT, gpt(heads, h, layers), 8 * pp,
-                           batch, micro, parallel, recompute, "step_s", step, None, KORTHIKANTI_SURE))
+                           batch, micro, parallel, recompute, "step_s", step, None,
+                           f"{KORTHIKANTI_SURE}; {MEGATRON_2022_TP}", {"tp_backward_overlap": True}))
     return out
 
 
 def mt_nlg() -> list[Run]:
     return [Run(f"MT-NLG 530B, {nodes} nodes", MTNLG, A100, HELD_OUT, gpt(128, 20480, 105, vocab=50272),
                 nodes * 8, 1920, 1, {"tp": 8, "pp": 35, "zero": 1, "schedule": "1f1b"}, "full", "step_s", step,
-                None, f"{MTNLG_SURE}; {DEEPSPEED_P2P}", {"p2p_overlap": False})
+                None, f"{MTNLG_SURE}; {DEEPSPEED_P2P}; {DEEPSPEED_PIPE}", {"p2p_overlap": False})
             for nodes, step in ((280, 60.1), (350, 50.2), (420, 44.4))]
 
 
@@ -130,7 +150,7 @@ def bloom() -> list[Run]:
     parallel = {"tp": 4, "pp": 12, "zero": 1, "schedule": "1f1b", "pp_layers": [5] + [6] * 10 + [5]}
     links = {"inter_gbit_per_s": 50, "inter_busbw_gbytes_per_s": 5.6, "p2p_overlap": False}
     return [Run("BLOOM 176B", BLOOM, A100, HELD_OUT, model, 384, 2048, 2, parallel, "full", "step_s", 104.70, None,
-                f"{BLOOM_SURE}; {DEEPSPEED_P2P}", links)]
+                f"{BLOOM_SURE}; {DEEPSPEED_P2P}; {DEEPSPEED_PIPE}", links)]
 
 
 def llama3_405b() -> list[Run]:

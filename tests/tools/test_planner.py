@@ -308,6 +308,18 @@ def test_time_model_by_hand(base):
     assert gloo.exposed_comm > t.exposed_comm and gloo.bubble == pytest.approx(t.bubble)
 
 
+def test_tp_backward_overlap_hides_the_column_parallel_reductions(base):
+    """Where the framework overlaps backward's tp collectives (Megatron-LM's asynchronous all-reduce), each block's
+    two column-parallel input-gradient all-reduces leave the exposed time: 2 of its 4 tensors (tp 4 in a node, no
+    recomputation); the row-parallel ones and everything else are as before."""
+    shape, plan, traffic, t = _time(base, "tp", ParallelDims(4, 1, 4), synthetic_cluster())
+    _, _, _, hidden = _time(base, "tp", ParallelDims(4, 1, 4), synthetic_cluster(tp_backward_overlap=True))
+    g, b = shape.gpt, plan.layout.microbatch_size
+    all_reduce = 2 * 3 / 4 * b * g.seq_len * g.d_model * 4 / 1e9
+    assert t.exposed_comm - hidden.exposed_comm == pytest.approx(g.n_layers * 2 * all_reduce)
+    assert hidden.exposed_comm > 0 and hidden.compute == t.compute and hidden.comm_by_group == t.comm_by_group
+
+
 def test_this_machine_takes_the_emulated_networks_settings():
     """The emulated network's net.* settings: 2 nodes of 2 ranks behind 200 Mbit/s links with 1 ms latency; the
     machine's memory and peak shared by every rank; a world the network does not have is refused."""

@@ -93,6 +93,17 @@ def test_a_gpu_presets_codec_rate_is_its_hbm():
     assert cluster.codec_bytes_per_s == cluster.hbm_bytes_per_s == 3.35e12
 
 
+def test_this_machines_codec_rate_is_probed_on_every_rank_at_once_and_a_given_one_is_kept():
+    """Left null, the codec rate comes from the loopback probe's run with the planned world's ranks
+    (one probe run for the three figures), a positive rate per rank; a given figure is taken as it is."""
+    preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
+              "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100}
+    probed = cluster_from_config(preset, None, world=2)
+    assert probed.codec_bytes_per_s > 0 and probed.intra_bytes_per_s == 1e9  # the given loopback kept
+    given = cluster_from_config({**preset, "codec_gbytes_per_s": 3.0}, None, world=2)
+    assert given.codec_bytes_per_s == 3e9
+
+
 def test_a_named_baseline_is_validated_as_a_row_and_the_search_leaves_baselines_out(base):  # noqa: F811
     """plan.layouts=[torch_hsdp]: its rows, beside hsdp's for the same layouts when both are named;
     with no names, no PyTorch baseline is searched."""

@@ -64,16 +64,18 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy(model
                                          json.loads(results[sharded])["measured"])), (gathered, sharded)
 
 
-# A mixture of experts (tiny_moe: 4 experts, top-2, in blocks 0 and 2): one process, dp with microbatches,
-# ZeRO-1 and -3, and expert parallelism (dp 4 x ep 2 with microbatches, ep 4).
+# A mixture of experts (tiny_moe: 4 experts, top-2, in blocks 0 and 2; tiny_llama_moe: the same in the
+# Llama-style block, SwiGLU experts): one process, dp with microbatches, ZeRO-1 and -3, and expert
+# parallelism (dp 4 x ep 2 with microbatches, ep 4).
 MOE_LAYOUTS = ["single", "dp m2", "zero1", "zero3", "ep 4x2 m2", "ep4"]
 
 
-def test_moe_saved_bytes_and_model_state_equal_the_planners_formulas():
+@pytest.mark.parametrize("model", ["tiny_moe", "tiny_llama_moe"])
+def test_moe_saved_bytes_and_model_state_equal_the_planners_formulas(model):
     """The planner's MoE formula (parallel/planner/moe.py) on the routing each rank measured, to the byte on
     every rank: the saved set follows the routing (no padding to capacity), so ranks differ."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
-           str(PROJECT_ROOT / "tests" / "helpers" / "planner_memory_check.py"), "tiny_moe", *MOE_LAYOUTS]
+           str(PROJECT_ROOT / "tests" / "helpers" / "planner_memory_check.py"), model, *MOE_LAYOUTS]
     proc = subprocess.run(cmd, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -66,6 +66,11 @@ def test_interleaved_finishes_and_matches_the_bubble(p, k, v, cost):
     assert result.bubble_fraction == pytest.approx(float(bubble_closed_form(p, m, v)), abs=1e-12)
     # Megatron's warm-up bounds what the first rank holds: (p-1)·2 + (v-1)·p + 1 microbatch-chunks.
     assert result.peak_activations[0] <= min((p - 1) * 2 + (v - 1) * p + 1, m * v)
+    if v > 1:
+        # Every rank holds exactly Megatron-Core's warm-up (pipeline_parallel/schedules.py,
+        # get_pp_rank_microbatches: 2(p-1-r) + (v-1)·N chunks on rank r, N contiguous microbatches a chunk, p by
+        # default and at least p) and the first steady forward, or all m·v: the least any N holds.
+        assert result.peak_activations == [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
 
 
 def test_interleaved_with_one_chunk_is_1f1b_order():
