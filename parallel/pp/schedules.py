@@ -134,11 +134,19 @@ def interleaved_in_flight(stages: int, microbatches: int, virtual: int) -> tuple
     return tuple(held)
 
 
-def check_gpipe(stages: int, microbatches: int, virtual: int) -> None:
-    _check(stages, microbatches, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: gpipe runs one chunk per rank; "
-                            "use pp_interleaved for virtual stages")
+def one_chunk_check(name: str):
+    """The refusals of a schedule that runs one chunk per rank (gpipe, 1f1b): the sizes, and any virtual stages."""
+
+    def check(stages: int, microbatches: int, virtual: int) -> None:
+        _check(stages, microbatches, virtual)
+        if virtual != 1:
+            raise ScheduleError(f"parallel.virtual_stages={virtual}: {name} runs one chunk per rank; "
+                                "use pp_interleaved for virtual stages")
+
+    return check
+
+
+check_gpipe, check_1f1b = one_chunk_check("gpipe"), one_chunk_check("1f1b")
 
 
 def gpipe(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
@@ -150,13 +158,6 @@ def gpipe(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     m = microbatches
     return [_with_comm([Action(F, i) for i in range(m)] + [Action(B, i) for i in range(m)], r, stages, 1)
             for r in range(stages)]
-
-
-def check_1f1b(stages: int, microbatches: int, virtual: int) -> None:
-    _check(stages, microbatches, virtual)
-    if virtual != 1:
-        raise ScheduleError(f"parallel.virtual_stages={virtual}: 1f1b runs one chunk per rank; "
-                            "use pp_interleaved for virtual stages")
 
 
 def one_f_one_b(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
