@@ -81,6 +81,25 @@ def plan_optimizer(model: nn.Module, plan) -> Optimizer:
     return make_optimizer(model, plan.lr, plan.weight_decay, plan.optimizer)
 
 
+class Completion:
+    """A sum over another group that completes some parameters' gradients (tp's, of the norms under
+    sequence parallelism): `sum_in_place(grads)` sums the gradients given, one per parameter of any
+    subset of `params` in their order, over that group. Called with nothing, it completes `.grad`
+    of all of them; `of(params, grads)` completes those of its own among a part's gradients
+    elsewhere (ZeRO-2's flat buffer)."""
+
+    def __init__(self, params: list[nn.Parameter], sum_in_place):
+        self.params = params
+        self.members = set(params)
+        self.sum_in_place = sum_in_place
+
+    def __call__(self) -> None:
+        self.sum_in_place([p.grad for p in self.params])
+
+    def of(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        self.sum_in_place([g for p, g in zip(params, grads) if p in self.members])
+
+
 class GradSync:
     """The gradient-sync protocol, and its no-op default: gradients stay where backward left them.
 
@@ -92,16 +111,17 @@ class GradSync:
                                      microbatch, whose backward may start communicating
         finish()                     after the last backward: every gradient is final here
 
-    `completions` are functions that complete local gradients across *another* group before they
-    are used (sequence parallelism's sum of partial LayerNorm and bias gradients over tp). Each
-    sync runs them where that is right for its own reduction: a plain sum commutes with them, so
-    after its all-reduces have landed (never while a bucket is on the wire); a reduce-scatter
-    (ZeRO-1) before it, since each rank keeps only a shard of what it reduces.
+    `completions` (`Completion`) complete local gradients across *another* group before they are
+    used (sequence parallelism's sum of partial LayerNorm and bias gradients over tp). Each sync runs
+    them where that is right for its own reduction: a plain sum commutes with them, so after its
+    all-reduces have landed (never while a bucket is on the wire); a reduce-scatter before it, since
+    each rank keeps only a shard of what it reduces: once per step before ZeRO-1's, and before each
+    of ZeRO-2's, on the gradients of the part it is about to reduce.
     """
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.completions: list = []
+        self.completions: list[Completion] = []
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -4,9 +4,8 @@ A family's rules read only its own options (parallel/<family>/rules.py); these r
 
   tp x pp      the saved sequence piece with a schedule that splits each backward in two halves,
                both of which would gather it again (tp's message)
-  sync x pp    ZeRO-2 inside a pipeline (its per-microbatch reduce-scatters need final gradients:
-               no sequence-parallel partial sums, no chunks whose backwards run apart), and the
-               bucketed all-reduce against virtual stages
+  sync x pp    the bucketed all-reduce against virtual stages (ZeRO's reductions take a pipeline as
+               it comes: ZeRO-2 reduces each part when its gradients are in, parallel/sync/zero.py)
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ from parallel.pp import rules as pp_rules
 from parallel.pp.options import PPOptions
 from parallel.pp.schedules import schedule_splits_backward
 from parallel.sync.options import SyncOptions
-from parallel.tp.options import TPOptions
 from parallel.tp.rules import SAVES_WITH_SPLIT_BACKWARD
-from parallel.zero import rules as zero_rules
 
 
 def rules_across_families(check: Check) -> None:
@@ -32,8 +29,5 @@ def rules_across_families(check: Check) -> None:
         raise LayoutError(SAVES_WITH_SPLIT_BACKWARD)
     if not spec.honours_option(SyncOptions, "grad_sync"):
         return
-    if sync.zero:  # the ZeroOptimizer replaces grad_sync
-        zero_rules.check_zero_in_pipeline(sync.zero, layout.of(TPOptions).sequence_parallel, pipeline.virtual_stages,
-                                          pipeline.schedule, pp_rules.v_shaped(pipeline.schedule))
-    else:
+    if not sync.zero:  # the ZeroOptimizer replaces grad_sync
         pp_rules.check_pipeline_grad_sync(check.dims, sync.grad_sync, pipeline.virtual_stages, pipeline.schedule)

@@ -14,7 +14,9 @@ sends per step, with t = tp, d = dp:
        vocab-parallel loss's 3 all-reduces of b·s fp32 on the last stage. Each all-reduce
        2(t-1)/t of its bytes, or under sequence parallelism an all-gather plus a reduce-scatter,
        (t-1)/t each; then once per step the stage's sequence-sharded gradients (its blocks'
-       6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced;
+       6h, the positions s·h on the first stage, the final norm 2h on the last), all-reduced
+       (under ZeRO-2 once per microbatch: it reduce-scatters each microbatch's gradients over dp,
+       and a shard of a sum over dp can only be completed over tp before);
   pp   one send of its boundary activation per microbatch for each chunk whose next virtual
        stage is on another rank, and one of the input gradient for each whose previous one
        is: b·s·h, or b·(s/t)·h under sequence parallelism (each tp rank sends its piece of the
@@ -240,7 +242,8 @@ def combined_comm(model: GPTConfig, layout: Layout) -> dict:
         first, last = ends[r]
         stage = _Traffic(dp_group=total.dp_group)
         if dims.tp > 1:
-            tp = tp_stage_payloads(model, layout, layers[r], first, last)
+            # ZeRO-2 completes every microbatch's partial gradients before it reduce-scatters them
+            tp = tp_stage_payloads(model, layout, layers[r], first, last, m if zero == 2 and d > 1 else 1)
             stage.add("tp", dims.tp, all_reduce=tp.all_reduce, all_gather=tp.all_gather,
                       reduce_scatter=tp.reduce_scatter)
         for op, (payload, sent) in cp_attention_traffic(model, layout, layers[r]).items():

@@ -38,9 +38,13 @@ class ZeroOptimizer(GradSync):
         load_full_state(m, o)        copy in this rank's part of full dicts (no communication)
 
     Stage 1 runs the sync's completions (sequence parallelism's sum of partial gradients over tp)
-    before its reduce-scatter, since each rank keeps only a shard of the sum. Stage 2 reduces in
-    backward hooks, before any completion could run, so it refuses completions (run_plan.py refuses
-    ZeRO-2 with sequence parallelism first, with the reason).
+    before its reduce-scatter, since each rank keeps only a shard of the sum. Stage 2 reduces each
+    part in backward hooks, as soon as the part has all its gradients of this backward; it runs the
+    completions there, on that part's gradients, just before its reduce-scatter (so once per
+    microbatch: the price of never holding a whole gradient). A part is reduced whenever its
+    gradients are in, so a pipeline rank's chunks, whose backwards run at different moments of the
+    schedule, each reduce their own parts; every dp rank runs the same schedule, so the
+    reduce-scatters come in the same order on all of them.
 
     The gradients' reduce-scatters go through `grad_comm`, in parallel.comm_dtype
     (parallel/sync/lowprec.py); the parameters' all-gather stays fp32 on `comm`, since the gathered
@@ -84,7 +88,7 @@ class ZeroOptimizer(GradSync):
         self.optimizer = ShardAdamW(self.parts, [f[part.lo: part.hi] for f, part in zip(self.flat_params, self.parts)],
                                     grad_shards, lr, weight_decay)
         self.reduction = GradReduceScatter(self.parts, grad_shards, self.grad_comm, self.meter)  # stage 2
-        self._next_to_launch = 0
+        self.reduced = [0] * len(self.parts)  # stage 2: each part's reduce-scatters this step
         log.info("zero%d: %d parts, padded sizes %s, shard %d elements", stage, len(self.parts),
                  [p.padded for p in self.parts], sum(p.shard_numel for p in self.parts))
 
@@ -94,25 +98,37 @@ class ZeroOptimizer(GradSync):
         what is held now (measured)."""
         for g in self.flat_grads if self.stage == 1 else self.grad_shards:
             g.zero_()
+        for part in self.parts:
+            part.waiting = len(part.params)
+        self.reduced = [0] * len(self.parts)
         self.meter.current = self.persistent_bytes()
         self.meter.reset_peak()
 
     def before_microbatch(self, last: bool) -> None:
         if self.stage == 2:
-            self.reduction.wait()  # the previous microbatch's, if any
-            self._next_to_launch = 0
-            for part in self.parts:
-                part.waiting = len(part.params)
+            self.reduction.wait()  # the previous backward's, if any
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         """Stage 2: copy the new gradient into its part's flat buffer and drop it; when the part
-        is complete, start its reduce-scatter (parts strictly in backward order on every rank)."""
+        has all of them, complete and reduce it."""
         index, i = self._where[param]
         self.reduction.take(index, i, param)
-        order = list(range(len(self.parts) - 1, -1, -1))  # backward runs the parts last to first
-        while self._next_to_launch < len(order) and self.parts[order[self._next_to_launch]].waiting == 0:
-            self.reduction.launch(order[self._next_to_launch])
-            self._next_to_launch += 1
+        if self.parts[index].waiting == 0:
+            self._reduce(index)
+
+    def _reduce(self, index: int) -> None:
+        """Stage 2: complete a full part's partial gradients over the other group (in its flat
+        buffer: a shard of a sum over dp cannot be completed by summing whole gradients over tp
+        later), then start its reduce-scatter, and wait for the next backward's gradients."""
+        part = self.parts[index]
+        if self.completions:
+            views = part.unflatten(self.reduction.buffers[index])
+            grads = [views[name] for name in part.names]
+            for completion in self.completions:
+                completion.of(part.params, grads)
+        self.reduction.launch(index)
+        part.waiting = len(part.params)
+        self.reduced[index] += 1
 
     def finish(self) -> None:
         if self.stage == 1:
@@ -123,12 +139,10 @@ class ZeroOptimizer(GradSync):
             for h in handles:
                 h.wait()
             return
-        if self.completions:
-            raise RuntimeError("zero2 reduces gradients inside backward, before completions over another group "
-                               "could run: use ZeRO stage 1")
-        if self._next_to_launch != len(self.parts):
-            stuck = [p.name for p in self.parts if p.waiting]
-            raise RuntimeError(f"zero2: parts {stuck} got no gradient for some parameter in backward "
+        stuck = [p.name for p, n in zip(self.parts, self.reduced)
+                 if p.waiting != len(p.params) or n != max(self.reduced) or not n]
+        if stuck:
+            raise RuntimeError(f"zero2: parts {stuck} got no gradient for some parameter in some backward "
                                "(every parameter must take part in the loss)")
         self.reduction.wait()
 

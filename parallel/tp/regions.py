@@ -32,7 +32,6 @@ count per layer and direction can be read off summary.json's `comm.by_tag_op`.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from parallel.dist.comm import Communicator
@@ -114,36 +113,35 @@ class _ReduceScatterToSP(torch.autograd.Function):
         return all_gather_along(ctx.comm, grad, SEQ_DIM, f"{ctx.tag}/bwd"), None, None
 
 
-def sum_sequence_partial_grads(params: list[nn.Parameter], comm: Communicator) -> None:
+def sum_sequence_partial_grads(grads: list[torch.Tensor], comm: Communicator) -> None:
     """Sequence parallelism leaves each tp rank with the gradient of its piece of the sequence for
     the replicated parameters that act on sequence-sharded activations (norms, row-parallel biases,
-    positions): add them up over tp, in one all-reduce of all of them flattened."""
-    if not params:
+    positions): add them up over tp, in place, in one all-reduce of all of them flattened."""
+    if not grads:
         return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, tag="tp/sp_grads")
     offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
-def sum_kv_replica_grads(params: list[tuple[nn.Parameter, int]], comm: Communicator) -> None:
+def sum_kv_replica_grads(grads: list[torch.Tensor], replicas: int, comm: Communicator) -> None:
     """K and V where tp exceeds the kv heads: each kv head's projection is held by r = t/kv consecutive
-    tp ranks, and each of them computed its weight gradient from its own query heads only. Sum
-    them over those r ranks: one all-reduce over tp of a buffer with one slot per kv head, this
-    rank's gradients written into its head's slot and zeros elsewhere (`tp/kv_grads`)."""
-    replicas = {r for _, r in params}
-    assert len(replicas) == 1, "every kv replica is shared by the same number of ranks"
-    r = replicas.pop()
-    mine = torch.cat([p.grad.reshape(-1) for p, _ in params])
-    slots = torch.zeros(comm.size // r, mine.numel(), dtype=mine.dtype, device=mine.device)
-    slots[comm.rank // r] = mine
+    tp ranks (`replicas`), and each of them computed its weight gradient from its own query heads
+    only. Sum them over those r ranks, in place: one all-reduce over tp of a buffer with one slot per
+    kv head, this rank's gradients written into its head's slot and zeros elsewhere (`tp/kv_grads`)."""
+    if not grads:
+        return
+    mine = torch.cat([g.reshape(-1) for g in grads])
+    slots = torch.zeros(comm.size // replicas, mine.numel(), dtype=mine.dtype, device=mine.device)
+    slots[comm.rank // replicas] = mine
     comm.all_reduce(slots, tag="tp/kv_grads")
-    offset, summed = 0, slots[comm.rank // r]
-    for p, _ in params:
-        p.grad.copy_(summed[offset: offset + p.numel()].view_as(p))
-        offset += p.numel()
+    offset, summed = 0, slots[comm.rank // replicas]
+    for g in grads:
+        g.copy_(summed[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def enter_region(x, comm: Communicator, tag: str, sequence_parallel: bool) -> torch.Tensor:

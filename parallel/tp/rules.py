@@ -15,7 +15,6 @@ from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.family import Check
 from parallel.spec import ConfigError, StrategySpec
-from parallel.sync.options import SyncOptions
 from parallel.tp.options import TPOptions
 
 TP_NO_MOE = ("tensor parallelism cuts the dense MLP's fc and proj over tp ranks (parallelize_tp) and has no cut for an "
@@ -90,17 +89,6 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
         raise LayoutError(why)
 
 
-def check_kv_replicas_with_zero2(model: GPTConfig, dims: ParallelDims, zero: int) -> None:
-    """Where tp exceeds the kv heads, each K/V replica's gradient is partial until summed over tp after
-    backward; ZeRO-2 reduce-scatters gradients over dp inside backward, before that sum could run."""
-    if zero == 2 and dims.tp > 1 and model.kv_heads % dims.tp:
-        raise ConfigError(
-            f"parallel.zero=2 with parallel.tp={dims.tp} over model.n_kv_heads={model.kv_heads}: each kv head is "
-            f"held by {dims.tp // model.kv_heads} tp ranks whose K/V gradients are partial sums completed over tp "
-            "only after backward, but ZeRO-2 reduce-scatters gradients inside backward; use parallel.zero=1, or a "
-            f"parallel.tp that divides {model.kv_heads}")
-
-
 SAVES_WITH_SPLIT_BACKWARD = (
     "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients "
     "apart from its input gradients, and both halves would all-gather the saved piece; use "
@@ -120,7 +108,6 @@ def tp_rules(check: Check) -> None:
         )
     if spec.uses(TPOptions):
         check_tensor_parallel(check.model, dims, options.sequence_parallel)
-        check_kv_replicas_with_zero2(check.model, dims, check.layout.of(SyncOptions).zero)
     keepers = [name for name, entry in check.entries.items() if entry.honours_option(TPOptions, "saves")]
     check_tp_saves(options, spec, keepers, dims)
 

@@ -3,8 +3,8 @@
 A parameter is replicated (norms, row-parallel biases, positions), or split along one dim into t
 equal pieces, one per tp rank, or, for K and V under grouped-query attention with more tp ranks than
 kv heads, split into kv pieces (one per kv head) each held by t/kv consecutive ranks (`replicas`).
-Gradients that no rank holds whole after backward are completed over tp once per step
-(`tp_grad_completions`): the sequence-sharded ones under sequence parallelism, and the kv replicas'.
+Gradients that no rank holds whole after backward are completed over tp (`tp_grad_completions`), where
+the dp sync says: the sequence-sharded ones under sequence parallelism, and the kv replicas'.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from parallel.dist.comm import Communicator
+from parallel.strategy import Completion
 from parallel.tp.regions import all_gather_along, sum_kv_replica_grads, sum_sequence_partial_grads
 
 GATHER_TAG = "tooling/gather_params"
@@ -87,15 +88,18 @@ class TPShards:
         return spread
 
 
-def tp_grad_completions(shards: TPShards, params: dict[str, nn.Parameter]) -> list:
-    """The once-per-step sums over tp that complete this rank's gradients, for a dp sync's
-    `completions`: the sequence-sharded replicated parameters' (`tp/sp_grads`) and the kv replicas'
-    (`tp/kv_grads`), of those in `params` (a pipeline stage holds only some)."""
+def tp_grad_completions(shards: TPShards, params: dict[str, nn.Parameter]) -> list[Completion]:
+    """The sums over tp that complete this rank's gradients, for a dp sync's `completions`: the
+    sequence-sharded replicated parameters' (`tp/sp_grads`) and the kv replicas' (`tp/kv_grads`), of
+    those in `params` (a pipeline stage holds only some)."""
     comm, out = shards.comm, []
     sequence_partial = [params[n] for n in shards.sequence_partial if n in params]
     if sequence_partial:
-        out.append(lambda: sum_sequence_partial_grads(sequence_partial, comm))
-    kv = [(params[n], shards.replicas[n]) for n in shards.replicas if n in params]
+        out.append(Completion(sequence_partial, lambda grads: sum_sequence_partial_grads(grads, comm)))
+    kv = [n for n in shards.replicas if n in params]
     if kv:
-        out.append(lambda: sum_kv_replica_grads(kv, comm))
+        replicas = {shards.replicas[n] for n in kv}
+        assert len(replicas) == 1, "every kv replica is shared by the same number of ranks"
+        r = replicas.pop()
+        out.append(Completion([params[n] for n in kv], lambda grads: sum_kv_replica_grads(grads, r, comm)))
     return out

@@ -65,20 +65,23 @@ def kv_replica_grad_count(model: GPTConfig, t: int, layers: int) -> int:
     return layers * 2 * (model.d_model + model.bias) * model.kv_width
 
 
-def tp_stage_payloads(model: GPTConfig, layout: Layout, layers: int, first: bool, last: bool) -> StagePayloads:
+def tp_stage_payloads(model: GPTConfig, layout: Layout, layers: int, first: bool, last: bool,
+                      completions: int = 1) -> StagePayloads:
     """The tp collectives of one rank of a stage holding `layers` blocks, the embedding where `first`
     and the head and loss where `last` (the whole model: L, True, True), per step: see `tp_comm`.
-    Under context parallelism every activation is this rank's s/cp tokens of each sequence."""
+    Under context parallelism every activation is this rank's s/cp tokens of each sequence.
+    `completions`: how often a step sums the partial gradients over tp (the sequence-sharded ones, the
+    kv replicas'): once, or once per microbatch where ZeRO-2 reduces every microbatch's over dp."""
     dims, cut, m, B = layout.dims, layout.cut(), layout.microbatches, layout.dtype_bytes
     s, h = model.seq_len // dims.cp, model.d_model
     activation = layout.microbatch_size * s * h * B
     activations = (tp_tensors_per_layer(layout.recompute) * layers + first + last) * m * activation
     loss = 3 * m * layout.microbatch_size * s * FP32_BYTES if last else 0
-    kv_grads = kv_replica_grad_count(model, dims.tp, layers) * B  # once per step
+    kv_grads = kv_replica_grad_count(model, dims.tp, layers) * B * completions
     if not cut.sequence_parallel:
         return StagePayloads(all_reduce=activations + loss + kv_grads)
     regathered = tp_regathers_per_microbatch(layout, layers, last) * m * activation
-    sharded = sequence_sharded_parameter_count(model, layers, first, last) * B  # their grads, once per step
+    sharded = sequence_sharded_parameter_count(model, layers, first, last) * B * completions  # their grads
     return StagePayloads(all_reduce=loss + sharded + kv_grads, all_gather=activations + regathered,
                          reduce_scatter=activations)
 

@@ -5,7 +5,7 @@
                 group, built from the flat padded parts of parallel/sync/shards.py, which other
                 families plug in too)
   zero3.py      the strategy `zero3`
-  rules.py      its refusals (where parallel.zero means nothing, ZeRO-2 inside a pipeline)
+  rules.py      its refusals (where parallel.zero means nothing, where ZeRO-3 cannot run)
   theory.py     its closed forms: the bytes of each stage, the sharded model state
   hsdp.py       the strategies `hsdp` and `hsdp_zero2` (hybrid sharding: ZeRO-3 or ZeRO-2 inside groups of
                 parallel.dp_shard ranks, the gradient shards all-reduced across the groups; docs/hsdp.md)

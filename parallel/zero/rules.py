@@ -2,9 +2,8 @@
 
 parallel.zero sets how the dp dimension syncs. The table of parallel/compose/route.py says which
 entry runs each (requested strategy, layout, stage) and, where none can, names one of the
-refusals below; each says why in one line and how to fix it. ZeRO-2 inside a pipeline of stages
-has a rule of its own (`check_zero_in_pipeline`), which run_plan.py runs once the layout is resolved.
-All of them run before any process group exists.
+refusals below; each says why in one line and how to fix it. All of them run before any process
+group exists.
 """
 
 from __future__ import annotations
@@ -59,30 +58,6 @@ def zero3_with_tp_pp(name: str, dims: ParallelDims, zero: int) -> None:
         "backward (before sequence parallelism's tp sum of partial gradients) and frees parameters that the tp and "
         "pp strategies read; use parallel.zero=1 or 2, or parallel=zero3 with parallel.tp=1 parallel.pp=1"
     )
-
-
-def check_zero_in_pipeline(zero: int, sequence_parallel: bool, virtual_stages: int, schedule: str,
-                           v_shaped: bool) -> None:
-    """ZeRO-2 reduce-scatters each part's gradients in backward hooks, as soon as the part has
-    them, every microbatch: right only if those gradients are final for the microbatch there.
-    (`v_shaped`: the schedule runs on the V placement, where virtual stages are not optional.)"""
-    if zero != 2:
-        return
-    if sequence_parallel:
-        raise ConfigError(
-            "parallel.zero=2 with parallel.sequence_parallel=true: ZeRO-2 reduce-scatters each part's gradients "
-            "over dp inside backward, but under sequence parallelism the LayerNorm and bias gradients are partial "
-            "sums that are "
-            "completed over tp only after backward; use parallel.zero=1 (it reduces after the tp sum) or "
-            "parallel.sequence_parallel=false"
-        )
-    if virtual_stages > 1:
-        raise ConfigError(
-            f"parallel.zero=2 with parallel.virtual_stages={virtual_stages}: ZeRO-2 reduces a microbatch's parts "
-            "in backward order within one backward pass, but a rank's chunks run a microbatch's backward at "
-            f"different times of the {schedule} schedule; use parallel.zero=1 (it reduces once after the schedule)"
-            + ("" if v_shaped else " or parallel.virtual_stages=1")
-        )
 
 
 def check_hsdp(dims: ParallelDims) -> None:

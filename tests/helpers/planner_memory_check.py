@@ -56,6 +56,10 @@ LAYOUTS = [
     ("3d tp2 pp2 sp m4", "3d", ["parallel.sequence_parallel=true"]),
     ("3d tp2 pp2 sp sharded m4", "3d", ["parallel.sequence_parallel=true", "parallel.tp_saves=sharded"]),
     ("3d tp2 dp2 zero1", "3d", ["parallel.pp=1", "parallel.zero=1", "parallel.microbatches=2"]),
+    # ZeRO-2 completing sequence parallelism's partial gradients, and on a pipeline's two chunks.
+    ("3d tp2 dp2 sp zero2", "3d", ["parallel.pp=1", "parallel.zero=2", "parallel.sequence_parallel=true",
+                                   "parallel.microbatches=2"]),
+    ("pp_interleaved dp2 p2 v2 zero2", "pp_interleaved", ["parallel.dp=2", "parallel.zero=2"]),
     # Recomputation on a pipeline's walk and over tp: what each block keeps, and its backward's recomputed set.
     ("pp_1f1b p4 full", "pp_1f1b", ["train.recompute=full"]),
     ("pp_interleaved p4 v2 selective", "pp_interleaved", ["train.recompute=selective"]),

@@ -8,7 +8,7 @@ One spawn of 4 processes (tests/helpers/spawn.py) runs every check over tp (or d
   three column-parallel linears on one input that save its sequence piece (parallel.tp_saves=sharded):
   one all-gather again in backward for all three, the tensors saved for backward the piece, not the input;
 * ZeroOptimizer stages 1 and 2 and the bucketed and naive dp syncs against AdamW on the summed
-  gradient.
+  gradient; ZeRO-2 naming a part that a backward left out.
 
 Each check returns the largest difference it saw (forward output, input gradient, parameter
 gradient or parameters after a step); the tests assert on them. End-to-end runs under torchrun
@@ -204,6 +204,22 @@ def check_zero_optimizer(comm: Communicator, stage: int) -> dict:
     return {"params_after_3_steps": worst}
 
 
+def check_zero2_names_a_part_left_out(comm: Communicator) -> dict:
+    """A part whose parameters a backward left out is never reduced: ZeRO-2's finish names it (a
+    part reduced fewer times than the others would otherwise leave its shard short a microbatch)."""
+    model = nn.Sequential(nn.Linear(H, F_), nn.LayerNorm(F_), nn.Linear(F_, 7))
+    zero = ZeroOptimizer([(f"blocks.{n}", p) for n, p in model.named_parameters()], comm, 2, lr=1e-2,
+                         weight_decay=0.0)
+    zero.zero_grad()
+    zero.before_microbatch(True)
+    model[1](model[0](torch.randn(B, H))).pow(2).sum().backward()  # blocks.2 takes no part
+    try:
+        zero.finish()
+    except RuntimeError as e:
+        return {"names_the_part": 0.0 if "['blocks.2']" in str(e) else 1.0}
+    return {"names_the_part": 1.0}
+
+
 def worker(rank: int, world: int, out_dir) -> None:
     log = CommLog()
     groups = {f"pair{k}": dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)}
@@ -218,6 +234,7 @@ def worker(rank: int, world: int, out_dir) -> None:
         result[f"dp_syncs{size}"] = check_dp_syncs(comm)
         for stage in (1, 2):
             result[f"zero{stage}_dp{size}"] = check_zero_optimizer(comm, stage)
+        result[f"zero2_left_out{size}"] = check_zero2_names_a_part_left_out(comm)
     write_result(out_dir, rank, result)
 
 
@@ -227,7 +244,7 @@ def results():
 
 
 CHECKS = [f"{what}{size}" for size in ("2", "4") for what in ("linears_tp", "linears_sp", "sharded_saving", "loss_tp",
-                                                               "dp_syncs", "zero1_dp", "zero2_dp")]
+                                                               "dp_syncs", "zero1_dp", "zero2_dp", "zero2_left_out")]
 
 
 @pytest.mark.parametrize("check", CHECKS)

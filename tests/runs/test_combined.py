@@ -17,14 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from launcher import TINY, assert_ok, check_matches_single, check_step0_grads_match, max_rel_diff
+from launcher import TINY, TINY_LLAMA, assert_ok, check_matches_single, check_step0_grads_match, max_rel_diff
 from observability import check_time_breakdown, check_trace
-from test_tp import check_grads_match_single
+from test_tp import HEAD_DIM, KV_HEADS, check_grads_match_single
 
 from parallel.compose.combined import build_combined
 from parallel.core.model import GPT, GPTConfig
 from parallel.dist.dims import ParallelDims
-from parallel.pp.schedules import build_schedule
+from parallel.pp.schedules import build_schedule, schedule_placement
 from parallel.registry import layout_of
 from parallel.tp.layers import parallelize_tp
 
@@ -130,15 +130,35 @@ def check_tp_and_pp_calls(s: dict, layout: tuple, sp: bool, m: int, v: int, shar
 
 # -- ZeRO-1/2 as the dp dimension (parallel.zero) ------------------------------------------------------
 V, H, S, F = 256, 64, 32, 256  # the tiny model
+F_LLAMA = 192  # tiny_llama's gated MLP width
+LLAMA = "model=tiny_llama"
 
 
-def stage_parts(t: int, p: int, r: int) -> list[int]:
-    """The parts one rank of stage r holds (embedding, its blocks, head), cut over t tp ranks,
-    written out: token rows V·h/t + positions s·h; per block two norms 4h, Q/K/V 3(h² + h)/t,
-    output projection h²/t + h, fc (f·h + f)/t, proj f·h/t + h; final norm 2h + head rows V·h/t."""
-    block = 4 * H + 3 * (H * H + H) // t + H * H // t + H + (F * H + F) // t + F * H // t + H
-    return [*([V * H // t + S * H] if r == 0 else []), *[block] * (L // p),
-            *([2 * H + V * H // t] if r == p - 1 else [])]
+def stage_holds(schedule: str, p: int, v: int) -> list[tuple[list[int], bool, bool]]:
+    """Per pipeline rank, the blocks it holds and whether it holds the embedding and the head, by the
+    schedule's placement: the loop's (virtual stage j on rank j mod p) or the V's (r and 2p-1-r)."""
+    placement = schedule_placement(schedule, p, v)
+    per = L // placement.vstages  # blocks per virtual stage
+    return [([i for i in range(L) if placement.rank_of(i // per) == r], placement.rank_of(0) == r,
+             placement.rank_of(placement.vstages - 1) == r) for r in range(p)]
+
+
+def stage_parts(t: int, blocks: int, first: bool, last: bool, llama: bool = False) -> list[int]:
+    """The parts one rank holds (the embedding where `first`, its `blocks`, the head where `last`),
+    cut over t tp ranks, written out. GPT's: token rows V·h/t + positions s·h; per block two norms
+    4h, Q/K/V 3(h² + h)/t, output projection h²/t + h, fc (f·h + f)/t, proj f·h/t + h; final norm
+    2h + head rows V·h/t.
+    Llama's: token rows V·h/t; per block two norms 2h, Q and the output projection h²/t each, K and
+    V h·(kv heads x head size)/t each (one head's h·head size where t exceeds the kv heads), gate,
+    up and down f·h/t each; final norm h + head rows V·h/t."""
+    if llama:
+        kv = KV_HEADS * HEAD_DIM // t if t <= KV_HEADS else HEAD_DIM
+        block = 2 * H + 2 * H * H // t + 2 * H * kv + 3 * F_LLAMA * H // t
+        embedding, head = V * H // t, H + V * H // t
+    else:
+        block = 4 * H + 3 * (H * H + H) // t + H * H // t + H + (F * H + F) // t + F * H // t + H
+        embedding, head = V * H // t + S * H, 2 * H + V * H // t
+    return [*([embedding] if first else []), *[block] * blocks, *([head] if last else [])]
 
 
 ZERO_CASES = [
@@ -148,14 +168,32 @@ ZERO_CASES = [
      (2, 2, 1), 1, True, 2),
     ("dp2xtp1xpp2-1f1b-zero2", 4, ["parallel=pp_1f1b", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"],
      (2, 1, 2), 2, False, 2),
+    # ZeRO-2 completes each part's partial gradients over tp (the norms' under sequence parallelism;
+    # Llama's K and V where tp 4 exceeds its 2 kv heads) just before it reduce-scatters the part.
+    ("dp2xtp2xpp1-sp-zero2", 4, ["parallel=tp_sp", "parallel.zero=2", "parallel.microbatches=2"],
+     (2, 2, 1), 2, True, 2),
+    ("llama-dp2xtp4xpp1-sp-zero2", 8,
+     [LLAMA, "parallel=tp_sp", "parallel.tp=4", "parallel.zero=2", "parallel.microbatches=2"], (2, 4, 1), 2, True, 2),
+    # A rank's two chunks run each microbatch's backward at different moments: each reduces its own parts.
+    ("dp2xtp1xpp2-interleaved-zero2", 4,
+     ["parallel=pp_interleaved", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"],
+     (2, 1, 2), 2, False, 2),
+    ("dp2xtp1xpp2-zbv-zero2", 4, ["parallel=pp_zbv", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4"],
+     (2, 1, 2), 2, False, 4),
+    ("llama-dp2xtp1xpp2-interleaved-zero2", 4,
+     [LLAMA, "parallel=pp_interleaved", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"],
+     (2, 1, 2), 2, False, 2),
 ]
 
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,zero,sp,m", ZERO_CASES, ids=[c[0] for c in ZERO_CASES])
-def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overrides, layout, zero, sp, m, single_run,
+def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overrides, layout, zero, sp, m, request,
                                                           pools, tmp_path):
-    run = pools.run(world, [*TINY, *overrides, "train.save_final=true", "train.save_grads=true"], tmp_path / "run",
-                    timeout=400)
+    llama = LLAMA in overrides
+    settings = TINY_LLAMA if llama else TINY
+    single_run = request.getfixturevalue("single_run_llama" if llama else "single_run")
+    run = pools.run(world, [*settings, *[o for o in overrides if o != LLAMA], "train.save_final=true",
+                            "train.save_grads=true"], tmp_path / "run", timeout=400)
     s = assert_ok(run)
     d, t, p = layout
     par = s["parallel"]
@@ -163,11 +201,11 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
     assert (par["dp"], par["tp"], par["pp"], par["zero"], par["sequence_parallel"]) == (*layout, zero, sp)
     check_matches_single(run, single_run)
     if t > 1:
-        check_grads_match_single(run, single_run)  # the dp shards gathered, and every tp replica complete
+        check_grads_match_single(run, single_run, llama, t)  # the dp shards gathered, every tp replica complete
     else:
         check_step0_grads_match(run, single_run)
     dims = check_bytes_equal_theory(s, world, layout)
-    padded = check_zero_dp_calls(s, layout, zero, sp, m, world)
+    padded = check_zero_dp_calls(s, layout, zero, sp, m, world, llama)
 
     # Every rank holds its stage's parameters and 1/d of their Adam state (ZeRO-2: 1/d of the
     # gradients too), measured from its tensors.
@@ -189,26 +227,34 @@ def test_3d_with_zero_dp_matches_single_theory_and_memory(case_id, world, overri
         assert max_rel_diff(resumed["losses"], single_run.summary["losses"][3:]) < 1e-5
 
 
-def check_zero_dp_calls(s: dict, layout: tuple, zero: int, sp: bool, m: int, world: int) -> list[int]:
+def check_zero_dp_calls(s: dict, layout: tuple, zero: int, sp: bool, m: int, world: int,
+                        llama: bool = False) -> list[int]:
     """ZeRO's traffic over dp, written out, part by part; returns each stage's padded element count."""
     d, t, p = layout
     comm, expected = s["comm"], s["expected_comm"]
     # Over dp, written out: each rank reduce-scatters its stage's padded parts once per step (ZeRO-1)
     # or per microbatch (ZeRO-2) and all-gathers them once, (d-1)/d of each, 4 bytes an element;
-    # no dp all-reduce. The tiny model's parts are multiples of 2: no padding at dp 2.
+    # no dp all-reduce. The tiny models' parts are multiples of 2: no padding at dp 2.
     scatters = 1 if zero == 1 else m
-    padded = [sum(-(-n // d) * d for n in stage_parts(t, p, r)) for r in range(p)]
+    holds = stage_holds(s["parallel"]["schedule"], p, s["parallel"]["virtual_stages"])
+    padded = [sum(-(-n // d) * d for n in stage_parts(t, len(blocks), first, last, llama))
+              for blocks, first, last in holds]
     dp_bytes = sum(Fraction(d - 1, d) * (scatters + 1) * 4 * pad for pad in padded) * d * t
     assert comm["by_group"]["dp"]["sent_bytes"] == float(dp_bytes) == expected["by_group"]["dp"]["sent_bytes"]
     by_tag = comm["by_tag"]
     assert not any(tag.startswith("grads/") for tag in by_tag)
-    for r in range(p):
-        for part in ((["embed"] if r == 0 else []) + [f"blocks.{i}" for i in range(r * L // p, (r + 1) * L // p)]
-                     + (["head"] if r == p - 1 else [])):
+    for blocks, first, last in holds:
+        for part in (["embed"] if first else []) + [f"blocks.{i}" for i in blocks] + (["head"] if last else []):
             assert by_tag[f"zero/grad_reduce_scatter/{part}"]["calls"] == scatters * d * t, part
             assert by_tag[f"zero/param_all_gather/{part}"]["calls"] == d * t, part
+    # Summed over tp before the reduce-scatters: ZeRO-1 once a step; ZeRO-2 each microbatch, for
+    # each part that holds such gradients (every part of GPT's; Llama has no positions in its
+    # embedding, and its K and V replicas are only in the blocks).
+    parts = L + (0 if llama else 1) + 1  # over a pipeline's ranks: the blocks, the embedding, the final norm
     if sp:
-        assert by_tag["tp/sp_grads"]["calls"] == world  # summed over tp before the reduce-scatter
+        assert by_tag["tp/sp_grads"]["calls"] == (world if zero == 1 else m * parts * d * t)
+    if llama and t > KV_HEADS:
+        assert by_tag["tp/kv_grads"]["calls"] == (world if zero == 1 else m * L * d * t)
     return padded
 
 
