@@ -36,8 +36,6 @@ def plan_error(world: int, *overrides: str) -> str:
     (2, ["parallel=pp_zbv", "parallel.virtual_stages=1"], "zbv runs exactly two chunks per rank in a V"),
     (4, ["parallel=pp_zbv", "parallel.dp=2", "parallel.grad_sync=bucketed"],
      "a rank's chunks finish their backward at different times: set parallel.grad_sync=naive"),
-    (4, ["parallel=pp_dualpipev", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4"],
-     "different times of the dualpipev schedule; use parallel.zero=1 (it reduces once after the schedule)"),
     (2, ["parallel=torch_pp_interleaved_zb", "parallel.microbatches=5", "train.global_batch=10"],
      "ScheduleInterleavedZeroBubble runs microbatches in 2 rounds (m // parallel.pp) and needs m to be a multiple "
      "of that: use parallel.microbatches=4"),
