@@ -83,9 +83,9 @@ def _shape(model: GPTConfig | ModelShape) -> ModelShape:
 
 def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
     """Whether these formulas describe the layout: dense blocks without dropout, no expert split;
-    context parallelism only on one stage without tp, recomputation on any stage and tp, in fp32 (where
-    they are derived and measured: tests/unit/test_recompute.py, tests/runs/test_cp.py,
-    tests/tools/test_planner_memory.py)."""
+    context parallelism on one stage (with tp, sequence parallelism and either saving too),
+    recomputation on any stage and tp, in fp32 (where they are derived and measured:
+    tests/unit/test_recompute.py, tests/runs/test_cp.py, tests/tools/test_planner_memory.py)."""
     g, dims = _shape(model).gpt, layout.dims
     if g.moe_experts or g.dropout or dims.ep > 1:
         return False
@@ -93,7 +93,7 @@ def covers(model: GPTConfig | ModelShape, layout: Layout) -> bool:
         return True
     if dims.cp == 1:  # recomputation: on every schedule's walk, over tp too (tests/tools/test_planner_memory.py)
         return layout.precision == "fp32"
-    return dims.tp == 1 and dims.pp == 1 and layout.precision == "fp32"
+    return dims.pp == 1 and layout.precision == "fp32"
 
 
 # The formulas count what the CPU's attention kernel saves (torch 2.13, _scaled_dot_product_flash_

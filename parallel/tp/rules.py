@@ -134,8 +134,3 @@ def check_tp_saves(options: TPOptions, spec: StrategySpec, keepers: Sequence[str
             f"the sequence piece is kept by parallel={' and '.join(keepers)} only; "
             "set parallel.tp_saves=gathered"
         )
-    if dims.cp > 1:
-        raise LayoutError(
-            f"parallel.tp_saves=sharded with parallel.cp={dims.cp}: the saved pieces of a context-parallel "
-            "sequence are not derived here; set parallel.cp=1 or parallel.tp_saves=gathered"
-        )

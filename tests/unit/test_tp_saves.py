@@ -125,9 +125,6 @@ def test_the_plan_carries_the_mode_into_the_layout():
      "parallel=tp_sp with parallel.tp > 1, or set parallel.tp_saves=gathered"),
     (2, ["parallel=dp", "parallel.tp_saves=sharded"],
      "parallel.tp_saves=sharded with parallel.tp=1 and sequence parallelism off"),
-    (4, ["parallel=cp", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_saves=sharded"],
-     "parallel.tp_saves=sharded with parallel.cp=2: the saved pieces of a context-parallel sequence are not "
-     "derived here; set parallel.cp=1 or parallel.tp_saves=gathered"),
     (4, ["parallel=pp_zbh1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.microbatches=4",
          "parallel.tp_saves=sharded"],
      "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients apart from its "
