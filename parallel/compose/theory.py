@@ -265,6 +265,8 @@ def combined_comm(model: GPTConfig, layout: Layout) -> dict:
         "sent_bytes_per_rank_by_stage_exact": [str(v) for v in per_rank_by_stage],
         "layers_by_stage": layers,
         "boundary_bytes": boundary,
+        # Each group's all-gathers (the planner times ZeRO's parameter gathers apart from its reductions).
+        "all_gather_sent_by_group_exact": {g: str(v) for g, v in total.gathered.items() if v},
     }
     return figure(total.by_op(), dims.world_size, total.groups, extra)
 
@@ -279,11 +281,14 @@ class _Traffic:
         self.dp_group = dp_group
         self.ops = {op: [0, Fraction(0)] for op in OPS}
         self.groups = {g: Fraction(0) for g in ("tp", "cp", "pp", dp_group)}
+        self.gathered = {g: Fraction(0) for g in self.groups}  # of each group's, the all-gathers
 
     def add_sent(self, group: str, op: str, payload: int, sent: Fraction) -> None:
         self.ops[op][0] += payload
         self.ops[op][1] += sent
         self.groups[group] += sent
+        if op == "all_gather":
+            self.gathered[group] += sent
 
     def add(self, group: str, size: int, all_reduce: int = 0, all_gather: int = 0, reduce_scatter: int = 0) -> None:
         """Collectives over a group of `size` ranks: 2(n-1)/n of an all-reduce's payload sent, (n-1)/n of the rest."""
@@ -297,6 +302,8 @@ class _Traffic:
             self.ops[op][1] += sent * ranks
         for g, v in other.groups.items():
             self.groups[g] += v * ranks
+        for g, v in other.gathered.items():
+            self.gathered[g] += v * ranks
 
     def sent(self) -> Fraction:
         return sum(self.groups.values(), Fraction(0))

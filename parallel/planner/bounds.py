@@ -62,12 +62,14 @@ def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batc
     g = shape.gpt
 
     @lru_cache(maxsize=65536)
-    def rank_seconds(t: int, b: int, blocks: int, last: bool, recompute: str) -> float:
-        """A floor under F + B of one microbatch on a rank holding `blocks` blocks (and the head if `last`)."""
+    def rank_seconds(t: int, b: int, blocks: int, last: bool, recompute: str, cp: int) -> float:
+        """A floor under F + B of one microbatch on a rank holding `blocks` blocks (and the head if `last`)
+        and b·s/cp of its tokens: under either kind of context parallelism (they shape attention apart)."""
         if device is None:
-            return 3 * b * shape.gpt.seq_len * forward_flops_per_token(shape, t, blocks, last) / rate
-        x = microbatch_seconds(shape, device, t, b, blocks, last, act_bytes, True, recompute)
-        return x["forward"] + x["backward"]
+            return 3 * b * (shape.gpt.seq_len // cp) * forward_flops_per_token(shape, t, blocks, last) / rate
+        kinds = ("ring", "a2a") if cp > 1 else ("ring",)
+        return min(sum(microbatch_seconds(shape, device, t, b, blocks, last, act_bytes, True, recompute, cp,
+                                          kind)[k] for k in ("forward", "backward")) for kind in kinds)
 
     def tp_seconds(spec, request: dict, b: int, recompute: str) -> float:
         """The tp collectives' seconds per step on the mean rank (module docstring), for an entry that cuts tp."""
@@ -88,7 +90,7 @@ def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batc
         if layers is None:
             return 0.0
         b, recompute = global_batch // (dp * m), request.get("recompute") or "none"
-        ranks = [rank_seconds(t, b, n, r == p - 1, recompute) for r, n in _distinct(layers)]
+        ranks = [rank_seconds(t, b, n, r == p - 1, recompute, request.get("cp", 1)) for r, n in _distinct(layers)]
         blocking = tp_seconds(spec, request, b, recompute)
         share = _bubble_share(schedule, p, m, v) if p > 1 else 0
         return float(m * max(ranks) + blocking + share * (min(ranks) + blocking / m))

@@ -8,6 +8,10 @@ Each block's forward is its GEMMs (m x n x k, a batch of them for attention):
                                                     as Megatron's count 96·B·s·l·h²(1 + s/6h) has it)
     head    b·s x V/t x h                   (the last stage)
 
+Under context parallelism (c = cp) a rank holds b·s/c of the tokens: every GEMM but attention's has
+b·s/c rows, and attention is this rank's s/c queries against all s keys (ring: the K and V blocks
+come round) or, after the all-to-all, all s queries of a/(t·c) heads (a2a, Ulysses): the same FLOPs.
+
 A GEMM takes max(2·m·n·k / (peak x efficiency x wave x depth), bytes / HBM): bytes its two inputs and
 its output at the activation width; `wave` is the share of the device's SMs its output tiles keep busy
 in their last wave (tiles of tile_m x tile_n over `sms`; NVIDIA, "Matrix Multiplication Background
@@ -94,21 +98,22 @@ def tile_fixed_steps(peak_flops: float, hbm_bytes_per_s: float, sms: int, tile: 
     return moved / step
 
 
-def block_gemms(shape: ModelShape, t: int, b: int) -> dict[str, list[Gemm]]:
+def block_gemms(shape: ModelShape, t: int, b: int, cp: int = 1, cp_kind: str = "ring") -> dict[str, list[Gemm]]:
     g = shape.gpt
-    s, h, n = g.seq_len, g.d_model, b * g.seq_len
+    s, h, n = g.seq_len, g.d_model, b * g.seq_len // cp
     up = (2 if shape.gated_mlp else 1) * shape.ffn
+    queries, heads = (s, b * g.n_heads // (t * cp)) if cp_kind == "a2a" else (s // cp, b * g.n_heads // t)
     return {
         "matmuls": [Gemm(n, (h + 2 * shape.kv_width) // t, h), Gemm(n, h, h // t), Gemm(n, up // t, h),
                     Gemm(n, h, shape.ffn // t)],
-        "attention": [Gemm(s, s, g.head_dim, b * g.n_heads // t), Gemm(s, g.head_dim, s, b * g.n_heads // t)],
+        "attention": [Gemm(queries, s, g.head_dim, heads), Gemm(queries, g.head_dim, s, heads)],
     }
 
 
 def elementwise_bytes(shape: ModelShape, t: int, b: int, sequence_parallel: bool, width: int,
-                      flash_attention: bool = False) -> dict[str, float]:
+                      flash_attention: bool = False, cp: int = 1) -> dict[str, float]:
     """Bytes the elementwise kernels of one block read and write, forward and backward, on one tp rank
-    (per op, in elements per token; x b·s tokens x `width`; docs/theory/planner.md):
+    (per op, in elements per token; x b·s/cp tokens x `width`; docs/theory/planner.md):
 
         forward                                        backward
         2 norms         read x, write y: 2·h each       read dy and x, write dx: 3·h each
@@ -131,23 +136,24 @@ def elementwise_bytes(shape: ModelShape, t: int, b: int, sequence_parallel: bool
     a = 0 if flash_attention else a
     forward = (2 * 2 * h + 2 * 3 * h) / cut + 2 * mask + (act_fwd + 2 * a * s) / t
     backward = (2 * 3 * h + 2 * 2 * h + 2 * 3 * h) / cut + 2 * mask + (act_bwd + 3 * a * s) / t
-    tokens = b * s
+    tokens = b * s // cp
     return {"forward": forward * tokens * width, "backward": backward * tokens * width,
             "softmax": 2 * a * s / t * tokens * width}
 
 
 def microbatch_seconds(shape: ModelShape, device: Device, t: int, b: int, layers: int, last: bool, width: int,
-                       sequence_parallel: bool, recompute: str = "none") -> dict:
+                       sequence_parallel: bool, recompute: str = "none", cp: int = 1, cp_kind: str = "ring") -> dict:
     """Forward and backward seconds of one microbatch on a rank holding `layers` blocks (and the head if
-    `last`), split into matmuls, attention and elementwise; and its hardware and model FLOPs."""
+    `last`) and b·s/cp of its tokens, split into matmuls, attention and elementwise; and its hardware
+    and model FLOPs."""
     g = shape.gpt
-    gemms = block_gemms(shape, t, b)
+    gemms = block_gemms(shape, t, b, cp, cp_kind)
     matmul = sum(device.seconds(x, width) for x in gemms["matmuls"])
     attention = device.attention_seconds(*gemms["attention"], width)
-    moved = elementwise_bytes(shape, t, b, sequence_parallel, width, device.flash_attention)
+    moved = elementwise_bytes(shape, t, b, sequence_parallel, width, device.flash_attention, cp)
     elementwise = moved["forward"] / device.hbm_bytes_per_s
     elementwise_back = moved["backward"] / device.hbm_bytes_per_s
-    head = Gemm(b * g.seq_len, g.padded_vocab_size // t, g.d_model)
+    head = Gemm(b * g.seq_len // cp, g.padded_vocab_size // t, g.d_model)
     head_s = device.seconds(head, width) if last else 0.0
     forward = layers * (matmul + attention + elementwise) + head_s
     block_flops = sum(x.flops for x in gemms["matmuls"]) + sum(x.flops for x in gemms["attention"])

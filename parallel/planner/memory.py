@@ -83,7 +83,8 @@ def model_state_bytes(shape: ModelShape, layout: Layout, zero: int, precision: s
 def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, pp_rank: int) -> int:
     """Transient tensors beside the saved activations at the peak, on one rank of stage `pp_rank`:
 
-    * the last stage's logits, n·V/t in fp32 (alive next to the saved log-probabilities until the
+    * the last stage's logits, n·V/t in fp32, n this rank's b·s/cp tokens (alive next to the saved
+      log-probabilities until the
       loss has read them; the same size again as their gradient in backward);
     * a tp region's summed output, n·h·B (the all-reduce works on a copy);
     * ZeRO-3: one part's gathered parameters and its full gradient before the reduce-scatter;
@@ -93,7 +94,7 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
     t, d = layout.dims.tp, zero_shards(layout.dims)
     param_b, grad_b, _ = STATE_BYTES[precision]
     act_b = 4 if precision == "fp32" else 2
-    n = layout.microbatch_size * g.seq_len
+    n = layout.microbatch_size * g.seq_len // layout.dims.cp  # this rank's tokens of the microbatch
     _, last = _placement(shape, layout)[1][pp_rank]
     total = n * g.padded_vocab_size // t * LOSS_BYTES if last else 0
     if t > 1:
@@ -150,7 +151,7 @@ def block_saves(shape: ModelShape, layout: Layout, act_bytes: int, flash_attenti
     each mode keeps), and the bytes the block being recomputed holds beside them in backward."""
     cut = layout.cut()
     units = block_units(shape, layout.dims.tp, cut.sequence_parallel, act_bytes, cut.saves_shard, flash_attention)
-    tokens = layout.microbatch_size * shape.gpt.seq_len
+    tokens = layout.microbatch_size * shape.gpt.seq_len // layout.dims.cp  # ring cp: s/cp of each sequence
     mode = layout.recompute or "none"
     if mode == "full":
         kept, working = units["input"], units["layer"] - units["input"]

@@ -11,7 +11,7 @@ printed with its memory and time breakdown (`breakdown`).
 from __future__ import annotations
 
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import SIZES
+from parallel.dist.dims import SIZES, LayoutError
 from parallel.dist.groups import LaunchEnv
 from parallel.planner.cluster import GIB, Cluster
 from parallel.planner.enumerate import Config, candidate_of, shape_rule
@@ -65,7 +65,7 @@ def _piece_saved(shape: ModelShape, base: dict, cluster: Cluster, world: int, gl
     try:
         row = evaluate_layout(shape, base, [], cluster, world, global_batch, {**parallel, "tp_saves": "sharded"},
                               recompute)
-    except ConfigError:
+    except (ConfigError, LayoutError):  # the piece is not saved on this layout (e.g. under context parallelism)
         return []
     if not row["fits"]:
         return []

@@ -63,12 +63,18 @@ def activation_bytes(shape: ModelShape, candidate: Candidate, precision: str,
 def implementation_figure(spec, shape: ModelShape, layout, precision: str, flash_attention: bool) -> bool:
     """Whether a row's saved bytes are memory.py's `implementation_activation_bytes` (bf16 or materialized
     attention), as `activation_bytes` decides: not where the strategy has no activation formula at all,
-    nor under context parallelism (its saved bytes: the registry's formula, in fp32 only)."""
+    nor under the all-to-all kind of context parallelism (its inner core holds gathered heads: the
+    registry's formula, in fp32 only). Ring context parallelism saves per token what one rank without it
+    does, for its s/cp tokens (parallel/activations.py's `block_terms`, measured in fp32)."""
     if precision == "fp32" and flash_attention:
         return False
-    if not shape.gpt.moe_experts and not _has_formula(spec, shape, layout):
+    if layout.dims.cp > 1 and layout.cut().cp_kind != "ring":
         return False
-    return layout.dims.cp == 1
+    # Whether the strategy has a formula at all is asked of its layout without cp, which the registry's
+    # formulas cover on one stage only.
+    dims = layout.dims
+    flat = replace(layout, dims=replace(dims, dp=dims.dp * dims.cp, cp=1)) if dims.cp > 1 else layout
+    return bool(shape.gpt.moe_experts) or _has_formula(spec, shape, flat)
 
 
 _CACHE: dict = {}

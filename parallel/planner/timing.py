@@ -77,8 +77,9 @@ ASSUMPTIONS = {
 }
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
 # The groups that sum gradients over replicas (their reductions overlap backward; nothing else of theirs
-# blocks compute): dp, the experts' edp, and HSDP's shard and replicate halves of dp.
-DATA_PARALLEL = ("dp", "edp", "dp_shard", "dp_replicate")
+# blocks compute): dp, dp with cp where cp splits the sequence, the experts' edp, and HSDP's shard and
+# replicate halves of dp.
+DATA_PARALLEL = ("dp", "dp_cp", "edp", "dp_shard", "dp_replicate")
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
     dims, m, b = layout.dims, layout.microbatches, layout.microbatch_size
     p, t, g = dims.pp, dims.tp, shape.gpt
     rate = cluster.flops_per_rank(dims.world_size)
-    tokens = b * g.seq_len
+    tokens = b * g.seq_len // dims.cp  # this rank's piece of each sequence
     device = cluster.device()
     recompute = layout.recompute or "none"
     if device is None:
@@ -185,8 +186,9 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
         return per[slowest]["forward"], per[slowest]["backward"], None, None, None, _others(per, slowest)
     from parallel.planner.compute import microbatch_seconds
 
-    per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, layout.cut().sequence_parallel, recompute)
-           for r, n in enumerate(layers_by_rank)]
+    cut = layout.cut()
+    per = [microbatch_seconds(shape, device, t, b, n, r == p - 1, act_bytes, cut.sequence_parallel, recompute,
+                              dims.cp, cut.cp_kind or "ring") for r, n in enumerate(layers_by_rank)]
     slowest = max(range(p), key=lambda r: per[r]["forward"] + per[r]["backward"])
     replicas = dims.tp * dims.dp * dims.cp * m
     hardware = replicas * sum(x["hardware_flops"] for x in per)
@@ -215,7 +217,8 @@ def tp_hidden_in_backward(shape: ModelShape, layout, cluster: Cluster, span: Gro
     if device is not None:
         from parallel.planner.compute import Gemm, block_gemms
 
-        column = [x for i, x in enumerate(block_gemms(shape, t, b)["matmuls"]) if i in (0, 2)]
+        gemms = block_gemms(shape, t, b, layout.dims.cp, cut.cp_kind or "ring")
+        column = [x for i, x in enumerate(gemms["matmuls"]) if i in (0, 2)]
         weight_grad = layers * sum(device.seconds(Gemm(x.k, x.n, x.m), act_bytes) for x in column)
         input_grad = layers * sum(device.seconds(Gemm(x.m, x.k, x.n), act_bytes) for x in column)
         comm = [min(comm[0], weight_grad), min(comm[1], input_grad)]

@@ -6,10 +6,11 @@ read off the ops: point-to-point sends belong to the pipeline (pp), collectives 
 dimension larger than 1 (dp for dp, ZeRO and FSDP; cp or ep where only they are split).
 
 The dp group's bytes are split into reductions (all-reduce, reduce-scatter: gradients) and
-all-gathers (ZeRO's parameters), because they overlap differently. Under ZeRO the dp group
-all-gathers and reduce-scatters while the tp group (sequence parallelism) all-gathers and
-reduce-scatters equal amounts, so the dp group's all-gathers less its reduce-scatters are all of
-the step's all-gathers less all of its reduce-scatters, which with their sum (by_group) fixes both.
+all-gathers (ZeRO's parameters), because they overlap differently. The combined layouts' theory
+counts each group's all-gathers itself. Elsewhere, under ZeRO the dp group all-gathers and
+reduce-scatters while no other group all-gathers more than it reduce-scatters, so the dp group's
+all-gathers less its reduce-scatters are all of the step's all-gathers less all of its
+reduce-scatters, which with their sum (by_group) fixes both.
 
 The closed forms take the model's shape (grouped-query attention, a gated MLP, no biases, a tied
 head: parallel/core/shape.py), GPT-2's block and Llama's alike, and the planner reads them as they
@@ -93,6 +94,9 @@ def dp_gathers(figure: dict, totals: dict[str, Fraction], zero: int) -> dict[str
     all-gather, all the shard group's (its replicate group only all-reduces). A block-scaled format's
     reduce-scatter is an all-to-all (parallel.comm_dtype): a scatter all the same."""
     by_op = {op: _exact(v) for op, v in figure.get("by_op", {}).items()}
+    own = figure.get("all_gather_sent_by_group_exact")
+    if own is not None:  # theory counted each group's own (the combined layouts': sp's re-gathers are tp's)
+        return {g: Fraction(v) for g, v in own.items() if g in ("dp", "dp_cp")} if zero else {}
     if "dp_shard" in totals:
         return {"dp_shard": by_op.get("all_gather", Fraction(0))}
     if not zero or "dp" not in totals:

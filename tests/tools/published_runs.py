@@ -110,11 +110,11 @@ LLAMA3_SURE = ("TFLOP/s sure (430/400/380, also Balaji, SC24 talk, as quoted by 
                "chunks of 2 layers, 1 on the first and the last, the same 7 or 8 layers a rank); stage inputs and "
                "outputs deallocated (counted by neither formula here beyond what the blocks save); FSDP sharding "
                "optimizer states and gradients but not the parameters after forward, with fp32 gradient accumulation "
-               "and reduce-scatter; tp citing Korthikanti et al. Assumed: microbatch 1; sequence parallelism saving "
-               "the gathered inputs (the planner's default; Korthikanti et al.'s saves each rank's piece); ZeRO-1 in "
-               "place of FSDP's sharded gradients (the sandbox refuses ZeRO-2 with sequence parallelism or virtual "
-               "stages); the planner's FLOP count (attention without causal skipping, as Megatron counts it), the "
-               "paper giving none")
+               "and reduce-scatter (taken as ZeRO-2: gradients reduce-scattered every microbatch, in bf16); tp citing "
+               "Korthikanti et al. (taken as their sequence parallelism, which saves each rank's piece of the linears' "
+               "inputs: parallel.tp_saves=sharded); context parallelism all-gathering K and V (taken as the ring, the "
+               "kind the sandbox has that saves the same per token). Assumed: microbatch 1; the planner's FLOP count "
+               "(attention without causal skipping, as Megatron counts it), the paper giving none")
 
 
 def korthikanti() -> list[Run]:
@@ -159,7 +159,7 @@ def llama3_405b() -> list[Run]:
             (16384, 16, 131072, 128, 380, HELD_OUT)]
     out = []
     for gpus, cp, seq, batch, tflops, split in rows:
-        parallel = {"tp": 8, "pp": 16, "cp": cp, "sequence_parallel": True, "zero": 1, "grad_sync": "naive",
+        parallel = {"tp": 8, "pp": 16, "cp": cp, "sequence_parallel": True, "tp_saves": "sharded", "zero": 2,
                     "schedule": "interleaved_1f1b", "virtual_stages": 4, "pp_layers": chunks}
         out.append(Run(f"Llama 3 405B, {gpus} GPUs, cp {cp}", LLAMA3, H100, split,
                        {"preset": "llama3_405b", "seq_len": seq}, gpus, batch, 1, parallel, "none", "tflops", tflops,

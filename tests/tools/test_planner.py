@@ -210,12 +210,22 @@ def _traffic(base, name: str, dims: ParallelDims, algorithm: str, gpus_per_node:
     shape = ModelShape.from_preset(preset("tiny"))
     env = LaunchEnv(rank=0, world_size=dims.world_size, local_rank=0, local_world_size=dims.world_size)
     cfg = OmegaConf.create(base)
-    cfg.parallel.update(name=name, dp=dims.dp, tp=dims.tp, pp=dims.pp, **options)
+    cfg.parallel.update(name=name, dp=dims.dp, tp=dims.tp, pp=dims.pp, cp=dims.cp, **options)
     plan = build_plan(cfg, env, cuda_available=False)
     zero = zero_stage(plan.strategy, plan)
     traffic = layout_traffic(plan.spec, shape, plan.layout, zero, gpus_per_node, algorithm,
                              memory.rank_layers(shape, plan.layout))
     return plan, traffic
+
+
+def test_the_dp_groups_gathers_are_zeros_own_whatever_tp_gathers(base):
+    """The dp group's all-gathers (ZeRO's parameters, timed apart from its reductions) are theory's count for
+    that group: the tp group's re-gathers of the saved sequence pieces are not among them."""
+    dims, options = ParallelDims(4, 2, tp=2), dict(zero=2, sequence_parallel=True, microbatches=2)
+    gathered = _traffic(base, "3d", dims, "ring", **options)[1]
+    sharded = _traffic(base, "3d", dims, "ring", tp_saves="sharded", **options)[1]
+    assert sharded["tp"].total > gathered["tp"].total  # the re-gathers
+    assert sharded["dp"].gathers == gathered["dp"].gathers == gathered["dp"].total / 3  # m + 1 = 3 dp collectives
 
 
 def test_bytes_per_link_class_split_theorys_total_exactly(base):
@@ -271,6 +281,22 @@ def test_compute_sums_to_the_mfu_count():
     for t, layers in ((1, [4]), (2, [2, 2]), (4, [1, 3])):
         total = sum(forward_flops_per_token(shape, t, n, r == len(layers) - 1) for r, n in enumerate(layers)) * t * 3
         assert total == pytest.approx(shape.flops_per_token(), rel=1e-3)  # norms replicated over tp: < 0.1%
+
+
+def test_context_parallel_ranks_compute_their_share_of_the_sequence(base):
+    """Under cp each rank runs b·s/cp tokens of each microbatch (its linears' rows, its queries against every
+    key): dp 2 x cp 2 holds as many tokens per rank as dp 4 and computes as long on the FLOP count, and on a
+    GPU's roofline the step's FLOPs summed over ranks are dp 4's, for either kind of cp."""
+    flat = _time(base, "dp", ParallelDims(4, 4), synthetic_cluster())[3]
+    split = _time(base, "cp", ParallelDims(4, 2, cp=2), synthetic_cluster())[3]
+    assert split.compute == pytest.approx(flat.compute) and split.forward == pytest.approx(flat.forward)
+    gpu = cluster_from_config(yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "a100_80gb.yaml").read_text()),
+                              None, world=4)
+    flat = _time(base, "dp", ParallelDims(4, 4), gpu)[3]
+    for kind in ("cp", "cp_a2a"):
+        split = _time(base, kind, ParallelDims(4, 2, cp=2), gpu)[3]
+        assert split.model_flops == pytest.approx(flat.model_flops), kind
+        assert split.hardware_flops == pytest.approx(flat.hardware_flops), kind
 
 
 def test_time_model_by_hand(base):

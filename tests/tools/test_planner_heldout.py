@@ -27,31 +27,14 @@ RUNS = all_runs()
 HELD = [r for r in RUNS if r.split == HELD_OUT]
 
 # What the planner does not yet predict, and why (docs/planner.md, "Published runs"). A time miss is held
-# within 25% instead of 15%; a memory miss is a strict expected failure (one that starts to fit fails its
-# test until it is taken off the list).
-A100_GENERATION = ("a100_80gb's efficiency was fitted on Megatron-LM of 2021 (Table 1); Megatron-LM of 2022 ran "
-                   "the same per-replica layout (530B: tp 8, pp 35, 280 microbatches, 3 chunks) 10% faster, of which "
-                   "backward's tp overlap (tp_backward_overlap, set on those rows) is a part")
+# within 25% instead of 15%; a memory miss (none now) is a strict expected failure (one that starts to fit
+# fails its test until it is taken off the list).
 TIME_MISSES = {
     "MT-NLG 530B, 420 nodes": ("DeepSpeed's pipeline of 2021 at 160 microbatches a pipeline: slower than predicted, "
                                "by about as much a step at 280, 350 and 420 nodes (near the bubble's length); the "
                                "serial steps after its flush are timed, and none found in its code is that long"),
-    "Llama 3 405B, 16384 GPUs, cp 16": ("at 131,072 tokens attention is over half the FLOPs and the paper does not "
-                                        "say how it counts them (causal or not); context parallelism's load balance"),
 }
-MEMORY_MISSES = {
-    "Llama 3 405B, 16384 GPUs, cp 1": ("not the schedule: with 16 microbatches a pipeline (M = PP = 16) the paper's N "
-                                       "lies between PP and M, and Megatron-Core's form of it warms up "
-                                       "2(p-1-r) + (v-1)N chunks, all v·M on stages 0-7 whatever V, as the planner "
-                                       "counts; the planner's sequence parallelism saves the linears' gathered inputs "
-                                       "(Korthikanti et al.'s, which the paper cites, save the pieces: about 56 GiB "
-                                       "less, still about 2 GiB over); FSDP shards gradients, but whether its fp32 "
-                                       "accumulation over microbatches is on the shard the paper does not say"),
-    "Llama 3 405B, 16384 GPUs, cp 16": ("no activation formula for context parallelism in bf16 (fits unknown); Llama "
-                                        "3's context parallelism all-gathers K and V (section 3.3.2), a kind the "
-                                        "sandbox does not have (ring, a2a)"),
-}
-MEDIAN_MISS = f"held-out median about 11%: {A100_GENERATION}; MT-NLG (DeepSpeed's pipeline) predicted fast"
+MEMORY_MISSES: dict[str, str] = {}
 
 
 def source_flops(run: Run) -> float:
@@ -159,7 +142,6 @@ def test_held_out_run_fits(run):
     assert got.get("fits") is True, (run.name, got.get("refused") or got["row"]["memory_bytes_per_device"])
 
 
-@pytest.mark.xfail(strict=True, reason=MEDIAN_MISS)
 def test_held_out_median_error_is_within_10_percent():
     errors = [abs(evaluated(r).get("error", 1.0)) for r in HELD]
     assert statistics.median(errors) <= 0.10, sorted(errors)
