@@ -84,12 +84,12 @@ def _cluster(cfg: DictConfig, world: int):
 
 def _space(p, shape: ModelShape, cluster) -> Space:
     space = Space(**OmegaConf.to_container(p.search, resolve=True))
-    if cluster.precision != "fp32":
-        # The saved bytes under context parallelism have a formula in fp32 only
-        # (activations.activation_bytes): elsewhere such rows could not be judged (their memory unknown,
-        # "?"), so they are not searched; meta.search says so. Recomputation is: memory.py holds what a
-        # Megatron-style implementation saves under each mode.
-        space = Space(**{**space, "context_parallel": False})
+    if space.get("context_parallel") is None:
+        # Under context parallelism every kind's saved bytes have a formula in fp32
+        # (activations.activation_bytes); in bf16 only the ring's (memory.py), so by default a bf16 search
+        # leaves cp out rather than show the all-to-all's rows as "?"; meta.search says so.
+        # Recomputation is searched: memory.py holds what a Megatron-style implementation saves under each mode.
+        space = Space(**{**space, "context_parallel": cluster.precision == "fp32"})
     return space
 
 

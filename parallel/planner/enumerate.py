@@ -78,7 +78,7 @@ class Space(dict):
 
     @property
     def context_parallel(self) -> bool:
-        return self.get("context_parallel", True)
+        return self.get("context_parallel") is not False  # None (launch.plan decides by precision): searched
 
     def holds(self, dims: dict) -> bool:
         """Whether the layout's sizes are those `sizes` fixes ({"tp": 8, "pp": 64}: only those layouts)."""

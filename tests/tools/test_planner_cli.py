@@ -61,6 +61,21 @@ def test_a_model_without_cp_formulas_is_not_searched_with_them(tmp_path):
     assert all(r["fits"] is not None and r["hfu"] >= r["mfu"] * 0.99 for r in plan["rows"])
 
 
+def test_a_bf16_search_asked_for_cp_judges_the_rings_memory(tmp_path):
+    """Asked for (plan.search.context_parallel=true), a bf16 search has cp rows: the ring's saved bytes have a
+    bf16 figure (each rank's s/cp tokens), so its rows say whether they fit; the all-to-all's have none ("?")."""
+    out = tmp_path / "plan"
+    proc = _plan(["model=gpt2_124m", "cluster=h100_sxm", "plan.world=8", "plan.global_batch=64",
+                  "plan.layouts=[cp,cp_a2a]", "plan.search.context_parallel=true", "plan.top=100", f"run.dir={out}"],
+                 tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((out / "plan.json").read_text())["rows"]
+    ring = [r for r in rows if r["layout"]["cp"] > 1 and r["layout"]["cp_kind"] == "ring"]
+    a2a = [r for r in rows if r["layout"]["cp"] > 1 and r["layout"]["cp_kind"] == "a2a"]
+    assert ring and all(r["fits"] is not None for r in ring)
+    assert a2a and all(r["fits"] is None for r in a2a)
+
+
 def test_launch_plan_refuses_bad_input_in_one_line(tmp_path):
     proc = _plan(["plan.world=0"], tmp_path)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
