@@ -36,9 +36,9 @@ def _setup(cluster_name: str):
     base.update({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "train", "data")})
     shape = ModelShape.from_preset(OmegaConf.to_container(cfg.model, resolve=True))
     cluster = cluster_from_config(OmegaConf.to_container(cfg.cluster, resolve=True), None, WORLD)
-    space = Space(**{k: tuple(v) if isinstance(v, list) else v
-                     for k, v in OmegaConf.to_container(cfg.plan.search, resolve=True).items()},
-                  context_parallel=False)
+    searched = OmegaConf.to_container(cfg.plan.search, resolve=True)
+    space = Space(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in searched.items()},
+                     "context_parallel": False})  # as launch.plan searches in bf16
     return shape, base, cluster, space
 
 

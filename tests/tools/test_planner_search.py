@@ -61,9 +61,9 @@ def test_a_3072_device_search_of_the_1008b_shape_finds_layouts_that_fit():
     base.update({k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "train", "data")})
     shape = ModelShape.from_preset(OmegaConf.to_container(cfg.model, resolve=True))
     cluster = cluster_from_config(OmegaConf.to_container(cfg.cluster, resolve=True), None, 3072)
-    space = Space(**{k: tuple(v) if isinstance(v, list) else v
-                     for k, v in OmegaConf.to_container(cfg.plan.search, resolve=True).items()},
-                  context_parallel=False)
+    searched = OmegaConf.to_container(cfg.plan.search, resolve=True)
+    space = Space(**{**{k: tuple(v) if isinstance(v, list) else v for k, v in searched.items()},
+                     "context_parallel": False})  # as launch.plan searches in bf16
     rows, found = plan_rows(shape, base, [], cluster, 3072, 3072, space, keep=1)
     fitting = [r for r in rows if r["fits"]]
     assert fitting and found.pruned > 0 and found.bounded > 0
