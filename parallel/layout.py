@@ -103,6 +103,10 @@ class Layout:
         """This layout's record of the family whose options class is `cls` (its defaults where unset)."""
         return self.options.of(cls)
 
+    def rank_tokens(self, seq_len: int) -> int:
+        """Tokens of one microbatch on one rank: its b sequences, each cut over the cp ranks to s/cp."""
+        return self.microbatch_size * (seq_len // self.dims.cp)
+
     def cut(self, act_bytes: int = FP32_BYTES) -> Cut:
         """How each rank's microbatch is cut: the dimensions, then what each family's record says."""
         fields = {}

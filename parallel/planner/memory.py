@@ -94,7 +94,7 @@ def buffer_bytes(shape: ModelShape, layout: Layout, zero: int, precision: str, p
     t, d = layout.dims.tp, zero_shards(layout.dims)
     param_b, grad_b, _ = STATE_BYTES[precision]
     act_b = 4 if precision == "fp32" else 2
-    n = layout.microbatch_size * g.seq_len // layout.dims.cp  # this rank's tokens of the microbatch
+    n = layout.rank_tokens(g.seq_len)
     _, last = _placement(shape, layout)[1][pp_rank]
     total = n * g.padded_vocab_size // t * LOSS_BYTES if last else 0
     if t > 1:
@@ -151,7 +151,7 @@ def block_saves(shape: ModelShape, layout: Layout, act_bytes: int, flash_attenti
     each mode keeps), and the bytes the block being recomputed holds beside them in backward."""
     cut = layout.cut()
     units = block_units(shape, layout.dims.tp, cut.sequence_parallel, act_bytes, cut.saves_shard, flash_attention)
-    tokens = layout.microbatch_size * shape.gpt.seq_len // layout.dims.cp  # ring cp: s/cp of each sequence
+    tokens = layout.rank_tokens(shape.gpt.seq_len)
     mode = layout.recompute or "none"
     if mode == "full":
         kept, working = units["input"], units["layer"] - units["input"]

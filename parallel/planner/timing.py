@@ -152,7 +152,7 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
             shape, layout, cluster.device(), cluster.flops_per_rank(world), max(layers_by_rank), act_bytes,
             (forward, backward, hardware, model_flops))
         fill = (fill[0] + forward - dense[0], fill[1] + backward - dense[1])
-    activation = layout.microbatch_size * shape.gpt.seq_len * shape.gpt.d_model * act_bytes
+    activation = layout.rank_tokens(shape.gpt.seq_len) * shape.gpt.d_model * act_bytes  # this rank's s/cp
     seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
     blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)  # tp, cp, ep: inside compute
     hidden = tp_hidden_in_backward(shape, layout, cluster, traffic["tp"].span, layers_by_rank, act_bytes,
@@ -174,7 +174,7 @@ def _slowest_stage(shape: ModelShape, layout, cluster: Cluster, layers_by_rank: 
     dims, m, b = layout.dims, layout.microbatches, layout.microbatch_size
     p, t, g = dims.pp, dims.tp, shape.gpt
     rate = cluster.flops_per_rank(dims.world_size)
-    tokens = b * g.seq_len // dims.cp  # this rank's piece of each sequence
+    tokens = layout.rank_tokens(g.seq_len)
     device = cluster.device()
     recompute = layout.recompute or "none"
     if device is None:
@@ -208,7 +208,7 @@ def tp_hidden_in_backward(shape: ModelShape, layout, cluster: Cluster, span: Gro
     blocking collectives. The row-parallel linears' collectives and the recomputed forward's stay exposed."""
     t, b, g = layout.dims.tp, layout.microbatch_size, shape.gpt
     cut = layout.cut()
-    tensor = b * (g.seq_len // layout.dims.cp) * g.d_model * act_bytes
+    tensor = layout.rank_tokens(g.seq_len) * g.d_model * act_bytes
     reduction = (t - 1) / t * tensor * (1 if cut.sequence_parallel else 2)
     regather = (t - 1) / t * tensor if cut.sequence_parallel and cut.saves_shard else 0.0
     layers = sum(layers_by_rank) / len(layers_by_rank)

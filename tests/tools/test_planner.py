@@ -286,7 +286,8 @@ def test_compute_sums_to_the_mfu_count():
 def test_context_parallel_ranks_compute_their_share_of_the_sequence(base):
     """Under cp each rank runs b·s/cp tokens of each microbatch (its linears' rows, its queries against every
     key): dp 2 x cp 2 holds as many tokens per rank as dp 4 and computes as long on the FLOP count, and on a
-    GPU's roofline the step's FLOPs summed over ranks are dp 4's, for either kind of cp."""
+    GPU's roofline the step's FLOPs summed over ranks are dp 4's, for either kind of cp; its pipeline's messages
+    are its own s/cp tokens'."""
     flat = _time(base, "dp", ParallelDims(4, 4), synthetic_cluster())[3]
     split = _time(base, "cp", ParallelDims(4, 2, cp=2), synthetic_cluster())[3]
     assert split.compute == pytest.approx(flat.compute) and split.forward == pytest.approx(flat.forward)
@@ -297,6 +298,12 @@ def test_context_parallel_ranks_compute_their_share_of_the_sequence(base):
         split = _time(base, kind, ParallelDims(4, 2, cp=2), gpu)[3]
         assert split.model_flops == pytest.approx(flat.model_flops), kind
         assert split.hardware_flops == pytest.approx(flat.hardware_flops), kind
+    # A stage boundary carries this rank's b·(s/cp)·h: one latency per such message (1 ms here, 4 ranks in a node).
+    slow = synthetic_cluster(intra_latency_s=1e-3, inter_latency_s=1e-3)
+    _, plan, traffic, t = _time(base, "cp", ParallelDims(4, 1, pp=2, cp=2), slow, microbatches=2)
+    boundary = plan.layout.microbatch_size * (32 // 2) * 64 * 4
+    sent = traffic["pp"].per_rank(4)
+    assert t.comm_by_group["pp"] == pytest.approx(sent / 1e9 + sent / boundary * 1e-3)
 
 
 def test_time_model_by_hand(base):
