@@ -85,7 +85,6 @@ from parallel.pp.zero_bubble import (
     dualpipe_v_in_flight,
     zb_h1,
     zb_h1_idle,
-    zb_h1_in_flight,
     zb_v,
     zb_v_idle,
     zb_v_in_flight,
@@ -373,7 +372,9 @@ for _schedule in (
     Schedule("interleaved_1f1b", interleaved_1f1b, LOOP, loop_idle, "ScheduleInterleaved1F1B", interleaved_in_flight,
              check_interleaved, False),
     # ZB-H1 with one stage per rank is torch's interleaved zero-bubble schedule's order.
-    Schedule("zbh1", zb_h1, LOOP, zb_h1_idle, "ScheduleInterleavedZeroBubble", zb_h1_in_flight, check_zb_h1, True),
+    # Its first rank runs each W right after its B: 1F1B's microbatches in flight.
+    Schedule("zbh1", zb_h1, LOOP, zb_h1_idle, "ScheduleInterleavedZeroBubble", one_f_one_b_in_flight, check_zb_h1,
+             True),
     Schedule("zbv", zb_v, V, zb_v_idle, "ScheduleZBVZeroBubble", zb_v_in_flight, check_zb_v, True),
     Schedule("dualpipev", dualpipe_v, V, dualpipe_v_idle, "ScheduleDualPipeV", dualpipe_v_in_flight, check_dualpipe_v,
              True),

@@ -96,11 +96,6 @@ def zb_h1(stages: int, microbatches: int, virtual: int = 1) -> list[list[Action]
     return plans
 
 
-def zb_h1_in_flight(stages: int, microbatches: int, virtual: int) -> tuple[int, ...]:
-    """The first rank runs each W right after its B: 1F1B's min(p, m) microbatches held."""
-    return (min(stages, microbatches),)
-
-
 def zb_h1_idle(stages: int, microbatches: int, virtual: int, time_f, time_b, time_w) -> list:
     """(p-1)(F+B) - (k-1)W, (p-1)F + (p-k)B, (p-1)B + (p-k)F with k = min(m, p); their max is
     Qi et al. 2023 §3.1's (p-1)(F + B - W) when m >= p, W <= F, W <= B."""
