@@ -165,22 +165,22 @@ def _emulated(c: dict, common: dict, net: dict, world: int | None) -> Cluster:
 def _with_measured_figures(c: dict, ranks: int) -> dict:
     """The preset with its null loopback and codec figures measured with `ranks` gloo ranks on this
     machine's cores (parallel/planner/loopback.py), in one probe run; a one-rank plan's codec (its
-    optimizer step) in this process, with the threads a lone rank has."""
-    wanted = ("loopback_gbytes_per_s", "loopback_latency_us", "codec_gbytes_per_s")
-    if all(c.get(k) is not None for k in wanted):
-        return c
-    from parallel.planner.loopback import measure
-
-    measured = measure(ranks)
-    if ranks <= 1:
+    optimizer step) in this process, with the threads a lone rank has, and no probe run for it."""
+    missing = [k for k in ("loopback_gbytes_per_s", "loopback_latency_us", "codec_gbytes_per_s") if c.get(k) is None]
+    figures = {}
+    if ranks <= 1 and "codec_gbytes_per_s" in missing:
         from parallel.dist.binding import threads_per_rank
         from parallel.planner.codec import probed_bytes_per_s
 
-        measured["codec_bytes_per_s"] = probed_bytes_per_s(threads_per_rank(1))
-    figures = {"loopback_gbytes_per_s": measured["bytes_per_s"] / 1e9,
-               "loopback_latency_us": measured["latency_s"] * 1e6,
-               "codec_gbytes_per_s": measured["codec_bytes_per_s"] / 1e9}
-    return {**c, **{k: figures[k] for k in wanted if c.get(k) is None}}
+        figures["codec_gbytes_per_s"] = probed_bytes_per_s(threads_per_rank(1)) / 1e9
+    if any(k not in figures for k in missing):
+        from parallel.planner.loopback import measure
+
+        measured = measure(ranks)
+        figures = {"loopback_gbytes_per_s": measured["bytes_per_s"] / 1e9,
+                   "loopback_latency_us": measured["latency_s"] * 1e6,
+                   "codec_gbytes_per_s": measured["codec_bytes_per_s"] / 1e9, **figures}
+    return {**c, **{k: figures[k] for k in missing}}
 
 
 def _measured_peak() -> float:

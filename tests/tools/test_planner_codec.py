@@ -104,6 +104,17 @@ def test_this_machines_codec_rate_is_probed_on_every_rank_at_once_and_a_given_on
     assert given.codec_bytes_per_s == 3e9
 
 
+def test_a_one_rank_plan_probes_its_codec_in_process_without_a_probe_run(monkeypatch):
+    """A one-rank plan with the loopback figures given needs only its codec rate (its optimizer step):
+    measured in the planner's own process, no gloo probe run started for it."""
+    import parallel.planner.loopback as loopback
+
+    monkeypatch.setattr(loopback, "measure", lambda *a, **k: pytest.fail("a probe run for a one-rank plan"))
+    preset = {**yaml.safe_load((PROJECT_ROOT / "conf" / "cluster" / "this_machine.yaml").read_text()),
+              "peak_tflops": 0.3, "loopback_gbytes_per_s": 1.0, "loopback_latency_us": 100}
+    assert cluster_from_config(preset, None, world=1).codec_bytes_per_s > 0
+
+
 def test_a_named_baseline_is_validated_as_a_row_and_the_search_leaves_baselines_out(base):  # noqa: F811
     """plan.layouts=[torch_hsdp]: its rows, beside hsdp's for the same layouts when both are named;
     with no names, no PyTorch baseline is searched."""
