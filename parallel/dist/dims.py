@@ -66,6 +66,7 @@ class Dim:
     shares: tuple[str, ...] = ()  # derived groups: the coordinates all ranks of one group have in common
     made_when: str | None = None  # derived groups: the size that must exceed 1 for the group to be made
     inside: str | None = None  # a size carved out of another mesh dimension's ranks (ep out of dp): divides it
+    sums_gradients: bool = False  # its groups are replicas that sum gradients (a data-parallel group)
 
 
 # Innermost first: the mesh's rows in this order are its rank order (tp fastest).
@@ -75,19 +76,21 @@ DIMS: tuple[Dim, ...] = (
     Dim("ep", "the experts of each MoE layer (ep consecutive dp ranks)", mesh=False,
         shares=("pp", "cp", "tp", "edp"), made_when="ep", inside="dp"),
     Dim("dp_shard", "the model state, ZeRO-sharded over dp_shard consecutive dp ranks (HSDP)", mesh=False,
-        shares=("pp", "cp", "tp", "dp_replicate"), made_when="dp_shard", inside="dp"),
-    Dim("dp", "the batch", mesh=True),
+        shares=("pp", "cp", "tp", "dp_replicate"), made_when="dp_shard", inside="dp", sums_gradients=True),
+    Dim("dp", "the batch", mesh=True, sums_gradients=True),
     Dim("pp", "the layers", mesh=True),
     Dim("edp", "nothing: the dp ranks that hold the same experts and sum their gradients", mesh=False, sized=False,
-        shares=("pp", "cp", "tp", "ep"), made_when="ep"),
+        shares=("pp", "cp", "tp", "ep"), made_when="ep", sums_gradients=True),
     Dim("dp_cp", "nothing: dp and cp together, the ranks that sum gradients when the sequence is split",
-        mesh=False, sized=False, shares=("pp", "tp"), made_when="cp"),
+        mesh=False, sized=False, shares=("pp", "tp"), made_when="cp", sums_gradients=True),
     Dim("dp_replicate", "nothing: the dp ranks that hold the same shard (HSDP) and sum it across shard groups",
-        mesh=False, sized=False, shares=("pp", "cp", "tp", "dp_shard"), made_when="dp_shard"),
+        mesh=False, sized=False, shares=("pp", "cp", "tp", "dp_shard"), made_when="dp_shard", sums_gradients=True),
 )
 DIM = {d.name: d for d in DIMS}
 MESH_DIMS: tuple[str, ...] = tuple(d.name for d in reversed(DIMS) if d.mesh)  # (pp, dp, cp, tp): outermost first
 DERIVED_DIMS: tuple[str, ...] = tuple(d.name for d in DIMS if not d.mesh)  # (ep, dp_shard, edp, ...): enumerated
+# The data-parallel groups: dp, dp with cp, the experts' edp, HSDP's shard and replicate halves of dp.
+DATA_PARALLEL: tuple[str, ...] = tuple(d.name for d in DIMS if d.sums_gradients)
 # The dimension a layout's world leaves when the others are given (ParallelDims.resolve, the planner's search).
 LEFTOVER = "dp"
 

@@ -41,6 +41,7 @@ from functools import lru_cache
 
 from parallel.compose.theory import stage_layers
 from parallel.core.shape import ModelShape
+from parallel.cp.options import CP_KINDS
 from parallel.dist.dims import ParallelDims
 from parallel.planner.cluster import Cluster
 from parallel.planner.compute import microbatch_seconds
@@ -67,7 +68,7 @@ def step_time_floor(shape: ModelShape, cluster: Cluster, world: int, global_batc
         and b·s/cp of its tokens: under either kind of context parallelism (they shape attention apart)."""
         if device is None:
             return 3 * b * (shape.gpt.seq_len // cp) * forward_flops_per_token(shape, t, blocks, last) / rate
-        kinds = ("ring", "a2a") if cp > 1 else ("ring",)
+        kinds = CP_KINDS if cp > 1 else CP_KINDS[:1]  # at cp 1 every kind is the same GEMMs
         return min(sum(microbatch_seconds(shape, device, t, b, blocks, last, act_bytes, True, recompute, cp,
                                           kind)[k] for k in ("forward", "backward")) for kind in kinds)
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 
 from parallel.compose.theory import chunks_per_rank, pipeline_makespan
 from parallel.core.shape import ModelShape
+from parallel.dist.dims import DATA_PARALLEL
 from parallel.planner.cluster import Cluster
 from parallel.planner.links import GroupSpan
 
@@ -76,10 +77,6 @@ ASSUMPTIONS = {
                    "network congestion",
 }
 BUCKET_BYTES = 25 * 2**20  # parallel.bucket_mb's default, PyTorch DDP's
-# The groups that sum gradients over replicas (their reductions overlap backward; nothing else of theirs
-# blocks compute): dp, dp with cp where cp splits the sequence, the experts' edp, and HSDP's shard and
-# replicate halves of dp.
-DATA_PARALLEL = ("dp", "dp_cp", "edp", "dp_shard", "dp_replicate")
 
 
 @dataclass(frozen=True)
@@ -154,7 +151,8 @@ def step_time(shape: ModelShape, layout, zero: int, grad_sync: str | None, clust
         fill = (fill[0] + forward - dense[0], fill[1] + backward - dense[1])
     activation = layout.rank_tokens(shape.gpt.seq_len) * shape.gpt.d_model * act_bytes  # this rank's s/cp
     seconds = _collective_seconds(shape, layout, zero, grad_sync, cluster, traffic, activation, act_bytes)
-    blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)  # tp, cp, ep: inside compute
+    # tp, cp, ep: inside compute; the data-parallel groups' reductions overlap backward instead (`_dp_exposed`)
+    blocking = sum(sec for name, sec in seconds.items() if name not in DATA_PARALLEL)
     hidden = tp_hidden_in_backward(shape, layout, cluster, traffic["tp"].span, layers_by_rank, act_bytes,
                                    blocking / (2 * m)) if cluster.tp_backward_overlap and "tp" in traffic else 0.0
     f_eff, b_eff = forward + blocking / (2 * m), backward + blocking / (2 * m) - hidden

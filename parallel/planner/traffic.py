@@ -29,7 +29,7 @@ from fractions import Fraction
 from parallel.algebra import tp_shard_parameter_count
 from parallel.compose.theory import chunks_per_rank
 from parallel.core.shape import ModelShape
-from parallel.dist.dims import SIZES
+from parallel.dist.dims import DATA_PARALLEL, SIZES
 from parallel.layout import Layout
 from parallel.planner.links import GroupSpan, group_span
 from parallel.planner.remedies import period_steps
@@ -96,7 +96,7 @@ def dp_gathers(figure: dict, totals: dict[str, Fraction], zero: int) -> dict[str
     by_op = {op: _exact(v) for op, v in figure.get("by_op", {}).items()}
     own = figure.get("all_gather_sent_by_group_exact")
     if own is not None:  # theory counted each group's own (the combined layouts': sp's re-gathers are tp's)
-        return {g: Fraction(v) for g, v in own.items() if g in ("dp", "dp_cp")} if zero else {}
+        return {g: Fraction(v) for g, v in own.items() if g in DATA_PARALLEL} if zero else {}
     if "dp_shard" in totals:
         return {"dp_shard": by_op.get("all_gather", Fraction(0))}
     if not zero or "dp" not in totals:
