@@ -180,6 +180,8 @@ ZERO_CASES = [
      (2, 1, 2), 2, False, 2),
     ("dp2xtp1xpp2-zbv-zero2", 4, ["parallel=pp_zbv", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4"],
      (2, 1, 2), 2, False, 4),
+    ("llama-dp2xtp1xpp2-zbv-zero2", 4,
+     [LLAMA, "parallel=pp_zbv", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4"], (2, 1, 2), 2, False, 4),
     ("dp2xtp1xpp2-dualpipev-zero2", 4,
      ["parallel=pp_dualpipev", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=4"], (2, 1, 2), 2, False, 4),
     ("llama-dp2xtp1xpp2-interleaved-zero2", 4,
