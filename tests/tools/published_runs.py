@@ -83,7 +83,8 @@ MEGATRON_2022_TP = ("Megatron-LM of the paper's time overlaps backward's tensor-
 MTNLG = "Smith et al. 2022 (MT-NLG 530B), arXiv 2201.11990, section 2.4"
 MTNLG_SURE = ("step time sure (60.1/50.2/44.4 s at 280/350/420 DGX A100 nodes, global batch 1920, quoted by "
               "llm-analysis' MT-NLG example); tp 8 x pp 35 sure (paper and Microsoft's blog); microbatch 1, "
-              "full recomputation, ZeRO-1 and DeepSpeed's 1F1B assumed")
+              "full recomputation, ZeRO-1 and DeepSpeed's 1F1B assumed (the three published times fit a "
+              "microbatch of 2: docs/log/2026-12-06-mt-nlg-microbatch.md)")
 BLOOM = ("BigScience 2022, BLOOM 176B: bigscience-workshop/bigscience, train/tr11-176B-ml/README.md (a logged "
          "iteration at global batch 2048: 104.70 s, 149.77 TFLOP/s)")
 BLOOM_SURE = ("step time, shape, tp 4 x pp 12 x dp 8, microbatch 2, global batch 2048, full recomputation (DeepSpeed "
