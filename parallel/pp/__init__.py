@@ -59,8 +59,11 @@ def _report(plan, rank_reports: list[dict], run_dir) -> dict:
 
 
 def _label(described: dict) -> list[str]:
+    """The schedule's word, none on a one-stage row (a planner row names its pp beside: no pipeline runs)."""
     schedule, v = described["schedule"], described["virtual_stages"]
-    return [schedule + (f" v{v}" if v > 1 else "")] if schedule else []
+    if not schedule or described.get("pp") == 1:
+        return []
+    return [schedule + (f" v{v}" if v > 1 else "")]
 
 
 def _identity(layout, spec) -> tuple:

@@ -98,3 +98,13 @@ def test_launch_plan_evaluates_one_layout_given_as_launch_trains_overrides(tmp_p
     assert (layout["dp"], layout["tp"], layout["pp"], layout["microbatch_size"], layout["microbatches"]) == \
         (4, 2, 2, 2, 8)
     assert layout["schedule"] == "interleaved_1f1b" and layout["virtual_stages"] == 2
+
+
+def test_a_row_names_its_schedule_only_where_a_pipeline_runs():
+    from parallel.planner.report import layout_label
+
+    row = {"dp": 8, "tp": 1, "pp": 1, "microbatches": 4, "microbatch_size": 1, "schedule": "1f1b",
+           "virtual_stages": 1, "pp_layers": None, "zero": 1, "sequence_parallel": False}
+    assert "1f1b" not in layout_label(row).split()
+    assert "interleaved_1f1b v2" in layout_label({**row, "dp": 4, "pp": 2, "schedule": "interleaved_1f1b",
+                                                  "virtual_stages": 2})
