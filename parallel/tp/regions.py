@@ -179,7 +179,11 @@ class _LinearOnSequencePiece(torch.autograd.Function):
     """Y = X W^T + b on the gathered X, saving the piece X_r (and W), not X.
 
     The input gradient flows back through X (into gather_from_sp's reduce-scatter, as before);
-    the weight gradient needs X again: Y's gradient times the piece all-gathered once more."""
+    the weight gradient needs X again: Y's gradient times the piece all-gathered once more.
+
+    Each half is formed only when this backward's walk goes on to what it feeds (`_feeds`): a
+    whole backward forms both; a zero-bubble schedule's B (parallel/pp/split_backward.py) only the
+    input's, and its W only the weight's, where the piece is gathered: once per region either way."""
 
     @staticmethod
     def forward(ctx, full, piece, weight, bias, source: SequencePiece):
@@ -191,17 +195,28 @@ class _LinearOnSequencePiece(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         piece, weight = ctx.saved_tensors
-        full = ctx.source.take(piece)
-        grad_input = grad.matmul(weight.to(grad.dtype))
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_weight = rows.t().matmul(full.reshape(-1, full.shape[-1]).to(grad.dtype))
-        grad_bias = rows.sum(0) if ctx.has_bias else None
+        edges = ctx.next_functions
+        grad_input = grad.matmul(weight.to(grad.dtype)) if _feeds(edges[0]) else None
+        grad_weight = grad_bias = None
+        if _feeds(edges[2]):
+            full = ctx.source.take(piece)
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_weight = rows.t().matmul(full.reshape(-1, full.shape[-1]).to(grad.dtype))
+            grad_bias = rows.sum(0) if ctx.has_bias else None
         return grad_input, None, grad_weight, grad_bias, None
+
+
+def _feeds(edge) -> bool:
+    """Whether the running backward goes on through this input's edge (autograd's own answer; it
+    cannot be asked of a leaf, so the weights come in as views, whose nodes are not)."""
+    node = edge[0]
+    return node is not None and torch._C._will_engine_execute_node(node)
 
 
 def linear_on_sequence_piece(full: torch.Tensor, source: SequencePiece, weight: torch.Tensor,
                              bias: torch.Tensor | None) -> torch.Tensor:
-    return _LinearOnSequencePiece.apply(full, source.piece, weight, bias, source)
+    bias = bias.view_as(bias) if bias is not None else None
+    return _LinearOnSequencePiece.apply(full, source.piece, weight.view_as(weight), bias, source)
 
 
 # -- layers -------------------------------------------------------------------------------------

@@ -89,13 +89,6 @@ def check_tensor_parallel(model: GPTConfig, dims: ParallelDims, sequence_paralle
         raise LayoutError(why)
 
 
-SAVES_WITH_SPLIT_BACKWARD = (
-    "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients "
-    "apart from its input gradients, and both halves would all-gather the saved piece; use "
-    "parallel.schedule=1f1b, gpipe or interleaved_1f1b, or set parallel.tp_saves=gathered"
-)
-
-
 def tp_rules(check: Check) -> None:
     """Sequence parallelism only where tp cuts, the cut itself for every entry tp cuts, then what
     `parallel.tp_saves` may say."""
@@ -115,9 +108,8 @@ def tp_rules(check: Check) -> None:
 def check_tp_saves(options: TPOptions, spec: StrategySpec, keepers: Sequence[str], dims: ParallelDims) -> None:
     """`sharded` keeps each column-parallel input's sequence piece, which exists only under sequence
     parallelism with tp > 1, with this project's tp layers (an entry that honours tp's `saves`;
-    `keepers`: the registry's names of those, for the message), and without context parallelism
-    (whose cut of the sequence the pieces would be cut again; not derived). Its one rule across
-    families, one backward per chunk, is the composition's (`SAVES_WITH_SPLIT_BACKWARD`)."""
+    `keepers`: the registry's names of those, for the message). With context parallelism the piece is
+    of the rank's s/cp tokens; under a split backward (zero-bubble schedules) the piece is gathered in W."""
     if options.saves != "sharded":
         return
     sequence_parallel = options.sequence_parallel

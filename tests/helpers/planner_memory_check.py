@@ -72,6 +72,9 @@ LAYOUTS = [
     ("zbh1 dp2 p2 m4", "pp_1f1b", ["parallel.schedule=zbh1", "parallel.dp=2", "parallel.microbatches=4"]),
     ("zbv p4 m8", "pp_1f1b", ["parallel.schedule=zbv", "parallel.microbatches=8", "parallel.virtual_stages=2"]),
     ("3d tp2 pp2 zbh1 m4", "3d", ["parallel.schedule=zbh1", "parallel.grad_sync=naive"]),
+    # The pieces kept to W, where they are gathered again for the weight gradients.
+    ("3d tp2 pp2 sp sharded zbh1 m4", "3d", ["parallel.schedule=zbh1", "parallel.grad_sync=naive",
+                                            "parallel.sequence_parallel=true", "parallel.tp_saves=sharded"]),
     ("dualpipev p4 m8", "pp_1f1b", ["parallel.schedule=dualpipev", "parallel.microbatches=8",
                                     "parallel.virtual_stages=2"]),
     ("torch_ddp", "torch_ddp", []),

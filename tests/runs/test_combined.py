@@ -41,15 +41,27 @@ CASES = [
     # The column-parallel linears keep their input's sequence piece and gather it again in backward.
     ("dp1xtp2xpp2-1f1b-sp-sharded", 4, ["parallel=3d", "parallel.microbatches=2", "parallel.sequence_parallel=true",
                                         "parallel.tp_saves=sharded"], (1, 2, 2), True, 2, 1, "1f1b"),
+    # Under a split backward the piece is gathered in W, where the weight gradients are formed: B
+    # forms the input's gradient alone, so still one regather per region and microbatch.
+    ("dp1xtp2xpp2-zbh1-sp-sharded", 4, ["parallel=3d", "parallel.schedule=zbh1", "parallel.microbatches=4",
+                                        "parallel.sequence_parallel=true", "parallel.tp_saves=sharded"],
+     (1, 2, 2), True, 4, 1, "zbh1"),
+    ("llama-dp1xtp2xpp2-zbv-sp-sharded", 4, ["model=tiny_llama", "parallel=3d", "parallel.schedule=zbv",
+                                             "parallel.virtual_stages=2", "parallel.microbatches=4",
+                                             "parallel.sequence_parallel=true", "parallel.tp_saves=sharded"],
+     (1, 2, 2), True, 4, 2, "zbv"),
 ]
+V_SHAPED = ("zbv", "dualpipev")  # the V's crossings: 2(p-1), its turn inside rank p-1 sending nothing
 
 
 @pytest.mark.parametrize("case_id,world,overrides,layout,sp,m,v,schedule", CASES, ids=[c[0] for c in CASES])
-def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, v, schedule, single_run, pools,
+def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, v, schedule, request, pools,
                                       tmp_path):
+    llama = LLAMA in overrides
+    single_run = request.getfixturevalue("single_run_llama" if llama else "single_run")
     timeline = ["run.timeline=true"] if layout == (2, 2, 2) else []  # one picture of all 8 ranks
-    run = pools.run(world, [*TINY, *overrides, *timeline, "train.save_final=true", "train.save_grads=true"],
-                    tmp_path / "run", timeout=400)
+    run = pools.run(world, [*(TINY_LLAMA if llama else TINY), *[o for o in overrides if o != LLAMA],
+                            *timeline, "train.save_final=true", "train.save_grads=true"], tmp_path / "run", timeout=400)
     s = assert_ok(run)
     d, t, p = layout
     par = s["parallel"]
@@ -57,12 +69,13 @@ def test_3d_matches_single_and_theory(case_id, world, overrides, layout, sp, m, 
     assert (par["sequence_parallel"], par["microbatches"], par["virtual_stages"], par["schedule"]) \
         == (sp, m, v, schedule)
     check_matches_single(run, single_run)
-    check_grads_match_single(run, single_run)
+    check_grads_match_single(run, single_run, llama, t)
     dims = check_bytes_equal_theory(s, world, layout)
     assert s["model"]["local_parameters"] == s["model"]["local_params_formula"]
     # One stage: every rank holds its tp shard's parameters, gradients and Adam state, 16·Ψ_t bytes.
     assert s["memory"]["matches_formula"] is (True if p == 1 else None)
-    check_tp_and_pp_calls(s, layout, sp, m, v, sharded="parallel.tp_saves=sharded" in overrides)
+    check_tp_and_pp_calls(s, layout, sp, m, v, sharded="parallel.tp_saves=sharded" in overrides,
+                          crossings=2 * (p - 1) if schedule in V_SHAPED else v * p - 1)
 
     plans = build_schedule(schedule, p, m, v)
     executed = s["pipeline"]["executed_by_rank"]
@@ -100,9 +113,10 @@ def check_bytes_equal_theory(s: dict, world: int, layout: tuple) -> ParallelDims
     return dims
 
 
-def check_tp_and_pp_calls(s: dict, layout: tuple, sp: bool, m: int, v: int, sharded: bool) -> None:
+def check_tp_and_pp_calls(s: dict, layout: tuple, sp: bool, m: int, v: int, sharded: bool, crossings: int) -> None:
     """A block's tp collectives run on the d·t ranks of its stage only, m times per direction; with
-    sharded saving each region's input is gathered again in backward; the boundary sends' bytes."""
+    sharded saving each region's input is gathered again in backward; the boundary sends' bytes, over
+    `crossings` stage boundaries a microbatch crosses each way."""
     d, t, p = layout
     comm = s["comm"]
     by = comm["by_tag_op"]
@@ -125,7 +139,7 @@ def check_tp_and_pp_calls(s: dict, layout: tuple, sp: bool, m: int, v: int, shar
         # Boundary activations: b·s·h, or each tp rank's b·(s/t)·h piece under sequence parallelism.
         sends = comm["by_op"]["send"]
         assert sends["payload_bytes"] == sends["calls"] * b * (32 // t if sp else 32) * 64 * 4
-        assert sends["calls"] == 2 * m * (v * p - 1) * d * t
+        assert sends["calls"] == 2 * m * crossings * d * t
 
 
 # -- ZeRO-1/2 as the dp dimension (parallel.zero) ------------------------------------------------------

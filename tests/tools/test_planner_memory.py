@@ -32,7 +32,7 @@ from parallel.registry import REGISTRY, layout_of
 LLAMA_LAYOUTS = ["single", "dp m2", "zero1", "zero2 m2", "zero3", "tp 2x2", "tp_sp tp4", "tp_sp 2x2 sharded",
                  "pp_gpipe p4", "pp_1f1b dp2 p2 m4", "pp_interleaved p4 v2", "3d tp2 pp2 sp m4", "pp_1f1b p4 full",
                  "3d tp2 pp2 sp sharded selective m4", "3d tp2 dp2 sp zero2", "pp_interleaved dp2 p2 v2 zero2",
-                 "torch_ddp", "accelerate_ddp", "torch_fsdp2"]
+                 "3d tp2 pp2 sp sharded zbh1 m4", "torch_ddp", "accelerate_ddp", "torch_fsdp2"]
 
 
 @pytest.mark.parametrize("model,labels", [("tiny", []), ("tiny_llama", LLAMA_LAYOUTS)], ids=["tiny", "tiny_llama"])
@@ -43,7 +43,7 @@ def test_saved_bytes_and_model_state_equal_the_formulas_for_every_strategy(model
                           env={**os.environ, **CPU_ONLY})
     assert proc.returncode == 0 and "done" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
     results = dict(line.split("\t") for line in proc.stdout.splitlines() if "\t" in line)
-    assert len(results) == (len(labels) or 30), results.keys()
+    assert len(results) == (len(labels) or 31), results.keys()
     for label, text in results.items():
         r = json.loads(text)
         assert r["formula"] is not None, f"{label}: the registry has no activation formula"

@@ -125,11 +125,6 @@ def test_the_plan_carries_the_mode_into_the_layout():
      "parallel=tp_sp with parallel.tp > 1, or set parallel.tp_saves=gathered"),
     (2, ["parallel=dp", "parallel.tp_saves=sharded"],
      "parallel.tp_saves=sharded with parallel.tp=1 and sequence parallelism off"),
-    (4, ["parallel=pp_zbh1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.microbatches=4",
-         "parallel.tp_saves=sharded"],
-     "parallel.tp_saves=sharded with a zero-bubble schedule: it runs each chunk's weight gradients apart from its "
-     "input gradients, and both halves would all-gather the saved piece; use parallel.schedule=1f1b, gpipe or "
-     "interleaved_1f1b, or set parallel.tp_saves=gathered"),
 ])
 def test_sharded_saving_without_a_piece_to_keep_is_refused_in_one_line(world, overrides, message):
     with pytest.raises(LayoutError) as refused:
