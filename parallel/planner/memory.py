@@ -164,7 +164,7 @@ def block_saves(shape: ModelShape, layout: Layout, act_bytes: int, flash_attenti
 
 
 def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
-                                    flash_attention: bool = True) -> list[int]:
+                                    flash_attention: bool = True) -> list[int] | None:
     """Saved bytes at the step's peak on every rank, as a Megatron-style implementation holds them
     (`block_units` per block and token; the embedding's and head's small saved tensors left out, the
     logits being a buffer). Every block's kept tensors of every microbatch in flight, plus, in backward,
@@ -177,16 +177,21 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
       full       each block's input, and one block's whole set while it is recomputed
 
     Microbatches in flight per rank: the schedule's own walk (parallel/pp/theory.py), as for the
-    sandbox's formulas."""
+    sandbox's formulas. None where a split backward meets recomputation that reruns something (full;
+    selective with the scores materialized): B recomputes, and the graph it keeps holds that until W,
+    which no formula here derives (the sandbox's has none either: parallel/pp/theory.py)."""
     dims = layout.dims
     tokens, kept, working = block_saves(shape, layout, act_bytes, flash_attention)
     layers = virtual_stage_layers(shape, layout)
     if dims.pp == 1:
         peaks = [int(tokens * kept * layers[0]) + int(working)]
     else:
+        walk = compose_theory.schedule_walk(layout)
+        reruns = layout.recompute == "full" or (layout.recompute == "selective" and not flash_attention)
+        if reruns and any(op == activations.WEIGHTS for ops in walk for op, _ in ops):
+            return None
         # The recomputed block lives in a backward, beside the chunks still in flight (the sandbox's walk too).
         chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False, int(working)) for n in layers]
-        walk = compose_theory.schedule_walk(layout)
         peaks = [activations.peak_in_flight(walk[r], chunks, 0) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // dims.pp

@@ -268,3 +268,18 @@ def test_k_and_v_per_rank_are_the_ranks_kv_heads():
         cut = layout_of(ParallelDims.resolve(t, tp=t), microbatch_size=2).cut()
         n = 2 * gpt.seq_len
         assert activations.block_terms(gpt, cut)["qkv"] == n * (gpt.d_model // t + 2 * kv_heads * gpt.head_dim) * 4
+
+
+@pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zbv", 2), ("1f1b", 1)])
+def test_recomputation_under_a_split_backward_has_no_figure(schedule, v):
+    """B recomputes and the graph it keeps holds that until W: no formula derives it (the sandbox's has
+    none either), so the planner gives none where something reruns, and its own where nothing does
+    (selective under a fused core) or the backward is whole (1F1B)."""
+    shape = ModelShape(gpt=GPTConfig(vocab_size=51200, seq_len=S, n_layers=L, d_model=H, n_heads=A))
+    split = schedule != "1f1b"
+    for recompute, flash in (("full", True), ("selective", False), ("selective", True), ("none", False)):
+        layout = layout_of(ParallelDims.resolve(4 * T, tp=T, pp=4), microbatch_size=1, microbatches=8,
+                           recompute=recompute, schedule=schedule, virtual_stages=v, precision="bf16")
+        got = memory.implementation_activation_bytes(shape, layout, 2, flash_attention=flash)
+        reruns = recompute == "full" or not flash and recompute == "selective"
+        assert (got is None) is (split and reruns), (recompute, flash)
