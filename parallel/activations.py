@@ -215,19 +215,26 @@ class ChunkBytes:
     reads_targets: bool  # the last virtual stage, without tp or cp
     recomputing: int = 0
     loss: int = 0  # the last virtual stage's loss tensors, released by a split backward's B (the rest by W)
+    # Under a split backward, what B's recomputation adds (nothing of the chunk freed yet: its graph is
+    # kept for W); the first virtual stage's B does nothing and its W is a whole backward (`recomputing`).
+    recomputing_in_b: int = 0
 
 
-def kept_and_recomputed(model: GPTConfig | ModelShape, cut: Cut, recompute: str | None) -> tuple[int, int]:
+def kept_and_recomputed(model: GPTConfig | ModelShape, cut: Cut, recompute: str | None,
+                        split: bool = False) -> tuple[int, int]:
     """Per block and microbatch under `train.recompute`: what it keeps through the forward, and what its
     backward adds beyond that while its recomputed part lives (`block_terms`):
 
       none       the whole set; nothing
       selective  the set less `core_only`; its ln1, attention input and q, k, v with the rerun core's
-                 `recomputed` (the MLP's and the output projection's tensors are freed by then), less the set
+                 `recomputed` (the MLP's and the output projection's tensors are freed by then), less the set;
+                 in a split backward's B (`split`), whose kept graph frees nothing before W, `recomputed` whole
       full       its input; its whole set less the input (recomputed whole)
     """
     terms = block_terms(model, cut)
     layer = sum(terms[k] for k in SAVED_TERMS)
+    if recompute == "selective" and split:
+        return layer - terms["core_only"], terms["recomputed"]
     if recompute == "selective":
         kept = layer - terms["core_only"]
         return kept, terms["ln1"] + terms["attention_input"] + terms["qkv"] + terms["recomputed"] - kept
@@ -242,13 +249,14 @@ def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Se
     first, then recomputes its last block: what that adds counts beyond the head's freed tensors."""
     first, last = vstage == 0, vstage == len(layers) - 1
     kept, recomputed = kept_and_recomputed(model, cut, recompute)
+    in_b = 0 if first or not layers[vstage] else kept_and_recomputed(model, cut, recompute, split=True)[1]
     head = head_saved_bytes(model, cut) if last else 0
     total = layers[vstage] * kept + head
     if first:
         total += embedding_saved_bytes(model, cut)
     views = cut.t == 1 and cut.cp == 1
     return ChunkBytes(total, first and views, last and views, max(0, recomputed - head) if layers[vstage] else 0,
-                      loss_saved_bytes(model, cut) if last else 0)
+                      loss_saved_bytes(model, cut) if last else 0, in_b)
 
 
 def activation_terms(model: GPTConfig | ModelShape, layout: Layout) -> dict | None:
@@ -326,20 +334,24 @@ def peak_in_flight(walk: Sequence[tuple[str, int]], chunks: list[ChunkBytes], ba
     """Walk one rank's forwards and backwards (op, virtual stage): a forward adds its chunk's bytes, a
     backward removes them (after holding its `recomputing` beside them); the global batch's storages count
     while a chunk reading them is in flight. Where the walk has W (a split backward), its B releases only
-    the loss's tensors and W the rest (parallel/pp/split_backward.py keeps the chunk's graph until W)."""
+    the loss's tensors and W the rest (parallel/pp/split_backward.py keeps the chunk's graph until W); B
+    recomputes (`recomputing_in_b`) beside everything, except on the first virtual stage, whose W is whole."""
     split = any(op == WEIGHTS for op, _ in walk)
     # Plain counters, not a dict of readers: the planner walks every rank of thousands of layouts.
     held = peak = inputs = targets = 0
     for op, vstage in walk:
         chunk = chunks[vstage]
+        reading = batch * ((inputs > 0) + (targets > 0))
         if op == FORWARD:
             held += chunk.per_microbatch
             inputs += chunk.reads_inputs
             targets += chunk.reads_targets
         elif split and op != WEIGHTS:
+            peak = max(peak, held + chunk.recomputing_in_b + reading)
             held -= chunk.loss
         else:  # its recomputation peaks after the head's backward (the targets' storage freed with it)
-            peak = max(peak, held + chunk.recomputing + batch * ((inputs > 0) + (targets - chunk.reads_targets > 0)))
+            recomputing = chunk.recomputing if not split or vstage == 0 else 0
+            peak = max(peak, held + recomputing + batch * ((inputs > 0) + (targets - chunk.reads_targets > 0)))
             held -= chunk.per_microbatch - (chunk.loss if split else 0)
             inputs -= chunk.reads_inputs
             targets -= chunk.reads_targets

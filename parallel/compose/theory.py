@@ -210,10 +210,11 @@ def schedule_walk(layout: Layout):
 
 
 def pipeline_makespan(layout: Layout, forward: float, backward: float, send: float) -> float:
-    """The layout's schedule played with these per-microbatch costs (parallel/pp/theory.py)."""
+    """The layout's schedule played with these per-microbatch costs (parallel/pp/theory.py); under full
+    recomputation a split backward's W has nothing left to do."""
     pipeline, dims = layout.of(PPOptions), layout.dims
     return schedule_makespan(pipeline.schedule, dims.pp, layout.microbatches, pipeline.virtual_stages, forward,
-                             backward, send)
+                             backward, send, 0.0 if layout.recompute == "full" else 0.5)
 
 
 def chunks_per_rank(layout: Layout) -> int:

@@ -146,25 +146,28 @@ def block_units(shape: ModelShape, t: int, sequence_parallel: bool, act_bytes: i
 
 
 def block_saves(shape: ModelShape, layout: Layout, act_bytes: int, flash_attention: bool = True) -> tuple:
-    """(tokens, kept, working): a microbatch's tokens on a rank, the bytes each block keeps per token
+    """(tokens, kept, working, in_b): a microbatch's tokens on a rank, the bytes each block keeps per token
     through the step under the layout's recompute mode (`implementation_activation_bytes` says what
-    each mode keeps), and the bytes the block being recomputed holds beside them in backward."""
+    each mode keeps), the bytes the block being recomputed holds beside them in a whole backward, and in a
+    split backward's B, which frees nothing of the chunk before W: the recomputed set whole (full: the
+    block less its input; selective: the core's scores)."""
     cut = layout.cut()
     units = block_units(shape, layout.dims.tp, cut.sequence_parallel, act_bytes, cut.saves_shard, flash_attention)
     tokens = layout.rank_tokens(shape.gpt.seq_len)
     mode = layout.recompute or "none"
     if mode == "full":
         kept, working = units["input"], units["layer"] - units["input"]
+        in_b = working
     elif mode == "selective":
         kept = units["layer"] - units["scores"]
-        working = max(0.0, units["before_core"] + units["scores"] - kept)
+        working, in_b = max(0.0, units["before_core"] + units["scores"] - kept), units["scores"]
     else:
-        kept, working = units["layer"], 0.0
-    return tokens, kept, working * tokens
+        kept, working, in_b = units["layer"], 0.0, 0.0
+    return tokens, kept, working * tokens, in_b * tokens
 
 
 def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes: int,
-                                    flash_attention: bool = True) -> list[int] | None:
+                                    flash_attention: bool = True) -> list[int]:
     """Saved bytes at the step's peak on every rank, as a Megatron-style implementation holds them
     (`block_units` per block and token; the embedding's and head's small saved tensors left out, the
     logits being a buffer). Every block's kept tensors of every microbatch in flight, plus, in backward,
@@ -177,21 +180,18 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
       full       each block's input, and one block's whole set while it is recomputed
 
     Microbatches in flight per rank: the schedule's own walk (parallel/pp/theory.py), as for the
-    sandbox's formulas. None where a split backward meets recomputation that reruns something (full;
-    selective with the scores materialized): B recomputes, and the graph it keeps holds that until W,
-    which no formula here derives (the sandbox's has none either: parallel/pp/theory.py)."""
+    sandbox's formulas; under a split backward B recomputes beside everything the chunk saved (its graph
+    is kept for W), the first virtual stage excepted, whose W is a whole backward."""
     dims = layout.dims
-    tokens, kept, working = block_saves(shape, layout, act_bytes, flash_attention)
+    tokens, kept, working, in_b = block_saves(shape, layout, act_bytes, flash_attention)
     layers = virtual_stage_layers(shape, layout)
     if dims.pp == 1:
         peaks = [int(tokens * kept * layers[0]) + int(working)]
     else:
-        walk = compose_theory.schedule_walk(layout)
-        reruns = layout.recompute == "full" or (layout.recompute == "selective" and not flash_attention)
-        if reruns and any(op == activations.WEIGHTS for ops in walk for op, _ in ops):
-            return None
         # The recomputed block lives in a backward, beside the chunks still in flight (the sandbox's walk too).
-        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False, int(working)) for n in layers]
+        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False, int(working), 0,
+                                         int(in_b) if j and n else 0) for j, n in enumerate(layers)]
+        walk = compose_theory.schedule_walk(layout)
         peaks = [activations.peak_in_flight(walk[r], chunks, 0) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.
     per_stage = dims.world_size // dims.pp

@@ -136,7 +136,7 @@ def _first_rank(shape: ModelShape, layout: Layout, precision: str, flash_attenti
         held = [counts[vs] for vs in schedule_placement(pipeline.schedule, p, v).vstages_of(0)]
     except (SplitError, ValueError):
         return 0, 0
-    tokens, kept, working = memory.block_saves(shape, layout, ACT_BYTES[precision], flash_attention)
+    tokens, kept, working, _ = memory.block_saves(shape, layout, ACT_BYTES[precision], flash_attention)
     if p == 1:
         return held[0], int(tokens * kept * held[0]) + int(working)
     in_flight = first_rank_in_flight(pipeline.schedule, p, layout.microbatches, v)

@@ -134,28 +134,28 @@ def pipeline_walk(layout: Layout) -> tuple[tuple[tuple[bool, int], ...], ...] | 
 
 def pipeline_activations(model: GPTConfig, layout: Layout) -> list[int] | None:
     """The registry's `activations` (parallel/activations.py's `registry_activations`), given the
-    layout's virtual stages and, in a pipeline, its schedule's walk. None for recomputation under a split
-    backward: B recomputes and the retained graph keeps what it saved until W, a moment not derived."""
+    layout's virtual stages and, in a pipeline, its schedule's walk."""
     walk = pipeline_walk(layout)
-    if walk and layout.recompute not in (None, "none") and any(op == W for ops in walk for op, _ in ops):
-        return None
     return registry_activations(model, layout, layers=stage_layer_counts(model.n_layers, layout), walk=walk)
 
 
 @lru_cache(maxsize=65536)
-def schedule_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float, send: float) -> float:
+def schedule_makespan(schedule: str, p: int, m: int, v: int, forward: float, backward: float, send: float,
+                      weight_share: float = 0.5) -> float:
     """The simulator's makespan for one step: each rank's forward and backward of a microbatch over
     all its chunks cost `forward` and `backward` (a chunk 1/v of them), a send `send` on its sender.
-    Where a schedule splits the backward (zero-bubble schedules), its input-gradient half B and its
-    weight-gradient half W are taken as half the backward each: the two matmuls of a linear layer's
-    backward, of equal size (an assumption the output names)."""
+    Where a schedule splits the backward (zero-bubble schedules), its weight-gradient half W costs
+    `weight_share` of the backward and its input-gradient half B the rest: half each by default, the
+    two matmuls of a linear layer's backward, of equal size (an assumption the output names); none
+    under full recomputation, whose blocks run their whole backward inside B (parallel/core/recompute.py)."""
 
     split = schedule_splits_backward(schedule, p, m, v)
+    weights = backward * weight_share if split else 0.0
+    inputs = backward - weights
     if send == 0:
         # The schedule's closed form, where it claims one: every rank works m(F + B + W) and idles for
         # its longest chain (parallel/pp/schedules.py, equal to the simulator's makespan for free sends).
-        idle = closed_form_idle(schedule, p, m, v, forward, backward / 2 if split else backward,
-                                backward / 2 if split else 0.0)
+        idle = closed_form_idle(schedule, p, m, v, forward, inputs, weights)
         if idle is not None:
             return m * (forward + backward) + float(idle)
 
@@ -163,9 +163,9 @@ def schedule_makespan(schedule: str, p: int, m: int, v: int, forward: float, bac
         if action.op == F:
             return forward / virtual
         if action.op == B:
-            return (backward / 2 if split else backward) / virtual
+            return (inputs if split else backward) / virtual
         if action.op == W:
-            return backward / 2 / virtual
+            return weights / virtual
         return send if action.op in (SEND_F, SEND_B) else 0.0
 
     # On the schedule's own placement: a V-shaped schedule (zbv, dualpipev) puts virtual stage p on rank

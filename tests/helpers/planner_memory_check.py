@@ -75,6 +75,13 @@ LAYOUTS = [
     # The pieces kept to W, where they are gathered again for the weight gradients.
     ("3d tp2 pp2 sp sharded zbh1 m4", "3d", ["parallel.schedule=zbh1", "parallel.grad_sync=naive",
                                             "parallel.sequence_parallel=true", "parallel.tp_saves=sharded"]),
+    # Recomputation in B, beside everything the chunk keeps for W (the first virtual stage's W is whole).
+    ("zbh1 dp2 p2 m4 selective", "pp_1f1b", ["parallel.schedule=zbh1", "parallel.dp=2", "parallel.microbatches=4",
+                                             "train.recompute=selective"]),
+    ("zbv p4 m8 full", "pp_1f1b", ["parallel.schedule=zbv", "parallel.microbatches=8", "parallel.virtual_stages=2",
+                                   "train.recompute=full"]),
+    ("3d tp2 pp2 sp zbh1 full m4", "3d", ["parallel.schedule=zbh1", "parallel.grad_sync=naive",
+                                          "parallel.sequence_parallel=true", "train.recompute=full"]),
     ("dualpipev p4 m8", "pp_1f1b", ["parallel.schedule=dualpipev", "parallel.microbatches=8",
                                     "parallel.virtual_stages=2"]),
     ("torch_ddp", "torch_ddp", []),

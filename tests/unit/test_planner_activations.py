@@ -270,16 +270,30 @@ def test_k_and_v_per_rank_are_the_ranks_kv_heads():
         assert activations.block_terms(gpt, cut)["qkv"] == n * (gpt.d_model // t + 2 * kv_heads * gpt.head_dim) * 4
 
 
-@pytest.mark.parametrize("schedule,v", [("zbh1", 1), ("zbv", 2), ("1f1b", 1)])
-def test_recomputation_under_a_split_backward_has_no_figure(schedule, v):
-    """B recomputes and the graph it keeps holds that until W: no formula derives it (the sandbox's has
-    none either), so the planner gives none where something reruns, and its own where nothing does
-    (selective under a fused core) or the backward is whole (1F1B)."""
+def test_recomputation_under_a_split_backward_holds_its_rerun_beside_the_kept_graph():
+    """ZB-H1 over 2 stages, 2 microbatches, selective recomputation with the scores materialized. Rank 1
+    runs F B F B W W: its second B reruns a core while both microbatches' chunks are held (B frees nothing
+    before W), 2c + the scores; rank 0 runs F F B W B W, where B does nothing and W is a whole backward,
+    whose rerun core holds nothing beyond what the block has freed by then: 2c. Under 1F1B rank 1 holds
+    one chunk (F B F B)."""
     shape = ModelShape(gpt=GPTConfig(vocab_size=51200, seq_len=S, n_layers=L, d_model=H, n_heads=A))
-    split = schedule != "1f1b"
-    for recompute, flash in (("full", True), ("selective", False), ("selective", True), ("none", False)):
-        layout = layout_of(ParallelDims.resolve(4 * T, tp=T, pp=4), microbatch_size=1, microbatches=8,
-                           recompute=recompute, schedule=schedule, virtual_stages=v, precision="bf16")
-        got = memory.implementation_activation_bytes(shape, layout, 2, flash_attention=flash)
-        reruns = recompute == "full" or not flash and recompute == "selective"
-        assert (got is None) is (split and reruns), (recompute, flash)
+    units = memory.block_units(shape, T, False, 2, flash_attention=False)
+    tokens = S * B
+    chunk = (units["layer"] - units["scores"]) * tokens * L // 2
+    scores = units["scores"] * tokens
+    for schedule, expected in (("zbh1", [2 * chunk, 2 * chunk + scores]), ("1f1b", [2 * chunk, chunk])):
+        layout = layout_of(ParallelDims.resolve(2 * T, tp=T, pp=2), microbatch_size=B, microbatches=2,
+                           recompute="selective", schedule=schedule, precision="bf16")
+        got = memory.implementation_activation_bytes(shape, layout, 2, flash_attention=False)
+        assert got[::T] == pytest.approx(expected, rel=1e-9), schedule
+
+
+def test_full_recomputation_leaves_a_split_backward_no_weight_half_to_defer():
+    """A recomputed block runs its whole backward inside B (parallel/core/recompute.py), so under full
+    recomputation ZB-H1's W has nothing to fill the bubble with: timed as 1F1B's step."""
+    def makespan(schedule: str, recompute: str) -> float:
+        layout = layout_of(ParallelDims.resolve(4, pp=4), microbatches=8, recompute=recompute, schedule=schedule)
+        return compose_theory.pipeline_makespan(layout, 1.0, 2.0, 0.0)
+
+    assert makespan("zbh1", "full") == makespan("1f1b", "full") == 33.0
+    assert makespan("zbh1", "selective") == 27.0 < makespan("1f1b", "selective")
