@@ -224,7 +224,9 @@ class PipelineParallel(Strategy):
         grad = None if vs == self.last_vstage else out_grads.pop(key)
         if self.split:  # the input gradient only; W runs the rest later
             pending[key] = SplitBackward(out, grad, x, list(self.chunks[a.chunk].parameters()))
-            pending[key].input_grad()
+            # A recomputed block backpropagates whole inside B: its weights' gradients arrive here.
+            with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
+                pending[key].input_grad()
         else:
             with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
                 torch.autograd.backward(out, grad)

@@ -119,15 +119,15 @@ class BucketedGradSync(GradSync):
         # Zero in place: the gradients are views into the buckets and must stay so.
         for b in self.buckets:
             b.buffer.zero_()
+            b.waiting = len(b.params)
+            b.handle = None
+        self._next_to_launch = 0
 
     def before_microbatch(self, last: bool) -> None:
-        """Only the last microbatch's backward communicates; earlier ones just accumulate."""
+        """Only the last microbatch's gradients communicate; earlier ones just accumulate. A rank may
+        run the last microbatch's backward in several calls (one per chunk it holds, or a split
+        backward's B and W): each counts its parameters down, and a bucket goes when all of its have."""
         self._armed = last
-        if last:
-            self._next_to_launch = 0
-            for b in self.buckets:
-                b.waiting = len(b.params)
-                b.handle = None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._armed:
