@@ -35,7 +35,6 @@ from itertools import chain
 from parallel import algebra, baselines, compose, cp, diloco, dp, moe, pp, sync, tp, zero
 from parallel.activations import registry_activations
 from parallel.compose import route
-from parallel.compose.rules import rules_across_families
 from parallel.core.model import GPTConfig
 from parallel.core.optim import OPTIMIZERS
 from parallel.dist.dims import SIZES, LayoutError, ParallelDims
@@ -208,11 +207,10 @@ def parse_options(section) -> FamilyOptions:
 
 
 def check_rules(check: Check) -> None:
-    """Every family's refusals, in `FAMILIES` order, then those that span two (parallel/compose/rules.py)."""
+    """Every family's refusals, in `FAMILIES` order."""
     for family in FAMILIES:
         if family.rules is not None:
             family.rules(check)
-    rules_across_families(check)
 
 
 def describe(layout: Layout, spec: StrategySpec) -> dict:

@@ -6,10 +6,10 @@ breaks and a fix, and a non-zero exit: never a hang inside a collective.
 
 This file is the order the rules run in, and it names no family: each family's options are parsed
 and checked by the family itself (parallel/family.py, through the registry), its refusals are its
-rules.py's, and those that span two families are parallel/compose/rules.py's. Besides them run the
-registry's rules every entry shares (world size, dimensions, mixtures of experts, a tied head: a
-run's rule the planner skips), the entries' own (`check`, `check_model`), and the configuration's
-that belong to no strategy (numbers, precision, recomputation, faults, checkpoints), here. Which
+rules.py's. Besides them run the registry's rules every entry shares (world size, dimensions,
+mixtures of experts, a tied head: a run's rule the planner skips), the entries' own (`check`,
+`check_model`), and the configuration's that belong to no strategy (numbers, precision,
+recomputation, faults, checkpoints), here. Which
 entry runs the layout is parallel/compose/route.py's table.
 """
 

@@ -4,8 +4,8 @@ For every entry the pipeline cuts (the schedule's name is its options record's o
 pp x virtual pieces, the schedule's own rule on (pp, m, v) and the entry's (PyTorch's schedules
 refuse some that ours run); for the entries this project's executor runs, that the lists finish
 under the run's backend as the executor posts them (a schedule that would hang is refused here,
-naming its first cycle, not met as a hang); for the pipeline recipe's dp sync, bucketed all-reduce
-against virtual stages. And why a pipeline refuses a mixture of experts (docs/experts.md).
+naming its first cycle, not met as a hang). And why a pipeline refuses a mixture of experts
+(docs/experts.md).
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from parallel.core.model import GPTConfig
 from parallel.dist.dims import LayoutError, ParallelDims
 from parallel.family import Check
 from parallel.pp.options import PPOptions
-from parallel.pp.placement import V
 from parallel.pp.posting import posting_for
 from parallel.pp.progress import RULES, PlanInvalid, schedule_deadlock
-from parallel.pp.schedules import SCHEDULES, ScheduleError, check_schedule
+from parallel.pp.schedules import ScheduleError, check_schedule
 from parallel.pp.split import SplitError, layer_counts
 from parallel.spec import ConfigError
 
@@ -96,21 +95,3 @@ def check_pipeline(model: GPTConfig, dims: ParallelDims, schedule: str, microbat
             schedule_check(schedule, dims.pp, microbatches, virtual_stages)
     except (ScheduleError, SplitError) as e:
         raise ConfigError(str(e)) from None
-
-
-def check_pipeline_grad_sync(dims: ParallelDims, grad_sync: str, virtual_stages: int, schedule: str) -> None:
-    """The bucketed sync overlaps with the last microbatch's backward, which with one chunk per rank
-    gives every local parameter its final gradient; with virtual stages a rank's chunks finish
-    their last backward at different times, far apart in the schedule."""
-    if dims.dp > 1 and grad_sync == "bucketed" and virtual_stages > 1:
-        raise ConfigError(
-            f"parallel.grad_sync=bucketed overlaps the dp all-reduce with the last microbatch's backward, but with "
-            f"parallel.virtual_stages={virtual_stages} a rank's chunks finish their backward at different times: "
-            + ("set parallel.grad_sync=naive" if v_shaped(schedule) else
-               "set parallel.grad_sync=naive (or parallel.virtual_stages=1)")
-        )
-
-
-def v_shaped(schedule: str) -> bool:
-    """The schedule runs on the V placement (virtual stages are part of it, not an option)."""
-    return schedule in SCHEDULES and SCHEDULES[schedule].placement == V

@@ -16,9 +16,9 @@ Each case trains the tiny model for 6 steps under torchrun on gloo and checks in
 Covered by runs: zbh1 at (p, m) = (2, 3), (4, 8); zbv at (2, 3), (4, 4); dualpipev at (2, 4), (4, 8);
 dp 2 x pp 2 with zbh1 (bucketed dp sync, m 2) and with zbv (naive, m 4); zbv at (2, 4) on the
 Llama-shaped model (model=tiny_llama); dp 2 x pp 2 zbh1 with full recomputation and the bucketed
-sync, zbv (Llama) with selective recomputation. Every other (p <= 8, m <= 16) is proven by the
-simulator alone (test_pp_zero_bubble.py). PyTorch's own zero-bubble
-schedules are in test_native.py.
+sync, zbv (Llama) with selective recomputation and dp 2 with the bucketed sync. Every other
+(p <= 8, m <= 16) is proven by the simulator alone (test_pp_zero_bubble.py). PyTorch's own
+zero-bubble schedules are in test_native.py.
 """
 
 import json
@@ -57,9 +57,12 @@ CASES = [
     # (and the bucketed dp sync counts those weights' gradients there: B runs as the last microbatch's too)
     ("dp2xpp2-zbh1-m4-full-bucketed", 4, "pp_zbh1", 2, 2, 4, 16, ["train.recompute=full"]),
     ("llama-zbv-p2-m4-selective", 2, "pp_zbv", 1, 2, 4, 16, ["model=tiny_llama", "train.recompute=selective"]),
+    # The bucketed sync on the V: a bucket spanning both chunks goes when the later one's last W is done.
+    ("llama-dp2xpp2-zbv-m4-bucketed", 4, "pp_zbv", 2, 2, 4, 16, ["model=tiny_llama"]),
 ]
 RUN_ONLY = {"dp2xpp2-zbh1-m2-bucketed": ["parallel.grad_sync=bucketed"],
-            "dp2xpp2-zbh1-m4-full-bucketed": ["parallel.grad_sync=bucketed"]}  # overrides of the run, not the reference
+            "dp2xpp2-zbh1-m4-full-bucketed": ["parallel.grad_sync=bucketed"],
+            "llama-dp2xpp2-zbv-m4-bucketed": ["parallel.grad_sync=bucketed"]}  # overrides of the run, not the reference
 
 
 @pytest.fixture(scope="module")

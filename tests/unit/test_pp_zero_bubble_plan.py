@@ -34,8 +34,6 @@ def plan_error(world: int, *overrides: str) -> str:
     (4, ["parallel=pp_dualpipev", "model.n_layers=8", "parallel.microbatches=4"],
      "dualpipev needs at least 2 x parallel.pp = 8 microbatches"),
     (2, ["parallel=pp_zbv", "parallel.virtual_stages=1"], "zbv runs exactly two chunks per rank in a V"),
-    (4, ["parallel=pp_zbv", "parallel.dp=2", "parallel.grad_sync=bucketed"],
-     "a rank's chunks finish their backward at different times: set parallel.grad_sync=naive"),
     (2, ["parallel=torch_pp_interleaved_zb", "parallel.microbatches=5", "train.global_batch=10"],
      "ScheduleInterleavedZeroBubble runs microbatches in 2 rounds (m // parallel.pp) and needs m to be a multiple "
      "of that: use parallel.microbatches=4"),
@@ -48,14 +46,15 @@ def test_plan_refuses_what_a_schedule_cannot_run(world, overrides, message):
 
 @pytest.mark.parametrize("world,overrides", [
     (4, ["parallel=pp_zbh1", "parallel.dp=2", "parallel.grad_sync=bucketed", "parallel.microbatches=2"]),
+    (4, ["parallel=pp_zbv", "parallel.dp=2", "parallel.grad_sync=bucketed"]),
     (4, ["parallel=pp_zbh1", "parallel.dp=2", "parallel.zero=2", "parallel.microbatches=2"]),
     (4, ["parallel=pp_dualpipev", "parallel.dp=2", "parallel.zero=1", "parallel.microbatches=4"]),
     (2, ["parallel=torch_pp_interleaved_zb", "parallel.microbatches=6", "train.global_batch=12"]),
 ])
 def test_plan_accepts_what_composes_with_w(world, overrides):
-    """W accumulates each weight's gradient once per microbatch, in microbatch order on one chunk
-    (ZB-H1), so the bucketed sync and ZeRO-2, which count post-accumulate-grad hooks, compose with it;
-    ZeRO-1 reduces after the schedule, whatever it is."""
+    """W accumulates each weight's gradient once per microbatch, so the bucketed sync (which counts each
+    parameter's last one down, whichever chunk's backward brings it) and ZeRO-2 (each part's, each
+    microbatch) compose with it; ZeRO-1 reduces after the schedule, whatever it is."""
     assert plan_error(world, *overrides) == ""
 
 
