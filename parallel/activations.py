@@ -216,31 +216,30 @@ class ChunkBytes:
     recomputing: int = 0
     loss: int = 0  # the last virtual stage's loss tensors, released by a split backward's B (the rest by W)
     # Under a split backward, what B's recomputation adds (nothing of the chunk freed yet: its graph is
-    # kept for W); the first virtual stage's B does nothing and its W is a whole backward (`recomputing`).
+    # kept for W). The first virtual stage's B does nothing and its W is a whole backward (`peak_in_flight`).
     recomputing_in_b: int = 0
 
 
-def kept_and_recomputed(model: GPTConfig | ModelShape, cut: Cut, recompute: str | None,
-                        split: bool = False) -> tuple[int, int]:
-    """Per block and microbatch under `train.recompute`: what it keeps through the forward, and what its
-    backward adds beyond that while its recomputed part lives (`block_terms`):
+def kept_and_recomputed(model: GPTConfig | ModelShape, cut: Cut, recompute: str | None) -> tuple[int, int, int]:
+    """Per block and microbatch under `train.recompute`: what it keeps through the forward, what its whole
+    backward adds beyond that while its recomputed part lives, and what a split backward's B adds, whose
+    kept graph frees nothing of the chunk before W (`block_terms`):
 
-      none       the whole set; nothing
+      none       the whole set; nothing; nothing
       selective  the set less `core_only`; its ln1, attention input and q, k, v with the rerun core's
-                 `recomputed` (the MLP's and the output projection's tensors are freed by then), less the set;
-                 in a split backward's B (`split`), whose kept graph frees nothing before W, `recomputed` whole
-      full       its input; its whole set less the input (recomputed whole)
+                 `recomputed` (the MLP's and the output projection's tensors are freed by then), less the
+                 set; `recomputed` whole
+      full       its input; its whole set less the input (recomputed whole); the same
     """
     terms = block_terms(model, cut)
     layer = sum(terms[k] for k in SAVED_TERMS)
-    if recompute == "selective" and split:
-        return layer - terms["core_only"], terms["recomputed"]
     if recompute == "selective":
         kept = layer - terms["core_only"]
-        return kept, terms["ln1"] + terms["attention_input"] + terms["qkv"] + terms["recomputed"] - kept
+        return kept, terms["ln1"] + terms["attention_input"] + terms["qkv"] + terms["recomputed"] - kept, \
+            terms["recomputed"]
     if recompute == "full":
-        return terms["input"], layer - terms["input"]
-    return layer, 0
+        return terms["input"], layer - terms["input"], layer - terms["input"]
+    return layer, 0, 0
 
 
 def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Sequence[int],
@@ -248,15 +247,14 @@ def chunk_bytes(model: GPTConfig | ModelShape, cut: Cut, vstage: int, layers: Se
     """A virtual stage's blocks (each as `kept_and_recomputed` keeps it) and ends. Its backward runs the head's
     first, then recomputes its last block: what that adds counts beyond the head's freed tensors."""
     first, last = vstage == 0, vstage == len(layers) - 1
-    kept, recomputed = kept_and_recomputed(model, cut, recompute)
-    in_b = 0 if first or not layers[vstage] else kept_and_recomputed(model, cut, recompute, split=True)[1]
+    kept, recomputed, in_b = kept_and_recomputed(model, cut, recompute)
     head = head_saved_bytes(model, cut) if last else 0
     total = layers[vstage] * kept + head
     if first:
         total += embedding_saved_bytes(model, cut)
     views = cut.t == 1 and cut.cp == 1
     return ChunkBytes(total, first and views, last and views, max(0, recomputed - head) if layers[vstage] else 0,
-                      loss_saved_bytes(model, cut) if last else 0, in_b)
+                      loss_saved_bytes(model, cut) if last else 0, in_b if layers[vstage] else 0)
 
 
 def activation_terms(model: GPTConfig | ModelShape, layout: Layout) -> dict | None:
@@ -341,13 +339,13 @@ def peak_in_flight(walk: Sequence[tuple[str, int]], chunks: list[ChunkBytes], ba
     held = peak = inputs = targets = 0
     for op, vstage in walk:
         chunk = chunks[vstage]
-        reading = batch * ((inputs > 0) + (targets > 0))
         if op == FORWARD:
             held += chunk.per_microbatch
             inputs += chunk.reads_inputs
             targets += chunk.reads_targets
-        elif split and op != WEIGHTS:
-            peak = max(peak, held + chunk.recomputing_in_b + reading)
+        elif split and op != WEIGHTS:  # B: the first virtual stage's computes nothing
+            if vstage:
+                peak = max(peak, held + chunk.recomputing_in_b + batch * ((inputs > 0) + (targets > 0)))
             held -= chunk.loss
         else:  # its recomputation peaks after the head's backward (the targets' storage freed with it)
             recomputing = chunk.recomputing if not split or vstage == 0 else 0

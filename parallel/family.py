@@ -20,8 +20,7 @@ A family without options (moe) declares only what it adds to the summary (`optio
 Nothing outside a family's folder names its options: the validator parses every family's record
 from `parallel.*` (`Family.parse`), runs every family's rules, and hands the records on inside the
 `Layout`; the planner builds its requests as the product of the families' searches; the summary
-merges their descriptions. A rule that spans two families belongs to the composition that would
-import them both (none does today: each refusal reads its own family's options).
+merges their descriptions. Each family's refusals read its own options and the request's sizes.
 """
 
 from __future__ import annotations

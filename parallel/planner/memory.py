@@ -189,8 +189,8 @@ def implementation_activation_bytes(shape: ModelShape, layout: Layout, act_bytes
         peaks = [int(tokens * kept * layers[0]) + int(working)]
     else:
         # The recomputed block lives in a backward, beside the chunks still in flight (the sandbox's walk too).
-        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False, int(working), 0,
-                                         int(in_b) if j and n else 0) for j, n in enumerate(layers)]
+        chunks = [activations.ChunkBytes(int(tokens * kept * n), False, False, int(working),
+                                         recomputing_in_b=int(in_b) if n else 0) for n in layers]
         walk = compose_theory.schedule_walk(layout)
         peaks = [activations.peak_in_flight(walk[r], chunks, 0) for r in range(dims.pp)]
     # pp is the outermost mesh dimension (dims.MESH_DIMS): each stage's ranks follow one another.

@@ -222,13 +222,12 @@ class PipelineParallel(Strategy):
         key, vs = (a.mb, a.chunk), self._vstage(a)
         out, x = outputs.pop(key), inputs.get(key)
         grad = None if vs == self.last_vstage else out_grads.pop(key)
-        if self.split:  # the input gradient only; W runs the rest later
-            pending[key] = SplitBackward(out, grad, x, list(self.chunks[a.chunk].parameters()))
-            # A recomputed block backpropagates whole inside B: its weights' gradients arrive here.
-            with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
+        # A split backward's B brings weights' gradients too where a recomputed block backpropagates whole.
+        with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
+            if self.split:  # the input gradient only; W runs the rest later
+                pending[key] = SplitBackward(out, grad, x, list(self.chunks[a.chunk].parameters()))
                 pending[key].input_grad()
-        else:
-            with self.microbatch_context(last_microbatch=a.mb == self.microbatches - 1):
+            else:
                 torch.autograd.backward(out, grad)
         previous = self._local_chunk(vs - 1)
         if previous is not None:  # the previous stage is this rank's own: hand the gradient back
